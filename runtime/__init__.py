@@ -1,0 +1,1 @@
+"""The Python engine: model loading, the reference forward, backends, model runner, engine."""

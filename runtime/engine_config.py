@@ -1,0 +1,50 @@
+"""EngineConfig: the one typed configuration of an engine instance (the CLI flags map onto it).
+
+No feature flags elsewhere: every knob the engine, the scheduler or a backend honours is a field
+here, with vLLM's names where vLLM has one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEVICES = ("auto", "cpu", "sim", "cuda")
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+class EngineConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF directory or .gguf; None: the embedded default model
+    device: str = "auto"
+    dtype: str = "auto"  # "float32", "bfloat16", "float16"; auto: float32 on cpu, bf16 on cuda
+    block_size: int = 16
+    max_model_len: int | None = None  # None: the model's max_position_embeddings (capped)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int | None = None  # explicit KV capacity; None: derived from the memory budget
+    kv_cache_memory_bytes: int | None = None  # cpu/sim memory budget for KV when num_kv_blocks is None
+    gpu_memory_utilization: float = 0.90
+    swap_space_bytes: int = 0  # host blocks for swap preemption; 0 disables swap
+    preemption_mode: str = "recompute"
+    tensor_parallel_size: int = 1
+    seed: int = 0
+    check_invariants: bool = False  # scheduler invariants after every step (tests turn this on)
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise EngineConfigError(f"device: must be one of {DEVICES}, got {self.device!r}")
+        if self.block_size not in (8, 16, 32, 64):
+            raise EngineConfigError(f"block_size: must be 8, 16, 32 or 64, got {self.block_size}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise EngineConfigError(
+                f"preemption_mode: must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise EngineConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise EngineConfigError(
+                f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -1,0 +1,1 @@
+"""The ZeroMQ server, the Python client and the `paged-run` CLI."""
