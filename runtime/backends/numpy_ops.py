@@ -1,0 +1,416 @@
+"""numpy backend: the CPU ops of the paged forward, and the reference every CUDA kernel is tested against.
+
+Each op takes exactly what its kernel takes: the same arguments, the same KV cache layout, the
+same `slot_mapping` / `block_tables` conventions as the scheduler's `SchedulerOutput`.
+
+KV cache layout (NHD, one K and one V array per layer):
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    slot s lives at (block s // block_size, offset s % block_size).
+    block_tables[i, j] is the physical block of request i's logical block j; rows are padded
+    with 0 past the request's last block (padding entries are never dereferenced).
+
+Numerics: math in float32 (softmax with max subtraction, sums in float32). Inputs may be float32
+or float16; outputs have float16 dtype when the main input is float16, else float32. numpy has no
+bfloat16: the bf16 path is represented as float32 arrays holding bf16 values; `round_to_bf16`
+rounds (RNE) where a bf16 kernel stores.
+
+GQA: query head h reads kv head h // (num_heads // num_kv_heads).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+# Query rows handled per matmul in the attention ops: bounds the score matrix to
+# num_heads * QUERY_CHUNK_TOKENS * context_len floats, so a long prefill does not allocate
+# gigabytes for scores at once.
+QUERY_CHUNK_TOKENS = 256
+
+# bfloat16 is the upper half of a float32: 16 low mantissa bits are dropped.
+_BF16_DROPPED_BITS = 16
+_BF16_ROUND_BIAS = 0x7FFF  # plus the kept lsb gives round-half-to-even
+_BF16_KEEP_MASK = np.uint32(0xFFFF0000)
+
+
+# --------------------------------------------------------------------------------- dtypes
+
+def _f32(x: np.ndarray) -> np.ndarray:
+    """float32 view/copy for computing (no copy when already float32)."""
+    return np.asarray(x, dtype=np.float32)
+
+
+def _out_dtype(x: np.ndarray) -> np.dtype:
+    return np.dtype(np.float16) if np.asarray(x).dtype == np.float16 else np.dtype(np.float32)
+
+
+def round_to_bf16(x: np.ndarray) -> np.ndarray:
+    """Round float32 values to the nearest bfloat16 (round half to even); returns float32.
+
+    NaN stays NaN, +-inf stays inf, finite values past the bf16 max overflow to inf as a bf16
+    store does.
+    """
+    x32 = np.ascontiguousarray(x, dtype=np.float32)
+    bits = x32.view(np.uint32)
+    lsb = (bits >> np.uint32(_BF16_DROPPED_BITS)) & np.uint32(1)
+    rounded = ((bits + np.uint32(_BF16_ROUND_BIAS) + lsb) & _BF16_KEEP_MASK).view(np.float32)
+    # The bias can carry a NaN's mantissa into the exponent and yield inf: keep NaN explicitly.
+    return np.where(np.isnan(x32), np.float32(np.nan), rounded).astype(np.float32)
+
+
+# --------------------------------------------------------------------------------- rotary
+
+def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None = None) -> np.ndarray:
+    """Rotary inverse frequencies [head_dim // 2] float32, with HF `rope_scaling` applied.
+
+    Base: inv_freq[i] = 1 / theta ** (2i / head_dim), computed in float32 as HF does.
+    Supported `rope_scaling` types ("rope_type" or legacy "type"): None/"default", "linear"
+    (divide by factor), "llama3" (Llama 3.1 wavelength-banded scaling). Others raise
+    NotImplementedError rather than silently serving a wrong model.
+    """
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even, got {head_dim}")
+    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    inv_freq = (np.float32(1.0) / (np.float32(rope_theta) ** exponents)).astype(np.float32)
+    if not rope_scaling:
+        return inv_freq
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    factor = float(rope_scaling["factor"])
+    if kind == "linear":
+        return (inv_freq / np.float32(factor)).astype(np.float32)
+    if kind == "llama3":
+        low_freq_factor = float(rope_scaling["low_freq_factor"])
+        high_freq_factor = float(rope_scaling["high_freq_factor"])
+        original_len = float(rope_scaling["original_max_position_embeddings"])
+        wavelen = 2.0 * np.pi / inv_freq.astype(np.float64)
+        low_freq_wavelen = original_len / low_freq_factor  # longer waves than this: divide by factor
+        high_freq_wavelen = original_len / high_freq_factor  # shorter waves: unchanged
+        smooth = (original_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        base = inv_freq.astype(np.float64)
+        scaled = np.where(wavelen > low_freq_wavelen, base / factor, base)
+        in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        blended = (1.0 - smooth) * scaled / factor + smooth * scaled
+        return np.where(in_band, blended, scaled).astype(np.float32)
+    raise NotImplementedError(f"rope_scaling type {kind!r} is not supported")
+
+
+def build_cos_sin_cache(inv_freq: np.ndarray, max_position: int) -> np.ndarray:
+    """cos/sin table [max_position, head_dim] float32: row p = [cos(p*f_0..), sin(p*f_0..)].
+
+    inv_freq: [head_dim // 2] float32 (scaling already applied, see `rope_inv_freq`).
+    The angle p * f is formed in float32 (one correctly rounded multiply, as HF forms it), then
+    cos/sin are evaluated in float64 and rounded once to float32.
+    """
+    inv_freq32 = _f32(inv_freq).reshape(-1)
+    angles = np.arange(max_position, dtype=np.float32)[:, None] * inv_freq32[None, :]
+    angles64 = angles.astype(np.float64)
+    return np.concatenate([np.cos(angles64), np.sin(angles64)], axis=1).astype(np.float32)
+
+
+def _rotate_neox(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """HF rotate_half convention: pairs (i, i + d/2). x: [T, heads, d] f32; cos/sin: [T, d/2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def rotary_embedding_and_cache_write(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    positions: np.ndarray,
+    cos_sin_cache: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    slot_mapping: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Rotate q and k by their positions, write rotated k and raw v into the paged cache.
+
+    q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+    positions: [num_tokens] int32, each in [0, max_position)
+    cos_sin_cache: [max_position, head_dim] float32 (see `build_cos_sin_cache`)
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], written in place
+    slot_mapping: [num_tokens] int32; a negative slot is padding: nothing is written for that
+        token (its q/k are still rotated and returned).
+    Returns (q_rot [num_tokens, num_heads, head_dim], k_rot [num_tokens, num_kv_heads, head_dim]).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    if k.shape[0] != num_tokens or v.shape != k.shape:
+        raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape}: token counts/shapes differ")
+    if cos_sin_cache.shape[1] != head_dim:
+        raise ValueError(f"cos_sin_cache width {cos_sin_cache.shape[1]} != head_dim {head_dim}")
+    positions = np.asarray(positions)
+    slot_mapping = np.asarray(slot_mapping)
+    if positions.shape != (num_tokens,) or slot_mapping.shape != (num_tokens,):
+        raise ValueError("positions and slot_mapping must be [num_tokens]")
+    if num_tokens and (positions.min() < 0 or positions.max() >= cos_sin_cache.shape[0]):
+        raise ValueError("positions out of range of cos_sin_cache")
+    half = head_dim // 2
+    table = _f32(cos_sin_cache)[positions]
+    cos, sin = table[:, :half], table[:, half:]
+    q_rot = _rotate_neox(_f32(q), cos, sin).astype(_out_dtype(q))
+    k_rot = _rotate_neox(_f32(k), cos, sin).astype(_out_dtype(k))
+
+    num_blocks, block_size = k_cache.shape[:2]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].astype(np.int64)
+    if slots.size:
+        if slots.max() >= num_blocks * block_size:
+            raise ValueError(f"slot {slots.max()} out of range of {num_blocks}x{block_size} cache")
+        if np.unique(slots).size != slots.size:
+            raise ValueError("slot_mapping writes the same slot twice in one step")
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = k_rot[valid]
+    v_cache[blocks, offsets] = v[valid]
+    return q_rot, k_rot
+
+
+# --------------------------------------------------------------------------------- attention
+
+def _gather_context(cache: np.ndarray, block_table_row: np.ndarray, context_len: int) -> np.ndarray:
+    """K or V of the first context_len tokens of one request, [context_len, num_kv_heads, head_dim] f32.
+
+    Only slots < context_len are touched: the padding of the block table and the tail of the
+    last block are never read.
+    """
+    block_size = cache.shape[1]
+    if context_len > block_table_row.shape[0] * block_size:
+        raise ValueError(f"context_len {context_len} exceeds block table capacity "
+                         f"{block_table_row.shape[0]} x {block_size}")
+    token_pos = np.arange(context_len)
+    blocks = block_table_row[token_pos // block_size].astype(np.int64)
+    return _f32(cache[blocks, token_pos % block_size])
+
+
+def _attend(q_rows: np.ndarray, k_ctx: np.ndarray, v_ctx: np.ndarray, first_query_pos: int,
+            scale: float) -> np.ndarray:
+    """Causal attention of one request's query rows over its gathered context.
+
+    q_rows: [query_len, num_heads, head_dim] f32; k_ctx, v_ctx: [context_len, num_kv_heads, head_dim]
+    f32. Query row j sits at position first_query_pos + j and sees context positions <= it.
+    Returns [query_len, num_heads, head_dim] f32.
+    """
+    query_len, num_heads, head_dim = q_rows.shape
+    context_len, num_kv_heads = k_ctx.shape[:2]
+    group = num_heads // num_kv_heads
+    # [num_kv_heads, group, query_len, head_dim]: the heads sharing one kv head batch together.
+    q_grouped = q_rows.reshape(query_len, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)
+    k_t = k_ctx.transpose(1, 2, 0)  # [num_kv_heads, head_dim, context_len]
+    v_g = v_ctx.transpose(1, 0, 2)  # [num_kv_heads, context_len, head_dim]
+    out = np.empty((num_kv_heads, group, query_len, head_dim), dtype=np.float32)
+    context_pos = np.arange(context_len)
+    for start in range(0, query_len, QUERY_CHUNK_TOKENS):
+        stop = min(query_len, start + QUERY_CHUNK_TOKENS)
+        rows = stop - start
+        q_chunk = q_grouped[:, :, start:stop].reshape(num_kv_heads, group * rows, head_dim)
+        scores = (q_chunk @ k_t).reshape(num_kv_heads, group, rows, context_len)
+        scores *= np.float32(scale)
+        query_pos = first_query_pos + np.arange(start, stop)
+        visible = context_pos[None, :] <= query_pos[:, None]  # [rows, context_len]
+        scores = np.where(visible, scores, np.float32(-np.inf))
+        scores -= scores.max(axis=-1, keepdims=True)
+        probs = np.exp(scores)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        out[:, :, start:stop] = (probs.reshape(num_kv_heads, group * rows, context_len) @ v_g
+                                 ).reshape(num_kv_heads, group, rows, head_dim)
+    return out.transpose(2, 0, 1, 3).reshape(query_len, num_heads, head_dim)
+
+
+def _check_attention_shapes(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray) -> None:
+    num_heads, head_dim = q.shape[1:]
+    if k_cache.shape != v_cache.shape or k_cache.ndim != 4:
+        raise ValueError(f"k_cache {k_cache.shape} / v_cache {v_cache.shape}: expected equal "
+                         "[num_blocks, block_size, num_kv_heads, head_dim]")
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"cache head_dim {k_cache.shape[3]} != q head_dim {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
+
+
+def paged_decode_attention(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    block_tables: np.ndarray,
+    context_lens: np.ndarray,
+    scale: float,
+) -> np.ndarray:
+    """One query token per sequence attending to its whole paged context.
+
+    q: [num_seqs, num_heads, head_dim] (the token at position context_lens[i] - 1, already
+        written to the cache)
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: [num_seqs, max_blocks] int32; context_lens: [num_seqs] int32, each >= 1
+    scale: softmax scale (usually head_dim ** -0.5)
+    Returns [num_seqs, num_heads, head_dim].
+    """
+    _check_attention_shapes(q, k_cache, v_cache)
+    num_seqs = q.shape[0]
+    context_lens = np.asarray(context_lens)
+    if context_lens.shape != (num_seqs,) or block_tables.shape[0] != num_seqs:
+        raise ValueError("block_tables / context_lens rows must match q's num_seqs")
+    q32 = _f32(q)
+    out = np.empty(q.shape, dtype=np.float32)
+    for i in range(num_seqs):
+        context_len = int(context_lens[i])
+        if context_len < 1:
+            raise ValueError(f"sequence {i}: context_len must be >= 1, got {context_len}")
+        k_ctx = _gather_context(k_cache, block_tables[i], context_len)
+        v_ctx = _gather_context(v_cache, block_tables[i], context_len)
+        out[i] = _attend(q32[i:i + 1], k_ctx, v_ctx, context_len - 1, scale)[0]
+    return out.astype(_out_dtype(q))
+
+
+def paged_prefill_attention(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    block_tables: np.ndarray,
+    query_start_loc: np.ndarray,
+    context_lens: np.ndarray,
+    scale: float,
+) -> np.ndarray:
+    """Causal attention of every scheduled token over its request's paged context (varlen).
+
+    q: [num_tokens, num_heads, head_dim], requests' tokens back to back
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] (this step's k/v written)
+    block_tables: [num_reqs, max_blocks] int32
+    query_start_loc: [num_reqs + 1] int32; request i owns q rows qsl[i]:qsl[i+1]
+    context_lens: [num_reqs] int32, KV length after this step's writes
+    Request i's query tokens are the last query_len_i = qsl[i+1] - qsl[i] tokens of its context
+    (positions context_len - query_len .. context_len - 1): each sees the cached context (prefix
+    hits, earlier chunks) and its own chunk up to itself. A query_len 1 row is a decode row.
+    Returns [num_tokens, num_heads, head_dim]; rows past qsl[num_reqs] (padding) are zero.
+    """
+    _check_attention_shapes(q, k_cache, v_cache)
+    query_start_loc = np.asarray(query_start_loc)
+    context_lens = np.asarray(context_lens)
+    num_reqs = context_lens.shape[0]
+    if query_start_loc.shape != (num_reqs + 1,) or block_tables.shape[0] != num_reqs:
+        raise ValueError("query_start_loc must be [num_reqs + 1], block_tables [num_reqs, ...]")
+    if query_start_loc[0] != 0 or query_start_loc[-1] > q.shape[0] or np.any(
+            np.diff(query_start_loc) < 0):
+        raise ValueError("query_start_loc must start at 0, be non-decreasing, end <= num_tokens")
+    q32 = _f32(q)
+    out = np.zeros(q.shape, dtype=np.float32)
+    for i in range(num_reqs):
+        start, stop = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        query_len, context_len = stop - start, int(context_lens[i])
+        if query_len == 0:
+            continue
+        if context_len < query_len:
+            raise ValueError(f"request {i}: context_len {context_len} < query_len {query_len}")
+        k_ctx = _gather_context(k_cache, block_tables[i], context_len)
+        v_ctx = _gather_context(v_cache, block_tables[i], context_len)
+        out[start:stop] = _attend(q32[start:stop], k_ctx, v_ctx, context_len - query_len, scale)
+    return out.astype(_out_dtype(q))
+
+
+# --------------------------------------------------------------------------------- norms, MLP
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """out = x / sqrt(mean(x^2) + eps) * weight, per row, in float32.
+
+    x: [num_tokens, hidden]; weight: [hidden]. Returns [num_tokens, hidden] (x's dtype policy).
+    """
+    x32 = _f32(x)
+    inv_rms = 1.0 / np.sqrt(np.mean(x32 * x32, axis=-1, keepdims=True) + np.float32(eps))
+    return (x32 * inv_rms.astype(np.float32) * _f32(weight)).astype(_out_dtype(x))
+
+
+def fused_add_rms_norm(x: np.ndarray, residual: np.ndarray, weight: np.ndarray,
+                       eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """new_residual = x + residual (float32), out = rms_norm(new_residual).
+
+    x: [num_tokens, hidden] (a sublayer's output); residual: [num_tokens, hidden], the residual
+    stream, carried in float32 whatever the activation dtype (HF semantics for the fp32 residual).
+    Returns (out [num_tokens, hidden] in x's dtype policy, new_residual [num_tokens, hidden] f32).
+    """
+    new_residual = _f32(x) + _f32(residual)
+    out = rms_norm(new_residual, weight, eps).astype(_out_dtype(x))
+    return out, new_residual
+
+
+def silu_and_mul(gate_up: np.ndarray) -> np.ndarray:
+    """silu(gate) * up for the gated MLP. gate_up: [num_tokens, 2 * intermediate], first half gate,
+    second half up. Returns [num_tokens, intermediate].
+
+    The loader keeps gate_proj and up_proj separate (as stored); the runner concatenates them into
+    one [2 * intermediate, hidden] weight at load time so the MLP does one GEMM, then this op.
+    """
+    g32 = _f32(gate_up)
+    if g32.shape[-1] % 2:
+        raise ValueError(f"gate_up width {g32.shape[-1]} is odd")
+    half = g32.shape[-1] // 2
+    gate, up = g32[..., :half], g32[..., half:]
+    # silu(g) = g * sigmoid(g); 1 / (1 + exp(-g)) saturates cleanly (exp overflow -> 0 result).
+    with np.errstate(over="ignore"):
+        silu = gate / (np.float32(1.0) + np.exp(-gate))
+    return (silu * up).astype(_out_dtype(gate_up))
+
+
+def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """x @ weight.T (+ bias): one GEMM over all the step's tokens.
+
+    x: [num_tokens, in_features]; weight: [out_features, in_features] (HF layout);
+    bias: [out_features] or None. Returns [num_tokens, out_features].
+    """
+    out = _f32(x) @ _f32(weight).T
+    if bias is not None:
+        out += _f32(bias)
+    return out.astype(_out_dtype(x))
+
+
+def embedding(token_ids: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """Rows of the embedding table. token_ids: [num_tokens] int32 in [0, vocab); table:
+    [vocab, hidden]. Returns [num_tokens, hidden] in the table's dtype policy."""
+    token_ids = np.asarray(token_ids)
+    if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= table.shape[0]):
+        raise ValueError(f"token id out of range [0, {table.shape[0]})")
+    return _f32(table[token_ids]).astype(_out_dtype(table))
+
+
+# --------------------------------------------------------------------------------- block moves
+
+def copy_blocks(k_caches: list[np.ndarray], v_caches: list[np.ndarray],
+                block_copies: np.ndarray) -> None:
+    """Copy-on-write: copy whole block src -> dst in every layer's K and V cache, in place.
+
+    k_caches, v_caches: one [num_blocks, block_size, num_kv_heads, head_dim] array per layer
+    block_copies: [k, 2] int32 rows (src_block, dst_block). Destinations are distinct and no
+    destination is also a source (COW copies from a shared block into a fresh one), so the copies
+    are order-independent, as in the kernel where they run in parallel.
+    """
+    pairs = np.asarray(block_copies, dtype=np.int64).reshape(-1, 2)
+    if pairs.shape[0] == 0:
+        return
+    src, dst = pairs[:, 0], pairs[:, 1]
+    if np.unique(dst).size != dst.size or np.intersect1d(src, dst).size:
+        raise ValueError("block_copies: destinations must be distinct and not also sources")
+    for cache in list(k_caches) + list(v_caches):
+        cache[dst] = cache[src]
+
+
+def swap_blocks(src_caches: list[np.ndarray], dst_caches: list[np.ndarray],
+                block_pairs: np.ndarray) -> None:
+    """Move whole blocks between two pools of identical block layout (device <-> host swap).
+
+    src_caches, dst_caches: equal-length lists of per-layer caches (e.g. [k_0, v_0, k_1, ...]),
+        each [num_blocks_of_that_pool, block_size, num_kv_heads, head_dim]; pools may differ in
+        num_blocks only.
+    block_pairs: [k, 2] int32 rows (src_block in the src pool, dst_block in the dst pool),
+        destinations distinct.
+    """
+    if len(src_caches) != len(dst_caches):
+        raise ValueError(f"{len(src_caches)} source caches vs {len(dst_caches)} destination caches")
+    pairs = np.asarray(block_pairs, dtype=np.int64).reshape(-1, 2)
+    if pairs.shape[0] == 0:
+        return
+    if np.unique(pairs[:, 1]).size != pairs.shape[0]:
+        raise ValueError("block_pairs: destination blocks must be distinct")
+    for src_cache, dst_cache in zip(src_caches, dst_caches):
+        if src_cache.shape[1:] != dst_cache.shape[1:]:
+            raise ValueError(f"block layouts differ: {src_cache.shape} vs {dst_cache.shape}")
+        dst_cache[pairs[:, 1]] = src_cache[pairs[:, 0]]
