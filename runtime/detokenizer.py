@@ -1,0 +1,82 @@
+"""Incremental detokenization for streaming: token ids in, text deltas out.
+
+A token is not a unit of text. A byte-level BPE token can hold half of a UTF-8 character (the
+emoji "🎉" is three tokens in SmolLM2), a SentencePiece byte-fallback token holds one byte, and
+some decoders change a token's text depending on what precedes it (SentencePiece drops the
+leading space of the first token). So text cannot be produced token by token.
+
+The technique (two offsets into the token list): `read_offset` is where the text already handed
+out ends, `prefix_offset` a few tokens earlier, at a point where the decoded text ended on a
+complete character. Each new token decodes the window `[prefix_offset:]` and the older window
+`[prefix_offset:read_offset]`; the new text is the difference. When the window's text ends with
+U+FFFD the last bytes are an incomplete character, so nothing is handed out and the offsets stay
+until a later token completes it. Decoding a short window keeps each step O(window), not
+O(sequence). `finish()` hands out whatever is still held (an incomplete tail becomes U+FFFD,
+exactly as a full decode shows it), so the concatenated deltas always equal a full decode.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+REPLACEMENT_CHAR = "\ufffd"
+# Prompt tokens decoded before the first generated token, so that context-dependent decoders
+# (SentencePiece's leading-space rule) see the generated text the way a full decode would.
+PROMPT_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas for one sequence.
+
+    tokenizer: anything with `decode(token_ids, skip_special_tokens=...) -> str` (our
+    `Tokenizer`). prompt_token_ids: the prompt, of which only the last PROMPT_CONTEXT_TOKENS are
+    used as decoding context; the prompt's own text is never emitted.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]) if prompt_token_ids else []
+        self.token_ids: list[int] = context
+        self.num_context_tokens = len(context)
+        self.prefix_offset = 0
+        self.read_offset = len(context)
+        self.text = ""
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The generated ids added so far (the prompt context excluded)."""
+        return self.token_ids[self.num_context_tokens:]
+
+    def _decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_token(self, token_id: int) -> str:
+        """Append one id; return the text it completes (often "", never a partial character)."""
+        self.token_ids.append(int(token_id))
+        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.token_ids[self.prefix_offset:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+            return ""
+        delta = new_text[len(prefix_text):]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.token_ids)
+        self.text += delta
+        return delta
+
+    def add_tokens(self, token_ids: Iterable[int]) -> str:
+        """Append several ids; return the concatenated delta."""
+        return "".join(self.add_token(t) for t in token_ids)
+
+    def finish(self) -> str:
+        """Hand out what is held back at the end of the sequence (incomplete bytes -> U+FFFD)."""
+        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.token_ids[self.prefix_offset:])
+        delta = new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,191 @@
+"""`Tokenizer`: a model directory's tokenizer.json plus its chat template, as transformers uses them.
+
+Owns text <-> token ids for one model: `encode`/`decode` delegate to the `tokenizers` library
+(the post-processor in tokenizer.json decides which special tokens `add_special_tokens=True`
+adds, exactly as transformers' fast tokenizers do), and `apply_chat_template` renders the
+model's Jinja chat template the way transformers renders it: a sandboxed, immutable environment
+with `trim_blocks` and `lstrip_blocks`, the loop-controls extension, `raise_exception`,
+`strftime_now`, a `tojson` filter that keeps non-ASCII text, and the special tokens
+(`bos_token`, `eos_token`, `unk_token`, `pad_token`) as template variables.
+
+Not done: transformers' optional `clean_up_tokenization_spaces` rewrite of decoded text (off for
+every model we convert; it would also break incremental detokenization's prefix property).
+"""
+from __future__ import annotations
+
+import json
+import os
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Sequence
+
+from pagedrun.runtime.errors import ModelLoadError
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+# Newer Hugging Face checkpoints keep the template in its own file; it wins over the config's.
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+Message = dict[str, Any]
+
+
+class ChatTemplateError(ValueError):
+    """The model has no chat template, or its template rejected the messages."""
+
+
+class Tokenizer:
+    """Text <-> token ids and chat formatting for one model directory."""
+
+    def __init__(self, backend: Any, config: dict[str, Any], chat_template: str | None = None) -> None:
+        """backend: a `tokenizers.Tokenizer`; config: tokenizer_config.json's contents."""
+        self.backend = backend
+        self.config = config
+        self.chat_template = chat_template if chat_template is not None else _config_template(config)
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> "Tokenizer":
+        """Load `tokenizer.json` (required), `tokenizer_config.json` and `chat_template.jinja`."""
+        from tokenizers import Tokenizer as BackendTokenizer
+
+        path = Path(path)
+        tokenizer_path = path / TOKENIZER_FILE
+        if not tokenizer_path.is_file():
+            raise ModelLoadError(tokenizer_path, "file not found")
+        try:
+            backend = BackendTokenizer.from_file(str(tokenizer_path))
+        except Exception as exc:  # the Rust side raises plain Exception
+            raise ModelLoadError(tokenizer_path, f"cannot load tokenizer: {exc}") from None
+        config: dict[str, Any] = {}
+        config_path = path / TOKENIZER_CONFIG_FILE
+        if config_path.is_file():
+            try:
+                config = json.loads(config_path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise ModelLoadError(config_path, f"cannot parse: {exc}") from None
+            if not isinstance(config, dict):
+                raise ModelLoadError(config_path, "expected a JSON object")
+        template_path = path / CHAT_TEMPLATE_FILE
+        template = template_path.read_text(encoding="utf-8") if template_path.is_file() else None
+        return cls(backend, config, template)
+
+    # -- vocabulary -------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def special_token(self, key: str) -> str | None:
+        """The content of a special token named in tokenizer_config.json ("eos_token", ...)."""
+        value = self.config.get(key)
+        if isinstance(value, dict):  # serialized AddedToken
+            value = value.get("content")
+        return value if isinstance(value, str) else None
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        token = self.special_token("bos_token")
+        return None if token is None else self.token_to_id(token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        token = self.special_token("eos_token")
+        return None if token is None else self.token_to_id(token)
+
+    @cached_property
+    def all_special_ids(self) -> frozenset[int]:
+        """Ids of every added token marked special (what skip_special_tokens drops)."""
+        return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+
+    @property
+    def is_chat_model(self) -> bool:
+        return self.chat_template is not None
+
+    # -- text <-> ids -----------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; special tokens written in the text are matched as tokens."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of `token_ids` (invalid UTF-8 byte runs become U+FFFD, as in transformers)."""
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    # -- chat -------------------------------------------------------------------------------
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        **template_kwargs: Any,
+    ) -> str | list[int]:
+        """Render `messages` ([{"role": ..., "content": ...}, ...]) with the chat template.
+
+        Returns the prompt text, or its ids when `tokenize` (encoded without adding special
+        tokens, since the template writes them). Extra keyword arguments become template
+        variables, as in transformers.
+        """
+        if self.chat_template is None:
+            raise ChatTemplateError("this model has no chat template; use plain-text prompts")
+        variables: dict[str, Any] = {key: self.special_token(key) for key in SPECIAL_TOKEN_KEYS}
+        variables.update(template_kwargs)
+        variables.setdefault("tools", None)
+        variables.setdefault("documents", None)
+        variables["messages"] = list(messages)
+        variables["add_generation_prompt"] = add_generation_prompt
+        text = self._compiled_template.render(**variables)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    @cached_property
+    def _compiled_template(self) -> Any:
+        return compile_chat_template(self.chat_template)
+
+
+def _config_template(config: dict[str, Any]) -> str | None:
+    """tokenizer_config.json's template: a string, or a list of named ones ("default" wins)."""
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        by_name = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = by_name.get("default")
+    return template if isinstance(template, str) else None
+
+
+def compile_chat_template(source: str) -> Any:
+    """A jinja2 Template for `source`, in an environment that renders as transformers does."""
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise ChatTemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+        # jinja2's own tojson escapes HTML characters and sorts keys; templates expect plain JSON.
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(format: str) -> str:
+        from datetime import datetime
+
+        return datetime.now().strftime(format)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols],
+        undefined=jinja2.Undefined,
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateError(f"chat template does not parse: {exc}") from None
