@@ -1,0 +1,43 @@
+"""Exception types that cross module boundaries in the runtime.
+
+Every error a user can cause by pointing paged-run at a bad model directory is a
+`ModelLoadError` whose message names the file (and, where one is involved, the tensor or the
+config field), so that no numpy or json traceback ever reaches the user. Other modules add their
+own error classes here, all deriving from `PagedRunError`.
+"""
+from __future__ import annotations
+
+import os
+
+
+class PagedRunError(Exception):
+    """Base class of every error paged-run raises on purpose."""
+
+
+class ModelLoadError(PagedRunError):
+    """A model directory, config file or weight file cannot be used.
+
+    The message always starts with the offending file; `path`, `tensor` and `field` keep the
+    parts for callers that want them (tests, the CLI's error printer).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike | None,
+        message: str,
+        *,
+        tensor: str | None = None,
+        field: str | None = None,
+    ) -> None:
+        self.path = None if path is None else os.fspath(path)
+        self.tensor = tensor
+        self.field = field
+        parts = []
+        if self.path is not None:
+            parts.append(self.path)
+        if tensor is not None:
+            parts.append(f"tensor {tensor!r}")
+        if field is not None:
+            parts.append(f"field {field!r}")
+        parts.append(message)
+        super().__init__(": ".join(parts))

@@ -1,0 +1,329 @@
+"""`ModelConfig`: the shape and numerics of a Llama-family decoder, read from a Hugging Face
+model directory's `config.json` (plus `generation_config.json` for extra stop ids).
+
+Supported architectures: `LlamaForCausalLM` (Llama 2/3, SmolLM2), `MistralForCausalLM`,
+`Qwen2ForCausalLM`. They share one forward: RMSNorm, rotary attention with grouped-query heads,
+SwiGLU MLP. What differs is data, kept here as fields:
+- Qwen2 always has biases on q/k/v (never on o); Llama has them on q/k/v/o when its
+  `attention_bias` field is true.
+- Mistral may have a sliding attention window.
+- Llama 3 scales its rotary frequencies ("llama3" rope type).
+
+Both config layouts Hugging Face has written are read: the older one (`rope_theta` and
+`rope_scaling` at top level, `torch_dtype`) and transformers 5's (`rope_parameters` holding
+`rope_theta` and the scaling keys, `dtype`). Anything we cannot run exactly (another
+architecture, another rope type, a non-SiLU activation, MLP biases, Qwen2 sliding windows) is a
+`ModelLoadError` naming the file and the field, never a silently wrong model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ModelLoadError
+
+CONFIG_FILE_NAME = "config.json"
+GENERATION_CONFIG_FILE_NAME = "generation_config.json"
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Used only when a config has no "architectures" list (e.g. written by hand or by a converter).
+_ARCHITECTURE_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+# Rope types that mean "theta only, no scaling".
+_UNSCALED_ROPE_TYPES = ("default", None)
+LLAMA3_ROPE_TYPE = "llama3"
+DEFAULT_ROPE_THETA = 10000.0
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3 rotary frequency scaling (rope type "llama3").
+
+    Wavelengths shorter than `original_max_position_embeddings / high_freq_factor` are kept,
+    those longer than `original_max_position_embeddings / low_freq_factor` are divided by
+    `factor`, and the band between is interpolated (see `reference.rope_inv_freq`).
+    """
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the forward pass needs to know about a model, and nothing about weights."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    # Biases on q_proj, k_proj, v_proj (Qwen2 always; Llama when `attention_bias`).
+    attention_bias: bool
+    # Bias on o_proj (only Llama with `attention_bias`; Qwen2 has none).
+    o_proj_bias: bool
+    max_position_embeddings: int
+    # None: full causal attention. Otherwise a query at position i sees keys at positions
+    # j with i - sliding_window < j <= i (Mistral's window, as transformers applies it).
+    sliding_window: int | None
+    bos_token_id: int | None
+    # config.json's eos ids first, then generation_config.json's, without repeats.
+    eos_token_ids: tuple[int, ...]
+    # On-disk dtype the checkpoint declares ("float32", "bfloat16", "float16"), or None.
+    torch_dtype: str | None
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        """Query heads sharing one key/value head (grouped-query attention)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def q_size(self) -> int:
+        """Output features of q_proj: num_attention_heads * head_dim."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Output features of k_proj and of v_proj: num_key_value_heads * head_dim."""
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | os.PathLike) -> "ModelConfig":
+        """Read `config.json` (required) and `generation_config.json` (optional) in model_dir."""
+        model_dir = pathlib.Path(model_dir)
+        config_path = model_dir / CONFIG_FILE_NAME
+        config = _read_json_object(config_path)
+        generation_path = model_dir / GENERATION_CONFIG_FILE_NAME
+        generation = _read_json_object(generation_path) if generation_path.is_file() else None
+        return cls.from_dict(
+            config, source=str(config_path), generation_config=generation,
+            generation_source=str(generation_path),
+        )
+
+    @classmethod
+    def from_dict(
+        cls,
+        config: dict[str, Any],
+        *,
+        source: str = CONFIG_FILE_NAME,
+        generation_config: dict[str, Any] | None = None,
+        generation_source: str = GENERATION_CONFIG_FILE_NAME,
+    ) -> "ModelConfig":
+        """Build from parsed config.json contents; `source` names the file in error messages."""
+        reader = _FieldReader(config, source)
+        architecture = _architecture(reader)
+
+        if reader.optional("hidden_act", str, "silu") != "silu":
+            raise reader.error("hidden_act", f"only 'silu' is supported, got {config['hidden_act']!r}")
+        if reader.optional("mlp_bias", bool, False):
+            raise reader.error("mlp_bias", "MLP biases are not supported")
+
+        hidden_size = reader.positive_int("hidden_size")
+        num_attention_heads = reader.positive_int("num_attention_heads")
+        num_key_value_heads = reader.optional("num_key_value_heads", int, num_attention_heads)
+        if num_key_value_heads <= 0 or num_attention_heads % num_key_value_heads:
+            raise reader.error(
+                "num_key_value_heads",
+                f"{num_key_value_heads} does not divide num_attention_heads={num_attention_heads}",
+            )
+        head_dim = reader.optional("head_dim", int, None)
+        if head_dim is None:
+            if hidden_size % num_attention_heads:
+                raise reader.error(
+                    "head_dim",
+                    f"missing and hidden_size={hidden_size} is not a multiple of "
+                    f"num_attention_heads={num_attention_heads}",
+                )
+            head_dim = hidden_size // num_attention_heads
+        if head_dim <= 0 or head_dim % 2:
+            raise reader.error("head_dim", f"must be a positive even number, got {head_dim}")
+
+        rope_theta, rope_scaling = _rope(reader)
+
+        if architecture == "Qwen2ForCausalLM":
+            attention_bias, o_proj_bias = True, False
+            if reader.optional("use_sliding_window", bool, False):
+                raise reader.error("use_sliding_window", "Qwen2 sliding-window layers are not supported")
+            sliding_window = None
+        else:
+            attention_bias = reader.optional("attention_bias", bool, False)
+            o_proj_bias = attention_bias
+            sliding_window = None
+            if architecture == "MistralForCausalLM":
+                sliding_window = reader.optional("sliding_window", int, None)
+                if sliding_window is not None and sliding_window <= 0:
+                    raise reader.error("sliding_window", f"must be positive, got {sliding_window}")
+
+        eos_token_ids = _token_ids(reader, "eos_token_id")
+        if generation_config is not None:
+            generation_reader = _FieldReader(generation_config, generation_source)
+            for token_id in _token_ids(generation_reader, "eos_token_id"):
+                if token_id not in eos_token_ids:
+                    eos_token_ids += (token_id,)
+        bos_ids = _token_ids(reader, "bos_token_id")
+
+        torch_dtype = config.get("dtype", config.get("torch_dtype"))
+        if torch_dtype is not None and not isinstance(torch_dtype, str):
+            raise reader.error("torch_dtype", f"expected a dtype name, got {torch_dtype!r}")
+
+        return cls(
+            architecture=architecture,
+            vocab_size=reader.positive_int("vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=reader.positive_int("intermediate_size"),
+            num_hidden_layers=reader.positive_int("num_hidden_layers"),
+            num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads,
+            head_dim=head_dim,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            rms_norm_eps=float(reader.optional("rms_norm_eps", float, 1e-6)),
+            tie_word_embeddings=reader.optional("tie_word_embeddings", bool, False),
+            attention_bias=attention_bias,
+            o_proj_bias=o_proj_bias,
+            max_position_embeddings=reader.positive_int("max_position_embeddings"),
+            sliding_window=sliding_window,
+            bos_token_id=bos_ids[0] if bos_ids else None,
+            eos_token_ids=eos_token_ids,
+            torch_dtype=torch_dtype,
+        )
+
+
+class _FieldReader:
+    """Typed access to one JSON object; every failure names the file and the field."""
+
+    def __init__(self, data: dict[str, Any], source: str) -> None:
+        self.data = data
+        self.source = source
+
+    def error(self, field: str, message: str) -> ModelLoadError:
+        return ModelLoadError(self.source, message, field=field)
+
+    def required(self, field: str, kind: type) -> Any:
+        if self.data.get(field) is None:
+            raise self.error(field, "missing")
+        return self._typed(field, self.data[field], kind)
+
+    def optional(self, field: str, kind: type, default: Any) -> Any:
+        value = self.data.get(field)
+        return default if value is None else self._typed(field, value, kind)
+
+    def positive_int(self, field: str) -> int:
+        value = self.required(field, int)
+        if value <= 0:
+            raise self.error(field, f"must be positive, got {value}")
+        return value
+
+    def _typed(self, field: str, value: Any, kind: type) -> Any:
+        # bool is an int subclass in Python; a JSON true is never a valid size.
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if kind in (bool, str, dict, list) and isinstance(value, kind):
+            return value
+        raise self.error(field, f"expected {kind.__name__}, got {value!r}")
+
+
+def _read_json_object(path: pathlib.Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ModelLoadError(path, "file not found") from None
+    except OSError as exc:
+        raise ModelLoadError(path, f"cannot read: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(path, f"not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(path, "expected a JSON object at top level")
+    return data
+
+
+def _architecture(reader: _FieldReader) -> str:
+    architectures = reader.optional("architectures", list, None)
+    if architectures is None:
+        model_type = reader.optional("model_type", str, None)
+        if model_type is None:
+            raise reader.error("architectures", "missing (and no model_type to infer it from)")
+        if model_type not in _ARCHITECTURE_BY_MODEL_TYPE:
+            raise reader.error(
+                "model_type",
+                f"unsupported model type {model_type!r}; supported: "
+                f"{', '.join(sorted(_ARCHITECTURE_BY_MODEL_TYPE))}",
+            )
+        return _ARCHITECTURE_BY_MODEL_TYPE[model_type]
+    if len(architectures) != 1 or architectures[0] not in SUPPORTED_ARCHITECTURES:
+        raise reader.error(
+            "architectures",
+            f"unsupported architecture {architectures!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}",
+        )
+    return architectures[0]
+
+
+def _rope(reader: _FieldReader) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from either config layout; see the module docstring."""
+    if reader.data.get("rope_parameters") is not None:
+        field = "rope_parameters"
+        params = reader.required(field, dict)
+        theta_source = params
+    else:
+        field = "rope_scaling"
+        params = reader.optional(field, dict, None) or {}
+        theta_source = reader.data
+    theta = theta_source.get("rope_theta", DEFAULT_ROPE_THETA)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise reader.error("rope_theta", f"must be a positive number, got {theta!r}")
+
+    # Old configs spell the key "type", newer ones "rope_type".
+    rope_type = params.get("rope_type", params.get("type"))
+    if rope_type in _UNSCALED_ROPE_TYPES:
+        return float(theta), None
+    if rope_type != LLAMA3_ROPE_TYPE:
+        raise reader.error(field, f"unsupported rope type {rope_type!r}; supported: default, llama3")
+    values = {}
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        value = params.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise reader.error(f"{field}.{key}", f"must be a positive number, got {value!r}")
+        values[key] = value
+    if values["high_freq_factor"] <= values["low_freq_factor"]:
+        raise reader.error(f"{field}.high_freq_factor", "must be greater than low_freq_factor")
+    return float(theta), RopeScaling(
+        rope_type=LLAMA3_ROPE_TYPE,
+        factor=float(values["factor"]),
+        low_freq_factor=float(values["low_freq_factor"]),
+        high_freq_factor=float(values["high_freq_factor"]),
+        original_max_position_embeddings=int(values["original_max_position_embeddings"]),
+    )
+
+
+def _token_ids(reader: _FieldReader, field: str) -> tuple[int, ...]:
+    """A token-id field that may be absent, one int, or a list of ints, as a tuple."""
+    value = reader.data.get(field)
+    if value is None:
+        return ()
+    values = value if isinstance(value, list) else [value]
+    result: list[int] = []
+    for item in values:
+        if isinstance(item, bool) or not isinstance(item, int) or item < 0:
+            raise reader.error(field, f"expected token ids, got {value!r}")
+        if item not in result:
+            result.append(item)
+    return tuple(result)

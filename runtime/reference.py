@@ -1,0 +1,253 @@
+"""The dense numpy reference forward of the Llama family: the oracle every other path is tested
+against (correctness chain, step 1: it must match Hugging Face transformers in float32).
+
+It is written to be obviously right, not fast: one sequence, float32, a plain contiguous KV
+cache, each step of the decoder spelled out in the order transformers applies it:
+
+    x = embed_tokens[token_ids]
+    for each layer:
+        h = rms_norm(x) ; q, k, v = h @ W.T (+ b) ; rotate q, k ; append k, v to the cache
+        x = x + o_proj(causal grouped-query attention(q, cache))
+        x = x + down_proj(silu(gate_proj(rms_norm(x))) * up_proj(rms_norm(x)))
+    logits = rms_norm(x) @ lm_head.T
+
+The small helpers (`rope_inv_freq`, `rope_cos_sin`, `apply_rotary`, `rms_norm`, `silu`) are
+public so that kernel tests can reuse the exact same math.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from .model_config import ModelConfig, RopeScaling
+from .weights import LayerWeights, ModelWeights
+
+# Capacity of a fresh DenseKVCache; it doubles whenever a forward needs more.
+INITIAL_KV_CACHE_TOKENS = 64
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Rotary inverse frequencies, [head_dim // 2] float64, Llama 3 scaling applied if any.
+
+    Pair i of a head (dims i and i + head_dim/2, the rotate_half convention) turns by
+    `position * inv_freq[i]` radians, with inv_freq[i] = rope_theta ** (-2i / head_dim).
+    """
+    exponents = np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
+    if config.rope_scaling is not None:
+        inv_freq = _llama3_scaled_inv_freq(inv_freq, config.rope_scaling)
+    return inv_freq
+
+
+def _llama3_scaled_inv_freq(inv_freq: np.ndarray, scaling: RopeScaling) -> np.ndarray:
+    """Llama 3's frequency-dependent stretch: short wavelengths kept, long ones divided by
+    `factor`, a linear blend (in 1/wavelength) across the band between."""
+    old_context = scaling.original_max_position_embeddings
+    wavelen = 2.0 * math.pi / inv_freq
+    short_wavelen = old_context / scaling.high_freq_factor  # below: unchanged
+    long_wavelen = old_context / scaling.low_freq_factor    # above: divided by factor
+    # 0 at wavelen == long_wavelen, 1 at wavelen == short_wavelen.
+    blend = (old_context / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1.0 - blend) * inv_freq / scaling.factor + blend * inv_freq
+    return np.where(wavelen < short_wavelen, inv_freq,
+                    np.where(wavelen > long_wavelen, inv_freq / scaling.factor, blended))
+
+
+def rope_cos_sin(config: ModelConfig, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of the rotary angles, each [len(positions), head_dim // 2] float64."""
+    angles = np.asarray(positions, dtype=np.float64)[:, None] * rope_inv_freq(config)[None, :]
+    return np.cos(angles), np.sin(angles)
+
+
+def apply_rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate x: [T, num_heads, head_dim] by cos, sin: [T, head_dim // 2]; returns x's dtype.
+
+    rotate_half convention (as transformers): dim i pairs with dim i + head_dim/2, i.e.
+    out_lo = x_lo*cos - x_hi*sin, out_hi = x_hi*cos + x_lo*sin.
+    """
+    half = x.shape[-1] // 2
+    x_lo, x_hi = x[..., :half], x[..., half:]
+    cos = cos[:, None, :]
+    sin = sin[:, None, :]
+    out = np.concatenate([x_lo * cos - x_hi * sin, x_hi * cos + x_lo * sin], axis=-1)
+    return out.astype(x.dtype, copy=False)
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x: [T, hidden] float32, weight: [hidden] -> weight * x / sqrt(mean(x^2) + eps)."""
+    variance = np.mean(x * x, axis=-1, keepdims=True)
+    return weight * (x / np.sqrt(variance + np.float32(eps)))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """x * sigmoid(x), elementwise, same dtype."""
+    # exp(-x) overflows to inf for very negative x; x / inf = -0 is the right limit.
+    with np.errstate(over="ignore"):
+        return x / (np.float32(1.0) + np.exp(-x))
+
+
+class DenseKVCache:
+    """Keys and values of one sequence, per layer, contiguous by position (rotated keys).
+
+    keys, values: [num_hidden_layers, capacity, num_key_value_heads, head_dim] float32; the
+    first `num_tokens` positions are valid.
+    """
+
+    def __init__(self, config: ModelConfig, capacity: int = INITIAL_KV_CACHE_TOKENS) -> None:
+        shape = (config.num_hidden_layers, capacity, config.num_key_value_heads, config.head_dim)
+        self.keys = np.zeros(shape, dtype=np.float32)
+        self.values = np.zeros(shape, dtype=np.float32)
+        self.num_tokens = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[1]
+
+    def reserve(self, num_tokens: int) -> None:
+        """Grow (by doubling) so that positions [0, num_tokens) fit."""
+        if num_tokens <= self.capacity:
+            return
+        new_capacity = max(num_tokens, 2 * self.capacity)
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = np.zeros((old.shape[0], new_capacity, *old.shape[2:]), dtype=old.dtype)
+            new[:, :old.shape[1]] = old
+            setattr(self, name, new)
+
+
+class ReferenceModel:
+    """Dense float32 forward and greedy decoding for one sequence at a time."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights) -> None:
+        self.config = config
+        self.weights = weights
+
+    def forward(
+        self,
+        token_ids: np.ndarray | Sequence[int],
+        start_pos: int = 0,
+        kv_cache: DenseKVCache | None = None,
+    ) -> np.ndarray:
+        """Logits [T, vocab_size] float32 for token_ids [T] at positions start_pos .. start_pos+T-1.
+
+        With `kv_cache`, the tokens attend to the cached positions [0, start_pos) as well, and
+        their keys/values are written at [start_pos, start_pos + T) (start_pos may rewind the
+        cache: later positions are dropped). Without one, they attend only to each other.
+        """
+        hidden = self.hidden_states(token_ids, start_pos, kv_cache)
+        return hidden @ self.weights.lm_head.T
+
+    def hidden_states(
+        self,
+        token_ids: np.ndarray | Sequence[int],
+        start_pos: int = 0,
+        kv_cache: DenseKVCache | None = None,
+    ) -> np.ndarray:
+        """Final-norm hidden states [T, hidden_size] float32 (what `forward` multiplies by lm_head)."""
+        config = self.config
+        token_ids = np.asarray(token_ids)
+        if token_ids.ndim != 1 or token_ids.size == 0 or not np.issubdtype(token_ids.dtype, np.integer):
+            raise ValueError(f"token_ids must be a non-empty 1-D integer array, got {token_ids!r}")
+        if token_ids.min() < 0 or token_ids.max() >= config.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {config.vocab_size})")
+        if start_pos < 0 or (kv_cache is not None and start_pos > kv_cache.num_tokens):
+            cached = None if kv_cache is None else kv_cache.num_tokens
+            raise ValueError(f"start_pos {start_pos} is negative or past the cache's {cached} tokens")
+
+        num_tokens = token_ids.shape[0]
+        positions = np.arange(start_pos, start_pos + num_tokens)
+        cos, sin = rope_cos_sin(config, positions)
+        if kv_cache is not None:
+            kv_cache.reserve(start_pos + num_tokens)
+
+        x = self.weights.embed_tokens[token_ids].astype(np.float32)
+        for layer_index, layer in enumerate(self.weights.layers):
+            h = rms_norm(x, layer.input_layernorm, config.rms_norm_eps)
+            x = x + self._attention(layer_index, layer, h, positions, cos, sin, kv_cache)
+            h = rms_norm(x, layer.post_attention_layernorm, config.rms_norm_eps)
+            x = x + (silu(h @ layer.gate_proj.T) * (h @ layer.up_proj.T)) @ layer.down_proj.T
+        if kv_cache is not None:
+            kv_cache.num_tokens = start_pos + num_tokens
+        return rms_norm(x, self.weights.norm, config.rms_norm_eps)
+
+    def _attention(
+        self,
+        layer_index: int,
+        layer: LayerWeights,
+        h: np.ndarray,            # [T, hidden_size] float32, normed
+        positions: np.ndarray,    # [T] int, absolute positions of the T tokens
+        cos: np.ndarray,          # [T, head_dim // 2] float64
+        sin: np.ndarray,          # [T, head_dim // 2] float64
+        kv_cache: DenseKVCache | None,
+    ) -> np.ndarray:              # [T, hidden_size] float32, after o_proj
+        config = self.config
+        num_tokens = h.shape[0]
+        num_heads, num_kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        q = _linear(h, layer.q_proj, layer.q_bias).reshape(num_tokens, num_heads, head_dim)
+        k = _linear(h, layer.k_proj, layer.k_bias).reshape(num_tokens, num_kv_heads, head_dim)
+        v = _linear(h, layer.v_proj, layer.v_bias).reshape(num_tokens, num_kv_heads, head_dim)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+
+        start_pos = int(positions[0])
+        if kv_cache is not None:
+            end_pos = start_pos + num_tokens
+            kv_cache.keys[layer_index, start_pos:end_pos] = k
+            kv_cache.values[layer_index, start_pos:end_pos] = v
+            keys = kv_cache.keys[layer_index, :end_pos]      # [S, num_kv_heads, head_dim]
+            values = kv_cache.values[layer_index, :end_pos]
+            key_positions = np.arange(end_pos)
+        else:
+            keys, values, key_positions = k, v, positions
+
+        # Query head j uses kv head j // num_queries_per_kv (transformers' repeat_kv order).
+        group = config.num_queries_per_kv
+        q_grouped = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)
+        keys_t = keys.transpose(1, 2, 0)[:, None]            # [num_kv_heads, 1, head_dim, S]
+        values_h = values.transpose(1, 0, 2)[:, None]        # [num_kv_heads, 1, S, head_dim]
+        scores = (q_grouped @ keys_t) * np.float32(head_dim ** -0.5)  # [kv, group, T, S]
+
+        visible = key_positions[None, :] <= positions[:, None]        # [T, S] causal
+        if config.sliding_window is not None:
+            visible &= key_positions[None, :] > positions[:, None] - config.sliding_window
+        scores = np.where(visible, scores, -np.inf)
+        scores = scores - scores.max(axis=-1, keepdims=True)
+        probs = np.exp(scores)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        context = (probs @ values_h).transpose(2, 0, 1, 3).reshape(num_tokens, num_heads * head_dim)
+        return _linear(context.astype(np.float32, copy=False), layer.o_proj, layer.o_bias)
+
+    def greedy_generate(
+        self,
+        prompt_ids: Sequence[int] | np.ndarray,
+        max_new_tokens: int,
+        eos_token_ids: Sequence[int] = (),
+    ) -> list[int]:
+        """Greedy (argmax, lowest id on ties) continuation of prompt_ids: the new tokens only.
+
+        Stops after max_new_tokens, or right after emitting a token in eos_token_ids (that
+        token is included, as transformers' generate does).
+        """
+        prompt_ids = np.asarray(prompt_ids)
+        cache = DenseKVCache(self.config, capacity=max(len(prompt_ids) + max_new_tokens, 1))
+        stop_ids = set(int(t) for t in eos_token_ids)
+        new_ids: list[int] = []
+        next_input = prompt_ids
+        while len(new_ids) < max_new_tokens:
+            hidden = self.hidden_states(next_input, cache.num_tokens, cache)
+            logits = hidden[-1] @ self.weights.lm_head.T
+            token = int(np.argmax(logits))
+            new_ids.append(token)
+            if token in stop_ids:
+                break
+            next_input = np.array([token])
+        return new_ids
+
+
+def _linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    """x: [T, in] @ weight: [out, in].T (+ bias: [out]) -> [T, out]."""
+    y = x @ weight.T
+    return y if bias is None else y + bias

@@ -1,0 +1,300 @@
+"""Loading a Hugging Face model directory's safetensors weights into `ModelWeights`.
+
+Owns: reading safetensors files (one `model.safetensors`, or shards listed by
+`model.safetensors.index.json`) through a memory map, widening bf16/fp16 to the requested numpy
+dtype, and checking every tensor's presence and shape against `ModelConfig`.
+
+The safetensors format is small enough to read directly: an 8-byte little-endian header length,
+a JSON header mapping each tensor name to {dtype, shape, data_offsets}, then the raw bytes. We
+parse it ourselves rather than through `safetensors.safe_open(framework="numpy")` because numpy
+has no bfloat16 (most checkpoints are bf16) and because every defect (a truncated file, an offset
+past the end, a size that does not match the shape) must become a `ModelLoadError` naming the
+file and the tensor, never a numpy or Rust traceback.
+
+Layout: weight matrices keep Hugging Face's `[out_features, in_features]` layout, so a linear
+layer is `y = x @ W.T (+ b)`. Norm weights are `[hidden_size]`. With tied embeddings `lm_head`
+is the very same array object as `embed_tokens`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import ModelLoadError
+from .model_config import ModelConfig
+
+SINGLE_FILE_NAME = "model.safetensors"
+INDEX_FILE_NAME = "model.safetensors.index.json"
+HEADER_LENGTH_BYTES = 8
+# A header bigger than this is a corrupt length field, not a real header (real ones are KBs).
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+METADATA_KEY = "__metadata__"
+
+# On-disk dtype name -> numpy dtype of its raw bits. bf16 is read as uint16 and widened.
+_BF16 = "BF16"
+_DISK_DTYPES = {
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    _BF16: np.dtype("<u2"),
+}
+# bfloat16 is the top half of a float32: shift its 16 bits up and reinterpret.
+_BF16_SHIFT_BITS = 16
+_FLOAT_DTYPES = (np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16))
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: file, on-disk dtype name, shape and byte range in the data area."""
+
+    file: pathlib.Path
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+class SafetensorsFile:
+    """One memory-mapped safetensors file whose header has been fully validated."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = pathlib.Path(path)
+        try:
+            file_bytes = self.path.stat().st_size
+        except FileNotFoundError:
+            raise ModelLoadError(self.path, "file not found") from None
+        if file_bytes < HEADER_LENGTH_BYTES:
+            raise ModelLoadError(self.path, f"truncated: {file_bytes} bytes, too short for a safetensors header")
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        header_bytes = int.from_bytes(self._map[:HEADER_LENGTH_BYTES].tobytes(), "little")
+        if header_bytes > MAX_HEADER_BYTES or HEADER_LENGTH_BYTES + header_bytes > file_bytes:
+            raise ModelLoadError(
+                self.path,
+                f"truncated or corrupt: header claims {header_bytes} bytes, file has {file_bytes}",
+            )
+        self._data_start = HEADER_LENGTH_BYTES + header_bytes
+        data_bytes = file_bytes - self._data_start
+        raw_header = self._map[HEADER_LENGTH_BYTES:self._data_start].tobytes()
+        try:
+            header = json.loads(raw_header.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ModelLoadError(self.path, f"corrupt safetensors header: {exc}") from None
+        if not isinstance(header, dict):
+            raise ModelLoadError(self.path, "corrupt safetensors header: not a JSON object")
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, entry in header.items():
+            if name == METADATA_KEY:
+                continue
+            info = self._parse_entry(name, entry)
+            if info.end > data_bytes:
+                raise ModelLoadError(
+                    self.path,
+                    f"truncated: needs data bytes up to {info.end}, file has {data_bytes}",
+                    tensor=name,
+                )
+            self.tensors[name] = info
+
+    def _parse_entry(self, name: str, entry: object) -> TensorInfo:
+        def bad(message: str) -> ModelLoadError:
+            return ModelLoadError(self.path, f"corrupt header entry: {message}", tensor=name)
+
+        if not isinstance(entry, dict):
+            raise bad("not an object")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(dtype, str):
+            raise bad(f"dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(_is_index(d) for d in shape):
+            raise bad(f"shape {shape!r}")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_index(o) for o in offsets)
+                or offsets[0] > offsets[1]):
+            raise bad(f"data_offsets {offsets!r}")
+        begin, end = offsets
+        if dtype in _DISK_DTYPES:
+            expected_bytes = math.prod(shape) * _DISK_DTYPES[dtype].itemsize
+            if end - begin != expected_bytes:
+                raise bad(f"{end - begin} bytes for shape {shape} of {dtype} (expected {expected_bytes})")
+        return TensorInfo(self.path, dtype, tuple(shape), begin, end)
+
+    def read(self, name: str, dtype: np.dtype) -> np.ndarray:
+        """The tensor `name` as a new C-contiguous array of `dtype` (a float dtype)."""
+        info = self.tensors[name]
+        if info.dtype not in _DISK_DTYPES:
+            raise ModelLoadError(
+                self.path, f"unsupported dtype {info.dtype} (supported: {', '.join(_DISK_DTYPES)})",
+                tensor=name,
+            )
+        start = self._data_start + info.begin
+        raw = self._map[start:self._data_start + info.end].view(_DISK_DTYPES[info.dtype]).reshape(info.shape)
+        if info.dtype == _BF16:
+            widened = (raw.astype(np.uint32) << _BF16_SHIFT_BITS).view(np.float32)
+            return np.ascontiguousarray(widened, dtype=dtype)
+        return np.array(raw, dtype=dtype, order="C", copy=True)
+
+
+class SafetensorsCheckpoint:
+    """All weight files of one model directory, addressed by tensor name."""
+
+    def __init__(self, model_dir: str | os.PathLike) -> None:
+        self.model_dir = pathlib.Path(model_dir)
+        index_path = self.model_dir / INDEX_FILE_NAME
+        single_path = self.model_dir / SINGLE_FILE_NAME
+        self._files: dict[str, SafetensorsFile] = {}
+        self._file_by_tensor: dict[str, SafetensorsFile] = {}
+        if index_path.is_file():
+            self._open_sharded(index_path)
+        elif single_path.is_file():
+            shard = SafetensorsFile(single_path)
+            self._files[SINGLE_FILE_NAME] = shard
+            self._file_by_tensor = {name: shard for name in shard.tensors}
+        else:
+            raise ModelLoadError(
+                self.model_dir, f"no {SINGLE_FILE_NAME} or {INDEX_FILE_NAME} in this directory"
+            )
+
+    def _open_sharded(self, index_path: pathlib.Path) -> None:
+        try:
+            index = json.loads(index_path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ModelLoadError(index_path, f"not valid JSON: {exc}") from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(index_path, "no 'weight_map' object", field="weight_map")
+        for name, file_name in weight_map.items():
+            # Shards sit next to the index; a path component would point outside the model.
+            if not isinstance(file_name, str) or pathlib.PurePath(file_name).name != file_name:
+                raise ModelLoadError(index_path, f"bad shard file name {file_name!r}", tensor=name)
+            if file_name not in self._files:
+                shard_path = self.model_dir / file_name
+                if not shard_path.is_file():
+                    raise ModelLoadError(shard_path, f"shard listed in {index_path.name} not found", tensor=name)
+                self._files[file_name] = SafetensorsFile(shard_path)
+            shard = self._files[file_name]
+            if name not in shard.tensors:
+                raise ModelLoadError(shard.path, f"listed in {index_path.name} but not in this shard", tensor=name)
+            self._file_by_tensor[name] = shard
+
+    def names(self) -> list[str]:
+        return sorted(self._file_by_tensor)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_by_tensor
+
+    def info(self, name: str) -> TensorInfo:
+        return self._file_by_tensor[name].tensors[name]
+
+    def get(
+        self,
+        name: str,
+        expected_shape: tuple[int, ...] | None = None,
+        dtype: np.dtype | type = np.float32,
+    ) -> np.ndarray:
+        """Tensor `name` as a new C-contiguous `dtype` array, its shape checked if given."""
+        if name not in self._file_by_tensor:
+            where = self._describe_files()
+            raise ModelLoadError(where, "missing from the checkpoint", tensor=name)
+        shard = self._file_by_tensor[name]
+        shape = shard.tensors[name].shape
+        if expected_shape is not None and shape != tuple(expected_shape):
+            raise ModelLoadError(
+                shard.path, f"shape {list(shape)} does not match the config's {list(expected_shape)}", tensor=name
+            )
+        return shard.read(name, np.dtype(dtype))
+
+    def _describe_files(self) -> pathlib.Path:
+        if len(self._files) == 1:
+            return next(iter(self._files.values())).path
+        return self.model_dir / INDEX_FILE_NAME
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer. Matrices are [out_features, in_features]; biases are [out_features]."""
+
+    input_layernorm: np.ndarray           # [hidden_size]
+    q_proj: np.ndarray                    # [num_attention_heads * head_dim, hidden_size]
+    k_proj: np.ndarray                    # [num_key_value_heads * head_dim, hidden_size]
+    v_proj: np.ndarray                    # [num_key_value_heads * head_dim, hidden_size]
+    o_proj: np.ndarray                    # [hidden_size, num_attention_heads * head_dim]
+    q_bias: np.ndarray | None             # [num_attention_heads * head_dim] if config.attention_bias
+    k_bias: np.ndarray | None             # [num_key_value_heads * head_dim] if config.attention_bias
+    v_bias: np.ndarray | None             # [num_key_value_heads * head_dim] if config.attention_bias
+    o_bias: np.ndarray | None             # [hidden_size] if config.o_proj_bias
+    post_attention_layernorm: np.ndarray  # [hidden_size]
+    gate_proj: np.ndarray                 # [intermediate_size, hidden_size]
+    up_proj: np.ndarray                   # [intermediate_size, hidden_size]
+    down_proj: np.ndarray                 # [hidden_size, intermediate_size]
+
+
+@dataclass
+class ModelWeights:
+    """A whole model's weights, in one float dtype, shapes checked against `config`."""
+
+    config: ModelConfig
+    embed_tokens: np.ndarray      # [vocab_size, hidden_size]
+    layers: list[LayerWeights]
+    norm: np.ndarray              # [hidden_size]
+    lm_head: np.ndarray           # [vocab_size, hidden_size]; `is embed_tokens` when tied
+
+
+def load_model_weights(
+    model_dir: str | os.PathLike,
+    config: ModelConfig | None = None,
+    dtype: np.dtype | type = np.float32,
+) -> ModelWeights:
+    """Load every weight of a Llama-family model directory as `dtype` (float64/32/16) arrays.
+
+    `config` defaults to the directory's own config.json. Extra tensors in the files (e.g. old
+    `rotary_emb.inv_freq` buffers) are ignored; a missing or misshaped one is a ModelLoadError.
+    """
+    dtype = np.dtype(dtype)
+    if dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"dtype must be one of {[str(d) for d in _FLOAT_DTYPES]}, got {dtype}")
+    if config is None:
+        config = ModelConfig.from_model_dir(model_dir)
+    checkpoint = SafetensorsCheckpoint(model_dir)
+    hidden, vocab, inter = config.hidden_size, config.vocab_size, config.intermediate_size
+    q_size, kv_size = config.q_size, config.kv_size
+
+    def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        return checkpoint.get(name, shape, dtype)
+
+    layers = []
+    for i in range(config.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        attn = prefix + "self_attn."
+        mlp = prefix + "mlp."
+        has_qkv_bias, has_o_bias = config.attention_bias, config.o_proj_bias
+        layers.append(LayerWeights(
+            input_layernorm=get(prefix + "input_layernorm.weight", (hidden,)),
+            q_proj=get(attn + "q_proj.weight", (q_size, hidden)),
+            k_proj=get(attn + "k_proj.weight", (kv_size, hidden)),
+            v_proj=get(attn + "v_proj.weight", (kv_size, hidden)),
+            o_proj=get(attn + "o_proj.weight", (hidden, q_size)),
+            q_bias=get(attn + "q_proj.bias", (q_size,)) if has_qkv_bias else None,
+            k_bias=get(attn + "k_proj.bias", (kv_size,)) if has_qkv_bias else None,
+            v_bias=get(attn + "v_proj.bias", (kv_size,)) if has_qkv_bias else None,
+            o_bias=get(attn + "o_proj.bias", (hidden,)) if has_o_bias else None,
+            post_attention_layernorm=get(prefix + "post_attention_layernorm.weight", (hidden,)),
+            gate_proj=get(mlp + "gate_proj.weight", (inter, hidden)),
+            up_proj=get(mlp + "up_proj.weight", (inter, hidden)),
+            down_proj=get(mlp + "down_proj.weight", (hidden, inter)),
+        ))
+    embed_tokens = get("model.embed_tokens.weight", (vocab, hidden))
+    # Tied models may still store lm_head.weight; transformers ignores it, and so do we.
+    lm_head = embed_tokens if config.tie_word_embeddings else get("lm_head.weight", (vocab, hidden))
+    return ModelWeights(
+        config=config,
+        embed_tokens=embed_tokens,
+        layers=layers,
+        norm=get("model.norm.weight", (hidden,)),
+        lm_head=lm_head,
+    )
+
+
+def _is_index(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
