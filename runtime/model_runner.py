@@ -1,0 +1,138 @@
+"""Model runner: SchedulerOutput -> device inputs -> forward -> logits. The only device-memory user.
+
+It owns the model weights and the KV cache pools (per layer K and V, the device pool and the
+host swap pool), executes a step's block moves (swap out, swap in, copy-on-write, in the order
+the scheduler's contract names) before the forward, and returns logits only where they are
+needed: the last token of each row that samples, plus every query token of the rows whose request
+asked for prompt logprobs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagedrun.runtime.model_config import ModelConfig
+from pagedrun.runtime.models.llama import AttentionInputs, LlamaModel
+from pagedrun.runtime.weights import ModelWeights
+
+KV_DTYPE = np.float32
+_DECODE_QUERY_LEN = 1
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype=KV_DTYPE) -> int:
+    """Bytes one block takes across all layers, K and V."""
+    return (2 * config.num_hidden_layers * block_size * config.num_key_value_heads
+            * config.head_dim * np.dtype(dtype).itemsize)
+
+
+@dataclass
+class RunnerOutput:
+    """Logits of one step.
+
+    sample_rows: [num_sampled] int64, the batch rows (of SchedulerOutput) that sample a token.
+    logits: [num_sampled, vocab] float32, the logits of each sample row's last query token.
+    prompt_logits: batch row -> [query_len, vocab] float32 logits of every query token of that
+        row (rows asked for in `execute`'s `prompt_logit_rows` only).
+    """
+
+    sample_rows: np.ndarray
+    logits: np.ndarray
+    prompt_logits: dict[int, np.ndarray]
+
+
+def _rows(mask: np.ndarray) -> slice | np.ndarray:
+    """Indices where mask is true, as a slice if they are contiguous (cheaper to index with)."""
+    idx = np.flatnonzero(mask)
+    if idx.size and idx[-1] - idx[0] + 1 == idx.size:
+        return slice(int(idx[0]), int(idx[-1]) + 1)
+    return idx
+
+
+def build_attention_inputs(query_start_loc: np.ndarray, query_lens: np.ndarray,
+                           context_lens: np.ndarray, block_tables: np.ndarray) -> AttentionInputs:
+    """Split a step's rows into decode rows (query_len 1) and prefill rows, with token indices.
+
+    query_start_loc: [num_reqs + 1] int32; query_lens, context_lens: [num_reqs] int32;
+    block_tables: [num_reqs, max_blocks] int32.
+    """
+    num_tokens = int(query_start_loc[-1])
+    is_decode = query_lens == _DECODE_QUERY_LEN
+    num_decode = int(is_decode.sum())
+    num_prefill = int(is_decode.size - num_decode)
+    token_is_decode = np.repeat(is_decode, query_lens)
+    if num_prefill == 0:
+        decode_rows, prefill_rows = slice(0, num_tokens), slice(0, 0)
+    elif num_decode == 0:
+        decode_rows, prefill_rows = slice(0, 0), slice(0, num_tokens)
+    else:
+        decode_rows, prefill_rows = _rows(token_is_decode), _rows(~token_is_decode)
+    prefill_lens = query_lens[~is_decode]
+    prefill_qsl = np.zeros(num_prefill + 1, dtype=np.int32)
+    np.cumsum(prefill_lens, out=prefill_qsl[1:])
+    return AttentionInputs(
+        decode_token_rows=decode_rows,
+        decode_block_tables=block_tables[is_decode],
+        decode_context_lens=context_lens[is_decode],
+        prefill_token_rows=prefill_rows,
+        prefill_block_tables=block_tables[~is_decode],
+        prefill_query_start_loc=prefill_qsl,
+        prefill_context_lens=context_lens[~is_decode],
+        num_decode=num_decode,
+        num_prefill=num_prefill,
+    )
+
+
+class ModelRunner:
+    """Weights, KV pools and the step's forward on one device (the numpy backend for now)."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, *, block_size: int,
+                 num_gpu_blocks: int, num_cpu_blocks: int, max_model_len: int, ops) -> None:
+        self.config = config
+        self.ops = ops
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.model = LlamaModel(config, weights, ops, max_position=max_model_len)
+        block_shape = (block_size, config.num_key_value_heads, config.head_dim)
+        # np.zeros maps untouched pages lazily, so a large pool costs memory only as it fills.
+        self.k_caches = [np.zeros((num_gpu_blocks, *block_shape), KV_DTYPE)
+                         for _ in range(config.num_hidden_layers)]
+        self.v_caches = [np.zeros((num_gpu_blocks, *block_shape), KV_DTYPE)
+                         for _ in range(config.num_hidden_layers)]
+        self.cpu_caches = [np.zeros((num_cpu_blocks, *block_shape), KV_DTYPE)
+                           for _ in range(2 * config.num_hidden_layers)] if num_cpu_blocks else []
+
+    @property
+    def _gpu_caches(self) -> list[np.ndarray]:
+        """[k_0, v_0, k_1, v_1, ...], the order `cpu_caches` mirrors for swaps."""
+        return [c for kv in zip(self.k_caches, self.v_caches) for c in kv]
+
+    def _move_blocks(self, out) -> None:
+        """Swap out, swap in, then copy-on-write: the order docs/scheduler.md prescribes."""
+        if len(out.swap_out):
+            self.ops.swap_blocks(self._gpu_caches, self.cpu_caches, out.swap_out)
+        if len(out.swap_in):
+            self.ops.swap_blocks(self.cpu_caches, self._gpu_caches, out.swap_in)
+        if len(out.block_copies):
+            self.ops.copy_blocks(self.k_caches, self.v_caches, out.block_copies)
+
+    def execute(self, out, prompt_logit_rows: tuple[int, ...] = ()) -> RunnerOutput:
+        """Run one scheduled step. `out` is a pagedrun.pyx.scheduler.SchedulerOutput."""
+        self._move_blocks(out)
+        sample_rows = np.flatnonzero(out.sample_mask)
+        vocab = self.config.vocab_size
+        if out.num_batched_tokens == 0:
+            return RunnerOutput(sample_rows, np.empty((0, vocab), np.float32), {})
+        attn = build_attention_inputs(out.query_start_loc, out.query_lens, out.context_lens,
+                                      out.block_tables)
+        x, residual = self.model.forward(out.input_token_ids, out.positions, out.slot_mapping,
+                                         attn, self.k_caches, self.v_caches)
+        qsl = out.query_start_loc
+        last_token = qsl[sample_rows + 1] - 1
+        logits = self.model.logits(x[last_token], residual[last_token])
+        prompt_logits = {}
+        for row in prompt_logit_rows:
+            rows = slice(int(qsl[row]), int(qsl[row + 1]))
+            prompt_logits[row] = self.model.logits(x[rows], residual[rows])
+        return RunnerOutput(sample_rows, logits, prompt_logits)

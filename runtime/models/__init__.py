@@ -1,0 +1,1 @@
+"""Model forwards written against backend ops (one module per architecture family)."""

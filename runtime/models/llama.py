@@ -1,0 +1,155 @@
+"""Llama-family forward (Llama 2/3, Mistral, Qwen2, SmolLM2) over a paged KV cache, written
+against backend ops.
+
+One step runs every scheduled token of every request at once: each weight is one GEMM over all
+`num_tokens` rows; only attention looks at requests separately, and it is split into decode rows
+(query_len 1, one kernel) and prefill rows (chunks, prefix hits; another kernel).
+
+Weights are fused at load: q/k/v into one [hidden, q_size + 2 * kv_size] matrix, gate/up into one
+[hidden, 2 * intermediate] matrix, so a layer runs four GEMMs. Every matrix is stored float32,
+C-contiguous and pre-transposed ([in, out], for `x @ W`); `ops.linear` takes the HF [out, in]
+layout, which is the free `.T` view of that storage.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagedrun.runtime.model_config import ModelConfig
+from pagedrun.runtime.reference import rope_cos_sin
+from pagedrun.runtime.weights import ModelWeights
+
+
+@dataclass
+class AttentionInputs:
+    """One step's attention metadata, split by kind of row.
+
+    Token rows are given as slices when a kind's rows are contiguous in the batch (the usual
+    case: running decodes first, then prefills), else as int64 index arrays.
+    """
+
+    decode_token_rows: slice | np.ndarray    # rows of q for decode requests
+    decode_block_tables: np.ndarray          # [num_decode, max_blocks] int32
+    decode_context_lens: np.ndarray          # [num_decode] int32
+    prefill_token_rows: slice | np.ndarray   # rows of q for prefill requests
+    prefill_block_tables: np.ndarray         # [num_prefill, max_blocks] int32
+    prefill_query_start_loc: np.ndarray      # [num_prefill + 1] int32, relative to prefill rows
+    prefill_context_lens: np.ndarray         # [num_prefill] int32
+    num_decode: int
+    num_prefill: int
+
+
+@dataclass
+class _Layer:
+    input_norm: np.ndarray     # [hidden]
+    qkv_t: np.ndarray          # [hidden, q_size + 2 * kv_size]
+    qkv_bias: np.ndarray | None
+    o_t: np.ndarray            # [q_size, hidden]
+    o_bias: np.ndarray | None
+    post_norm: np.ndarray      # [hidden]
+    gate_up_t: np.ndarray      # [hidden, 2 * intermediate]
+    down_t: np.ndarray         # [intermediate, hidden]
+
+
+def _t(*matrices: np.ndarray) -> np.ndarray:
+    """HF [out, in] matrices stacked along out, as one contiguous float32 [in, sum(out)]."""
+    return np.ascontiguousarray(np.concatenate(matrices, axis=0).T, dtype=np.float32)
+
+
+def _f32(x: np.ndarray | None) -> np.ndarray | None:
+    return None if x is None else np.ascontiguousarray(x, dtype=np.float32)
+
+
+def build_cos_sin_cache(config: ModelConfig, max_position: int) -> np.ndarray:
+    """[max_position, head_dim] float32 rows [cos | sin], from the reference's float64 angles
+    (so the paged forward rotates by exactly the reference's angles, Llama 3 scaling included)."""
+    cos, sin = rope_cos_sin(config, np.arange(max_position))
+    return np.concatenate([cos, sin], axis=1).astype(np.float32)
+
+
+class LlamaModel:
+    """The decoder stack and the LM head; stateless apart from weights (the KV cache is passed in)."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, ops, max_position: int) -> None:
+        self.config = config
+        self.ops = ops
+        self.embed_tokens = np.ascontiguousarray(weights.embed_tokens, dtype=np.float32)
+        self.layers = []
+        for lw in weights.layers:
+            qkv_bias = None
+            if lw.q_bias is not None:
+                qkv_bias = _f32(np.concatenate([lw.q_bias, lw.k_bias, lw.v_bias]))
+            self.layers.append(_Layer(
+                input_norm=_f32(lw.input_layernorm),
+                qkv_t=_t(lw.q_proj, lw.k_proj, lw.v_proj),
+                qkv_bias=qkv_bias,
+                o_t=_t(lw.o_proj),
+                o_bias=_f32(lw.o_bias),
+                post_norm=_f32(lw.post_attention_layernorm),
+                gate_up_t=_t(lw.gate_proj, lw.up_proj),
+                down_t=_t(lw.down_proj),
+            ))
+        self.norm = _f32(weights.norm)
+        self.lm_head_t = _t(weights.lm_head)  # [hidden, vocab]
+        self.cos_sin_cache = build_cos_sin_cache(config, max_position)
+        self.scale = float(config.head_dim) ** -0.5
+
+    def forward(self, token_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
+                attn: AttentionInputs, k_caches: list[np.ndarray], v_caches: list[np.ndarray]
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """Run the decoder over one step's tokens, writing their K/V into the paged cache.
+
+        token_ids, positions, slot_mapping: [num_tokens] int32
+        k_caches, v_caches: per layer [num_blocks, block_size, num_kv_heads, head_dim] float32
+        Returns (x, residual), each [num_tokens, hidden] float32: the last layer's output and the
+        residual stream, still to be added and normed (only sampled rows need that, see `logits`).
+        """
+        ops, cfg = self.ops, self.config
+        num_tokens = token_ids.shape[0]
+        q_size, kv_size = cfg.q_size, cfg.kv_size
+        x = ops.embedding(token_ids, self.embed_tokens)
+        residual = None
+        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
+            if residual is None:
+                residual = x
+                h = ops.rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            else:
+                h, residual = ops.fused_add_rms_norm(x, residual, layer.input_norm, cfg.rms_norm_eps)
+            qkv = ops.linear(h, layer.qkv_t.T, layer.qkv_bias)
+            q = qkv[:, :q_size].reshape(num_tokens, cfg.num_attention_heads, cfg.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, cfg.num_key_value_heads,
+                                                        cfg.head_dim)
+            v = qkv[:, q_size + kv_size:].reshape(num_tokens, cfg.num_key_value_heads, cfg.head_dim)
+            q, _ = ops.rotary_embedding_and_cache_write(q, k, v, positions, self.cos_sin_cache,
+                                                        k_cache, v_cache, slot_mapping)
+            attn_out = self._attention(q, k_cache, v_cache, attn)
+            x = ops.linear(attn_out.reshape(num_tokens, q_size), layer.o_t.T, layer.o_bias)
+            h, residual = ops.fused_add_rms_norm(x, residual, layer.post_norm, cfg.rms_norm_eps)
+            x = ops.linear(ops.silu_and_mul(ops.linear(h, layer.gate_up_t.T)), layer.down_t.T)
+        return x, residual
+
+    def _attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                   attn: AttentionInputs) -> np.ndarray:
+        """q: [num_tokens, num_heads, head_dim] rotated. Returns the same shape."""
+        ops = self.ops
+        if attn.num_prefill == 0:
+            return ops.paged_decode_attention(q, k_cache, v_cache, attn.decode_block_tables,
+                                              attn.decode_context_lens, self.scale)
+        if attn.num_decode == 0:
+            return ops.paged_prefill_attention(q, k_cache, v_cache, attn.prefill_block_tables,
+                                               attn.prefill_query_start_loc,
+                                               attn.prefill_context_lens, self.scale)
+        out = np.empty(q.shape, dtype=np.float32)
+        out[attn.decode_token_rows] = ops.paged_decode_attention(
+            q[attn.decode_token_rows], k_cache, v_cache, attn.decode_block_tables,
+            attn.decode_context_lens, self.scale)
+        out[attn.prefill_token_rows] = ops.paged_prefill_attention(
+            q[attn.prefill_token_rows], k_cache, v_cache, attn.prefill_block_tables,
+            attn.prefill_query_start_loc, attn.prefill_context_lens, self.scale)
+        return out
+
+    def logits(self, x: np.ndarray, residual: np.ndarray) -> np.ndarray:
+        """Final norm and LM head for the given rows: [rows, hidden] x2 -> [rows, vocab] float32."""
+        h, _ = self.ops.fused_add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps)
+        return self.ops.linear(h, self.lm_head_t.T)
