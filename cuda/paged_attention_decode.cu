@@ -1,0 +1,315 @@
+// paged_attention_decode.cu -- paged decode attention: one query token per request against
+// that request's K/V, scattered over cache blocks through its block table.
+//
+// Computes, for every request s and query head h (kv head kvh = h / group_size):
+//   out[s, h, :] = softmax(scale * q[s, h, :] . K_s^T) V_s
+// where K_s, V_s are the first context_lens[s] tokens of request s, token t living in cache
+// slot block_tables[s, t / block_size] * block_size + t % block_size.
+//
+// Pointers (T = float | __half | __nv_bfloat16, one T per instantiation; all contiguous):
+//   q             [num_seqs, num_heads, head_dim]                      T
+//   k_cache       [num_blocks, block_size, num_kv_heads, head_dim]     T   (NHD, docs/kernels.md)
+//   v_cache       [num_blocks, block_size, num_kv_heads, head_dim]     T
+//   block_tables  [num_seqs, max_blocks_per_seq]                       int32
+//   context_lens  [num_seqs]                                           int32 (0 allowed: out = 0)
+//   out           [num_seqs, num_heads, head_dim]                      T   (num_splits == 1)
+//   partial_out   [num_seqs, num_heads, num_splits, head_dim]          fp32 (num_splits > 1)
+//   partial_lse   [num_seqs, num_heads, num_splits]                    fp32, log2 domain
+//
+// Algorithm. One CTA owns one (kv head, request, split): it reads each K/V row once for all
+// query heads of the kv head's group (GQA), so K/V traffic does not grow with the group.
+// A 16-byte vector covers VEC = 16 / sizeof(T) elements of head_dim; a "token lane group" of
+// head_dim / VEC lanes holds one token's row, so a warp reads 32 / (head_dim / VEC) tokens
+// per step. Each token lane group runs its own online softmax (fp32, base 2, scores pre-scaled
+// by scale * log2 e); at the end the groups merge inside the warp by shuffles and the warps
+// merge through shared memory. Unused cache slots are never read (NaN there cannot leak).
+// Split-K: when the host plan (runtime/kernels/attention.py: plan_decode_split) picks
+// num_splits > 1, split z covers tokens [z * partition_size, (z + 1) * partition_size) and
+// writes its normalised partial output and log2-sum-exp; paged_attention_decode_merge_* then
+// combines the splits. An empty split writes lse = -inf and zeros.
+//
+// Launch geometry:
+//   paged_attention_decode_<dtype>_d<head_dim>_g<group>:
+//     grid (num_kv_heads, num_seqs, num_splits), block 128, dynamic smem
+//     4 * group * (head_dim + 2) * 4 bytes (decode_smem_bytes in attention.py).
+//     Runs any group_size <= group (the wrapper picks the smallest instantiation that fits).
+//   paged_attention_decode_merge_<dtype>: grid (num_heads, num_seqs), block 128, no smem.
+//
+// Instantiations: dtype in {f32, f16, bf16} x head_dim in {64, 128} x group in {1, 2, 4, 8},
+// merge for each dtype. block_size is a runtime power of two (16, 32, 64 accepted by the
+// wrapper). Scalars: float scale; int num_heads, num_kv_heads, group_size, block_size_log2,
+// max_blocks_per_seq, partition_size, num_splits.
+//
+// Register budget: 255 per thread at 128 threads (group 8 holds 2 x 8 x VEC fp32 of q and
+// accumulators); the gate must show 0 spill bytes.
+// Measured: no GPU numbers yet (benchmarks/kernels/bench_attention.py writes them).
+#include "common.cuh"
+
+namespace decode_attn {
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kVecBytes = 16;  // one 128-bit load per lane: the widest global load there is
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) {
+    return __float2half_rn(x);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+
+// Loads 16 bytes (VEC elements of T) and widens them to fp32.
+template <typename T, int VEC>
+__device__ __forceinline__ void load_vec(const T* src, float (&dst)[VEC]) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(src);
+    const T* elems = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) dst[i] = to_float(elems[i]);
+}
+
+// Folds the softmax state (m_o, l_o, acc_o) into (m, l, acc); -inf maxima are empty states.
+template <int VEC>
+__device__ __forceinline__ void merge_state(float& m, float& l, float (&acc)[VEC], float m_o,
+                                            float l_o, const float (&acc_o)[VEC]) {
+    const float m_new = fmaxf(m, m_o);
+    const float m_base = (m_new == -INFINITY) ? 0.f : m_new;  // both empty: keep zeros
+    const float a = exp2f(m - m_base);
+    const float b = exp2f(m_o - m_base);
+    l = l * a + l_o * b;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] = acc[i] * a + acc_o[i] * b;
+    m = m_new;
+}
+
+template <typename T, int HEAD_DIM, int GROUP>
+__device__ __forceinline__ void decode_partition(
+    T* __restrict__ out, float* __restrict__ partial_out, float* __restrict__ partial_lse,
+    const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    const int* __restrict__ block_tables, const int* __restrict__ context_lens, float scale,
+    int num_heads, int num_kv_heads, int group_size, int block_size_log2, int max_blocks_per_seq,
+    int partition_size, int num_splits) {
+    constexpr int VEC = kVecBytes / sizeof(T);
+    constexpr int LANES_PER_TOKEN = HEAD_DIM / VEC;
+    static_assert(LANES_PER_TOKEN >= 1 && LANES_PER_TOKEN <= 32 && 32 % LANES_PER_TOKEN == 0,
+                  "head_dim must be a power-of-two multiple of one 16-byte vector, <= 32 lanes");
+    constexpr int TOKENS_PER_WARP = 32 / LANES_PER_TOKEN;
+    constexpr int TOKENS_PER_STEP = TOKENS_PER_WARP * kWarps;
+
+    DYNAMIC_SMEM(float, smem);
+    float* smem_acc = smem;                                   // [kWarps][GROUP][HEAD_DIM]
+    float* smem_ml = smem + kWarps * GROUP * HEAD_DIM;        // [kWarps][GROUP][2]
+
+    const int kv_head = blockIdx.x;
+    const int seq = blockIdx.y;
+    const int split = blockIdx.z;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int token_slot = lane / LANES_PER_TOKEN;
+    const int dim0 = (lane % LANES_PER_TOKEN) * VEC;
+    const int head0 = kv_head * group_size;
+
+    const int context_len = context_lens[seq];
+    const int part_begin = split * partition_size;
+    const int part_end = min(context_len, part_begin + partition_size);
+    const int block_size = 1 << block_size_log2;
+    const int* block_table = block_tables + static_cast<long long>(seq) * max_blocks_per_seq;
+
+    // q rows of the group, pre-scaled so the softmax runs in base 2 (exp2f is one MUFU op).
+    const float q_scale = scale * kLog2e;
+    float q_reg[GROUP][VEC];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        if (g < group_size) {
+            load_vec<T, VEC>(q + (static_cast<long long>(seq) * num_heads + head0 + g) * HEAD_DIM +
+                                 dim0,
+                             q_reg[g]);
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) q_reg[g][i] *= q_scale;
+        } else {
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) q_reg[g][i] = 0.f;
+        }
+    }
+
+    float m[GROUP], l[GROUP], acc[GROUP][VEC];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        m[g] = -INFINITY;
+        l[g] = 0.f;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[g][i] = 0.f;
+    }
+
+    // The loop bound is warp-uniform so every lane reaches the shuffles; a token lane group
+    // past the end computes on zeros and skips the update.
+    for (int base = part_begin + warp * TOKENS_PER_WARP; base < part_end;
+         base += TOKENS_PER_STEP) {
+        const int token = base + token_slot;
+        const bool valid = token < part_end;
+        float k[VEC], v[VEC];
+        if (valid) {
+            const long long block = block_table[token >> block_size_log2];
+            const long long slot = block * block_size + (token & (block_size - 1));
+            const long long elem = (slot * num_kv_heads + kv_head) * HEAD_DIM + dim0;
+            load_vec<T, VEC>(k_cache + elem, k);
+            load_vec<T, VEC>(v_cache + elem, v);
+        } else {
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) k[i] = v[i] = 0.f;
+        }
+        float s[GROUP];
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            float dot = 0.f;
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) dot = fmaf(q_reg[g][i], k[i], dot);
+            s[g] = dot;
+        }
+#pragma unroll
+        for (int offset = LANES_PER_TOKEN / 2; offset > 0; offset /= 2) {
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) s[g] += __shfl_xor_sync(kFullMask, s[g], offset);
+        }
+        if (valid) {
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) {
+                const float m_new = fmaxf(m[g], s[g]);
+                const float correction = exp2f(m[g] - m_new);
+                const float p = exp2f(s[g] - m_new);
+                l[g] = l[g] * correction + p;
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) acc[g][i] = fmaf(acc[g][i], correction, p * v[i]);
+                m[g] = m_new;
+            }
+        }
+    }
+
+    // Merge the token lane groups of this warp (xor partners hold the same dims).
+#pragma unroll
+    for (int offset = LANES_PER_TOKEN; offset < 32; offset *= 2) {
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            const float m_o = __shfl_xor_sync(kFullMask, m[g], offset);
+            const float l_o = __shfl_xor_sync(kFullMask, l[g], offset);
+            float acc_o[VEC];
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) acc_o[i] = __shfl_xor_sync(kFullMask, acc[g][i], offset);
+            merge_state<VEC>(m[g], l[g], acc[g], m_o, l_o, acc_o);
+        }
+    }
+
+    if (token_slot == 0) {
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) smem_acc[(warp * GROUP + g) * HEAD_DIM + dim0 + i] = acc[g][i];
+            if (dim0 == 0) {
+                smem_ml[(warp * GROUP + g) * 2 + 0] = m[g];
+                smem_ml[(warp * GROUP + g) * 2 + 1] = l[g];
+            }
+        }
+    }
+    __syncthreads();
+
+    // Merge the warps: thread per (query head, dim) output element.
+    for (int idx = threadIdx.x; idx < group_size * HEAD_DIM; idx += kThreads) {
+        const int g = idx / HEAD_DIM;
+        const int d = idx % HEAD_DIM;
+        float m_max = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) m_max = fmaxf(m_max, smem_ml[(w * GROUP + g) * 2]);
+        const float m_base = (m_max == -INFINITY) ? 0.f : m_max;
+        float l_sum = 0.f, o_sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) {
+            const float weight = exp2f(smem_ml[(w * GROUP + g) * 2] - m_base);
+            l_sum += smem_ml[(w * GROUP + g) * 2 + 1] * weight;
+            o_sum += smem_acc[(w * GROUP + g) * HEAD_DIM + d] * weight;
+        }
+        const float o = (l_sum > 0.f) ? o_sum / l_sum : 0.f;
+        const long long row = static_cast<long long>(seq) * num_heads + head0 + g;
+        if (num_splits == 1) {
+            out[row * HEAD_DIM + d] = from_float<T>(o);
+        } else {
+            partial_out[(row * num_splits + split) * HEAD_DIM + d] = o;
+            if (d == 0) partial_lse[row * num_splits + split] = (l_sum > 0.f) ? m_max + log2f(l_sum) : -INFINITY;
+        }
+    }
+}
+
+// Combines the split partials of one (request, query head): out = sum_z w_z o_z with
+// w_z = 2^(lse_z - M) / sum 2^(lse - M). Splits past the context were never non-empty.
+template <typename T>
+__device__ __forceinline__ void decode_merge(T* __restrict__ out,
+                                             const float* __restrict__ partial_out,
+                                             const float* __restrict__ partial_lse,
+                                             const int* __restrict__ context_lens, int num_heads,
+                                             int head_dim, int partition_size, int num_splits) {
+    const int head = blockIdx.x;
+    const int seq = blockIdx.y;
+    const long long row = static_cast<long long>(seq) * num_heads + head;
+    const int context_len = context_lens[seq];
+    const int used_splits = min(num_splits, (context_len + partition_size - 1) / partition_size);
+    const float* lse = partial_lse + row * num_splits;
+    float m_max = -INFINITY;
+    for (int z = 0; z < used_splits; ++z) m_max = fmaxf(m_max, lse[z]);
+    const float m_base = (m_max == -INFINITY) ? 0.f : m_max;
+    float weight_sum = 0.f;
+    for (int z = 0; z < used_splits; ++z) weight_sum += exp2f(lse[z] - m_base);
+    const float inv_sum = (weight_sum > 0.f) ? 1.f / weight_sum : 0.f;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float o = 0.f;
+        for (int z = 0; z < used_splits; ++z)
+            o += exp2f(lse[z] - m_base) * partial_out[(row * num_splits + z) * head_dim + d];
+        out[row * head_dim + d] = from_float<T>(o * inv_sum);
+    }
+}
+
+}  // namespace decode_attn
+
+#define PAGEDRUN_DECODE_KERNEL(NAME, T, HEAD_DIM, GROUP)                                        \
+    extern "C" __global__ void __launch_bounds__(decode_attn::kThreads)                         \
+        NAME(T* out, float* partial_out, float* partial_lse, const T* q, const T* k_cache,      \
+             const T* v_cache, const int* block_tables, const int* context_lens, float scale,   \
+             int num_heads, int num_kv_heads, int group_size, int block_size_log2,              \
+             int max_blocks_per_seq, int partition_size, int num_splits) {                      \
+        decode_attn::decode_partition<T, HEAD_DIM, GROUP>(                                      \
+            out, partial_out, partial_lse, q, k_cache, v_cache, block_tables, context_lens,     \
+            scale, num_heads, num_kv_heads, group_size, block_size_log2, max_blocks_per_seq,    \
+            partition_size, num_splits);                                                        \
+    }
+
+#define PAGEDRUN_DECODE_GROUPS(DT, T, HEAD_DIM)                                  \
+    PAGEDRUN_DECODE_KERNEL(paged_attention_decode_##DT##_d##HEAD_DIM##_g1, T, HEAD_DIM, 1) \
+    PAGEDRUN_DECODE_KERNEL(paged_attention_decode_##DT##_d##HEAD_DIM##_g2, T, HEAD_DIM, 2) \
+    PAGEDRUN_DECODE_KERNEL(paged_attention_decode_##DT##_d##HEAD_DIM##_g4, T, HEAD_DIM, 4) \
+    PAGEDRUN_DECODE_KERNEL(paged_attention_decode_##DT##_d##HEAD_DIM##_g8, T, HEAD_DIM, 8)
+
+PAGEDRUN_DECODE_GROUPS(f32, float, 64)
+PAGEDRUN_DECODE_GROUPS(f32, float, 128)
+PAGEDRUN_DECODE_GROUPS(f16, __half, 64)
+PAGEDRUN_DECODE_GROUPS(f16, __half, 128)
+PAGEDRUN_DECODE_GROUPS(bf16, __nv_bfloat16, 64)
+PAGEDRUN_DECODE_GROUPS(bf16, __nv_bfloat16, 128)
+
+#define PAGEDRUN_DECODE_MERGE(DT, T)                                                            \
+    extern "C" __global__ void __launch_bounds__(decode_attn::kThreads)                         \
+        paged_attention_decode_merge_##DT(T* out, const float* partial_out,                     \
+                                          const float* partial_lse, const int* context_lens,    \
+                                          int num_heads, int head_dim, int partition_size,      \
+                                          int num_splits) {                                     \
+        decode_attn::decode_merge<T>(out, partial_out, partial_lse, context_lens, num_heads,    \
+                                     head_dim, partition_size, num_splits);                     \
+    }
+
+PAGEDRUN_DECODE_MERGE(f32, float)
+PAGEDRUN_DECODE_MERGE(f16, __half)
+PAGEDRUN_DECODE_MERGE(bf16, __nv_bfloat16)
