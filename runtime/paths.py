@@ -1,0 +1,26 @@
+"""Where paged-run keeps files between runs: the cache root and the converted-model cache.
+
+The root follows the XDG base-directory convention every Linux tool uses:
+`$XDG_CACHE_HOME/pagedrun`, or `~/.cache/pagedrun` when XDG_CACHE_HOME is unset or empty.
+Nothing here creates directories; the writers do, when they first write.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CACHE_DIR_NAME = "pagedrun"
+MODELS_DIR_NAME = "models"
+
+
+def cache_root() -> Path:
+    """paged-run's cache directory (not created)."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    # The XDG spec says a relative value is invalid and must be ignored.
+    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / CACHE_DIR_NAME
+
+
+def models_cache_dir() -> Path:
+    """Directory holding models converted from GGUF, one sub-directory each (not created)."""
+    return cache_root() / MODELS_DIR_NAME
