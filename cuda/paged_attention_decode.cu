@@ -74,6 +74,16 @@ __device__ __forceinline__ void load_vec(const T* src, float (&dst)[VEC]) {
 #pragma unroll
     for (int i = 0; i < VEC; ++i) dst[i] = to_float(elems[i]);
 }
+// fp32: the four words are the values; no round trip through a local array (which cost
+// sm_90 a 4-byte spill in f32_d128_g1).
+template <>
+__device__ __forceinline__ void load_vec<float, 4>(const float* src, float (&dst)[4]) {
+    const float4 raw = *reinterpret_cast<const float4*>(src);
+    dst[0] = raw.x;
+    dst[1] = raw.y;
+    dst[2] = raw.z;
+    dst[3] = raw.w;
+}
 
 // Folds the softmax state (m_o, l_o, acc_o) into (m, l, acc); -inf maxima are empty states.
 template <int VEC>
@@ -156,9 +166,11 @@ __device__ __forceinline__ void decode_partition(
         const bool valid = token < part_end;
         float k[VEC], v[VEC];
         if (valid) {
-            const long long block = block_table[token >> block_size_log2];
-            const long long slot = block * block_size + (token & (block_size - 1));
-            const long long elem = (slot * num_kv_heads + kv_head) * HEAD_DIM + dim0;
+            const int block = block_table[token >> block_size_log2];
+            // A slot index fits in int (< 2^31 cached tokens); the element offset does not.
+            const int slot = block * block_size + (token & (block_size - 1));
+            const long long elem =
+                (static_cast<long long>(slot) * num_kv_heads + kv_head) * HEAD_DIM + dim0;
             load_vec<T, VEC>(k_cache + elem, k);
             load_vec<T, VEC>(v_cache + elem, v);
         } else {
