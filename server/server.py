@@ -1,0 +1,445 @@
+"""The ROUTER front: sockets, request table, client leases, back-pressure, graceful shutdown.
+
+One I/O thread (the caller of `serve()`) owns every socket and the request table; the engine
+runs in its own thread (engine_loop.py). Life of a GENERATE: decode + validate (protocol.py,
+validation.py) -> admit against the in-flight bound -> optional tokenization here (so the
+engine thread never waits on it) -> EngineLoop.add -> engine outputs come back as events ->
+DELTA frames (stream) or accumulation (no stream) -> one FINAL, or one ERROR. Every message
+gets a reply.
+
+Lost clients (docs/protocol.md, "Liveness"): ROUTER_MANDATORY turns a send to a disconnected
+peer into EHOSTUNREACH, which orphans and aborts that peer's requests at once; a peer that stays
+connected but silent longer than `lease_s` while it has requests in flight is treated the same.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from pagedrun.server.auth import CurveConfig, start_curve_server
+from pagedrun.server.engine_loop import EngineLoop
+from pagedrun.server.metrics import ServerMetrics
+from pagedrun.server.protocol import (DEFAULT_MAX_MESSAGE_BYTES, HARD_LIMIT_FACTOR,
+                                      PROTOCOL_VERSION, ErrorCode, MsgType, ProtocolError, decode,
+                                      encode, error_body)
+from pagedrun.server.validation import (GenerateRequest, ModelLimits, check_fields,
+                                        check_prompt_len, parse_generate)
+
+log = logging.getLogger("pagedrun.server")
+
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
+# Poll timeout: bounds how late a lease sweep or a shutdown request is noticed.
+POLL_INTERVAL_S = 0.1
+# Messages read per loop turn before engine events get a turn, so a flood cannot starve replies.
+MAX_RECV_PER_TURN = 256
+# Per-peer outgoing queue; a client this far behind is treated as gone (its requests aborted).
+SEND_HWM_MESSAGES = 10_000
+# After shutdown aborts what is left, how long to wait for the engine's abort finals.
+ABORT_FLUSH_S = 5.0
+# How long close() lets queued replies (finals of a shutdown) drain to their clients.
+CLOSE_LINGER_MS = 2000
+
+
+@dataclass
+class ServerConfig:
+    endpoint: str = DEFAULT_ENDPOINT
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_queued_requests: int = 1024  # in flight (running + waiting) before `overloaded`
+    lease_s: float = 30.0
+    shutdown_timeout_s: float = 30.0  # let in-flight requests finish this long, then abort
+    tokenize_in_server: bool = True
+    curve: CurveConfig | None = None
+
+
+@dataclass
+class _Request:
+    engine_id: str
+    identity: bytes
+    client_id: str
+    stream: bool
+    arrival_time: float
+    first_token_time: float | None = None
+    num_output_tokens: int = 0
+    orphaned: bool = False  # client gone: abort sent, nothing more is sent to it
+    texts: dict = field(default_factory=dict)      # index -> list[str] (stream off)
+    token_ids: dict = field(default_factory=dict)  # index -> list[int] (stream off)
+    logprobs: dict = field(default_factory=dict)   # index -> list (stream off, when asked)
+    want_logprobs: bool = False
+
+
+def _logprobs_wire(logprobs) -> list | None:
+    if logprobs is None:
+        return None
+    return [{"token_id": lp.token_id, "logprob": float(lp.logprob),
+             "top": [[int(t), float(v)] for t, v in lp.top.items()]} for lp in logprobs]
+
+
+class Server:
+    def __init__(self, engine, config: ServerConfig | None = None) -> None:
+        self.engine = engine
+        self.config = config or ServerConfig()
+        info = dict(engine.model_info())
+        self.model_info = info
+        self.limits = ModelLimits(vocab_size=int(info["vocab_size"]),
+                                  max_model_len=int(info["max_model_len"]))
+        tokenizer = getattr(engine, "tokenizer", None)
+        self._encode = getattr(tokenizer, "encode", None) if self.config.tokenize_in_server \
+            else None
+        self.metrics = ServerMetrics()
+        self._requests: dict[str, _Request] = {}          # engine id -> request
+        self._by_client: dict[tuple[bytes, str], str] = {}  # (identity, client id) -> engine id
+        self._by_identity: dict[bytes, set[str]] = {}
+        self._last_seen: dict[bytes, float] = {}
+        self._next_id = 0
+        self._shutdown = threading.Event()
+        self._bound = threading.Event()
+        self._draining = False
+        self.endpoint: str | None = None
+        self._thread: threading.Thread | None = None
+
+    # --- life cycle ---------------------------------------------------------------------
+    def request_shutdown(self) -> None:
+        """Thread- and signal-safe: stop accepting, finish or abort in-flight work, return."""
+        self._shutdown.set()
+
+    def start(self) -> str:
+        """Serve in a background thread (tests, in-process chat); returns the bound endpoint."""
+        self._thread = threading.Thread(target=self.serve, name="pagedrun-io", daemon=True)
+        self._thread.start()
+        if not self._bound.wait(30):
+            raise RuntimeError("server did not bind within 30 s")
+        if self.endpoint is None:
+            raise RuntimeError("server failed to bind; see log")
+        return self.endpoint
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        self.request_shutdown()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def serve(self) -> None:
+        ctx = zmq.Context()
+        auth = None
+        try:
+            router = ctx.socket(zmq.ROUTER)
+            router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            router.setsockopt(zmq.MAXMSGSIZE,
+                              self.config.max_message_bytes * HARD_LIMIT_FACTOR)
+            router.setsockopt(zmq.SNDHWM, SEND_HWM_MESSAGES)
+            router.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
+            if self.config.curve is not None:
+                auth = start_curve_server(ctx, router, self.config.curve)
+            router.bind(self.config.endpoint)
+            self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+            wake_rx = ctx.socket(zmq.PAIR)
+            wake_rx.bind(f"inproc://wake-{id(self)}")
+            wake_tx = ctx.socket(zmq.PAIR)
+            wake_tx.connect(f"inproc://wake-{id(self)}")
+        except Exception:
+            self._bound.set()
+            ctx.destroy(linger=0)
+            if auth is not None:
+                auth.stop()
+            raise
+
+        def notify() -> None:  # runs in the engine thread; wake_tx belongs to it from here on
+            try:
+                wake_tx.send(b"", zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # a wake-up is already pending
+
+        self._router = router
+        self._loop = EngineLoop(self.engine, notify)
+        self._loop.start()
+        self._bound.set()
+        log.info("serving on %s", self.endpoint)
+        try:
+            self._run(router, wake_rx)
+        finally:
+            self._loop.stop()
+            wake_tx.close(linger=0)
+            wake_rx.close(linger=0)
+            router.close()  # LINGER lets the last finals reach their clients
+            if auth is not None:
+                auth.stop()
+            ctx.term()
+            log.info("server stopped")
+
+    def _run(self, router, wake_rx) -> None:
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(wake_rx, zmq.POLLIN)
+        next_sweep = time.monotonic()
+        drain_deadline = abort_deadline = None
+        while True:
+            ready = dict(poller.poll(POLL_INTERVAL_S * 1000))
+            if router in ready:
+                for _ in range(MAX_RECV_PER_TURN):
+                    try:
+                        frames = router.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._on_message(frames)
+            if wake_rx in ready:
+                while True:
+                    try:
+                        wake_rx.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+            self._drain_events()
+            now = time.monotonic()
+            if now >= next_sweep:
+                self._sweep_leases(now)
+                next_sweep = now + min(1.0, self.config.lease_s / 4)
+            if self._shutdown.is_set() and not self._draining:
+                self._draining = True
+                drain_deadline = now + self.config.shutdown_timeout_s
+                log.info("shutting down: %d request(s) in flight", len(self._requests))
+            if self._draining:
+                if not self._requests:
+                    return
+                if abort_deadline is None and now >= drain_deadline:
+                    for req in self._requests.values():
+                        self._loop.abort(req.engine_id)
+                    abort_deadline = now + ABORT_FLUSH_S
+                elif abort_deadline is not None and now >= abort_deadline:
+                    for req in list(self._requests.values()):
+                        self._send_error(req.identity, ErrorCode.SHUTTING_DOWN,
+                                         "server stopped before the engine confirmed the abort",
+                                         req.client_id)
+                    return
+
+    # --- incoming -----------------------------------------------------------------------
+    def _on_message(self, frames: list[bytes]) -> None:
+        identity = frames[0]
+        self.metrics.counters["messages_received_total"] += 1
+        self._last_seen[identity] = time.monotonic()
+        try:
+            msg_type, body = decode(frames[1:], self.config.max_message_bytes)
+            if msg_type == MsgType.GENERATE:
+                self._on_generate(identity, parse_generate(body, self.limits))
+                return
+            rid = check_fields(msg_type, body)
+            if msg_type == MsgType.ABORT:
+                engine_id = self._by_client.get((identity, rid))
+                if engine_id is not None:
+                    self._loop.abort(engine_id)
+                self._send(identity, MsgType.ABORTED,
+                           {"request_id": rid, "found": engine_id is not None})
+            elif msg_type == MsgType.PING:
+                self._send(identity, MsgType.PONG, {
+                    "request_id": rid, "status": "draining" if self._draining else "ok",
+                    "protocol_version": PROTOCOL_VERSION, "lease_s": self.config.lease_s,
+                    "server_time": time.time(), "num_requests_in_flight": len(self._requests)})
+            elif msg_type == MsgType.MODEL_INFO:
+                self._send(identity, MsgType.MODEL_INFO_REPLY, self._model_info_body(rid))
+            elif msg_type == MsgType.STATS:
+                body = self.metrics.stats_body(self._loop.latest_stats, len(self._requests),
+                                               len(self._by_identity))
+                body["request_id"] = rid
+                self._send(identity, MsgType.STATS_REPLY, body)
+        except ProtocolError as exc:
+            self.metrics.counters["request_rejected_total"] += 1
+            self._send_error(identity, exc.code, exc.message, exc.request_id)
+
+    def _on_generate(self, identity: bytes, req: GenerateRequest) -> None:
+        rid = req.request_id
+        if self._draining:
+            raise ProtocolError(ErrorCode.SHUTTING_DOWN, "server is shutting down", rid)
+        if (identity, rid) in self._by_client:
+            raise ProtocolError(ErrorCode.DUPLICATE_REQUEST_ID,
+                                f"request_id {rid!r} is already in flight on this connection",
+                                rid)
+        if len(self._requests) >= self.config.max_queued_requests:
+            raise ProtocolError(ErrorCode.OVERLOADED,
+                                f"{len(self._requests)} requests in flight (the limit is "
+                                f"{self.config.max_queued_requests}); retry later", rid)
+        kwargs: dict = {"sampling_params": req.sampling_params}
+        if req.prompt is not None and self._encode is not None:
+            ids = list(self._encode(req.prompt))
+            if not ids:
+                raise ProtocolError(ErrorCode.EMPTY_PROMPT, "prompt: encodes to no tokens", rid)
+            check_prompt_len(len(ids), self.limits, rid)
+            kwargs["prompt_token_ids"] = ids
+        elif req.prompt is not None:
+            kwargs["prompt"] = req.prompt
+        elif req.prompt_token_ids is not None:
+            kwargs["prompt_token_ids"] = req.prompt_token_ids
+        else:
+            kwargs["messages"] = req.messages
+        now = time.monotonic()
+        kwargs["arrival_time"] = now
+        engine_id = f"r{self._next_id}"
+        self._next_id += 1
+        self._requests[engine_id] = _Request(
+            engine_id, identity, rid, req.stream, now,
+            want_logprobs=req.sampling_params.logprobs is not None)
+        self._by_client[(identity, rid)] = engine_id
+        self._by_identity.setdefault(identity, set()).add(engine_id)
+        self._loop.add(engine_id, kwargs)
+
+    def _model_info_body(self, rid: str | None) -> dict:
+        info = {k: v for k, v in self.model_info.items()}
+        tok = getattr(self.engine, "tokenizer", None)
+        info["tokenizer"] = {
+            "vocab_size": self.limits.vocab_size,
+            "eos_token_ids": list(self.model_info.get("eos_token_ids", [])),
+            "name": getattr(tok, "name", None) or info.get("model"),
+            "has_chat_template": bool(getattr(tok, "chat_template", None)),
+        }
+        info["server"] = {"protocol_version": PROTOCOL_VERSION, "lease_s": self.config.lease_s,
+                          "max_message_bytes": self.config.max_message_bytes,
+                          "max_queued_requests": self.config.max_queued_requests}
+        info["request_id"] = rid
+        return info
+
+    # --- engine events ------------------------------------------------------------------
+    def _drain_events(self) -> None:
+        events = self._loop.events
+        while not events.empty():
+            event = events.get()
+            if event[0] == "outputs":
+                for out in event[1]:
+                    self._on_output(out)
+            elif event[0] == "rejected":
+                _, engine_id, code, message = event
+                req = self._forget(engine_id)
+                if req is not None:
+                    self.metrics.counters["request_rejected_total"] += 1
+                    try:
+                        code = ErrorCode(code)
+                    except ValueError:
+                        code = ErrorCode.INVALID_REQUEST
+                    if not req.orphaned:
+                        self._send_error(req.identity, code, message, req.client_id)
+            elif event[0] == "failed":
+                for req in list(self._requests.values()):
+                    if not req.orphaned:
+                        self._send_error(req.identity, ErrorCode.INTERNAL_ERROR,
+                                         f"engine step failed: {event[1]}", req.client_id)
+                    req.orphaned = True
+                    self._loop.abort(req.engine_id)
+
+    def _on_output(self, out) -> None:
+        req = self._requests.get(out.request_id)
+        if req is None:
+            return
+        now = time.monotonic()
+        for comp in out.outputs:
+            if comp.token_ids or comp.text:
+                if req.first_token_time is None and comp.token_ids:
+                    req.first_token_time = now
+                    self.metrics.ttft.observe(now - req.arrival_time)
+                req.num_output_tokens += len(comp.token_ids)
+                lps = _logprobs_wire(comp.logprobs) if req.want_logprobs else None
+                if req.stream:
+                    body = {"request_id": req.client_id, "index": comp.index,
+                            "token_ids": list(comp.token_ids), "text": comp.text}
+                    if lps is not None:
+                        body["logprobs"] = lps
+                    self._send_to_request(req, MsgType.DELTA, body)
+                else:
+                    req.token_ids.setdefault(comp.index, []).extend(comp.token_ids)
+                    req.texts.setdefault(comp.index, []).append(comp.text)
+                    if lps is not None:
+                        req.logprobs.setdefault(comp.index, []).extend(lps)
+        if out.finished:
+            self._finish(req, out, now)
+
+    def _finish(self, req: _Request, out, now: float) -> None:
+        self._forget(req.engine_id)
+        outputs = []
+        for comp in sorted(out.outputs, key=lambda c: c.index):
+            entry = {"index": comp.index, "finish_reason": comp.finish_reason,
+                     "stop_reason": comp.stop_reason}
+            if not req.stream:
+                entry["token_ids"] = req.token_ids.get(comp.index, [])
+                entry["text"] = "".join(req.texts.get(comp.index, []))
+                if req.want_logprobs:
+                    entry["logprobs"] = req.logprobs.get(comp.index, [])
+            outputs.append(entry)
+        reason = outputs[0]["finish_reason"] if outputs else "abort"
+        e2e = now - req.arrival_time
+        ttft = None if req.first_token_time is None else req.first_token_time - req.arrival_time
+        usage = out.usage
+        completion_tokens = usage.completion_tokens or req.num_output_tokens
+        tpot = None
+        if ttft is not None and completion_tokens > 1:
+            tpot = (e2e - ttft) / (completion_tokens - 1)
+            self.metrics.tpot.observe(tpot)
+        self.metrics.e2e.observe(e2e)
+        kind = "request_abort_total" if reason == "abort" else "request_success_total"
+        self.metrics.counters[kind] += 1
+        if req.orphaned:
+            return
+        self._send_to_request(req, MsgType.FINAL, {
+            "request_id": req.client_id, "finish_reason": reason,
+            "stop_reason": outputs[0]["stop_reason"] if outputs else None, "outputs": outputs,
+            "usage": {"prompt_tokens": usage.prompt_tokens,
+                      "cached_prompt_tokens": usage.cached_prompt_tokens,
+                      "completion_tokens": completion_tokens},
+            "metrics": {"time_to_first_token_s": ttft, "time_per_output_token_s": tpot,
+                        "e2e_latency_s": e2e}})
+
+    def _forget(self, engine_id: str) -> _Request | None:
+        req = self._requests.pop(engine_id, None)
+        if req is not None:
+            self._by_client.pop((req.identity, req.client_id), None)
+            ids = self._by_identity.get(req.identity)
+            if ids is not None:
+                ids.discard(engine_id)
+                if not ids:
+                    del self._by_identity[req.identity]
+        return req
+
+    # --- outgoing and liveness ----------------------------------------------------------
+    def _send(self, identity: bytes, msg_type: MsgType, body: dict) -> bool:
+        try:
+            self._router.send_multipart([identity, *encode(msg_type, body)], zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            log.warning("client %s is %d messages behind; dropping it", identity.hex(),
+                        SEND_HWM_MESSAGES)
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EHOSTUNREACH:
+                raise
+        self._orphan(identity)
+        return False
+
+    def _send_to_request(self, req: _Request, msg_type: MsgType, body: dict) -> None:
+        if not req.orphaned:
+            self._send(req.identity, msg_type, body)
+
+    def _send_error(self, identity: bytes, code: ErrorCode, message: str,
+                    request_id: str | None) -> None:
+        self._send(identity, MsgType.ERROR, error_body(code, message, request_id))
+
+    def _orphan(self, identity: bytes) -> None:
+        """The client is gone: abort all its requests; their blocks are freed by the engine."""
+        for engine_id in self._by_identity.get(identity, ()):
+            req = self._requests[engine_id]
+            if not req.orphaned:
+                req.orphaned = True
+                self.metrics.counters["clients_lost_total"] += 1
+                self._loop.abort(engine_id)
+        self._last_seen.pop(identity, None)
+
+    def _sweep_leases(self, now: float) -> None:
+        for identity in list(self._last_seen):
+            if identity in self._by_identity:
+                if now - self._last_seen[identity] > self.config.lease_s:
+                    for engine_id in list(self._by_identity[identity]):
+                        req = self._requests[engine_id]
+                        if not req.orphaned:
+                            self._send_error(identity, ErrorCode.LEASE_EXPIRED,
+                                             f"no message from this client for "
+                                             f"{self.config.lease_s} s; request aborted",
+                                             req.client_id)
+                    self._orphan(identity)
+            else:
+                del self._last_seen[identity]  # idle clients need no lease

@@ -1,0 +1,133 @@
+"""Field validation of client messages: every field's type and range, unknown fields, prompts.
+
+Turns a decoded body into a typed request or raises ProtocolError naming the field, so a bad
+message is answered with an error and never reaches the engine. Limits that depend on the model
+(vocab size, max_model_len) come from `ModelLimits`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedrun.runtime.sampling_params import SamplingParams, SamplingParamsError
+from pagedrun.server.protocol import (CHAT_ROLES, MAX_CHAT_MESSAGES, MAX_REQUEST_ID_CHARS,
+                                      MAX_ROLE_CHARS, ErrorCode, MsgType, ProtocolError, is_int)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    vocab_size: int
+    max_model_len: int
+
+
+@dataclass
+class GenerateRequest:
+    request_id: str
+    sampling_params: SamplingParams
+    stream: bool = True
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict] | None = None
+
+
+# Allowed fields per message type; anything else is an error that names it.
+FIELDS = {
+    MsgType.GENERATE: {"request_id", "prompt", "prompt_token_ids", "messages",
+                       "sampling_params", "stream"},
+    MsgType.ABORT: {"request_id"},
+    MsgType.PING: {"request_id"},
+    MsgType.MODEL_INFO: {"request_id"},
+    MsgType.STATS: {"request_id"},
+}
+PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
+
+
+def _bad(message: str, rid: str | None, code: ErrorCode = ErrorCode.INVALID_REQUEST):
+    raise ProtocolError(code, message, rid)
+
+
+def check_request_id(value, required: bool) -> str | None:
+    if value is None:
+        if required:
+            _bad("request_id: required (a string of 1 to "
+                 f"{MAX_REQUEST_ID_CHARS} characters)", None)
+        return None
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_REQUEST_ID_CHARS:
+        _bad(f"request_id: must be a string of 1 to {MAX_REQUEST_ID_CHARS} characters", None)
+    return value
+
+
+def check_fields(msg_type: MsgType, body: dict) -> str | None:
+    """Common checks: unknown fields and the request id. Returns the request id (or None)."""
+    rid = check_request_id(body.get("request_id"), required=msg_type in (MsgType.GENERATE,
+                                                                         MsgType.ABORT))
+    unknown = sorted(set(body) - FIELDS[msg_type])
+    if unknown:
+        _bad(f"unknown field(s) for {msg_type.name}: {', '.join(unknown)}", rid)
+    return rid
+
+
+def _check_messages(value, rid: str) -> list[dict]:
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_CHAT_MESSAGES:
+        _bad(f"messages: must be a list of 1 to {MAX_CHAT_MESSAGES} maps", rid)
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or set(m) != {"role", "content"}:
+            _bad(f"messages[{i}]: must be a map with exactly 'role' and 'content'", rid)
+        role, content = m["role"], m["content"]
+        if not isinstance(role, str) or role not in CHAT_ROLES or len(role) > MAX_ROLE_CHARS:
+            _bad(f"messages[{i}].role: must be one of {', '.join(CHAT_ROLES)}", rid)
+        if not isinstance(content, str):
+            _bad(f"messages[{i}].content: must be a string", rid)
+        out.append({"role": role, "content": content})
+    if not any(m["content"] for m in out):
+        _bad("messages: every content is empty", rid, ErrorCode.EMPTY_PROMPT)
+    return out
+
+
+def parse_generate(body: dict, limits: ModelLimits) -> GenerateRequest:
+    rid = check_fields(MsgType.GENERATE, body)
+    given = [f for f in PROMPT_FIELDS if f in body]
+    if len(given) != 1:
+        _bad("exactly one of prompt, prompt_token_ids, messages is required"
+             f" (got {', '.join(given) or 'none'})", rid)
+    stream = body.get("stream", True)
+    if not isinstance(stream, bool):
+        _bad("stream: must be a boolean", rid)
+    raw_params = body.get("sampling_params", {})
+    if not isinstance(raw_params, dict) or not all(isinstance(k, str) for k in raw_params):
+        _bad("sampling_params: must be a map with string keys", rid)
+    try:
+        params = SamplingParams.from_dict(raw_params)
+    except SamplingParamsError as exc:
+        _bad(f"sampling_params.{exc}", rid)
+    except TypeError as exc:  # e.g. stop given as a number
+        _bad(f"sampling_params: {exc}", rid)
+    req = GenerateRequest(request_id=rid, sampling_params=params, stream=stream)
+    if "prompt" in body:
+        prompt = body["prompt"]
+        if not isinstance(prompt, str):
+            _bad("prompt: must be a string", rid)
+        if not prompt:
+            _bad("prompt: is empty", rid, ErrorCode.EMPTY_PROMPT)
+        req.prompt = prompt
+    elif "prompt_token_ids" in body:
+        ids = body["prompt_token_ids"]
+        if not isinstance(ids, list):
+            _bad("prompt_token_ids: must be a list of integers", rid)
+        if not ids:
+            _bad("prompt_token_ids: is empty", rid, ErrorCode.EMPTY_PROMPT)
+        if not all(is_int(t) and 0 <= t < limits.vocab_size for t in ids):
+            _bad(f"prompt_token_ids: every id must be an integer in [0, {limits.vocab_size})", rid)
+        check_prompt_len(len(ids), limits, rid)
+        req.prompt_token_ids = ids
+    else:
+        req.messages = _check_messages(body["messages"], rid)
+    return req
+
+
+def check_prompt_len(num_prompt_tokens: int, limits: ModelLimits, rid: str) -> None:
+    # A prompt needs room for at least one generated token.
+    if num_prompt_tokens >= limits.max_model_len:
+        _bad(f"prompt has {num_prompt_tokens} tokens; max_model_len is {limits.max_model_len} "
+             "(prompt plus at least one generated token must fit)", rid,
+             ErrorCode.PROMPT_TOO_LONG)
