@@ -22,7 +22,7 @@ class Sequence:
 
     seq_id: int  # scheduler request id
     index: int  # CompletionOutput.index
-    generator: np.random.Generator
+    generator: np.random.Generator | None  # None: draws from the engine sampler's stream
     detokenizer: object  # pagedrun.runtime.detokenizer incremental detokenizer
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprob] | None = None

@@ -1,0 +1,121 @@
+"""The offline API with vLLM's names: `LLM(...).generate(prompts, sampling_params)` and `.chat(...)`.
+
+A thin loop over LLMEngine: add every request, step until all have finished, return one final
+RequestOutput per prompt in input order. Outputs are assembled from the engine's streaming deltas
+(so the offline and streaming paths are the same code).
+"""
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+
+from pagedrun.runtime.engine import LLMEngine
+from pagedrun.runtime.engine_config import EngineConfig
+from pagedrun.runtime.outputs import CompletionOutput, RequestOutput
+from pagedrun.runtime.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+Message = dict
+
+
+def _merge(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """Accumulate one streaming delta into the running total of a request."""
+    if total is None:
+        total = RequestOutput(request_id=delta.request_id, prompt_token_ids=delta.prompt_token_ids,
+                              outputs=[], arrival_time=delta.arrival_time)
+    by_index = {c.index: c for c in total.outputs}
+    for c in delta.outputs:
+        acc = by_index.get(c.index)
+        if acc is None:
+            acc = by_index[c.index] = CompletionOutput(
+                index=c.index, logprobs=None if c.logprobs is None else [])
+        acc.token_ids.extend(c.token_ids)
+        acc.text += c.text
+        if c.logprobs is not None:
+            acc.logprobs.extend(c.logprobs)
+        acc.finish_reason, acc.stop_reason = c.finish_reason, c.stop_reason
+    total.outputs = [by_index[i] for i in sorted(by_index)]
+    total.finished = delta.finished
+    total.usage = delta.usage
+    total.prompt_logprobs = delta.prompt_logprobs or total.prompt_logprobs
+    total.first_token_time = delta.first_token_time
+    total.finished_time = delta.finished_time
+    total.error = delta.error
+    return total
+
+
+class LLM:
+    """An engine for offline batch generation.
+
+    model: Hugging Face directory, .gguf file, or None (the default model).
+    device: "auto" (cuda when available, else cpu), "cpu"; "sim"/"cuda" until their backends land
+    raise DeviceNotAvailableError. Other keywords are EngineConfig fields.
+    """
+
+    def __init__(self, model: str | None = None, device: str = "auto", *, block_size: int = 16,
+                 max_model_len: int | None = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
+                 num_kv_blocks: int | None = None, seed: int = 0, **engine_kwargs) -> None:
+        config = EngineConfig(model=model, device=device, block_size=block_size,
+                              max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens,
+                              enable_prefix_caching=enable_prefix_caching,
+                              num_kv_blocks=num_kv_blocks, seed=seed, **engine_kwargs)
+        self.engine = LLMEngine(config)
+        self._counter = 0
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        """Wrap an existing engine (tests build engines around in-memory models)."""
+        llm = cls.__new__(cls)
+        llm.engine, llm._counter = engine, 0
+        return llm
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """prompts: a string, a list of strings, one token-id list, or a list of token-id lists."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], numbers.Integral)):
+            prompts = [prompts]
+        return self._run([("prompt_token_ids" if not isinstance(p, str) else "prompt", p)
+                          for p in prompts], sampling_params)
+
+    def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+             ) -> list[RequestOutput]:
+        """messages: one conversation ([{"role", "content"}, ...]) or a list of them."""
+        if messages and isinstance(messages[0], dict):
+            messages = [messages]
+        return self._run([("messages", list(m)) for m in messages], sampling_params)
+
+    def _run(self, inputs: list[tuple[str, object]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None
+             ) -> list[RequestOutput]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(inputs)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(inputs):
+                raise ValueError(f"{len(inputs)} prompts but {len(params)} sampling_params")
+        ids = []
+        try:
+            for (kind, value), p in zip(inputs, params):
+                request_id = f"offline-{self._counter}"
+                self._counter += 1
+                self.engine.add_request(request_id, sampling_params=p,
+                                        **{kind: list(value) if kind != "prompt" else value})
+                ids.append(request_id)
+        except Exception:
+            for request_id in ids:  # all or nothing: the batch is refused as a whole
+                self.engine.abort_request(request_id)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+            raise
+        totals: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for delta in self.engine.step():
+                totals[delta.request_id] = _merge(totals.get(delta.request_id), delta)
+        return [totals[i] for i in ids]
