@@ -1,0 +1,618 @@
+// runtime.cpp -- the CPU harness scheduler: runs a CUDA grid block by block, each CUDA thread
+// a fiber on its own small stack, switched by a 6-register assembly context switch (x86-64
+// SysV). Owns: fiber stacks, block/warp rendezvous, deadlock reports, cp.async groups,
+// shared-memory poisoning and guards, and the sanitizer fiber hooks.
+//
+// Built once per sanitizer mode (plain / ASan / TSan) by runtime/kernels/sim_module.py and
+// linked into every kernel module. It is deliberately NOT instrumented by the sanitizers: it
+// touches every thread's state from the scheduler, and TSan would report the harness itself.
+// Instead it tells the sanitizers what the kernel code needs to know:
+//   * ASan: __sanitizer_{start,finish}_switch_fiber around every switch; the guard after
+//     dynamic shared memory is poisoned, so an overflow is reported at the faulting line.
+//   * TSan: each CUDA thread is a TSan fiber, switched with no_sync (a switch is not a
+//     synchronisation); barriers are release (arrive) / acquire (leave) on the barrier.
+#include "runtime_api.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#if defined(PAGEDRUN_SIM_ASAN)
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
+#if defined(PAGEDRUN_SIM_TSAN)
+#include <sanitizer/tsan_interface.h>
+#endif
+
+// Linker-provided bounds of the static __shared__ storage (section "pagedrun_smem", see
+// sim.cuh). Weak: a module without static shared memory has no such section.
+extern "C" {
+__attribute__((weak, visibility("hidden"))) extern unsigned char __start_pagedrun_smem[];
+__attribute__((weak, visibility("hidden"))) extern unsigned char __stop_pagedrun_smem[];
+void pagedrun_fiber_switch(void** save_sp, void* new_sp) __attribute__((visibility("hidden")));
+void pagedrun_fiber_trampoline() __attribute__((visibility("hidden")));
+}
+
+// Saves the callee-saved registers on the current stack, stores the stack pointer in
+// *save_sp, loads new_sp and restores the registers saved there. A fresh fiber's stack is
+// laid out so that the restore lands in pagedrun_fiber_trampoline with r12 = argument and
+// r13 = entry function.
+asm(R"(
+    .text
+    .globl pagedrun_fiber_switch
+    .hidden pagedrun_fiber_switch
+    .type pagedrun_fiber_switch,@function
+pagedrun_fiber_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size pagedrun_fiber_switch, .-pagedrun_fiber_switch
+
+    .globl pagedrun_fiber_trampoline
+    .hidden pagedrun_fiber_trampoline
+    .type pagedrun_fiber_trampoline,@function
+pagedrun_fiber_trampoline:
+    movq %r12, %rdi
+    call *%r13
+    ud2
+    .size pagedrun_fiber_trampoline, .-pagedrun_fiber_trampoline
+)");
+
+namespace pagedrun_sim {
+
+ThreadCtx* g_thread = nullptr;
+LaunchCtx g_launch{};
+
+namespace {
+
+// Plain builds need little stack per CUDA thread; ASan's redzones need more.
+#if defined(PAGEDRUN_SIM_ASAN) || defined(PAGEDRUN_SIM_TSAN)
+constexpr std::size_t kStackBytes = 256 * 1024;
+#else
+constexpr std::size_t kStackBytes = 128 * 1024;
+#endif
+constexpr std::size_t kGuardBytes = 4096;
+constexpr std::size_t kSmemGuardBytes = 256;   // poisoned tail after dynamic shared memory
+constexpr std::size_t kSmemAlign = 128;
+constexpr unsigned char kPoisonByte = 0xFF;    // f32/f16/bf16 NaN, integer -1
+constexpr unsigned char kGuardByte = 0xA5;
+constexpr std::size_t kMaxDynSmem = 227 * 1024;  // sm_90 opt-in maximum per block
+constexpr unsigned kMaxThreads = 1024;
+
+enum class State { Runnable, WaitBlock, WaitWarp, Done };
+
+struct PendingCopy {
+    unsigned char* dst;
+    unsigned char data[16];
+};
+
+struct Fiber {
+    ThreadCtx ctx{};
+    void* sp = nullptr;
+    unsigned char* stack_lo = nullptr;
+    State state = State::Runnable;
+    Loc site{};
+    const char* what = nullptr;
+    uint32_t mask = 0;
+    void* asan_fake = nullptr;
+    void* tsan_fiber = nullptr;
+    std::vector<PendingCopy> open_group;
+    std::deque<std::vector<PendingCopy>> committed;
+};
+
+struct Warp {
+    uint32_t exists = 0;   // lanes present in the block
+    uint32_t arrived = 0;  // lanes waiting in a collective
+    void* data[kWarpSize]{};
+};
+
+struct Launch {
+    const char* name = nullptr;
+    KernelBody body = nullptr;
+    void* fn = nullptr;
+    void** args = nullptr;
+    unsigned nthreads = 0;
+    std::vector<Fiber> fibers;
+    std::vector<Warp> warps;
+    Fiber* cur = nullptr;
+    void* sched_sp = nullptr;
+    bool failed = false;
+    std::string error;
+    unsigned block_arrived = 0;
+    int block_acc = 0;
+    int block_kind = 0;
+    // sanitizer bookkeeping
+    void* sched_fake = nullptr;
+    const void* sched_stack_bottom = nullptr;
+    std::size_t sched_stack_size = 0;
+    void* tsan_sched = nullptr;
+    char tsan_block_token = 0, tsan_barrier_token = 0, tsan_warp_token = 0;
+};
+
+Launch* g_L = nullptr;
+std::mutex g_launch_mutex;  // the static __shared__ storage exists once per module
+
+unsigned char* g_stacks = nullptr;
+std::size_t g_stacks_count = 0;
+
+void tsan_release(void* p) {
+#if defined(PAGEDRUN_SIM_TSAN)
+    __tsan_release(p);
+#else
+    (void)p;
+#endif
+}
+void tsan_acquire(void* p) {
+#if defined(PAGEDRUN_SIM_TSAN)
+    __tsan_acquire(p);
+#else
+    (void)p;
+#endif
+}
+
+std::string fmt_loc(const Loc& loc) {
+    const char* file = loc.file_name();
+    const char* slash = std::strrchr(file, '/');
+    return std::string(slash ? slash + 1 : file) + ":" + std::to_string(loc.line());
+}
+
+std::string thread_name(const Fiber& f) {
+    char buf[160];
+    const uint3& b = g_launch.block_idx;
+    std::snprintf(buf, sizeof buf, "block (%u,%u,%u) thread (%u,%u,%u) [warp %u lane %u]", b.x,
+                  b.y, b.z, f.ctx.thread_idx.x, f.ctx.thread_idx.y, f.ctx.thread_idx.z,
+                  f.ctx.warp, f.ctx.lane);
+    return buf;
+}
+
+void ensure_stacks(unsigned n) {
+    if (g_stacks_count >= n) return;
+    if (g_stacks) munmap(g_stacks, g_stacks_count * (kStackBytes + kGuardBytes));
+    std::size_t bytes = std::size_t(n) * (kStackBytes + kGuardBytes);
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) {
+        std::fprintf(stderr, "pagedrun sim: cannot map %zu bytes of fiber stacks\n", bytes);
+        std::abort();
+    }
+    g_stacks = static_cast<unsigned char*>(p);
+    g_stacks_count = n;
+    for (unsigned i = 0; i < n; ++i)  // guard page below each stack catches overflow
+        mprotect(g_stacks + i * (kStackBytes + kGuardBytes), kGuardBytes, PROT_NONE);
+}
+
+[[noreturn]] void fiber_main(Fiber* f);
+
+void init_fiber_stack(Fiber& f) {
+    // Initial frame, from the top: return address = trampoline, then rbp rbx r12 r13 r14 r15.
+    auto* top = reinterpret_cast<uint64_t*>(f.stack_lo + kStackBytes);
+    top[-1] = reinterpret_cast<uint64_t>(&pagedrun_fiber_trampoline);
+    top[-2] = 0;                                          // rbp: ends frame-pointer walks
+    top[-3] = 0;                                          // rbx
+    top[-4] = reinterpret_cast<uint64_t>(&f);             // r12: argument
+    top[-5] = reinterpret_cast<uint64_t>(&fiber_main);    // r13: entry
+    top[-6] = 0;                                          // r14
+    top[-7] = 0;                                          // r15
+    f.sp = &top[-7];
+}
+
+// Scheduler -> fiber.
+void run_fiber(Fiber& f) {
+    Launch& L = *g_L;
+    L.cur = &f;
+    g_thread = &f.ctx;
+#if defined(PAGEDRUN_SIM_ASAN)
+    __sanitizer_start_switch_fiber(&L.sched_fake, f.stack_lo, kStackBytes);
+#endif
+#if defined(PAGEDRUN_SIM_TSAN)
+    __tsan_switch_to_fiber(f.tsan_fiber, __tsan_switch_to_fiber_no_sync);
+#endif
+    pagedrun_fiber_switch(&L.sched_sp, f.sp);
+#if defined(PAGEDRUN_SIM_ASAN)
+    __sanitizer_finish_switch_fiber(L.sched_fake, nullptr, nullptr);
+#endif
+    L.cur = nullptr;
+}
+
+// Fiber -> scheduler. `final`: the fiber will never be resumed.
+void yield_to_scheduler(bool final) {
+    Launch& L = *g_L;
+    Fiber& f = *L.cur;
+#if defined(PAGEDRUN_SIM_ASAN)
+    __sanitizer_start_switch_fiber(final ? nullptr : &f.asan_fake, L.sched_stack_bottom,
+                                   L.sched_stack_size);
+#else
+    (void)final;
+#endif
+#if defined(PAGEDRUN_SIM_TSAN)
+    __tsan_switch_to_fiber(L.tsan_sched, __tsan_switch_to_fiber_no_sync);
+#endif
+    pagedrun_fiber_switch(&f.sp, L.sched_sp);
+#if defined(PAGEDRUN_SIM_ASAN)
+    __sanitizer_finish_switch_fiber(f.asan_fake, &L.sched_stack_bottom, &L.sched_stack_size);
+#endif
+}
+
+void fiber_main(Fiber* f) {
+    Launch& L = *g_L;
+#if defined(PAGEDRUN_SIM_ASAN)
+    __sanitizer_finish_switch_fiber(nullptr, &L.sched_stack_bottom, &L.sched_stack_size);
+#endif
+    tsan_acquire(&L.tsan_block_token);
+    L.body(L.args, L.fn);
+    f->state = State::Done;
+    tsan_release(&L.tsan_block_token);
+    yield_to_scheduler(true);
+    __builtin_unreachable();
+}
+
+void describe_wait(const Fiber& f, std::string& out) {
+    switch (f.state) {
+        case State::Done: out = "have exited"; break;
+        case State::Runnable: out = "are runnable"; break;
+        case State::WaitBlock: out = "wait at __syncthreads (" + fmt_loc(f.site) + ")"; break;
+        case State::WaitWarp: {
+            char m[16];
+            std::snprintf(m, sizeof m, "0x%08x", f.mask);
+            out = std::string("wait at ") + f.what + " mask " + m + " (" + fmt_loc(f.site) + ")";
+            break;
+        }
+    }
+}
+
+std::string deadlock_report() {
+    Launch& L = *g_L;
+    const uint3& b = g_launch.block_idx;
+    char head[200];
+    std::snprintf(head, sizeof head,
+                  "kernel %s: deadlock in block (%u,%u,%u) of %u threads: no thread can "
+                  "proceed (divergent barrier or warp operation):",
+                  L.name, b.x, b.y, b.z, L.nthreads);
+    std::string out = head;
+    unsigned i = 0;
+    while (i < L.nthreads) {
+        std::string what;
+        describe_wait(L.fibers[i], what);
+        unsigned j = i + 1;
+        for (; j < L.nthreads; ++j) {
+            std::string w2;
+            describe_wait(L.fibers[j], w2);
+            if (w2 != what) break;
+        }
+        char range[64];
+        if (j - i == 1)
+            std::snprintf(range, sizeof range, "\n  thread %u ", i);
+        else
+            std::snprintf(range, sizeof range, "\n  threads %u-%u ", i, j - 1);
+        out += range + what;
+        i = j;
+    }
+    return out;
+}
+
+void poison_shared() {
+    if (__start_pagedrun_smem && __stop_pagedrun_smem)
+        std::memset(__start_pagedrun_smem, kPoisonByte,
+                    std::size_t(__stop_pagedrun_smem - __start_pagedrun_smem));
+    if (g_launch.dyn_smem) std::memset(g_launch.dyn_smem, kPoisonByte, g_launch.dyn_smem_bytes);
+}
+
+bool check_smem_guard(std::string& err) {
+    unsigned char* guard = g_launch.dyn_smem + g_launch.dyn_smem_bytes;
+    for (std::size_t i = 0; i < kSmemGuardBytes; ++i) {
+        if (guard[i] != kGuardByte) {
+            const uint3& b = g_launch.block_idx;
+            char buf[256];
+            std::snprintf(buf, sizeof buf,
+                          "kernel %s: shared memory overflow in block (%u,%u,%u): byte %zu past "
+                          "the end of the %zu bytes of dynamic shared memory was written",
+                          g_L->name, b.x, b.y, b.z, i, g_launch.dyn_smem_bytes);
+            err = buf;
+            return false;
+        }
+    }
+    return true;
+}
+
+void run_block() {
+    Launch& L = *g_L;
+    poison_shared();
+    L.block_arrived = 0;
+    L.block_acc = 0;
+    for (auto& w : L.warps) w.arrived = 0;
+    for (auto& f : L.fibers) {
+        f.state = State::Runnable;
+        f.open_group.clear();
+        f.committed.clear();
+        init_fiber_stack(f);
+    }
+    tsan_release(&L.tsan_block_token);
+    unsigned done = 0;
+    while (done < L.nthreads) {
+        bool progress = false;
+        done = 0;
+        for (auto& f : L.fibers) {
+            if (f.state == State::Runnable) {
+                run_fiber(f);
+                progress = true;
+                if (L.failed) return;
+            }
+            if (f.state == State::Done) ++done;
+        }
+        if (done < L.nthreads && !progress) {
+            L.failed = true;
+            L.error = deadlock_report();
+            return;
+        }
+    }
+    tsan_acquire(&L.tsan_block_token);
+    std::string err;
+    if (!check_smem_guard(err)) {
+        L.failed = true;
+        L.error = err;
+    }
+}
+
+}  // namespace
+
+void fail(const Loc& loc, const char* fmt, ...) {
+    Launch& L = *g_L;
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    std::vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    L.failed = true;
+    L.error = std::string("kernel ") + L.name + ": " + thread_name(*L.cur) + ": " + msg +
+              " (at " + fmt_loc(loc) + ")";
+    yield_to_scheduler(true);
+    __builtin_unreachable();
+}
+
+void block_barrier(int kind, int pred, const Loc& loc) {
+    Launch& L = *g_L;
+    Fiber& f = *L.cur;
+    if (L.block_arrived == 0) {
+        L.block_kind = kind;
+        L.block_acc = kind == 2 ? 1 : 0;
+    } else if (L.block_kind != kind) {
+        fail(loc, "block barrier mismatch: this thread is in a different __syncthreads variant "
+                  "than threads already waiting");
+    }
+    if (kind == 1) L.block_acc += pred != 0;
+    if (kind == 2) L.block_acc &= pred != 0;
+    if (kind == 3) L.block_acc |= pred != 0;
+    f.state = State::WaitBlock;
+    f.site = loc;
+    tsan_release(&L.tsan_barrier_token);
+    if (++L.block_arrived == L.nthreads) {
+        // Every thread must wait at the same __syncthreads: a barrier reached from two
+        // different call sites is divergent control flow, undefined on hardware.
+        for (auto& o : L.fibers) {
+            if (o.site.line() != loc.line() ||
+                std::strcmp(o.site.file_name(), loc.file_name()) != 0) {
+                fail(loc, "divergent __syncthreads: thread %u waits at %s while this thread "
+                          "waits here",
+                     o.ctx.linear, fmt_loc(o.site).c_str());
+            }
+        }
+        L.block_arrived = 0;
+        for (auto& o : L.fibers) {
+            o.ctx.block_result = L.block_acc;
+            if (&o != &f) o.state = State::Runnable;
+        }
+        f.state = State::Runnable;
+    } else {
+        yield_to_scheduler(false);
+    }
+    tsan_acquire(&L.tsan_barrier_token);
+}
+
+uint32_t active_mask() {
+    Launch& L = *g_L;
+    Fiber& f = *L.cur;
+    uint32_t m = 0;
+    unsigned base = f.ctx.warp * kWarpSize;
+    for (unsigned l = 0; l < kWarpSize && base + l < L.nthreads; ++l)
+        if (L.fibers[base + l].state != State::Done) m |= 1u << l;
+    return m;
+}
+
+void warp_collective(uint32_t mask, const char* what, void* lane_data, WarpFn fn, void* ctx,
+                     const Loc& loc) {
+    Launch& L = *g_L;
+    Fiber& f = *L.cur;
+    Warp& w = L.warps[f.ctx.warp];
+    const uint32_t me = 1u << f.ctx.lane;
+    if (!(mask & me))
+        fail(loc, "%s with mask 0x%08x, which does not include the calling lane", what, mask);
+    if (mask & ~w.exists)
+        fail(loc,
+             "%s with mask 0x%08x in a partial warp: warp %u has only lanes 0x%08x (block of "
+             "%u threads); naming absent lanes is undefined on hardware",
+             what, mask, f.ctx.warp, w.exists, L.nthreads);
+    unsigned base = f.ctx.warp * kWarpSize;
+    for (unsigned l = 0; l < kWarpSize; ++l) {
+        if (!(mask & (1u << l)) || l == f.ctx.lane) continue;
+        const Fiber& o = L.fibers[base + l];
+        if (o.state == State::Done)
+            fail(loc, "%s with mask 0x%08x names lane %u, which has exited", what, mask, l);
+    }
+    for (unsigned l = 0; l < kWarpSize; ++l) {
+        if (!(w.arrived & (1u << l))) continue;
+        const Fiber& o = L.fibers[base + l];
+        bool overlaps = (mask & (1u << l)) || (o.mask & me);
+        if (overlaps && (o.mask != mask || std::strcmp(o.what, what) != 0))
+            fail(loc,
+                 "mismatched warp operations: this lane calls %s with mask 0x%08x while lane "
+                 "%u waits at %s with mask 0x%08x (%s)",
+                 what, mask, l, o.what, o.mask, fmt_loc(o.site).c_str());
+    }
+    f.state = State::WaitWarp;
+    f.site = loc;
+    f.what = what;
+    f.mask = mask;
+    w.data[f.ctx.lane] = lane_data;
+    w.arrived |= me;
+    tsan_release(&L.tsan_warp_token);
+    if ((w.arrived & mask) == mask) {
+        tsan_acquire(&L.tsan_warp_token);
+        void* lanes[kWarpSize];
+        for (unsigned l = 0; l < kWarpSize; ++l) lanes[l] = (mask >> l) & 1 ? w.data[l] : nullptr;
+        fn(lanes, mask, ctx);
+        w.arrived &= ~mask;
+        for (unsigned l = 0; l < kWarpSize; ++l)
+            if (mask & (1u << l)) L.fibers[base + l].state = State::Runnable;
+        tsan_release(&L.tsan_warp_token);
+    } else {
+        yield_to_scheduler(false);
+    }
+    tsan_acquire(&L.tsan_warp_token);
+}
+
+bool is_shared(const void* p, std::size_t bytes) {
+    auto* c = static_cast<const unsigned char*>(p);
+    if (__start_pagedrun_smem && c >= __start_pagedrun_smem && c + bytes <= __stop_pagedrun_smem)
+        return true;
+    return g_launch.dyn_smem && c >= g_launch.dyn_smem &&
+           c + bytes <= g_launch.dyn_smem + g_launch.dyn_smem_bytes;
+}
+
+void cp_async(void* smem_dst, const void* gmem_src, int src_bytes, const Loc& loc) {
+    Fiber& f = *g_L->cur;
+    if (reinterpret_cast<uintptr_t>(smem_dst) % 16 != 0)
+        fail(loc, "cp.async destination %p is not 16-byte aligned", smem_dst);
+    if (!is_shared(smem_dst, 16))
+        fail(loc, "cp.async destination %p is not in shared memory", smem_dst);
+    if (src_bytes < 0 || src_bytes > 16)
+        fail(loc, "cp.async src_bytes %d outside 0..16", src_bytes);
+    if (src_bytes > 0 && reinterpret_cast<uintptr_t>(gmem_src) % 16 != 0)
+        fail(loc, "cp.async source %p is not 16-byte aligned", gmem_src);
+    PendingCopy pc;
+    pc.dst = static_cast<unsigned char*>(smem_dst);
+    std::memset(pc.data, 0, sizeof pc.data);
+    if (src_bytes > 0) std::memcpy(pc.data, gmem_src, std::size_t(src_bytes));
+    // Until the wait, the destination holds NaN: reading it early is a bug that shows.
+    std::memset(pc.dst, kPoisonByte, 16);
+    f.open_group.push_back(pc);
+}
+
+void cp_async_commit() {
+    Fiber& f = *g_L->cur;
+    f.committed.push_back(std::move(f.open_group));
+    f.open_group.clear();
+}
+
+void cp_async_wait(int pending_groups_allowed) {
+    Fiber& f = *g_L->cur;
+    while (f.committed.size() > std::size_t(std::max(pending_groups_allowed, 0))) {
+        for (const PendingCopy& pc : f.committed.front()) std::memcpy(pc.dst, pc.data, 16);
+        f.committed.pop_front();
+    }
+}
+
+int launch(const char* kernel_name, KernelBody body, void* fn, const unsigned* grid,
+           const unsigned* block, std::size_t dyn_smem_bytes, void** args, char* err,
+           std::size_t err_len) {
+    std::lock_guard<std::mutex> lock(g_launch_mutex);
+    auto report = [&](const std::string& msg) {
+        std::snprintf(err, err_len, "%s", msg.c_str());
+        return 1;
+    };
+    unsigned nthreads = block[0] * block[1] * block[2];
+    if (nthreads == 0 || nthreads > kMaxThreads)
+        return report(std::string("kernel ") + kernel_name + ": block of " +
+                      std::to_string(nthreads) + " threads (allowed 1.." +
+                      std::to_string(kMaxThreads) + ")");
+    if (block[2] > 64)
+        return report(std::string("kernel ") + kernel_name + ": blockDim.z > 64");
+    if (grid[0] == 0 || grid[1] == 0 || grid[2] == 0 || grid[1] > 65535 || grid[2] > 65535)
+        return report(std::string("kernel ") + kernel_name + ": invalid grid");
+    if (dyn_smem_bytes > kMaxDynSmem)
+        return report(std::string("kernel ") + kernel_name + ": " +
+                      std::to_string(dyn_smem_bytes) + " bytes of dynamic shared memory (max " +
+                      std::to_string(kMaxDynSmem) + ")");
+
+    Launch L;
+    L.name = kernel_name;
+    L.body = body;
+    L.fn = fn;
+    L.args = args;
+    L.nthreads = nthreads;
+    L.fibers.resize(nthreads);
+    L.warps.resize((nthreads + kWarpSize - 1) / kWarpSize);
+    ensure_stacks(nthreads);
+    for (unsigned i = 0; i < nthreads; ++i) {
+        Fiber& f = L.fibers[i];
+        f.ctx.thread_idx = {i % block[0], (i / block[0]) % block[1], i / (block[0] * block[1])};
+        f.ctx.linear = i;
+        f.ctx.warp = i / kWarpSize;
+        f.ctx.lane = i % kWarpSize;
+        f.stack_lo = g_stacks + i * (kStackBytes + kGuardBytes) + kGuardBytes;
+        L.warps[f.ctx.warp].exists |= 1u << f.ctx.lane;
+#if defined(PAGEDRUN_SIM_TSAN)
+        f.tsan_fiber = __tsan_create_fiber(0);
+#endif
+    }
+#if defined(PAGEDRUN_SIM_TSAN)
+    L.tsan_sched = __tsan_get_current_fiber();
+#endif
+    std::size_t smem_alloc = (dyn_smem_bytes + kSmemGuardBytes + kSmemAlign - 1) / kSmemAlign * kSmemAlign;
+    auto* smem = static_cast<unsigned char*>(std::aligned_alloc(kSmemAlign, smem_alloc));
+    std::memset(smem + dyn_smem_bytes, kGuardByte, kSmemGuardBytes);
+#if defined(PAGEDRUN_SIM_ASAN)
+    __asan_poison_memory_region(smem + dyn_smem_bytes, smem_alloc - dyn_smem_bytes);
+#endif
+    g_launch.grid_dim = dim3(grid[0], grid[1], grid[2]);
+    g_launch.block_dim = dim3(block[0], block[1], block[2]);
+    g_launch.dyn_smem = smem;
+    g_launch.dyn_smem_bytes = dyn_smem_bytes;
+
+    Launch* outer = g_L;
+    g_L = &L;
+    for (unsigned z = 0; z < grid[2] && !L.failed; ++z)
+        for (unsigned y = 0; y < grid[1] && !L.failed; ++y)
+            for (unsigned x = 0; x < grid[0] && !L.failed; ++x) {
+                g_launch.block_idx = {x, y, z};
+                run_block();
+            }
+    g_L = outer;
+    g_thread = nullptr;
+
+#if defined(PAGEDRUN_SIM_ASAN)
+    __asan_unpoison_memory_region(smem + dyn_smem_bytes, smem_alloc - dyn_smem_bytes);
+    if (L.failed)  // abandoned fibers leave poisoned frames behind on the reused stacks
+        __asan_unpoison_memory_region(g_stacks, g_stacks_count * (kStackBytes + kGuardBytes));
+#endif
+#if defined(PAGEDRUN_SIM_TSAN)
+    for (auto& f : L.fibers) __tsan_destroy_fiber(f.tsan_fiber);
+#endif
+    std::free(smem);
+    g_launch.dyn_smem = nullptr;
+    if (L.failed) return report(L.error);
+    return 0;
+}
+
+}  // namespace pagedrun_sim

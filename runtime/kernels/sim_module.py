@@ -1,0 +1,254 @@
+"""SimModule: runs the exact cuda/*.cu sources on the CPU, with the surface of cupy.RawModule.
+
+Owns the host build of kernel sources (g++ -std=c++20 with -DPAGEDRUN_SIM, see
+cuda/sim/sim.cuh and docs/kernels.md), its content-hash cache, and the launch path:
+
+    mod = SimModule(code='#include "paged_attention.cu"', options=("-DHEAD_DIM=128",))
+    fn = mod.get_function("paged_attention_decode_bf16_hd128_bs16")
+    fn(grid, block, (q, k_cache, np.int32(n)), shared_mem=nbytes)
+
+Arguments mirror a CuPy launch: numpy arrays stand for device pointers (C-contiguous; the
+kernel reads and writes them in place) and scalars must be numpy scalars of the parameter's
+exact dtype (np.int32 for `int`, np.float32 for `float`, ...). A wrong count or dtype raises
+TypeError before anything runs. A kernel-side error (deadlock, mask violation, misaligned
+ldmatrix, shared-memory overflow, ...) raises SimKernelError naming kernel, block and thread.
+
+Builds are cached in $XDG_CACHE_HOME/pagedrun/sim (default ~/.cache/pagedrun/sim), keyed by
+the hash of the preprocessed source, the flags and the compiler. If the process runs under
+AddressSanitizer or ThreadSanitizer (libasan / libtsan preloaded, as scripts/ci_sanitizers.sh
+does), modules are built with the matching -fsanitize flags, so the same tests exercise the
+sanitizers without any switch in the code under test.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
+SIM_DIR = CUDA_DIR / "sim"
+CXX = "g++"
+
+_BASE_FLAGS = ("-std=c++20", "-fPIC", "-DPAGEDRUN_SIM", "-fvisibility=hidden",
+               "-Wno-attributes", "-Wno-unknown-pragmas")
+# Per sanitizer mode: optimisation/sanitizer flags for kernel code, and the define that turns
+# on the matching fiber hooks in cuda/sim/runtime.cpp (which itself is never instrumented).
+_MODE_FLAGS = {
+    "plain": (("-O2",), ()),
+    "asan": (("-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+              "-fno-sanitize-recover=all"), ("-DPAGEDRUN_SIM_ASAN",)),
+    "tsan": (("-O1", "-g", "-fsanitize=thread"), ("-DPAGEDRUN_SIM_TSAN",)),
+}
+_KERNEL_RE = re.compile(r'extern\s+"C"\s+PAGEDRUN_KERNEL_MARK\s+(?:\w+\s+)*?void\s+(\w+)\s*\(')
+# NVRTC options with no meaning for the host build; accepted so call sites stay identical.
+_IGNORED_OPTION_PREFIXES = ("--std", "-std", "--use_fast_math", "-use_fast_math", "-lineinfo",
+                            "--generate-line-info", "-arch", "--gpu-architecture",
+                            "-default-device", "--fmad", "-fmad", "-G", "-dopt")
+_ERR_LEN = 8192
+
+
+class SimKernelError(RuntimeError):
+    """A kernel failed under the harness; the message names kernel, block and thread."""
+
+
+class SimBuildError(RuntimeError):
+    """g++ rejected the kernel source; the message carries the compiler's output."""
+
+
+def sanitizer_mode() -> str:
+    """'asan', 'tsan' or 'plain', from the sanitizer runtime loaded into this process."""
+    proc = ctypes.CDLL(None)
+    for symbol, mode in (("__asan_init", "asan"), ("__tsan_init", "tsan")):
+        if hasattr(proc, symbol):
+            return mode
+    return "plain"
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = Path(base) / "pagedrun" / "sim"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _host_options(options: Iterable[str]) -> list[str]:
+    out = []
+    for opt in options:
+        if opt.startswith(("-D", "-U", "-I")):
+            out.append(opt)
+        elif opt.startswith(_IGNORED_OPTION_PREFIXES):
+            continue
+        else:
+            raise ValueError(f"option {opt!r} has no host equivalent under the CPU harness")
+    return out
+
+
+def _run(cmd: Sequence[str]) -> str:
+    proc = subprocess.run(list(cmd), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SimBuildError(f"{' '.join(cmd)}\n{proc.stderr}")
+    return proc.stdout
+
+
+def _sha(*parts: str | bytes) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode() if isinstance(part, str) else part)
+        h.update(b"\0")
+    return h.hexdigest()[:24]
+
+
+def _atomic_build(target: Path, build) -> None:
+    """Runs build(tmp_path) and renames the result into place (safe for parallel tests)."""
+    if target.exists():
+        return
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=target.suffix)
+    os.close(fd)
+    try:
+        build(tmp)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _compiler_id() -> str:
+    return _run([CXX, "--version"]).splitlines()[0]
+
+
+def _runtime_object(mode: str) -> Path:
+    """cuda/sim/runtime.cpp compiled once per sanitizer mode (never instrumented itself)."""
+    _, defines = _MODE_FLAGS[mode]
+    srcs = [SIM_DIR / "runtime.cpp", SIM_DIR / "runtime_api.h"]
+    flags = ["-std=c++20", "-O2", "-fPIC", "-fvisibility=hidden", *defines]
+    key = _sha(_compiler_id(), " ".join(flags), *(p.read_bytes() for p in srcs))
+    target = cache_dir() / f"runtime-{mode}-{key}.o"
+    _atomic_build(target, lambda tmp: _run(
+        [CXX, *flags, "-c", str(SIM_DIR / "runtime.cpp"), "-o", tmp]))
+    return target
+
+
+class SimFunction:
+    """One kernel of a SimModule; call as fn(grid, block, args, shared_mem=0)."""
+
+    def __init__(self, module: "SimModule", name: str):
+        self.module = module
+        self.name = name
+        lib = module._lib
+        self._launch = getattr(lib, f"pagedrun_launch_{name}")
+        self._launch.restype = ctypes.c_int
+        self._launch.argtypes = [ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_uint),
+                                 ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p),
+                                 ctypes.c_char_p, ctypes.c_size_t]
+        sig = getattr(lib, f"pagedrun_signature_{name}")
+        sig.restype = ctypes.c_char_p
+        text = sig().decode()
+        self.param_codes: tuple[str, ...] = tuple(text.split(",")) if text else ()
+
+    def __call__(self, grid, block, args, shared_mem: int = 0, stream=None):
+        del stream  # one host thread runs everything; kept for the CuPy signature
+        grid3 = _dims(grid, "grid")
+        block3 = _dims(block, "block")
+        args = tuple(args)
+        if len(args) != len(self.param_codes):
+            raise TypeError(f"kernel {self.name} takes {len(self.param_codes)} arguments "
+                            f"({','.join(self.param_codes)}), got {len(args)}")
+        holders = []  # keep every ctypes value (and array) alive across the launch
+        ptrs = (ctypes.c_void_p * max(len(args), 1))()
+        for i, (code, value) in enumerate(zip(self.param_codes, args)):
+            holder = _marshal(self.name, i, code, value)
+            holders.append((value, holder))
+            ptrs[i] = ctypes.cast(ctypes.pointer(holder), ctypes.c_void_p)
+        err = ctypes.create_string_buffer(_ERR_LEN)
+        rc = self._launch((ctypes.c_uint * 3)(*grid3), (ctypes.c_uint * 3)(*block3),
+                          int(shared_mem), ptrs, err, _ERR_LEN)
+        if rc != 0:
+            raise SimKernelError(err.value.decode(errors="replace"))
+
+
+def _dims(value, what: str) -> tuple[int, int, int]:
+    dims = (value,) if isinstance(value, (int, np.integer)) else tuple(value)
+    if not 1 <= len(dims) <= 3 or any(int(d) < 1 for d in dims):
+        raise ValueError(f"{what} must be 1 to 3 positive integers, got {value!r}")
+    return tuple(int(d) for d in dims) + (1,) * (3 - len(dims))
+
+
+def _marshal(kernel: str, index: int, code: str, value):
+    where = f"kernel {kernel} argument {index}"
+    if code == "p":
+        if value is None:
+            return ctypes.c_void_p(0)
+        if not isinstance(value, np.ndarray):
+            raise TypeError(f"{where} is a pointer: pass a numpy array, got {type(value).__name__}")
+        if not value.flags.c_contiguous:
+            raise TypeError(f"{where}: array must be C-contiguous")
+        return ctypes.c_void_p(value.ctypes.data)
+    if not isinstance(value, np.generic):
+        raise TypeError(f"{where} expects a numpy scalar of type code {code}, got "
+                        f"{type(value).__name__} (wrap it, e.g. np.int32(x))")
+    dt = value.dtype
+    if code == "bf2":
+        ok = dt == np.uint16  # bf16 scalars travel as their raw bits
+    elif code.startswith("V"):
+        ok = dt.kind == "V" and dt.itemsize == int(code[1:])
+    else:
+        ok = f"{dt.kind}{dt.itemsize}" == code and dt.kind in "biuf"
+    if not ok:
+        raise TypeError(f"{where} expects type code {code}, got numpy {dt}")
+    raw = value.tobytes()
+    return (ctypes.c_char * len(raw)).from_buffer_copy(raw)
+
+
+class SimModule:
+    """cupy.RawModule look-alike: compiles `code` for the CPU harness and loads it."""
+
+    def __init__(self, code: str, options: Sequence[str] = (), name_expressions=None, *,
+                 include_dirs: Sequence[Path | str] = (CUDA_DIR,)):
+        self.code = code
+        self.options = tuple(options)
+        self.mode = sanitizer_mode()
+        opt_flags, defines = _MODE_FLAGS[self.mode]
+        includes = [f"-I{Path(d).resolve()}" for d in include_dirs]
+        cflags = [*_BASE_FLAGS, *includes, *_host_options(self.options)]
+        cdir = cache_dir()
+        src = cdir / f"src-{_sha(code)}.cu"
+        _atomic_build(src, lambda tmp: Path(tmp).write_text(code))
+        scanned = _run([CXX, *cflags, "-DPAGEDRUN_SIM_SCAN", "-E", "-x", "c++", str(src)])
+        self.kernel_names: tuple[str, ...] = tuple(dict.fromkeys(_KERNEL_RE.findall(scanned)))
+        for expr in name_expressions or ():
+            if expr not in self.kernel_names:
+                raise ValueError(f"name expression {expr!r}: the harness launches only "
+                                 f"extern \"C\" kernels; found {self.kernel_names}")
+        runtime_obj = _runtime_object(self.mode)
+        flags = [*cflags, *opt_flags, *defines]
+        key = _sha(_compiler_id(), " ".join(flags), scanned, runtime_obj.name)
+        self.path = cdir / f"module-{self.mode}-{key}.so"
+
+        def build(tmp: str) -> None:
+            thunk = Path(tmp).with_suffix(".cpp")
+            exports = "\n".join(f"PAGEDRUN_SIM_EXPORT_KERNEL({k})" for k in self.kernel_names)
+            thunk.write_text(f'#include "{src}"\n#include "sim/launch.cuh"\n{exports}\n')
+            try:
+                _run([CXX, *flags, "-shared", str(thunk), str(runtime_obj), "-o", tmp])
+            finally:
+                thunk.unlink()
+
+        _atomic_build(self.path, build)
+        self._lib = ctypes.CDLL(str(self.path))
+        self._functions: dict[str, SimFunction] = {}
+
+    def get_function(self, name: str) -> SimFunction:
+        if name not in self._functions:
+            if name not in self.kernel_names:
+                raise AttributeError(f"no extern \"C\" kernel {name!r} in module "
+                                     f"(has {', '.join(self.kernel_names) or 'none'})")
+            self._functions[name] = SimFunction(self, name)
+        return self._functions[name]
