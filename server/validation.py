@@ -126,8 +126,8 @@ def parse_generate(body: dict, limits: ModelLimits) -> GenerateRequest:
 
 
 def check_prompt_len(num_prompt_tokens: int, limits: ModelLimits, rid: str) -> None:
-    # A prompt needs room for at least one generated token.
-    if num_prompt_tokens >= limits.max_model_len:
-        _bad(f"prompt has {num_prompt_tokens} tokens; max_model_len is {limits.max_model_len} "
-             "(prompt plus at least one generated token must fit)", rid,
-             ErrorCode.PROMPT_TOO_LONG)
+    # Same rule as the engine's admission: the last sampled token's KV is never written, so a
+    # prompt of exactly max_model_len tokens still gets one generated token.
+    if num_prompt_tokens > limits.max_model_len:
+        _bad(f"prompt has {num_prompt_tokens} tokens, more than max_model_len "
+             f"{limits.max_model_len}", rid, ErrorCode.PROMPT_TOO_LONG)

@@ -86,8 +86,8 @@ class FakeEngine:
             prompt or "")
         if not ids:
             raise FakeRequestError("empty_prompt", "prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise FakeRequestError("prompt_too_long", f"{len(ids)} >= {self.max_model_len}")
+        if len(ids) > self.max_model_len:
+            raise FakeRequestError("prompt_too_long", f"{len(ids)} > {self.max_model_len}")
         if self._blocks_for(self.max_model_len) > self.num_kv_blocks:
             raise FakeRequestError("capacity", "cannot fit")
         self._requests[request_id] = _Req(request_id, ids, sampling_params,
@@ -111,7 +111,7 @@ class FakeEngine:
         self._admit()
         for req in [r for r in self._requests.values() if r.running]:
             limit = min(req.params.max_tokens or self.max_model_len,
-                        self.max_model_len - len(req.prompt_ids))
+                        max(1, self.max_model_len - len(req.prompt_ids)))
             if not req.out_ids:
                 self.prompt_tokens_total += len(req.prompt_ids)
             tok = expected_tokens(req.prompt_ids, len(req.out_ids) + 1)[-1]

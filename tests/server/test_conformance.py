@@ -1,0 +1,289 @@
+"""Conformance: raw frames (docs/protocol.md) against a live server, every message type and
+every error code, checked field by field; the fake engine is the oracle for tokens."""
+from __future__ import annotations
+
+import time
+
+import msgpack
+import pytest
+from fake_engine import FakeEngine, expected_tokens
+from wire import assert_error_shape, dealer, recv, recv_until_final, send
+
+from pagedrun.server.protocol import PROTOCOL_VERSION, MsgType
+
+
+def test_generate_stream_deltas_then_final(start_server, zmq_ctx):
+    _, ep = start_server()
+    s = dealer(zmq_ctx, ep)
+    prompt = "the quick brown fox, 19"
+    send(s, MsgType.GENERATE, {"request_id": "g1", "prompt": prompt,
+                               "sampling_params": {"max_tokens": 19, "temperature": 0}})
+    deltas, kind, final = recv_until_final(s, "g1")
+    want = expected_tokens(list(prompt.encode()), 19)
+    assert kind == MsgType.FINAL
+    assert [t for d in deltas for t in d["token_ids"]] == want
+    assert "".join(d["text"] for d in deltas) == bytes(want).decode()
+    assert all(set(d) == {"request_id", "index", "token_ids", "text"} for d in deltas)
+    assert final["finish_reason"] == "length" and final["stop_reason"] is None
+    assert final["outputs"] == [{"index": 0, "finish_reason": "length", "stop_reason": None}]
+    assert final["usage"] == {"prompt_tokens": len(prompt), "cached_prompt_tokens": 0,
+                              "completion_tokens": 19}
+    m = final["metrics"]
+    assert 0 <= m["time_to_first_token_s"] <= m["e2e_latency_s"]
+    assert m["time_per_output_token_s"] >= 0
+
+
+def test_generate_token_ids_no_stream_with_logprobs(start_server, zmq_ctx):
+    _, ep = start_server()
+    s = dealer(zmq_ctx, ep)
+    ids = [7, 300, 511, 0, 42]
+    send(s, MsgType.GENERATE, {"request_id": "g2", "prompt_token_ids": ids, "stream": False,
+                               "sampling_params": {"max_tokens": 5, "logprobs": 1}})
+    deltas, kind, final = recv_until_final(s, "g2")
+    assert deltas == [] and kind == MsgType.FINAL
+    out = final["outputs"][0]
+    assert out["token_ids"] == expected_tokens(ids, 5)
+    assert out["text"] == bytes(expected_tokens(ids, 5)).decode()
+    assert [lp["token_id"] for lp in out["logprobs"]] == out["token_ids"]
+    assert all(lp["top"] == [[lp["token_id"], lp["logprob"]]] for lp in out["logprobs"])
+
+
+def test_generate_chat_messages(start_server, zmq_ctx):
+    _, ep = start_server()
+    s = dealer(zmq_ctx, ep)
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    send(s, MsgType.GENERATE, {"request_id": "c", "messages": msgs,
+                               "sampling_params": {"max_tokens": 3}})
+    _, kind, final = recv_until_final(s, "c")
+    assert kind == MsgType.FINAL and final["usage"]["completion_tokens"] == 3
+
+
+def test_stop_token_id_gives_stop_reason(start_server, zmq_ctx):
+    _, ep = start_server()
+    s = dealer(zmq_ctx, ep)
+    ids = [5, 6, 7]
+    third = expected_tokens(ids, 3)[2]
+    send(s, MsgType.GENERATE, {"request_id": "st", "prompt_token_ids": ids,
+                               "sampling_params": {"max_tokens": 10,
+                                                   "stop_token_ids": [third]}})
+    deltas, _, final = recv_until_final(s, "st")
+    assert final["finish_reason"] == "stop"
+    assert [t for d in deltas for t in d["token_ids"]][-1] == third
+
+
+def test_abort_found_and_not_found(start_server, zmq_ctx):
+    _, ep = start_server(FakeEngine(step_delay_s=0.01))
+    s = dealer(zmq_ctx, ep)
+    send(s, MsgType.GENERATE, {"request_id": "long", "prompt": "x",
+                               "sampling_params": {"max_tokens": 200}})
+    kind, body = recv(s)
+    assert kind == MsgType.DELTA
+    send(s, MsgType.ABORT, {"request_id": "long"})
+    replies = []
+    while not any(k == MsgType.FINAL for k, _ in replies):
+        replies.append(recv(s))
+    acks = [b for k, b in replies if k == MsgType.ABORTED]
+    assert acks == [{"request_id": "long", "found": True}]
+    final = [b for k, b in replies if k == MsgType.FINAL][0]
+    assert final["finish_reason"] == "abort" and final["usage"]["completion_tokens"] < 200
+    send(s, MsgType.ABORT, {"request_id": "long"})
+    assert recv(s) == (MsgType.ABORTED, {"request_id": "long", "found": False})
+
+
+def test_ping_model_info_stats(start_server, zmq_ctx):
+    _, ep = start_server(lease_s=7.5)
+    s = dealer(zmq_ctx, ep)
+    send(s, MsgType.PING, {})
+    kind, pong = recv(s)
+    assert kind == MsgType.PONG and pong["status"] == "ok" and pong["request_id"] is None
+    assert pong["protocol_version"] == PROTOCOL_VERSION and pong["lease_s"] == 7.5
+    assert abs(pong["server_time"] - time.time()) < 60
+    send(s, MsgType.MODEL_INFO, {"request_id": "mi"})
+    kind, info = recv(s)
+    assert kind == MsgType.MODEL_INFO_REPLY and info["request_id"] == "mi"
+    for key in ("model", "max_model_len", "block_size", "num_kv_blocks", "kv_capacity_tokens",
+                "max_concurrency_at_max_len", "vocab_size", "eos_token_ids", "device", "dtype"):
+        assert key in info
+    assert info["kv_capacity_tokens"] == info["num_kv_blocks"] * info["block_size"]
+    assert info["tokenizer"]["vocab_size"] == info["vocab_size"]
+    assert info["server"]["lease_s"] == 7.5
+    send(s, MsgType.STATS, {"request_id": "st"})
+    kind, stats = recv(s)
+    assert kind == MsgType.STATS_REPLY and stats["request_id"] == "st"
+    for key in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                "num_free_blocks", "num_total_blocks"):
+        assert key in stats["gauges"]
+    for key in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions_total"):
+        assert key in stats["counters"]
+    hist = stats["histograms"]["time_to_first_token_seconds"]
+    assert len(hist["counts"]) == len(hist["le"]) + 1 and hist["count"] == sum(hist["counts"])
+
+
+def test_ttft_histogram_counts_requests(start_server, zmq_ctx):
+    _, ep = start_server()
+    s = dealer(zmq_ctx, ep)
+    for i in range(3):
+        send(s, MsgType.GENERATE, {"request_id": f"h{i}", "prompt": "ab",
+                                   "sampling_params": {"max_tokens": 2}})
+        recv_until_final(s, f"h{i}")
+    send(s, MsgType.STATS, {})
+    _, stats = recv(s)
+    assert stats["histograms"]["time_to_first_token_seconds"]["count"] == 3
+    assert stats["counters"]["request_success_total"] == 3
+
+
+BAD_FRAMES = [
+    ("one frame", [bytes((1, 1))], "invalid_message"),
+    ("three frames", [bytes((1, 3)), b"\x80", b"x"], "invalid_message"),
+    ("long header", [bytes((1, 3, 0)), b"\x80"], "invalid_message"),
+    ("version 2", [bytes((2, 3)), b"\x80"], "unsupported_version"),
+    ("unknown type", [bytes((1, 0x42)), b"\x80"], "unknown_type"),
+    ("reply type", [bytes((1, 0x81)), b"\x80"], "unknown_type"),
+    ("not msgpack", [bytes((1, 3)), b"\xc1"], "invalid_message"),
+    ("not a map", [bytes((1, 3)), msgpack.packb([1, 2])], "invalid_message"),
+    ("trailing bytes", [bytes((1, 3)), b"\x80\x80"], "invalid_message"),
+    ("too large", [bytes((1, 1)), msgpack.packb({"prompt": "x" * 5000})], "message_too_large"),
+]
+
+
+@pytest.mark.parametrize("name,frames,code", BAD_FRAMES, ids=[b[0] for b in BAD_FRAMES])
+def test_malformed_frames_get_error(start_server, zmq_ctx, name, frames, code):
+    _, ep = start_server(max_message_bytes=4096)
+    s = dealer(zmq_ctx, ep)
+    s.send_multipart(frames)
+    kind, body = recv(s)
+    assert kind == MsgType.ERROR and body["code"] == code, body
+    assert_error_shape(body)
+
+
+GOOD = {"request_id": "v", "prompt": "hello", "sampling_params": {"max_tokens": 2}}
+BAD_GENERATES = [
+    ("no request id", {"prompt": "x"}, "invalid_request", None),
+    ("request id int", {"request_id": 5, "prompt": "x"}, "invalid_request", None),
+    ("request id too long", {"request_id": "r" * 129, "prompt": "x"}, "invalid_request", None),
+    ("unknown field", {**GOOD, "temperature": 0}, "invalid_request", "v"),
+    ("two prompts", {**GOOD, "prompt_token_ids": [1]}, "invalid_request", "v"),
+    ("no prompt", {"request_id": "v"}, "invalid_request", "v"),
+    ("empty prompt", {**GOOD, "prompt": ""}, "empty_prompt", "v"),
+    ("empty ids", {"request_id": "v", "prompt_token_ids": []}, "empty_prompt", "v"),
+    ("id out of vocab", {"request_id": "v", "prompt_token_ids": [512]}, "invalid_request", "v"),
+    ("negative id", {"request_id": "v", "prompt_token_ids": [-1]}, "invalid_request", "v"),
+    ("bool id", {"request_id": "v", "prompt_token_ids": [True]}, "invalid_request", "v"),
+    ("ids too long", {"request_id": "v", "prompt_token_ids": [1] * 257}, "prompt_too_long", "v"),
+    ("text too long", {**GOOD, "prompt": "y" * 257}, "prompt_too_long", "v"),
+    ("stream not bool", {**GOOD, "stream": 1}, "invalid_request", "v"),
+    ("params not map", {**GOOD, "sampling_params": [1]}, "invalid_request", "v"),
+    ("unknown param", {**GOOD, "sampling_params": {"beam": 2}}, "invalid_request", "v"),
+    ("temperature str", {**GOOD, "sampling_params": {"temperature": "0"}}, "invalid_request", "v"),
+    ("top_p zero", {**GOOD, "sampling_params": {"top_p": 0.0}}, "invalid_request", "v"),
+    ("max_tokens 0", {**GOOD, "sampling_params": {"max_tokens": 0}}, "invalid_request", "v"),
+    ("stop int", {**GOOD, "sampling_params": {"stop": 3}}, "invalid_request", "v"),
+    ("bad role", {"request_id": "v", "messages": [{"role": "x", "content": "a"}]},
+     "invalid_request", "v"),
+    ("empty chat", {"request_id": "v", "messages": [{"role": "user", "content": ""}]},
+     "empty_prompt", "v"),
+]
+
+
+@pytest.mark.parametrize("name,body,code,rid", BAD_GENERATES, ids=[b[0] for b in BAD_GENERATES])
+def test_invalid_generate_gets_error_and_spares_others(start_server, zmq_ctx, name, body, code,
+                                                        rid):
+    _, ep = start_server(FakeEngine(step_delay_s=0.002))
+    s = dealer(zmq_ctx, ep)
+    send(s, MsgType.GENERATE, {"request_id": "ok", "prompt": "fine",
+                               "sampling_params": {"max_tokens": 30}})
+    send(s, MsgType.GENERATE, body)
+    errors = []
+    deltas, kind, _ = [], None, None
+    while kind != MsgType.FINAL:
+        kind, reply = recv(s)
+        if kind == MsgType.ERROR:
+            errors.append(reply)
+        elif reply["request_id"] == "ok" and kind == MsgType.DELTA:
+            deltas.append(reply)
+    assert len(errors) == 1 and errors[0]["code"] == code and errors[0]["request_id"] == rid
+    assert_error_shape(errors[0])
+    assert [t for d in deltas for t in d["token_ids"]] == expected_tokens(list(b"fine"), 30)
+
+
+def test_other_messages_reject_unknown_fields(start_server, zmq_ctx):
+    _, ep = start_server()
+    s = dealer(zmq_ctx, ep)
+    for t in (MsgType.PING, MsgType.MODEL_INFO, MsgType.STATS, MsgType.ABORT):
+        send(s, t, {"request_id": "q", "extra": 1})
+        kind, body = recv(s)
+        assert kind == MsgType.ERROR and body["code"] == "invalid_request"
+        assert body["request_id"] == "q" and "extra" in body["message"]
+    send(s, MsgType.ABORT, {})
+    kind, body = recv(s)
+    assert kind == MsgType.ERROR and body["code"] == "invalid_request"
+
+
+def test_duplicate_request_id_per_connection(start_server, zmq_ctx):
+    _, ep = start_server(FakeEngine(step_delay_s=0.005))
+    a, b = dealer(zmq_ctx, ep), dealer(zmq_ctx, ep)
+    body = {"request_id": "same", "prompt": "p", "sampling_params": {"max_tokens": 20}}
+    send(a, MsgType.GENERATE, body)
+    send(a, MsgType.GENERATE, body)
+    send(b, MsgType.GENERATE, body)  # another connection may reuse the id
+    _, kind_b, _ = recv_until_final(b, "same")
+    assert kind_b == MsgType.FINAL
+    kinds = []
+    while MsgType.FINAL not in kinds:
+        kind, reply = recv(a)
+        kinds.append(kind)
+        if kind == MsgType.ERROR:
+            assert reply["code"] == "duplicate_request_id"
+    assert kinds.count(MsgType.ERROR) == 1
+
+
+def test_overloaded_past_the_queue_bound(start_server, zmq_ctx):
+    _, ep = start_server(FakeEngine(step_delay_s=0.01), max_queued_requests=3)
+    s = dealer(zmq_ctx, ep)
+    for i in range(5):
+        send(s, MsgType.GENERATE, {"request_id": f"o{i}", "prompt": "p",
+                                   "sampling_params": {"max_tokens": 50}})
+    errors, finals = [], []
+    while len(errors) + len(finals) < 5:
+        kind, body = recv(s)
+        if kind == MsgType.ERROR:
+            errors.append(body)
+        elif kind == MsgType.FINAL:
+            finals.append(body)
+    assert sorted(e["request_id"] for e in errors) == ["o3", "o4"]
+    assert all(e["code"] == "overloaded" for e in errors) and len(finals) == 3
+
+
+def test_capacity_error_from_engine(start_server, zmq_ctx):
+    # The fake engine rejects everything when one max-length request cannot fit its pool.
+    _, ep = start_server(FakeEngine(num_kv_blocks=4))
+    s = dealer(zmq_ctx, ep)
+    send(s, MsgType.GENERATE, {"request_id": "cap", "prompt": "p"})
+    kind, body = recv(s)
+    assert kind == MsgType.ERROR and body["code"] == "capacity" and body["request_id"] == "cap"
+
+
+def test_lease_expiry_aborts_silent_client(start_server, zmq_ctx):
+    server, ep = start_server(FakeEngine(step_delay_s=0.01), lease_s=0.5)
+    s = dealer(zmq_ctx, ep)
+    send(s, MsgType.GENERATE, {"request_id": "quiet", "prompt": "p", "stream": False,
+                               "sampling_params": {"max_tokens": 10_000 // 100}})
+    # max_tokens 100 at 10 ms a step takes ~1 s: longer than the lease, and we never ping.
+    kind, body = recv(s)
+    assert kind == MsgType.ERROR and body["code"] == "lease_expired"
+    assert body["request_id"] == "quiet"
+
+
+def test_pinging_client_keeps_its_lease(start_server, zmq_ctx):
+    _, ep = start_server(FakeEngine(step_delay_s=0.01), lease_s=0.5)
+    s = dealer(zmq_ctx, ep)
+    send(s, MsgType.GENERATE, {"request_id": "alive", "prompt": "p", "stream": False,
+                               "sampling_params": {"max_tokens": 100}})
+    while True:
+        send(s, MsgType.PING, {"request_id": "hb"})
+        if not s.poll(200):
+            continue
+        kind, body = recv(s)
+        if body.get("request_id") == "alive":
+            break
+    assert kind == MsgType.FINAL and body["usage"]["completion_tokens"] == 100

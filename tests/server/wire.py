@@ -1,0 +1,48 @@
+"""Raw-frame helpers for tests that speak docs/protocol.md without the Python client."""
+from __future__ import annotations
+
+import msgpack
+import zmq
+
+from pagedrun.server.protocol import PROTOCOL_VERSION, MsgType
+
+REPLY_TIMEOUT_MS = 10_000
+
+
+def dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+def send(sock: zmq.Socket, msg_type: int, body) -> None:
+    payload = body if isinstance(body, bytes) else msgpack.packb(body)
+    sock.send_multipart([bytes((PROTOCOL_VERSION, int(msg_type))), payload])
+
+
+def recv(sock: zmq.Socket, timeout_ms: int = REPLY_TIMEOUT_MS) -> tuple[MsgType, dict]:
+    if not sock.poll(timeout_ms):
+        raise TimeoutError("no reply from the server")
+    frames = sock.recv_multipart()
+    assert len(frames) == 2 and len(frames[0]) == 2 and frames[0][0] == PROTOCOL_VERSION
+    return MsgType(frames[0][1]), msgpack.unpackb(frames[1])
+
+
+def recv_until_final(sock: zmq.Socket, request_id: str) -> tuple[list[dict], MsgType, dict]:
+    """DELTAs of `request_id` then its FINAL or ERROR (other ids' frames are ignored)."""
+    deltas = []
+    while True:
+        msg_type, body = recv(sock)
+        if body.get("request_id") != request_id:
+            continue
+        if msg_type == MsgType.DELTA:
+            deltas.append(body)
+        elif msg_type in (MsgType.FINAL, MsgType.ERROR):
+            return deltas, msg_type, body
+
+
+def assert_error_shape(body: dict) -> None:
+    assert set(body) == {"code", "message", "request_id"}
+    assert isinstance(body["code"], str) and isinstance(body["message"], str)
+    assert body["request_id"] is None or isinstance(body["request_id"], str)
