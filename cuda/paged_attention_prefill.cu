@@ -1,0 +1,418 @@
+// paged_attention_prefill.cu -- causal attention of a ragged batch of query chunks over their
+// requests' paged K/V (prefix-cache hits, earlier chunks of a chunked prefill, and the chunk
+// itself), tiled with online softmax; tensor cores (mma.sync m16n8k16) for f16 / bf16.
+//
+// Computes, for request r with query rows query_start_loc[r] .. query_start_loc[r+1]
+// (query_len = their count) and context_len = context_lens[r]: query row j sits at position
+// context_len - query_len + j and attends to cached tokens 0 .. that position:
+//   out[row, h, :] = softmax(scale * q[row, h, :] . K_r[0..pos]^T) V_r[0..pos]
+// with kv head h / group_size, K_r/V_r gathered through block_tables[r] (token t in slot
+// block_tables[r, t / block_size] * block_size + t % block_size). This step's K/V are already
+// in the cache (rotary_cache_write.cu runs first). Rows of a request with query_len 0 and
+// rows past query_start_loc[num_reqs] are not written.
+//
+// Pointers (T = float | __half | __nv_bfloat16 per instantiation; contiguous):
+//   q                [num_tokens, num_heads, head_dim]                    T
+//   k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]     T (NHD)
+//   block_tables     [num_reqs, max_blocks_per_seq]                       int32
+//   query_start_loc  [num_reqs + 1]                                       int32, cu_seqlens style
+//   context_lens     [num_reqs]                                           int32, >= query_len
+//   out              [num_tokens, num_heads, head_dim]                    T
+//
+// Tiling: a CTA owns kBlockM = 64 query rows of one (request, query head) and walks the keys
+// in tiles of kBlockN = 32 up to its last row's position (tiles past the causal edge are never
+// loaded). Key rows are fetched with cp.async (16 bytes, zero-filled past the context, so
+// NaN in unused slots cannot enter) into padded shared rows; K's group is waited for before
+// S = Q K^T, V's after, so V's load overlaps the score math.
+//   f16/bf16: each warp owns 16 query rows. Q lives in registers as mma A fragments
+//     (ldmatrix_x4), K tiles are B fragments (ldmatrix_x4), V tiles B fragments through
+//     ldmatrix_x4_trans; P is re-packed from the S accumulators into A fragments without a trip
+//     through shared memory. Softmax state: 2 rows per thread, reductions over the quad.
+//   f32 (the test instantiation, no fp32 mma): same CTA tile and key loop; two threads per
+//     query row, each holding half of head_dim of q and of the output accumulator.
+// Softmax in fp32, base 2, scores scaled by scale * log2 e.
+//
+// Launch geometry: grid (max over requests of ceil(query_len / 64), num_reqs, num_heads),
+// block 128 (CTAs past their request's rows exit at once). Dynamic shared memory:
+//   f16/bf16: (64 + 2 * 32) * (head_dim + 8) * sizeof(T)  (34,816 bytes at head_dim 128)
+//   f32:      2 * 32 * head_dim * 4                        (32,768 bytes at head_dim 128)
+// (prefill_smem_bytes in runtime/kernels/attention.py), under the 48 KiB default limit.
+//
+// Instantiations: paged_attention_prefill_{f32,f16,bf16}_d{64,128}. block_size is a runtime
+// power of two (16, 32, 64 accepted by the wrapper). Scalars: float scale; int num_heads,
+// num_kv_heads, group_size, block_size_log2, max_blocks_per_seq.
+//
+// Register budget: 255 per thread at 128 threads (d128: 32 registers of Q fragments, 64 of
+// output accumulators); the gate must show 0 spill bytes.
+// Measured: no GPU numbers yet (benchmarks/kernels/bench_attention.py writes them).
+#include "common.cuh"
+#include "ptx.cuh"
+
+namespace prefill_attn {
+
+constexpr int kThreads = 128;
+constexpr int kBlockM = 64;   // query rows per CTA: one 16-row mma tile per warp
+constexpr int kBlockN = 32;   // keys per tile: 4 mma n-tiles of S, 2 k-steps of P V
+constexpr int kPad = 8;       // 16 bytes per smem row: successive rows start 4 banks apart, so
+                              // the 8 row addresses of one ldmatrix hit 8 distinct bank quads
+constexpr int kChunk = 16;    // bytes per cp.async
+constexpr int kSimtKeys = 8;  // f32 path: keys scored per online-softmax update
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr float kLog2e = 1.4426950408889634f;
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// Two floats -> one b32 of two 16-bit values, the lower-indexed element in the low half
+// (the mma fragment order and the memory order of a 2-element store).
+template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+    return static_cast<uint32_t>(__half_as_ushort(__float2half_rn(lo))) |
+           (static_cast<uint32_t>(__half_as_ushort(__float2half_rn(hi))) << 16);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+    return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
+           (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16);
+}
+
+template <typename T>
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]);
+template <>
+__device__ __forceinline__ void mma<__half>(float (&d)[4], const uint32_t (&a)[4],
+                                            const uint32_t (&b)[2]) {
+    mma_m16n8k16_f16(d, a, b, d);
+}
+template <>
+__device__ __forceinline__ void mma<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4],
+                                                   const uint32_t (&b)[2]) {
+    mma_m16n8k16_bf16(d, a, b, d);
+}
+
+// Per-CTA coordinates shared by both paths.
+struct TileCoords {
+    int q_row0;        // first q row (global token index) of the request
+    int tile_row0;     // first query row of this tile, within the request
+    int query_len;
+    int first_q_pos;   // position of the request's first query row
+    int kv_end;        // keys [0, kv_end) are visible to some row of this tile
+    int kv_head;
+    const int* block_table;
+};
+
+// Returns false when this CTA has no rows (ragged grid).
+__device__ __forceinline__ bool tile_coords(TileCoords& c, const int* query_start_loc,
+                                            const int* context_lens, const int* block_tables,
+                                            int group_size, int max_blocks_per_seq) {
+    const int req = blockIdx.y;
+    c.q_row0 = query_start_loc[req];
+    c.query_len = query_start_loc[req + 1] - c.q_row0;
+    c.tile_row0 = blockIdx.x * kBlockM;
+    if (c.tile_row0 >= c.query_len) return false;
+    const int context_len = context_lens[req];
+    c.first_q_pos = context_len - c.query_len;
+    const int last_row = min(c.tile_row0 + kBlockM, c.query_len) - 1;
+    c.kv_end = c.first_q_pos + last_row + 1;
+    c.kv_head = blockIdx.z / group_size;
+    c.block_table = block_tables + static_cast<long long>(req) * max_blocks_per_seq;
+    return true;
+}
+
+// Issues the cp.asyncs of one [kBlockN, HEAD_DIM] key tile (K or V) into rows of
+// `row_elems` elements; keys at or past kv_end are zero-filled and read nothing.
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void load_kv_tile(T* dst, int row_elems, const T* cache, int kv0,
+                                             const TileCoords& c, int num_kv_heads,
+                                             int block_size_log2) {
+    constexpr int CHUNKS_PER_ROW = HEAD_DIM * sizeof(T) / kChunk;
+    constexpr int ELEMS_PER_CHUNK = kChunk / sizeof(T);
+    for (int chunk = threadIdx.x; chunk < kBlockN * CHUNKS_PER_ROW; chunk += kThreads) {
+        const int row = chunk / CHUNKS_PER_ROW;
+        const int col = (chunk % CHUNKS_PER_ROW) * ELEMS_PER_CHUNK;
+        const int key = kv0 + row;
+        const T* src = cache;  // a valid address even when nothing is read
+        int src_bytes = 0;
+        if (key < c.kv_end) {
+            const int block = c.block_table[key >> block_size_log2];
+            const int slot = (block << block_size_log2) + (key & ((1 << block_size_log2) - 1));
+            src = cache + (static_cast<long long>(slot) * num_kv_heads + c.kv_head) * HEAD_DIM + col;
+            src_bytes = kChunk;
+        }
+        cp_async_16_zfill(dst + row * row_elems + col, src, src_bytes);
+    }
+}
+
+// ------------------------------------------------------------------ tensor-core path (f16/bf16)
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __restrict__ q,
+                                            const T* __restrict__ k_cache,
+                                            const T* __restrict__ v_cache, const TileCoords& c,
+                                            float scale, int num_heads, int num_kv_heads,
+                                            int block_size_log2) {
+    constexpr int ROW = HEAD_DIM + kPad;          // smem row, elements
+    constexpr int K_STEPS = HEAD_DIM / 16;        // mma k-steps over head_dim for S
+    constexpr int D_TILES = HEAD_DIM / 8;         // mma n-tiles of the output
+    constexpr int S_TILES = kBlockN / 8;          // mma n-tiles of S
+    constexpr int CHUNKS_PER_ROW = HEAD_DIM * sizeof(T) / kChunk;
+    constexpr int ELEMS_PER_CHUNK = kChunk / sizeof(T);
+    DYNAMIC_SMEM(T, smem);
+    T* s_q = smem;                     // [kBlockM][ROW]
+    T* s_k = s_q + kBlockM * ROW;      // [kBlockN][ROW]
+    T* s_v = s_k + kBlockN * ROW;      // [kBlockN][ROW]
+
+    const int head = blockIdx.z;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int quad_row = lane / 4;          // fragment row g
+    const int quad_col = (lane % 4) * 2;    // fragment column 2t
+
+    // Q tile -> smem -> A fragments in registers (rows past the chunk are zeros).
+    for (int chunk = threadIdx.x; chunk < kBlockM * CHUNKS_PER_ROW; chunk += kThreads) {
+        const int row = chunk / CHUNKS_PER_ROW;
+        const int col = (chunk % CHUNKS_PER_ROW) * ELEMS_PER_CHUNK;
+        const bool valid = c.tile_row0 + row < c.query_len;
+        const T* src = valid ? q + (static_cast<long long>(c.q_row0 + c.tile_row0 + row) *
+                                        num_heads + head) * HEAD_DIM + col
+                             : q;
+        cp_async_16_zfill(s_q + row * ROW + col, src, valid ? kChunk : 0);
+    }
+    cp_async_commit();
+    cp_async_wait_all();
+    __syncthreads();
+    uint32_t q_frag[K_STEPS][4];
+#pragma unroll
+    for (int kk = 0; kk < K_STEPS; ++kk)
+        ldmatrix_x4(q_frag[kk], s_q + (warp * 16 + lane % 16) * ROW + kk * 16 + (lane / 16) * 8);
+
+    float o[D_TILES][4];
+#pragma unroll
+    for (int dn = 0; dn < D_TILES; ++dn)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) o[dn][j] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY};
+    float l[2] = {0.f, 0.f};  // per-thread partial row sums; reduced over the quad at the end
+    const float scale_log2 = scale * kLog2e;
+    // Positions of this thread's two rows (g and g + 8 of the warp's 16).
+    int q_pos[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+        q_pos[h] = c.first_q_pos + c.tile_row0 + warp * 16 + quad_row + 8 * h;
+
+    for (int kv0 = 0; kv0 < c.kv_end; kv0 += kBlockN) {
+        load_kv_tile<T, HEAD_DIM>(s_k, ROW, k_cache, kv0, c, num_kv_heads, block_size_log2);
+        cp_async_commit();
+        load_kv_tile<T, HEAD_DIM>(s_v, ROW, v_cache, kv0, c, num_kv_heads, block_size_log2);
+        cp_async_commit();
+        cp_async_wait<1>();  // K landed (V may still be in flight)
+        __syncthreads();
+
+        float s[S_TILES][4];
+#pragma unroll
+        for (int n = 0; n < S_TILES; ++n)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) s[n][j] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < K_STEPS; ++kk) {
+#pragma unroll
+            for (int np = 0; np < S_TILES / 2; ++np) {
+                uint32_t b[4];
+                ldmatrix_x4(b, s_k + (np * 16 + lane % 8 + (lane / 16) * 8) * ROW + kk * 16 +
+                                   ((lane / 8) % 2) * 8);
+                const uint32_t b0[2] = {b[0], b[1]};
+                const uint32_t b1[2] = {b[2], b[3]};
+                mma<T>(s[2 * np], q_frag[kk], b0);
+                mma<T>(s[2 * np + 1], q_frag[kk], b1);
+            }
+        }
+
+        // Causal mask, online softmax (rows h = 0, 1 of this thread).
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float row_max = -INFINITY;
+#pragma unroll
+            for (int n = 0; n < S_TILES; ++n)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const int key = kv0 + n * 8 + quad_col + j;
+                    float& x = s[n][2 * h + j];
+                    x = (key <= q_pos[h]) ? x * scale_log2 : -INFINITY;
+                    row_max = fmaxf(row_max, x);
+                }
+            row_max = fmaxf(row_max, __shfl_xor_sync(kFullMask, row_max, 1));
+            row_max = fmaxf(row_max, __shfl_xor_sync(kFullMask, row_max, 2));
+            const float m_new = fmaxf(m[h], row_max);
+            const float m_base = (m_new == -INFINITY) ? 0.f : m_new;  // row fully masked so far
+            const float correction = exp2f(m[h] - m_base);
+            float row_sum = 0.f;
+#pragma unroll
+            for (int n = 0; n < S_TILES; ++n)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    float& x = s[n][2 * h + j];
+                    x = exp2f(x - m_base);
+                    row_sum += x;
+                }
+            l[h] = l[h] * correction + row_sum;
+            m[h] = m_new;
+#pragma unroll
+            for (int dn = 0; dn < D_TILES; ++dn) {
+                o[dn][2 * h] *= correction;
+                o[dn][2 * h + 1] *= correction;
+            }
+        }
+
+        cp_async_wait<0>();  // V landed
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+            // S accumulators of n-tiles 2kk, 2kk+1 are exactly the A fragment of k-step kk.
+            const uint32_t p_frag[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]),
+                                        pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                                        pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                        pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+            for (int dp = 0; dp < D_TILES / 2; ++dp) {
+                uint32_t b[4];
+                ldmatrix_x4_trans(b, s_v + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * ROW +
+                                         dp * 16 + (lane / 16) * 8);
+                const uint32_t b0[2] = {b[0], b[1]};
+                const uint32_t b1[2] = {b[2], b[3]};
+                mma<T>(o[2 * dp], p_frag, b0);
+                mma<T>(o[2 * dp + 1], p_frag, b1);
+            }
+        }
+        __syncthreads();  // the next tile's cp.async overwrites s_k / s_v
+    }
+
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] += __shfl_xor_sync(kFullMask, l[h], 1);
+        l[h] += __shfl_xor_sync(kFullMask, l[h], 2);
+        const int row = c.tile_row0 + warp * 16 + quad_row + 8 * h;
+        if (row >= c.query_len) continue;
+        const float inv_l = (l[h] > 0.f) ? 1.f / l[h] : 0.f;
+        T* out_row = out + (static_cast<long long>(c.q_row0 + row) * num_heads + head) * HEAD_DIM;
+#pragma unroll
+        for (int dn = 0; dn < D_TILES; ++dn)
+            *reinterpret_cast<uint32_t*>(out_row + dn * 8 + quad_col) =
+                pack2<T>(o[dn][2 * h] * inv_l, o[dn][2 * h + 1] * inv_l);
+    }
+}
+
+// ------------------------------------------------------------------ SIMT path (f32)
+template <int HEAD_DIM>
+__device__ __forceinline__ void prefill_simt(float* __restrict__ out, const float* __restrict__ q,
+                                             const float* __restrict__ k_cache,
+                                             const float* __restrict__ v_cache,
+                                             const TileCoords& c, float scale, int num_heads,
+                                             int num_kv_heads, int block_size_log2) {
+    constexpr int HALF = HEAD_DIM / 2;  // dims per thread: two threads share a query row
+    DYNAMIC_SMEM(float, smem);
+    float* s_k = smem;                       // [kBlockN][HEAD_DIM]
+    float* s_v = s_k + kBlockN * HEAD_DIM;   // [kBlockN][HEAD_DIM]
+
+    const int head = blockIdx.z;
+    const int row = c.tile_row0 + threadIdx.x / 2;
+    const int dim0 = (threadIdx.x % 2) * HALF;
+    const bool row_valid = row < c.query_len;
+    const int q_pos = c.first_q_pos + row;
+    const float scale_log2 = scale * kLog2e;
+
+    float q_reg[HALF], acc[HALF];
+    const float* q_row =
+        q + (static_cast<long long>(c.q_row0 + row) * num_heads + head) * HEAD_DIM + dim0;
+#pragma unroll
+    for (int i = 0; i < HALF; ++i) {
+        q_reg[i] = row_valid ? q_row[i] * scale_log2 : 0.f;
+        acc[i] = 0.f;
+    }
+    float m = -INFINITY, l = 0.f;
+
+    for (int kv0 = 0; kv0 < c.kv_end; kv0 += kBlockN) {
+        load_kv_tile<float, HEAD_DIM>(s_k, HEAD_DIM, k_cache, kv0, c, num_kv_heads, block_size_log2);
+        cp_async_commit();
+        load_kv_tile<float, HEAD_DIM>(s_v, HEAD_DIM, v_cache, kv0, c, num_kv_heads, block_size_log2);
+        cp_async_commit();
+        cp_async_wait_all();
+        __syncthreads();
+        // Sub-tiles of kSimtKeys keys keep the score array small enough for head_dim 128
+        // (a whole 32-key score array pushed f32_d128 to 255 registers and a spill on sm_80).
+#pragma unroll 1
+        for (int j0 = 0; j0 < kBlockN; j0 += kSimtKeys) {
+            float s[kSimtKeys];
+            float sub_max = -INFINITY;
+#pragma unroll
+            for (int j = 0; j < kSimtKeys; ++j) {
+                const float* k_row = s_k + (j0 + j) * HEAD_DIM + dim0;
+                float dot = 0.f;
+#pragma unroll
+                for (int i = 0; i < HALF; ++i) dot = fmaf(q_reg[i], k_row[i], dot);
+                dot += __shfl_xor_sync(kFullMask, dot, 1);
+                s[j] = (kv0 + j0 + j <= q_pos) ? dot : -INFINITY;
+                sub_max = fmaxf(sub_max, s[j]);
+            }
+            const float m_new = fmaxf(m, sub_max);
+            const float m_base = (m_new == -INFINITY) ? 0.f : m_new;
+            const float correction = exp2f(m - m_base);
+            l *= correction;
+#pragma unroll
+            for (int i = 0; i < HALF; ++i) acc[i] *= correction;
+            m = m_new;
+#pragma unroll
+            for (int j = 0; j < kSimtKeys; ++j) {
+                const float p = exp2f(s[j] - m_base);
+                const float* v_row = s_v + (j0 + j) * HEAD_DIM + dim0;
+                l += p;
+#pragma unroll
+                for (int i = 0; i < HALF; ++i) acc[i] = fmaf(p, v_row[i], acc[i]);
+            }
+        }
+        __syncthreads();
+    }
+    if (!row_valid) return;
+    const float inv_l = (l > 0.f) ? 1.f / l : 0.f;
+    float* out_row =
+        out + (static_cast<long long>(c.q_row0 + row) * num_heads + head) * HEAD_DIM + dim0;
+#pragma unroll
+    for (int i = 0; i < HALF; ++i) out_row[i] = acc[i] * inv_l;
+}
+
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void prefill(T* out, const T* q, const T* k_cache, const T* v_cache,
+                                        const int* block_tables, const int* query_start_loc,
+                                        const int* context_lens, float scale, int num_heads,
+                                        int num_kv_heads, int group_size, int block_size_log2,
+                                        int max_blocks_per_seq) {
+    TileCoords c;
+    if (!tile_coords(c, query_start_loc, context_lens, block_tables, group_size,
+                     max_blocks_per_seq))
+        return;  // whole CTA leaves together, before any barrier
+    if constexpr (sizeof(T) == 4) {
+        prefill_simt<HEAD_DIM>(out, q, k_cache, v_cache, c, scale, num_heads, num_kv_heads,
+                               block_size_log2);
+    } else {
+        prefill_mma<T, HEAD_DIM>(out, q, k_cache, v_cache, c, scale, num_heads, num_kv_heads,
+                                 block_size_log2);
+    }
+}
+
+}  // namespace prefill_attn
+
+#define PAGEDRUN_PREFILL_KERNEL(DT, T, HEAD_DIM)                                                \
+    extern "C" __global__ void __launch_bounds__(prefill_attn::kThreads)                        \
+        paged_attention_prefill_##DT##_d##HEAD_DIM(                                             \
+            T* out, const T* q, const T* k_cache, const T* v_cache, const int* block_tables,    \
+            const int* query_start_loc, const int* context_lens, float scale, int num_heads,    \
+            int num_kv_heads, int group_size, int block_size_log2, int max_blocks_per_seq) {    \
+        prefill_attn::prefill<T, HEAD_DIM>(out, q, k_cache, v_cache, block_tables,              \
+                                           query_start_loc, context_lens, scale, num_heads,     \
+                                           num_kv_heads, group_size, block_size_log2,           \
+                                           max_blocks_per_seq);                                 \
+    }
+
+PAGEDRUN_PREFILL_KERNEL(f32, float, 64)
+PAGEDRUN_PREFILL_KERNEL(f32, float, 128)
+PAGEDRUN_PREFILL_KERNEL(f16, __half, 64)
+PAGEDRUN_PREFILL_KERNEL(f16, __half, 128)
+PAGEDRUN_PREFILL_KERNEL(bf16, __nv_bfloat16, 64)
+PAGEDRUN_PREFILL_KERNEL(bf16, __nv_bfloat16, 128)
