@@ -151,14 +151,14 @@ def _sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _sample_sha256(path: Path, size: int) -> str:
-    """sha256 of NUM_SAMPLES blocks of SAMPLE_BYTES spread evenly from the first to the last byte."""
+def _sample_sha256(path: Path, size: int, num_samples: int, sample_bytes: int) -> str:
+    """sha256 of `num_samples` blocks of `sample_bytes` spread evenly from the first to the last byte."""
     digest = hashlib.sha256()
-    last_start = max(size - SAMPLE_BYTES, 0)
+    last_start = max(size - sample_bytes, 0)
     with open(path, "rb") as f:
-        for i in range(NUM_SAMPLES):
-            f.seek(last_start * i // (NUM_SAMPLES - 1))
-            digest.update(f.read(SAMPLE_BYTES))
+        for i in range(num_samples):
+            f.seek(last_start * i // max(num_samples - 1, 1))
+            digest.update(f.read(sample_bytes))
     return digest.hexdigest()
 
 
@@ -171,9 +171,14 @@ def write_manifest(model_dir: Path, file_names: Any, source: Path | None = None)
         files[file_name] = {
             "bytes": size,
             "sha256": _sha256_file(path),
-            "sample_sha256": _sample_sha256(path, size),
+            "sample_sha256": _sample_sha256(path, size, NUM_SAMPLES, SAMPLE_BYTES),
         }
-    manifest = {"format": MANIFEST_FORMAT, "files": files}
+    # The sampling is recorded so that later changes of the constants keep old caches valid.
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "sample": {"count": NUM_SAMPLES, "bytes": SAMPLE_BYTES},
+        "files": files,
+    }
     if source is not None:
         manifest["source"] = {"file": source.name, "bytes": source.stat().st_size}
     manifest_path = model_dir / MANIFEST_FILE
@@ -195,6 +200,7 @@ def verify_converted(model_dir: Path, full: bool = False) -> bool:
         manifest = json.loads((model_dir / MANIFEST_FILE).read_text(encoding="utf-8"))
         if manifest.get("format") != MANIFEST_FORMAT or not manifest.get("files"):
             return False
+        num_samples, sample_bytes = int(manifest["sample"]["count"]), int(manifest["sample"]["bytes"])
         for file_name, entry in manifest["files"].items():
             path = model_dir / file_name
             size = path.stat().st_size
@@ -203,7 +209,7 @@ def verify_converted(model_dir: Path, full: bool = False) -> bool:
             if full or size <= FULL_CHECK_MAX_BYTES:
                 if _sha256_file(path) != entry["sha256"]:
                     return False
-            elif _sample_sha256(path, size) != entry["sample_sha256"]:
+            elif _sample_sha256(path, size, num_samples, sample_bytes) != entry["sample_sha256"]:
                 return False
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
