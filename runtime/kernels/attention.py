@@ -1,0 +1,231 @@
+"""Launch wrappers of the attention kernels, and the host-side split-K plan of decode.
+
+    module = load_module("paged_attention_decode.cu", backend="sim")   # or "cuda"
+    out = paged_decode_attention(module, q, k_cache, v_cache, block_tables, context_lens, scale)
+
+    module = load_module("paged_attention_prefill.cu", backend="sim")
+    out = paged_prefill_attention(module, q, k_cache, v_cache, block_tables, query_start_loc,
+                                  context_lens, scale)
+
+Arguments are the numpy backend's (runtime/backends/numpy_ops.py), so the numpy ops are the
+reference: KV caches [num_blocks, block_size, num_kv_heads, head_dim] (NHD), block_tables
+[num_seqs, max_blocks] int32, context_lens [num_seqs] int32. Arrays are numpy under the CPU
+harness and cupy on a GPU; the wrappers only check, plan and launch. Every shape the kernels do
+not serve raises UnsupportedKernelShape before launching.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from .kernel_args import (UnsupportedKernelShape, array_module, dtype_suffix, log2_exact,
+                          require, require_contiguous, require_int32)
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_BLOCK_SIZES = (16, 32, 64)
+# Decode instantiations per kv-head group; a group runs on the smallest one that holds it.
+DECODE_GROUPS = (1, 2, 4, 8)
+DECODE_THREADS = 128
+DECODE_WARPS = DECODE_THREADS // 32
+MERGE_THREADS = 128
+PREFILL_THREADS = 128
+PREFILL_BLOCK_M = 64    # query rows per CTA (cuda/paged_attention_prefill.cu kBlockM)
+PREFILL_BLOCK_N = 32    # keys per tile (kBlockN)
+PREFILL_SMEM_PAD = 8    # elements of padding per shared row on the mma path (kPad)
+FLOAT32_BYTES = 4
+
+# Split-K plan. Partitions are whole multiples of 256 tokens, so of every block size.
+PARTITION_GRANULE_TOKENS = 256
+# Under this many tokens a partition's fixed cost (q load, merge traffic) outweighs its reads.
+MIN_PARTITION_TOKENS = 256
+# A CTA streaming more than this alone becomes the tail of the step: split even a full batch.
+LONG_CONTEXT_TOKENS = 8192
+# Aim for this many resident CTAs per SM: decode is latency-bound, one CTA cannot keep an
+# SM's loads in flight.
+TARGET_CTAS_PER_SM = 2
+MAX_SPLITS = 64
+# The CPU harness runs blocks one at a time; this only shapes the plan there.
+SIM_NUM_SMS = 4
+
+
+class DecodeSplitPlan(NamedTuple):
+    num_splits: int       # grid.z of the decode kernel; 1 means no merge kernel
+    partition_size: int   # tokens per split, a multiple of PARTITION_GRANULE_TOKENS
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def plan_decode_split(num_seqs: int, num_kv_heads: int, max_context_len: int,
+                      num_sms: int) -> DecodeSplitPlan:
+    """How to split decode attention over the context (pure; the policy lives here only).
+
+    One CTA per (kv head, request) fills the GPU when there are at least
+    TARGET_CTAS_PER_SM * num_sms of them; fewer, and each is split over the context until
+    they are (never below MIN_PARTITION_TOKENS per split). A context past LONG_CONTEXT_TOKENS is
+    split regardless, so one long request does not serialise the step.
+    """
+    if num_seqs < 1 or num_kv_heads < 1 or max_context_len < 1 or num_sms < 1:
+        raise ValueError(f"plan_decode_split needs positive sizes, got num_seqs={num_seqs}, "
+                         f"num_kv_heads={num_kv_heads}, max_context_len={max_context_len}, "
+                         f"num_sms={num_sms}")
+    num_ctas = num_seqs * num_kv_heads
+    wanted = max(1, _ceil_div(TARGET_CTAS_PER_SM * num_sms, num_ctas))
+    wanted = max(wanted, _ceil_div(max_context_len, LONG_CONTEXT_TOKENS))
+    num_splits = min(wanted, _ceil_div(max_context_len, MIN_PARTITION_TOKENS), MAX_SPLITS)
+    partition_size = _ceil_div(_ceil_div(max_context_len, num_splits),
+                               PARTITION_GRANULE_TOKENS) * PARTITION_GRANULE_TOKENS
+    return DecodeSplitPlan(_ceil_div(max_context_len, partition_size), partition_size)
+
+
+def device_num_sms(xp) -> int:
+    """Streaming multiprocessors of the current device (SIM_NUM_SMS under the harness)."""
+    if xp is np:
+        return SIM_NUM_SMS
+    return int(xp.cuda.Device().attributes["MultiProcessorCount"])
+
+
+def decode_group_instantiation(group_size: int) -> int:
+    for group in DECODE_GROUPS:
+        if group_size <= group:
+            return group
+    raise UnsupportedKernelShape(f"GQA group of {group_size} query heads per kv head exceeds "
+                                 f"the largest decode instantiation ({DECODE_GROUPS[-1]})")
+
+
+def decode_smem_bytes(group: int, head_dim: int) -> int:
+    """Dynamic shared memory of a decode CTA: per-warp accumulators plus (max, sum) pairs."""
+    return DECODE_WARPS * group * (head_dim + 2) * FLOAT32_BYTES
+
+
+def prefill_smem_bytes(dtype_name: str, head_dim: int) -> int:
+    if dtype_name == "f32":
+        return 2 * PREFILL_BLOCK_N * head_dim * FLOAT32_BYTES
+    return (PREFILL_BLOCK_M + 2 * PREFILL_BLOCK_N) * (head_dim + PREFILL_SMEM_PAD) * 2
+
+
+def _check_attention(q, k_cache, v_cache, block_tables) -> tuple[str, int, int, int]:
+    """Returns (dtype suffix, group_size, block_size_log2, head_dim)."""
+    require(q.ndim == 3, f"q must be [tokens, num_heads, head_dim], got shape {q.shape}")
+    require(k_cache.ndim == 4 and k_cache.shape == v_cache.shape,
+            f"k_cache {k_cache.shape} / v_cache {v_cache.shape}: expected equal "
+            "[num_blocks, block_size, num_kv_heads, head_dim]")
+    require(q.dtype == k_cache.dtype == v_cache.dtype,
+            f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    suffix = dtype_suffix(q)
+    num_heads, head_dim = q.shape[1:]
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    require(head_dim in SUPPORTED_HEAD_DIMS,
+            f"head_dim {head_dim} not supported (instantiated: {SUPPORTED_HEAD_DIMS})")
+    require(cache_head_dim == head_dim, f"cache head_dim {cache_head_dim} != q head_dim {head_dim}")
+    require(block_size in SUPPORTED_BLOCK_SIZES,
+            f"block_size {block_size} not supported (supported: {SUPPORTED_BLOCK_SIZES})")
+    require(num_heads % num_kv_heads == 0,
+            f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        require_contiguous(name, x)
+    require_int32("block_tables", block_tables, 2)
+    return suffix, num_heads // num_kv_heads, log2_exact(block_size, "block_size"), head_dim
+
+
+def paged_decode_attention(module, q, k_cache, v_cache, block_tables, context_lens, scale: float,
+                           out=None, *, max_context_len: int | None = None,
+                           num_sms: int | None = None, split: DecodeSplitPlan | None = None):
+    """Decode attention of one query token per request; returns out [num_seqs, num_heads, head_dim].
+
+    q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size,
+    num_kv_heads, head_dim], same dtype as q; block_tables: [num_seqs, max_blocks] int32;
+    context_lens: [num_seqs] int32, each in [1, max_blocks * block_size].
+    max_context_len: the largest context_lens entry, if the caller knows it (saves a device
+    sync on GPU). split: force a plan (tests, benchmarks); default plan_decode_split.
+    """
+    suffix, group_size, block_size_log2, head_dim = _check_attention(q, k_cache, v_cache,
+                                                                     block_tables)
+    xp = array_module(q)
+    num_seqs, num_heads, _ = q.shape
+    num_kv_heads = k_cache.shape[2]
+    require_int32("context_lens", context_lens, 1)
+    require(context_lens.shape[0] == num_seqs and block_tables.shape[0] == num_seqs,
+            f"context_lens {context_lens.shape} / block_tables {block_tables.shape} rows must "
+            f"match q's {num_seqs} sequences")
+    if out is None:
+        out = xp.empty_like(q)
+    require(out.shape == q.shape and out.dtype == q.dtype, "out must match q's shape and dtype")
+    require_contiguous("out", out)
+    if num_seqs == 0:
+        return out
+    if max_context_len is None:
+        max_context_len = int(context_lens.max())
+    require(max_context_len <= block_tables.shape[1] << block_size_log2,
+            f"context of {max_context_len} tokens exceeds the block table's "
+            f"{block_tables.shape[1]} blocks")
+    if split is None:
+        split = plan_decode_split(num_seqs, num_kv_heads, max(max_context_len, 1),
+                                  num_sms or device_num_sms(xp))
+    require(split.num_splits >= 1 and split.partition_size >= 1 and
+            split.num_splits * split.partition_size >= max_context_len,
+            f"split {split} does not cover a context of {max_context_len} tokens")
+
+    group = decode_group_instantiation(group_size)
+    kernel = module.get_function(f"paged_attention_decode_{suffix}_d{head_dim}_g{group}")
+    if split.num_splits > 1:
+        partial_out = xp.empty((num_seqs, num_heads, split.num_splits, head_dim), dtype=np.float32)
+        partial_lse = xp.empty((num_seqs, num_heads, split.num_splits), dtype=np.float32)
+    else:
+        partial_out = partial_lse = None
+    kernel((num_kv_heads, num_seqs, split.num_splits), (DECODE_THREADS,),
+           (out, partial_out, partial_lse, q, k_cache, v_cache, block_tables, context_lens,
+            np.float32(scale), np.int32(num_heads), np.int32(num_kv_heads),
+            np.int32(group_size), np.int32(block_size_log2), np.int32(block_tables.shape[1]),
+            np.int32(split.partition_size), np.int32(split.num_splits)),
+           shared_mem=decode_smem_bytes(group, head_dim))
+    if split.num_splits > 1:
+        merge = module.get_function(f"paged_attention_decode_merge_{suffix}")
+        merge((num_heads, num_seqs), (MERGE_THREADS,),
+              (out, partial_out, partial_lse, context_lens, np.int32(num_heads),
+               np.int32(head_dim), np.int32(split.partition_size), np.int32(split.num_splits)))
+    return out
+
+
+def paged_prefill_attention(module, q, k_cache, v_cache, block_tables, query_start_loc,
+                            context_lens, scale: float, out=None, *,
+                            max_query_len: int | None = None):
+    """Causal attention of a ragged batch of query chunks over paged K/V; returns out.
+
+    q: [num_tokens, num_heads, head_dim]; query_start_loc: [num_reqs + 1] int32 (request r owns
+    q rows query_start_loc[r]:query_start_loc[r + 1]); context_lens: [num_reqs] int32, KV length
+    after this step's cache writes (>= the request's query length); block_tables:
+    [num_reqs, max_blocks] int32. Rows past query_start_loc[num_reqs] come back zero (when out is
+    allocated here) or untouched (a caller's out). max_query_len saves a device sync on GPU.
+    """
+    suffix, group_size, block_size_log2, head_dim = _check_attention(q, k_cache, v_cache,
+                                                                     block_tables)
+    xp = array_module(q)
+    num_heads = q.shape[1]
+    num_kv_heads = k_cache.shape[2]
+    require_int32("query_start_loc", query_start_loc, 1)
+    require_int32("context_lens", context_lens, 1)
+    num_reqs = context_lens.shape[0]
+    require(query_start_loc.shape[0] == num_reqs + 1 and block_tables.shape[0] == num_reqs,
+            f"query_start_loc {query_start_loc.shape} must be [num_reqs + 1] and block_tables "
+            f"{block_tables.shape} [num_reqs, max_blocks] for {num_reqs} requests")
+    if out is None:
+        out = xp.zeros_like(q)
+    require(out.shape == q.shape and out.dtype == q.dtype, "out must match q's shape and dtype")
+    require_contiguous("out", out)
+    if num_reqs == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if max_query_len <= 0:
+        return out
+    kernel = module.get_function(f"paged_attention_prefill_{suffix}_d{head_dim}")
+    num_row_tiles = _ceil_div(max_query_len, PREFILL_BLOCK_M)
+    kernel((num_row_tiles, num_reqs, num_heads), (PREFILL_THREADS,),
+           (out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+            np.float32(scale), np.int32(num_heads), np.int32(num_kv_heads),
+            np.int32(group_size), np.int32(block_size_log2), np.int32(block_tables.shape[1])),
+           shared_mem=prefill_smem_bytes(suffix, head_dim))
+    return out

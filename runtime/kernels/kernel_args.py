@@ -1,0 +1,79 @@
+"""Argument checks and conversions shared by the launch wrappers in runtime/kernels/.
+
+The wrappers receive numpy arrays under the CPU harness and cupy arrays on a GPU; nothing here
+branches on the backend except `array_module`. bf16 tensors travel as uint16 arrays of raw
+bf16 bits (neither numpy nor cupy has a bfloat16 dtype); `to_bf16_bits` / `from_bf16_bits`
+convert at the edges.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from pagedrun.runtime.errors import PagedRunError
+
+# Kernel dtype suffix per array dtype (the `_<dtype>` part of the extern "C" names).
+_DTYPE_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
+                 np.dtype(np.uint16): "bf16"}
+
+# bf16 is the upper half of a float32.
+_BF16_SHIFT = 16
+
+
+class UnsupportedKernelShape(PagedRunError, ValueError):
+    """A launch was asked for a shape, dtype or layout no instantiation serves.
+
+    Raised before anything runs, so an unsupported case is an error, never a wrong answer.
+    """
+
+
+def array_module(x):
+    """numpy for numpy arrays, cupy for cupy arrays (imported only then)."""
+    if type(x).__module__.split(".")[0] == "cupy":
+        import cupy
+
+        return cupy
+    return np
+
+
+def dtype_suffix(x) -> str:
+    """'f32' | 'f16' | 'bf16' for a float32 / float16 / uint16 (bf16 bits) array."""
+    suffix = _DTYPE_SUFFIX.get(np.dtype(x.dtype))
+    if suffix is None:
+        raise UnsupportedKernelShape(f"dtype {x.dtype} has no kernel: use float32, float16 or "
+                                     "uint16 holding bf16 bits")
+    return suffix
+
+
+def require(cond: bool, message: str) -> None:
+    if not cond:
+        raise UnsupportedKernelShape(message)
+
+
+def require_contiguous(name: str, x) -> None:
+    require(x.flags.c_contiguous, f"{name} must be C-contiguous, got strides {x.strides}")
+
+
+def require_int32(name: str, x, ndim: int) -> None:
+    require(np.dtype(x.dtype) == np.int32, f"{name} must be int32, got {x.dtype}")
+    require(x.ndim == ndim, f"{name} must be {ndim}-D, got shape {x.shape}")
+    require_contiguous(name, x)
+
+
+def log2_exact(value: int, name: str) -> int:
+    require(value > 0 and value & (value - 1) == 0, f"{name} {value} is not a power of two")
+    return value.bit_length() - 1
+
+
+def to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 values -> uint16 bf16 bits, round half to even (NaN stays NaN)."""
+    x32 = np.ascontiguousarray(x, dtype=np.float32)
+    bits = x32.view(np.uint32)
+    rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(_BF16_SHIFT)) & np.uint32(1))
+    out = (rounded >> np.uint32(_BF16_SHIFT)).astype(np.uint16)
+    return np.where(np.isnan(x32), np.uint16(0x7FC0), out).astype(np.uint16)
+
+
+def from_bf16_bits(bits: np.ndarray) -> np.ndarray:
+    """uint16 bf16 bits -> float32 values (exact)."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(_BF16_SHIFT)).view(
+        np.float32)
