@@ -13,6 +13,8 @@
 //     synchronisation); barriers are release (arrive) / acquire (leave) on the barrier.
 #include "runtime_api.h"
 
+#include <dlfcn.h>
+#include <link.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -34,11 +36,7 @@
 #include <sanitizer/tsan_interface.h>
 #endif
 
-// Linker-provided bounds of the static __shared__ storage (section "pagedrun_smem", see
-// sim.cuh). Weak: a module without static shared memory has no such section.
 extern "C" {
-__attribute__((weak, visibility("hidden"))) extern unsigned char __start_pagedrun_smem[];
-__attribute__((weak, visibility("hidden"))) extern unsigned char __stop_pagedrun_smem[];
 void pagedrun_fiber_switch(void** save_sp, void* new_sp) __attribute__((visibility("hidden")));
 void pagedrun_fiber_trampoline() __attribute__((visibility("hidden")));
 }
@@ -148,10 +146,45 @@ struct Launch {
     const void* sched_stack_bottom = nullptr;
     std::size_t sched_stack_size = 0;
     void* tsan_sched = nullptr;
-    char tsan_block_token = 0, tsan_barrier_token = 0, tsan_warp_token = 0;
+    // Block start is released by the scheduler and acquired by each fiber; block end the
+    // reverse. Two tokens, so that one fiber finishing does not order it before the next.
+    char tsan_block_start = 0, tsan_block_end = 0, tsan_barrier_token = 0, tsan_warp_token = 0;
 };
 
 Launch* g_L = nullptr;
+
+// Static __shared__ variables are `static thread_local` (see sim.cuh: GCC drops section
+// attributes on template-instantiated statics, but every thread_local of the module lands
+// in its PT_TLS segment). This anchor forces the segment to exist in the calling thread.
+thread_local unsigned char g_tls_anchor;
+unsigned char* g_static_smem = nullptr;
+std::size_t g_static_smem_bytes = 0;
+
+// Finds this module's PT_TLS segment instance for the calling thread.
+bool locate_static_smem() {
+    g_tls_anchor = 0;
+    Dl_info info;
+    if (!dladdr(reinterpret_cast<void*>(&locate_static_smem), &info)) return false;
+    struct Found { const void* base; unsigned char* lo; std::size_t size; } found{
+        info.dli_fbase, nullptr, 0};
+    dl_iterate_phdr(
+        [](dl_phdr_info* i, std::size_t, void* p) -> int {
+            auto* f = static_cast<Found*>(p);
+            if (reinterpret_cast<const void*>(i->dlpi_addr) != f->base) return 0;
+            for (int k = 0; k < i->dlpi_phnum; ++k)
+                if (i->dlpi_phdr[k].p_type == PT_TLS) {
+                    f->lo = static_cast<unsigned char*>(i->dlpi_tls_data);
+                    f->size = i->dlpi_phdr[k].p_memsz;
+                }
+            return 1;
+        },
+        &found);
+    auto* anchor = &g_tls_anchor;
+    if (!found.lo || anchor < found.lo || anchor >= found.lo + found.size) return false;
+    g_static_smem = found.lo;
+    g_static_smem_bytes = found.size;
+    return true;
+}
 std::mutex g_launch_mutex;  // the static __shared__ storage exists once per module
 
 unsigned char* g_stacks = nullptr;
@@ -260,10 +293,10 @@ void fiber_main(Fiber* f) {
 #if defined(PAGEDRUN_SIM_ASAN)
     __sanitizer_finish_switch_fiber(nullptr, &L.sched_stack_bottom, &L.sched_stack_size);
 #endif
-    tsan_acquire(&L.tsan_block_token);
+    tsan_acquire(&L.tsan_block_start);
     L.body(L.args, L.fn);
     f->state = State::Done;
-    tsan_release(&L.tsan_block_token);
+    tsan_release(&L.tsan_block_end);
     yield_to_scheduler(true);
     __builtin_unreachable();
 }
@@ -313,9 +346,7 @@ std::string deadlock_report() {
 }
 
 void poison_shared() {
-    if (__start_pagedrun_smem && __stop_pagedrun_smem)
-        std::memset(__start_pagedrun_smem, kPoisonByte,
-                    std::size_t(__stop_pagedrun_smem - __start_pagedrun_smem));
+    std::memset(g_static_smem, kPoisonByte, g_static_smem_bytes);
     if (g_launch.dyn_smem) std::memset(g_launch.dyn_smem, kPoisonByte, g_launch.dyn_smem_bytes);
 }
 
@@ -348,7 +379,7 @@ void run_block() {
         f.committed.clear();
         init_fiber_stack(f);
     }
-    tsan_release(&L.tsan_block_token);
+    tsan_release(&L.tsan_block_start);
     unsigned done = 0;
     while (done < L.nthreads) {
         bool progress = false;
@@ -367,7 +398,7 @@ void run_block() {
             return;
         }
     }
-    tsan_acquire(&L.tsan_block_token);
+    tsan_acquire(&L.tsan_block_end);
     std::string err;
     if (!check_smem_guard(err)) {
         L.failed = true;
@@ -494,8 +525,7 @@ void warp_collective(uint32_t mask, const char* what, void* lane_data, WarpFn fn
 
 bool is_shared(const void* p, std::size_t bytes) {
     auto* c = static_cast<const unsigned char*>(p);
-    if (__start_pagedrun_smem && c >= __start_pagedrun_smem && c + bytes <= __stop_pagedrun_smem)
-        return true;
+    if (c >= g_static_smem && c + bytes <= g_static_smem + g_static_smem_bytes) return true;
     return g_launch.dyn_smem && c >= g_launch.dyn_smem &&
            c + bytes <= g_launch.dyn_smem + g_launch.dyn_smem_bytes;
 }
@@ -554,6 +584,10 @@ int launch(const char* kernel_name, KernelBody body, void* fn, const unsigned* g
         return report(std::string("kernel ") + kernel_name + ": " +
                       std::to_string(dyn_smem_bytes) + " bytes of dynamic shared memory (max " +
                       std::to_string(kMaxDynSmem) + ")");
+
+    if (!locate_static_smem())
+        return report(std::string("kernel ") + kernel_name +
+                      ": cannot locate the module's static shared memory (PT_TLS segment)");
 
     Launch L;
     L.name = kernel_name;

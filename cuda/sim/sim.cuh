@@ -4,7 +4,7 @@
 // Execution model (cuda/sim/runtime.cpp): blocks run one at a time; each CUDA thread is a
 // fiber; __syncthreads and warp intrinsics are rendezvous that switch fibers. Consequences
 // the headers rely on:
-//   * __shared__ is static storage in section "pagedrun_smem", filled with 0xFF bytes (NaN
+//   * __shared__ is static (thread_local) storage, filled with 0xFF bytes (NaN
 //     in f32/f16/bf16, -1 in integers) before every block, so reading shared memory that
 //     the block never wrote shows up as NaN.
 //   * threadIdx/blockIdx/blockDim/gridDim read the scheduler's current thread and block.
@@ -43,7 +43,9 @@
 #define __launch_bounds__(...)
 #define __restrict__ __restrict
 #define __align__(n) __attribute__((aligned(n)))
-#define __shared__ __attribute__((section("pagedrun_smem"))) static
+// thread_local, not a named section: GCC ignores section attributes on statics of template
+// instances. runtime.cpp finds the module's TLS segment and poisons it before each block.
+#define __shared__ static thread_local
 #define __CUDA_ARCH_SIM__ 1
 
 #define threadIdx (::pagedrun_sim::g_thread->thread_idx)

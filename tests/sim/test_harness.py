@@ -1,0 +1,187 @@
+"""The CPU harness runs CUDA semantics faithfully: indices, shared memory, barriers, warp
+shuffles and votes, atomics, half/bfloat16 rounding, and the CuPy-like launch surface."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pagedrun.runtime.kernels import SimKernelError, load_module
+from pagedrun.runtime.kernels.sim_module import SimModule
+
+
+
+@pytest.mark.parametrize("n, threads", [(1, 32), (111, 64), (989, 256)])
+def test_block_reverse_through_shared_memory(smoke, rng, n, threads):
+    x = rng.standard_normal(n).astype(np.float32)
+    y = np.full(n, np.nan, np.float32)
+    blocks = -(-n // threads)
+    smoke.get_function("block_reverse")((blocks,), (threads,), (x, y, np.int32(n)))
+    padded = np.zeros(blocks * threads, np.float32)
+    padded[:n] = x
+    expect = padded.reshape(blocks, threads)[:, ::-1].reshape(-1)[:n]
+    np.testing.assert_array_equal(y, expect)
+
+
+def test_builtin_indices_3d(smoke):
+    grid, block = (3, 2, 2), (5, 3, 2)
+    per_block = 5 * 3 * 2
+    out = np.full((12 * per_block * 12,), -7, np.int32)
+    smoke.get_function("write_indices")(grid, block, (out,))
+    rows = out.reshape(-1, 12)
+    expect = []
+    for bz in range(2):
+        for by in range(2):
+            for bx in range(3):
+                for tz in range(2):
+                    for ty in range(3):
+                        for tx in range(5):
+                            expect.append([tx, ty, tz, bx, by, bz, 5, 3, 2, 3, 2, 32])
+    np.testing.assert_array_equal(rows, np.array(expect, np.int32))
+
+
+def _shuffle_reference(x, src, delta, lane_mask, width):
+    out = np.empty((len(x), 4), np.float32)
+    for t in range(len(x)):
+        warp, lane = divmod(t, 32)
+        base = lane & ~(width - 1)
+        idx = base + (src % width)
+        up = lane - delta if lane - delta >= base else lane
+        down = lane + delta if lane + delta < base + width else lane
+        xr = lane ^ lane_mask if (lane ^ lane_mask) < base + width else lane
+        out[t] = [x[warp * 32 + i] for i in (idx, up, down, xr)]
+    return out
+
+
+@pytest.mark.parametrize("src, delta, lane_mask, width",
+                         [(0, 1, 1, 32), (7, 5, 19, 32), (3, 2, 4, 8), (35, 3, 6, 4)])
+def test_shuffles_match_reference(smoke, rng, src, delta, lane_mask, width):
+    x = rng.standard_normal(64).astype(np.float32)
+    y = np.empty((64, 4), np.float32)
+    smoke.get_function("shuffles")((1,), (64,), (x, y, np.int32(src), np.int32(delta),
+                                                  np.int32(lane_mask), np.int32(width)))
+    np.testing.assert_array_equal(y, _shuffle_reference(x, src, delta, lane_mask, width))
+
+
+def test_votes_and_counting_barriers(smoke, rng):
+    pred = (rng.random(96) < 0.3).astype(np.int32)
+    pred[64:] = 1  # warp 2 all true
+    out = np.zeros((96, 5), np.uint32)
+    smoke.get_function("votes")((1,), (96,), (pred, out))
+    for w in range(3):
+        p = pred[32 * w: 32 * (w + 1)]
+        ballot = sum(1 << i for i in range(32) if p[i])
+        np.testing.assert_array_equal(out[32 * w: 32 * (w + 1), 0], ballot)
+        np.testing.assert_array_equal(out[32 * w: 32 * (w + 1), 1], int(p.any()))
+        np.testing.assert_array_equal(out[32 * w: 32 * (w + 1), 2], int(p.all()))
+    np.testing.assert_array_equal(out[:, 3], pred.sum())
+    np.testing.assert_array_equal(out[:, 4], 1)
+
+
+def test_partial_mask_half_warp_sum(smoke, rng):
+    x = rng.standard_normal(64).astype(np.float32)
+    y = np.empty_like(x)
+    smoke.get_function("half_warp_sum")((1,), (64,), (x, y))
+    for w in range(2):
+        np.testing.assert_allclose(y[32 * w: 32 * w + 16], x[32 * w: 32 * w + 16].sum(),
+                                   rtol=1e-5)
+        np.testing.assert_array_equal(y[32 * w + 16: 32 * w + 32], x[32 * w + 16: 32 * w + 32])
+
+
+def test_atomics(smoke, rng):
+    n, nbins = 1000, 19
+    keys = rng.integers(0, nbins, n).astype(np.int32)
+    bins = np.zeros(nbins, np.int32)
+    total = np.zeros(1, np.float32)
+    vmax = np.full(1, -1, np.int32)
+    smoke.get_function("histogram")((-(-n // 128),), (128,), (keys, np.int32(n), bins, total, vmax))
+    np.testing.assert_array_equal(bins, np.bincount(keys, minlength=nbins))
+    assert total[0] == 0.5 * n and vmax[0] == keys.max()
+
+
+def test_half_and_bfloat16_round_to_nearest_even(smoke, rng):
+    special = np.array([0.0, -0.0, 1.0, 65504.0, 65519.99, 65520.0, 1e-8, 2.0**-25,
+                        2.0**-25 * 1.0001, 2.0**-24 * 1.5, 6.1e-5, np.inf, -np.inf,
+                        3.0e38, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8], np.float32)
+    x = np.concatenate([special, rng.standard_normal(3000).astype(np.float32) *
+                        np.float32(10.0) ** rng.integers(-8, 6, 3000).astype(np.float32)])
+    n = len(x)
+    h, b = np.empty(n, np.uint16), np.empty(n, np.uint16)
+    hx, bx = np.empty(n, np.float32), np.empty(n, np.float32)
+    smoke.get_function("convert_halves")((-(-n // 256),), (256,), (x, h, b, hx, bx, np.int32(n)))
+    with np.errstate(over="ignore"):
+        x16 = x.astype(np.float16)
+    np.testing.assert_array_equal(h, x16.view(np.uint16))
+    np.testing.assert_array_equal(hx, x16.astype(np.float32))
+    bits = x.view(np.uint32).astype(np.uint64)
+    expect_b = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    np.testing.assert_array_equal(b, expect_b)
+    np.testing.assert_array_equal(bx, (expect_b.astype(np.uint32) << 16).view(np.float32))
+    nan_out = np.empty(1, np.uint16)
+    smoke.get_function("convert_halves")(1, 1, (np.array([np.nan], np.float32), nan_out,
+                                                np.empty(1, np.uint16), np.empty(1, np.float32),
+                                                np.empty(1, np.float32), np.int32(1)))
+    assert np.isnan(nan_out.view(np.float16)[0])
+
+
+def test_scalar_arguments_exact_dtypes(smoke):
+    out = np.zeros(6, np.float64)
+    fn = smoke.get_function("scalar_args")
+    assert fn.param_codes == ("p", "i4", "u4", "i8", "f4", "f8", "u1")
+    fn(1, 32, (out, np.int32(-3), np.uint32(7), np.int64(-2**40), np.float32(1.5),
+               np.float64(2.25), np.uint8(200)))
+    np.testing.assert_array_equal(out, [-3, 7, -2**40, 1.5, 2.25, 200])
+
+
+@pytest.mark.parametrize("bad_args, match", [
+    ((np.zeros(6),), "takes 7 arguments"),
+    ((np.zeros(6), 1, np.uint32(7), np.int64(1), np.float32(1), np.float64(1), np.uint8(1)),
+     "numpy scalar"),
+    ((np.zeros(6), np.int64(1), np.uint32(7), np.int64(1), np.float32(1), np.float64(1),
+      np.uint8(1)), "type code i4"),
+    ((np.zeros(6), np.int32(1), np.uint32(7), np.int64(1), np.float64(1), np.float64(1),
+      np.uint8(1)), "type code f4"),
+    ((np.zeros((6, 2))[:, 0], np.int32(1), np.uint32(7), np.int64(1), np.float32(1),
+      np.float64(1), np.uint8(1)), "C-contiguous"),
+])
+def test_wrong_arguments_raise_before_launch(smoke, bad_args, match):
+    with pytest.raises(TypeError, match=match):
+        smoke.get_function("scalar_args")(1, 32, bad_args)
+
+
+def test_dynamic_shared_memory(smoke, rng):
+    threads, offset = 40, 7
+    x = rng.standard_normal(threads).astype(np.float32)
+    y = np.empty_like(x)
+    smoke.get_function("dynamic_smem_roundtrip")(1, threads, (x, y, np.int32(offset)),
+                                                 shared_mem=4 * (threads + offset))
+    np.testing.assert_array_equal(y, np.roll(x, -1))
+
+
+def test_unknown_kernel_and_bad_geometry(smoke):
+    with pytest.raises(AttributeError, match="no extern"):
+        smoke.get_function("no_such_kernel")
+    y = np.empty(2048, np.float32)
+    with pytest.raises(SimKernelError, match="block of 2048 threads"):
+        smoke.get_function("barrier_rounds")(1, 2048, (y, np.int32(1)))
+    with pytest.raises(ValueError):
+        smoke.get_function("barrier_rounds")((0,), 32, (y, np.int32(1)))
+
+
+def test_builds_are_cached_by_content(smoke, build_test_module):
+    again = build_test_module("smoke.cu")
+    assert again.path == smoke.path
+    other = build_test_module("smoke.cu", options=("-DUNUSED_FLAG=1",))
+    assert other.path != smoke.path
+
+
+def test_load_module_sim_backend_matches_cupy_surface():
+    with pytest.raises(FileNotFoundError):
+        load_module("no_such_kernel_file.cu")
+    with pytest.raises(ValueError, match="backend"):
+        load_module([], backend="metal")
+    with pytest.raises(ValueError, match="no host equivalent"):
+        SimModule('#include "smoke.cu"\n', options=("-Xptxas=-v",),
+                  include_dirs=(Path(__file__).parent / "kernels",))
