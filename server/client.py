@@ -23,6 +23,9 @@ DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
 # Well under the server's default 30 s lease, so two lost PINGs in a row are still fine.
 DEFAULT_HEARTBEAT_S = 5.0
 HEARTBEAT_PREFIX = "_hb"
+# On close, how long queued frames (an ABORT sent just before) may take to leave; with 0 an
+# abort-then-close would silently drop the ABORT and leave the server to notice the disconnect.
+CLOSE_LINGER_MS = 500
 
 
 # --- errors -----------------------------------------------------------------------------
@@ -137,7 +140,7 @@ class _Accumulator:
 
 def _make_socket(ctx, endpoint: str, server_public_key_file, client_secret_key_file):
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
     if server_public_key_file is not None:
         apply_curve_client(sock, server_public_key_file, client_secret_key_file)
     sock.connect(endpoint)
@@ -214,7 +217,7 @@ class Client:
 
     def close(self) -> None:
         if not self._sock.closed:
-            self._sock.close(linger=0)
+            self._sock.close()
             self._ctx.term()
 
     def __enter__(self):
@@ -404,7 +407,7 @@ class AsyncClient:
         for task in (self._reader, self._heartbeat):
             if task is not None:
                 task.cancel()
-        self._sock.close(linger=0)
+        self._sock.close()
         self._ctx.term()
 
     def _start(self) -> None:

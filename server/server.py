@@ -66,6 +66,7 @@ class _Request:
     first_token_time: float | None = None
     num_output_tokens: int = 0
     orphaned: bool = False  # client gone: abort sent, nothing more is sent to it
+    abort_requested: bool = False  # the client sent ABORT; its FINAL "abort" is on the way
     texts: dict = field(default_factory=dict)      # index -> list[str] (stream off)
     token_ids: dict = field(default_factory=dict)  # index -> list[int] (stream off)
     logprobs: dict = field(default_factory=dict)   # index -> list (stream off, when asked)
@@ -227,7 +228,8 @@ class Server:
             rid = check_fields(msg_type, body)
             if msg_type == MsgType.ABORT:
                 engine_id = self._by_client.get((identity, rid))
-                if engine_id is not None:
+                if engine_id is not None and not self._requests[engine_id].abort_requested:
+                    self._requests[engine_id].abort_requested = True
                     self._loop.abort(engine_id)
                 self._send(identity, MsgType.ABORTED,
                            {"request_id": rid, "found": engine_id is not None})
@@ -425,8 +427,9 @@ class Server:
             req = self._requests[engine_id]
             if not req.orphaned:
                 req.orphaned = True
-                self.metrics.counters["clients_lost_total"] += 1
-                self._loop.abort(engine_id)
+                if not req.abort_requested:
+                    self.metrics.counters["clients_lost_total"] += 1
+                    self._loop.abort(engine_id)
         self._last_seen.pop(identity, None)
 
     def _sweep_leases(self, now: float) -> None:
