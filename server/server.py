@@ -118,6 +118,11 @@ class Server:
             raise RuntimeError("server failed to bind; see log")
         return self.endpoint
 
+    def wait_bound(self, timeout_s: float) -> str | None:
+        """The bound endpoint once serve() has bound (None on timeout or bind failure)."""
+        self._bound.wait(timeout_s)
+        return self.endpoint
+
     def stop(self, timeout_s: float = 60.0) -> None:
         self.request_shutdown()
         if self._thread is not None:

@@ -42,3 +42,34 @@ def zmq_ctx():
     ctx = zmq.Context()
     yield ctx
     ctx.destroy(linger=0)
+
+
+RUN_FAKE_SERVER = os.path.join(os.path.dirname(__file__), "run_fake_server.py")
+PROCESS_START_TIMEOUT_S = 30
+
+
+@pytest.fixture
+def server_process():
+    """server_process(*args) -> (Popen, endpoint): run_fake_server.py in a child process;
+    killed after the test if still alive."""
+    import subprocess
+    import time
+
+    procs = []
+
+    def start(*args):
+        proc = subprocess.Popen([sys.executable, RUN_FAKE_SERVER, *map(str, args)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs.append(proc)
+        deadline = time.monotonic() + PROCESS_START_TIMEOUT_S
+        line = proc.stdout.readline()
+        if not line.startswith("READY ") or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"server did not start: {line!r} {proc.stderr.read()[-2000:]}")
+        return proc, line.split()[1]
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)

@@ -1,0 +1,155 @@
+"""`paged-run serve [MODEL]`: load an engine, print its capacity, serve it on a ROUTER socket.
+
+vLLM's flag names map onto EngineConfig; the server's own knobs (endpoint, limits, leases,
+CURVE) onto ServerConfig. SIGINT/SIGTERM drain and exit 0 (docs/protocol.md, "Shutdown").
+Only argparse is imported at module load so `paged-run --help` stays instant.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 5555
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "serve", help="serve a model over ZeroMQ (docs/protocol.md)",
+        description="Load MODEL (a Hugging Face directory or .gguf; default: the embedded "
+        "SmolLM2-135M) and serve it on tcp://HOST:PORT until SIGINT/SIGTERM.")
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL")
+    net = p.add_argument_group("network")
+    net.add_argument("--host", default=DEFAULT_HOST,
+                     help=f"address to bind (default {DEFAULT_HOST}: loopback only)")
+    net.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}")
+    net.add_argument("--endpoint", default=None,
+                     help="full ZeroMQ endpoint instead of host/port, e.g. ipc:///tmp/pr.sock")
+    eng = p.add_argument_group("engine (vLLM names)")
+    eng.add_argument("--device", default="auto", choices=("auto", "cpu", "sim", "cuda"))
+    eng.add_argument("--tensor-parallel-size", type=int, default=1)
+    eng.add_argument("--max-model-len", type=int, default=None)
+    eng.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    eng.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32, 64))
+    eng.add_argument("--max-num-seqs", type=int, default=256)
+    eng.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    eng.add_argument("--enable-prefix-caching", default=True,
+                     action=argparse.BooleanOptionalAction)
+    eng.add_argument("--num-kv-blocks", type=int, default=None,
+                     help="explicit KV capacity in blocks (default: from the memory budget)")
+    eng.add_argument("--seed", type=int, default=0)
+    srv = p.add_argument_group("server")
+    srv.add_argument("--max-queued-requests", type=int, default=1024,
+                     help="requests in flight before new ones get `overloaded`")
+    srv.add_argument("--max-message-bytes", type=int, default=1 << 20)
+    srv.add_argument("--lease-s", type=float, default=30.0,
+                     help="a client with requests in flight must send something this often")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="on SIGINT/SIGTERM, let in-flight requests finish this long, "
+                     "then abort them")
+    srv.add_argument("--curve-secret-key", default=None, metavar="FILE",
+                     help="enable CURVE: the server's zmq certificate (public + secret key)")
+    srv.add_argument("--curve-allowed-clients", default=None, metavar="DIR",
+                     help="directory of allowed clients' public certificates")
+    srv.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=run)
+    return p
+
+
+def endpoint_from_args(args) -> str:
+    if args.endpoint:
+        return args.endpoint
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    return f"tcp://{host}:{args.port}"
+
+
+def server_config_from_args(args):
+    from pagedrun.server.auth import CurveConfig
+    from pagedrun.server.server import ServerConfig
+
+    curve = None
+    if args.curve_secret_key or args.curve_allowed_clients:
+        if not (args.curve_secret_key and args.curve_allowed_clients):
+            raise SystemExit("paged-run serve: --curve-secret-key and --curve-allowed-clients "
+                             "go together")
+        curve = CurveConfig(args.curve_secret_key, args.curve_allowed_clients)
+    return ServerConfig(endpoint=endpoint_from_args(args),
+                        max_message_bytes=args.max_message_bytes,
+                        max_queued_requests=args.max_queued_requests, lease_s=args.lease_s,
+                        shutdown_timeout_s=args.shutdown_timeout, curve=curve)
+
+
+def build_engine(args):
+    from pagedrun.runtime.engine import LLMEngine
+    from pagedrun.runtime.engine_config import EngineConfig
+
+    return LLMEngine(EngineConfig(
+        model=args.model, device=args.device, block_size=args.block_size,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching, num_kv_blocks=args.num_kv_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tensor_parallel_size, seed=args.seed))
+
+
+def startup_summary(info: dict, endpoint: str, curve: bool) -> str:
+    concurrency = info.get("max_concurrency_at_max_len")
+    return "\n".join([
+        f"paged-run serve: model {info.get('model')} on {info.get('device')} "
+        f"({info.get('dtype')})",
+        f"  KV cache: {info.get('num_kv_blocks')} blocks x {info.get('block_size')} tokens = "
+        f"{info.get('kv_capacity_tokens')} tokens",
+        f"  max_model_len {info.get('max_model_len')}: max concurrency at max length "
+        f"{concurrency:.2f}" if isinstance(concurrency, (int, float)) else
+        f"  max_model_len {info.get('max_model_len')}",
+        f"  listening on {endpoint} (CURVE {'on' if curve else 'off'})",
+    ])
+
+
+def serve_until_signalled(server) -> int:
+    """Run `server.serve()` in this (main) thread; SIGINT/SIGTERM start a graceful drain."""
+    import signal
+
+    def on_signal(signum, frame):
+        server.request_shutdown()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.serve()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 0
+
+
+def run(args) -> int:
+    import logging
+    import threading
+
+    from pagedrun.server.server import Server
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = server_config_from_args(args)
+    engine = build_engine(args)
+    server = Server(engine, config)
+
+    def announce():  # once bound, so the endpoint printed is the real one (port 0 / '*')
+        endpoint = server.wait_bound(60)
+        if endpoint:
+            print(startup_summary(server.model_info, endpoint, config.curve is not None),
+                  flush=True)
+
+    threading.Thread(target=announce, daemon=True).start()
+    return serve_until_signalled(server)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="paged-run")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
