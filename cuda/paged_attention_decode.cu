@@ -53,10 +53,6 @@ constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kVecBytes = 16;  // one 128-bit load per lane: the widest global load there is
 
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-
 template <typename T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
 template <> __device__ __forceinline__ __half from_float<__half>(float x) {
@@ -66,16 +62,31 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
     return __float2bfloat16_rn(x);
 }
 
-// Loads 16 bytes (VEC elements of T) and widens them to fp32.
+// Widens the two 16-bit values of a 32-bit word (lower-indexed element in the low half).
+__device__ __forceinline__ float2 unpack2(uint32_t w, __half) {
+    return make_float2(__half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu))),
+                       __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16))));
+}
+__device__ __forceinline__ float2 unpack2(uint32_t w, __nv_bfloat16) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+
+// Loads 16 bytes (VEC elements of T) and widens them to fp32. Words are split with shifts,
+// not by reading the uint4 through a T* (that type pun is undefined in host C++, and g++ -O2
+// under the CPU harness does optimise it away).
 template <typename T, int VEC>
 __device__ __forceinline__ void load_vec(const T* src, float (&dst)[VEC]) {
+    static_assert(VEC == 8, "16-bit types: eight per 16-byte vector");
     const uint4 raw = *reinterpret_cast<const uint4*>(src);
-    const T* elems = reinterpret_cast<const T*>(&raw);
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) dst[i] = to_float(elems[i]);
+    for (int i = 0; i < 4; ++i) {
+        const float2 pair = unpack2(words[i], T());
+        dst[2 * i] = pair.x;
+        dst[2 * i + 1] = pair.y;
+    }
 }
-// fp32: the four words are the values; no round trip through a local array (which cost
-// sm_90 a 4-byte spill in f32_d128_g1).
+// fp32: the four words are the values.
 template <>
 __device__ __forceinline__ void load_vec<float, 4>(const float* src, float (&dst)[4]) {
     const float4 raw = *reinterpret_cast<const float4*>(src);

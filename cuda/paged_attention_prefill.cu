@@ -60,9 +60,6 @@ constexpr int kSimtKeys = 8;  // f32 path: keys scored per online-softmax update
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kLog2e = 1.4426950408889634f;
 
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
 // Two floats -> one b32 of two 16-bit values, the lower-indexed element in the low half
 // (the mma fragment order and the memory order of a 2-element store).
@@ -74,6 +71,15 @@ template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi
 template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
     return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
            (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16);
+}
+
+// One 4-byte store of two adjacent outputs, through the pair type: legal aliasing in host
+// C++ too (the pair is an aggregate of T), unlike a store through uint32_t*.
+__device__ __forceinline__ void store2(__half* dst, float lo, float hi) {
+    *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(lo, hi);
+}
+__device__ __forceinline__ void store2(__nv_bfloat16* dst, float lo, float hi) {
+    *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(lo, hi);
 }
 
 template <typename T>
@@ -294,8 +300,7 @@ __device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __rest
         T* out_row = out + (static_cast<long long>(c.q_row0 + row) * num_heads + head) * HEAD_DIM;
 #pragma unroll
         for (int dn = 0; dn < D_TILES; ++dn)
-            *reinterpret_cast<uint32_t*>(out_row + dn * 8 + quad_col) =
-                pack2<T>(o[dn][2 * h] * inv_l, o[dn][2 * h + 1] * inv_l);
+            store2(out_row + dn * 8 + quad_col, o[dn][2 * h] * inv_l, o[dn][2 * h + 1] * inv_l);
     }
 }
 

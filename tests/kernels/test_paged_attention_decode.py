@@ -1,0 +1,109 @@
+"""cuda/paged_attention_decode.cu (through runtime/kernels/attention.py) against
+numpy_ops.paged_decode_attention, on NaN-poisoned paged pools with shuffled block tables."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from paged_kernel_inputs import (ATTENTION_TOL, DTYPES, PagedKV, as_kernel_dtype, assert_close,
+                                 kernel_module, result_f32, to_device)
+from pagedrun.runtime.backends import numpy_ops
+from pagedrun.runtime.kernels.attention import (DecodeSplitPlan, paged_decode_attention,
+                                                plan_decode_split)
+from pagedrun.runtime.kernels.kernel_args import UnsupportedKernelShape
+
+NUM_KV_HEADS = 2
+AWKWARD_CONTEXTS = (1, 17, 111, 64)  # one token, partial blocks, an exact block boundary
+
+
+def run_decode(rng, dt, context_lens, *, num_kv_heads=NUM_KV_HEADS, group=4, head_dim=64,
+               block_size=16, max_blocks_per_seq=None, split=None, num_sms=None):
+    pool = PagedKV(rng, context_lens, num_kv_heads, head_dim, block_size, max_blocks_per_seq)
+    num_heads = num_kv_heads * group
+    q32 = rng.standard_normal((len(context_lens), num_heads, head_dim)).astype(np.float32)
+    q, q_ref = as_kernel_dtype(q32, dt)
+    k, k_ref = as_kernel_dtype(pool.k, dt)
+    v, v_ref = as_kernel_dtype(pool.v, dt)
+    scale = head_dim ** -0.5
+    out = paged_decode_attention(kernel_module("paged_attention_decode.cu"), to_device(q),
+                                 to_device(k), to_device(v), to_device(pool.block_tables),
+                                 to_device(pool.context_lens), scale, split=split,
+                                 num_sms=num_sms)
+    expected = numpy_ops.paged_decode_attention(q_ref, k_ref, v_ref, pool.block_tables,
+                                                pool.context_lens, scale)
+    assert_close(result_f32(out, dt), expected, ATTENTION_TOL[dt],
+                 f"decode {dt} group {group} head_dim {head_dim} block {block_size} "
+                 f"contexts {list(context_lens)} split {split}")
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("group", (1, 4, 8))
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_decode_matches_reference(rng, dt, group, head_dim):
+    run_decode(rng, dt, AWKWARD_CONTEXTS, group=group, head_dim=head_dim,
+               num_kv_heads=1 if group == 8 else NUM_KV_HEADS)
+
+
+@pytest.mark.parametrize("block_size", (32, 64))
+def test_decode_block_sizes(rng, block_size):
+    run_decode(rng, "f16", (1, block_size - 1, block_size + 1, 100), block_size=block_size)
+
+
+@pytest.mark.parametrize("group", (2, 3, 6))
+def test_decode_groups_between_instantiations(rng, group):
+    # 3 runs on the group-4 kernel, 6 on group 8: the unused query-head lanes must not leak.
+    run_decode(rng, "f32", (5, 40), group=group)
+
+
+def test_decode_one_request_at_max_length(rng):
+    max_blocks = 8
+    run_decode(rng, "bf16", (max_blocks * 16, 3, 77), max_blocks_per_seq=max_blocks)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_decode_split_partitions(rng, dt):
+    # 32-token partitions: 1 and 17 stay inside the first, 64 ends exactly on a partition
+    # boundary, 111 crosses three, and the short requests leave trailing splits empty.
+    run_decode(rng, dt, AWKWARD_CONTEXTS, head_dim=128, split=DecodeSplitPlan(4, 32))
+
+
+def test_decode_split_from_plan(rng):
+    # A lone request on a (pretend) large GPU: the plan splits a 600-token context in 256s.
+    plan = plan_decode_split(1, 1, 600, 64)
+    assert plan.num_splits > 1
+    run_decode(rng, "f16", (600,), num_kv_heads=1, group=8, num_sms=64)
+
+
+def _inputs(dt="f16", num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, num_seqs=2):
+    np_dt = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[dt]
+    q = np.zeros((num_seqs, num_heads, head_dim), np_dt)
+    cache = np.zeros((6, block_size, num_kv_heads, head_dim), np_dt)
+    return dict(q=q, k_cache=cache, v_cache=cache.copy(),
+                block_tables=np.zeros((num_seqs, 3), np.int32),
+                context_lens=np.ones(num_seqs, np.int32))
+
+
+def _call(**overrides):
+    args = _inputs()
+    args.update(overrides)
+    return paged_decode_attention(kernel_module("paged_attention_decode.cu"), args["q"],
+                                  args["k_cache"], args["v_cache"], args["block_tables"],
+                                  args["context_lens"], 0.125)
+
+
+@pytest.mark.parametrize("case,overrides", [
+    ("head_dim 96", _inputs(head_dim=96)),
+    ("block_size 8", _inputs(block_size=8)),
+    ("block_size 24", _inputs(block_size=24)),
+    ("group 16", _inputs(num_heads=16, num_kv_heads=1)),
+    ("heads not a multiple", _inputs(num_heads=6, num_kv_heads=4)),
+    ("float64", {k: (v.astype(np.float64) if v.dtype == np.float16 else v)
+                 for k, v in _inputs().items()}),
+    ("dtype mismatch", {"q": np.zeros((2, 8, 64), np.float32)}),
+    ("int64 block table", {"block_tables": np.zeros((2, 3), np.int64)}),
+    ("non-contiguous q", {"q": np.zeros((2, 8, 128), np.float16)[:, :, ::2]}),
+    ("context past table", {"context_lens": np.array([1, 3 * 16 + 1], np.int32)}),
+])
+def test_decode_rejects_unsupported(case, overrides):
+    with pytest.raises(UnsupportedKernelShape):
+        _call(**overrides)
