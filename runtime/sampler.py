@@ -40,6 +40,12 @@ from .sampling_params import SamplingParams
 # partition + a 64-element sort is the usual cost instead of a sort of the whole vocabulary.
 TOP_P_FIRST_CANDIDATES = 64
 TOP_P_GROWTH = 4
+# Tokens per chunk whose maximum bounds the top-k / top-p candidate search (see _heaviest).
+CANDIDATE_CHUNK = 64
+# Tokens per chunk of the two-level inverse CDF (see _inverse_cdf).
+CDF_CHUNK = 1024
+# Rows sampled together: bounds the [rows, vocab] float64 CDF temporaries (32 x 128k x 8 B = 32 MiB).
+SAMPLE_ROW_CHUNK = 32
 
 
 @dataclass
@@ -74,24 +80,25 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 def apply_penalties(logits: np.ndarray, params: Sequence[SamplingParams],
                     prompt_token_ids: Sequence[np.ndarray],
                     output_token_ids: Sequence[Sequence[int]]) -> None:
-    """Repetition, then frequency, then presence penalties, in place. logits: [rows, vocab] f32."""
-    vocab_size = logits.shape[1]
+    """Repetition, then frequency, then presence penalties, in place. logits: [rows, vocab] f32.
+
+    Works on the distinct token ids of each row (np.unique), never on a vocabulary-sized count.
+    """
     for i, p in enumerate(params):
         has_rep = p.repetition_penalty != 1.0
         if not (has_rep or p.frequency_penalty or p.presence_penalty):
             continue
         row = logits[i]
-        output_ids = np.asarray(output_token_ids[i], dtype=np.int64)
-        output_counts = np.bincount(output_ids, minlength=vocab_size)[:vocab_size]
+        output_ids, output_counts = np.unique(np.asarray(output_token_ids[i], dtype=np.int64),
+                                              return_counts=True)
         if has_rep:
-            seen = output_counts > 0
-            seen[np.asarray(prompt_token_ids[i], dtype=np.int64)] = True
+            seen = np.union1d(output_ids, np.asarray(prompt_token_ids[i], dtype=np.int64))
             penalty = np.float32(p.repetition_penalty)
             row[seen] = np.where(row[seen] > 0, row[seen] / penalty, row[seen] * penalty)
         if p.frequency_penalty:
-            row -= np.float32(p.frequency_penalty) * output_counts.astype(np.float32)
+            row[output_ids] -= np.float32(p.frequency_penalty) * output_counts.astype(np.float32)
         if p.presence_penalty:
-            row -= np.float32(p.presence_penalty) * (output_counts > 0).astype(np.float32)
+            row[output_ids] -= np.float32(p.presence_penalty)
 
 
 def apply_min_tokens(logits: np.ndarray, params: Sequence[SamplingParams],
@@ -108,50 +115,111 @@ def apply_min_tokens(logits: np.ndarray, params: Sequence[SamplingParams],
             logits[i, banned] = -np.inf
 
 
-def _top_k_mask(scaled: np.ndarray, top_k: int) -> np.ndarray:
-    """Keep logits >= the k-th largest. scaled: [vocab] f32; returns the row with -inf elsewhere."""
-    if top_k <= 0 or top_k >= scaled.shape[0]:
-        return scaled
-    kth_largest = np.partition(scaled, scaled.shape[0] - top_k)[scaled.shape[0] - top_k]
-    return np.where(scaled >= kth_largest, scaled, np.float32(-np.inf))
+def _heaviest(row: np.ndarray, count: int) -> np.ndarray:
+    """Ids of the `count` largest entries of row [vocab] (any order), without partitioning it all.
+
+    The `count` largest chunk maxima are `count` distinct entries >= their minimum, so every one
+    of the `count` largest entries is >= that minimum: a cheap filter, then a partition of the
+    few survivors.
+    """
+    vocab_size = row.shape[0]
+    if count >= vocab_size:
+        return np.arange(vocab_size)
+    num_chunks = vocab_size // CANDIDATE_CHUNK
+    if num_chunks >= count:
+        chunk_max = row[:num_chunks * CANDIDATE_CHUNK].reshape(num_chunks, CANDIDATE_CHUNK).max(axis=1)
+        bound = np.partition(chunk_max, num_chunks - count)[num_chunks - count]
+        pool = np.flatnonzero(row >= bound)
+    else:
+        pool = np.arange(vocab_size)
+    if pool.size > count:
+        pool = pool[np.argpartition(-row[pool], count - 1)[:count]]
+    return pool
 
 
-def _top_p_keep(probs: np.ndarray, top_p: float) -> np.ndarray:
-    """Token ids kept by top-p. probs: [vocab] float64, normalized, zeros for masked tokens."""
-    num_nonzero = int(np.count_nonzero(probs))
-    num_candidates = min(TOP_P_FIRST_CANDIDATES, num_nonzero)
+def _top_k_filter(scaled_row: np.ndarray, top_k: int) -> None:
+    """Keep logits >= the k-th largest (ties kept), -inf elsewhere, in place. scaled_row: [vocab]."""
+    if top_k <= 0 or top_k >= scaled_row.shape[0]:
+        return
+    kth_largest = scaled_row[_heaviest(scaled_row, top_k)].min()
+    scaled_row[scaled_row < kth_largest] = -np.inf
+
+
+def _top_p_filter(weights_row: np.ndarray, top_p: float) -> None:
+    """Zero the weights outside the top-p set, in place.
+
+    weights_row: [vocab] f32 unnormalized (exp of shifted logits, 0 for masked tokens). In
+    decreasing weight order (ties: lower id first) a token is kept while the mass before it is
+    < top_p x total. Only the TOP_P_FIRST_CANDIDATES heaviest tokens are sorted; if they hold
+    less than top_p of the mass, TOP_P_GROWTH times more are taken. (Exact weight ties that
+    straddle the candidate boundary are broken arbitrarily.)
+    """
+    vocab_size = weights_row.shape[0]
+    limit = top_p * float(weights_row.sum(dtype=np.float64))
+    num_candidates = min(TOP_P_FIRST_CANDIDATES, vocab_size)
     while True:
-        if num_candidates >= num_nonzero:
-            candidates = np.flatnonzero(probs)
-        else:
-            candidates = np.argpartition(-probs, num_candidates - 1)[:num_candidates]
-        # Decreasing probability, ties by ascending id.
-        ordered = candidates[np.lexsort((candidates, -probs[candidates]))]
-        cumulative = np.cumsum(probs[ordered])
-        if cumulative[-1] >= top_p or num_candidates >= num_nonzero:
+        candidates = _heaviest(weights_row, num_candidates)
+        cand_w = weights_row[candidates]
+        ordered = candidates[np.lexsort((candidates, -cand_w))]
+        ordered_w = weights_row[ordered].astype(np.float64)
+        cumulative = np.cumsum(ordered_w)
+        if cumulative[-1] >= limit or num_candidates >= vocab_size:
             break
-        num_candidates = min(num_nonzero, num_candidates * TOP_P_GROWTH)
-    mass_before = cumulative - probs[ordered]
-    return ordered[mass_before < top_p]
+        num_candidates = min(vocab_size, num_candidates * TOP_P_GROWTH)
+    kept = ordered[(cumulative - ordered_w) < limit]
+    kept_w = weights_row[kept]
+    weights_row[:] = 0.0
+    weights_row[kept] = kept_w
 
 
-def _sample_row(logits_row: np.ndarray, p: SamplingParams, uniform: float) -> int:
-    """Steps 5-9 of the module docstring for one row. logits_row: [vocab] f32 (processed)."""
-    scaled = logits_row / np.float32(p.temperature)
-    scaled = _top_k_mask(scaled, p.top_k)
-    weights = np.exp((scaled - scaled.max()).astype(np.float64))  # -inf -> 0
-    if p.top_p < 1.0:
-        kept = _top_p_keep(weights / weights.sum(), p.top_p)
-        restricted = np.zeros_like(weights)
-        restricted[kept] = weights[kept]
-        weights = restricted
-    if p.min_p > 0.0:
-        # max weight is exactly 1 (the max logit survives every filter).
-        weights[weights < p.min_p] = 0.0
-    cdf = np.cumsum(weights)
-    token = int(np.searchsorted(cdf, uniform * cdf[-1], side="right"))
-    # u * total can round up to total: fall back to the last token with mass.
-    return token if token < weights.shape[0] else int(np.flatnonzero(weights)[-1])
+def _inverse_cdf(weights: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
+    """First token whose cumulative weight exceeds u x total, per row, in ascending id order.
+
+    weights: [rows, vocab] f32 >= 0, each row with some mass; uniforms: [rows] in [0, 1).
+    Two levels, because a float64 cumsum over the whole vocabulary is the slowest numpy step
+    here: sums of CDF_CHUNK-token chunks locate the chunk, a cumsum inside it the token.
+    Returns [rows] int32.
+    """
+    num_rows, vocab_size = weights.shape
+    num_chunks = -(-vocab_size // CDF_CHUNK)
+    padded = weights
+    if num_chunks * CDF_CHUNK != vocab_size:
+        padded = np.zeros((num_rows, num_chunks * CDF_CHUNK), dtype=weights.dtype)
+        padded[:, :vocab_size] = weights
+    chunk_cdf = np.cumsum(padded.reshape(num_rows, num_chunks, CDF_CHUNK).sum(axis=2, dtype=np.float64),
+                          axis=1)
+    targets = uniforms * chunk_cdf[:, -1]
+    # The chosen chunk is the first whose cumulative mass exceeds the target.
+    chunks = np.minimum((chunk_cdf <= targets[:, None]).sum(axis=1), num_chunks - 1)
+    tokens = np.empty(num_rows, dtype=np.int32)
+    for i in range(num_rows):
+        c = int(chunks[i])
+        before = chunk_cdf[i, c - 1] if c else 0.0
+        inner = padded[i, c * CDF_CHUNK:(c + 1) * CDF_CHUNK]
+        j = int(np.searchsorted(before + np.cumsum(inner, dtype=np.float64), targets[i],
+                                side="right"))
+        if j >= CDF_CHUNK:  # rounding between the two levels: take the chunk's last token with mass
+            j = int(np.flatnonzero(inner)[-1])
+        tokens[i] = c * CDF_CHUNK + j
+    return tokens
+
+
+def _sample_rows(logits: np.ndarray, params: Sequence[SamplingParams],
+                 uniforms: np.ndarray) -> np.ndarray:
+    """Steps 5-9 of the module docstring for a chunk of rows. logits: [rows, vocab] f32
+    (processed); uniforms: [rows] in [0, 1). Returns [rows] int32 token ids."""
+    temperature = np.array([p.temperature for p in params], dtype=np.float32)
+    min_p = np.array([p.min_p for p in params], dtype=np.float32)
+    scaled = logits / temperature[:, None]
+    for i, p in enumerate(params):
+        _top_k_filter(scaled[i], p.top_k)
+    # Unnormalized probabilities; the largest is exactly 1 (the max logit survives every filter).
+    weights = np.exp(scaled - scaled.max(axis=1, keepdims=True))
+    for i, p in enumerate(params):
+        if p.top_p < 1.0:
+            _top_p_filter(weights[i], p.top_p)
+    weights[weights < min_p[:, None]] = 0.0  # min-p relative to the max weight 1
+    return _inverse_cdf(weights, uniforms)
 
 
 class Sampler:
@@ -194,7 +262,10 @@ class Sampler:
         for i in sampled_rows:
             if generators[i] is not None:
                 uniforms[i] = generators[i].random()
-            token_ids[i] = _sample_row(processed[i], params[i], float(uniforms[i]))
+        for start in range(0, sampled_rows.size, SAMPLE_ROW_CHUNK):
+            rows = sampled_rows[start:start + SAMPLE_ROW_CHUNK]
+            token_ids[rows] = _sample_rows(processed[rows], [params[i] for i in rows],
+                                           uniforms[rows])
 
         logprobs: list[Logprob | None] = [None] * num_rows
         for j, i in enumerate(want_logprobs):

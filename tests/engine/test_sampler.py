@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 
 from pagedrun.runtime.outputs import Logprob
+from pagedrun.runtime import sampler as sampler_module
 from pagedrun.runtime.sampler import (Sampler, apply_min_tokens, apply_penalties,
                                       make_request_generator)
 from pagedrun.runtime.sampling_params import SamplingParams
 
 REPRODUCE_ENTROPY: int | None = None
 DISTRIBUTION_SEED = 20261129
-NUM_DRAWS = 30000
+NUM_DRAWS = 12000
 # Standard normal quantile for one-sided 1e-6.
 Z_ONE_IN_A_MILLION = 4.7534
 
@@ -162,6 +163,49 @@ def test_top_p_candidate_growth_on_flat_distribution():
     expected = exact_distribution(logits, params)
     assert expected[tokens].min() > 0
     assert 0.85 * 5000 < np.count_nonzero(expected) < 0.95 * 5000
+
+
+def chi_square_binned(counts, expected, num_draws):
+    """Chi-square over tokens expected >= 5 times, the rest pooled into one bin (np.int counts)."""
+    big = expected * num_draws >= 5
+    observed = np.append(counts[big], counts[~big].sum())
+    want = np.append(expected[big], expected[~big].sum()) * num_draws
+    used = want > 0
+    return float(((observed[used] - want[used]) ** 2 / want[used]).sum()), int(used.sum()) - 1
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.9, top_k=40),
+    SamplingParams(temperature=1.1, top_p=0.8, min_p=0.01),
+], ids=["temperature", "top_k", "top_p_min_p"])
+def test_empirical_distribution_large_vocab(params):
+    """5000 tokens: several inverse-CDF chunks (the last partial) and the chunk-max candidate
+    filter of top-k / top-p; heavy tokens spread over every chunk."""
+    vocab, num_draws = 5000, 6000
+    assert vocab > 4 * sampler_module.CDF_CHUNK and vocab % sampler_module.CDF_CHUNK
+    fixed = np.random.default_rng(DISTRIBUTION_SEED + 1)
+    logits = (fixed.standard_normal(vocab) - 4.0).astype(np.float32)
+    heavy = fixed.choice(vocab, size=60, replace=False)
+    logits[heavy] = (fixed.standard_normal(60) * 1.5 + 2.0).astype(np.float32)
+    logits[vocab - 1] = 3.0  # the very last token (partial last chunk) is a likely one
+    tokens = run(Sampler(seed=DISTRIBUTION_SEED), np.repeat(logits[None], num_draws, axis=0),
+                 [params] * num_draws).token_ids
+    counts = np.bincount(tokens, minlength=vocab)
+    expected = exact_distribution(logits, params)
+    assert counts[expected == 0].sum() == 0
+    chi2, dof = chi_square_binned(counts, expected, num_draws)
+    assert chi2 < chi_square_bound(dof), (chi2, dof)
+
+
+def test_heaviest_finds_the_largest_entries(rng):
+    for vocab, count in [(5000, 1), (5000, 64), (5000, 77), (1000, 900), (130, 64), (64, 64)]:
+        row = rng.standard_normal(vocab).astype(np.float32)
+        row[rng.choice(vocab, size=vocab // 3, replace=False)] = -np.inf
+        row[rng.choice(vocab, size=10, replace=False)] = 1.5  # ties
+        got = sampler_module._heaviest(row, count)
+        assert got.size == min(count, vocab) and np.unique(got).size == got.size
+        np.testing.assert_array_equal(np.sort(row[got]), np.sort(row)[vocab - got.size:])
 
 
 # ------------------------------------------------------------------------------ penalties, min_tokens
