@@ -92,6 +92,8 @@ constexpr std::size_t kStackBytes = 256 * 1024;
 constexpr std::size_t kStackBytes = 128 * 1024;
 #endif
 constexpr std::size_t kGuardBytes = 4096;
+constexpr std::size_t kCacheLine = 64;
+constexpr std::size_t kStackColors = 61;  // prime, so lanes and warps spread over L1 sets
 constexpr std::size_t kSmemGuardBytes = 256;   // poisoned tail after dynamic shared memory
 constexpr std::size_t kSmemAlign = 128;
 constexpr unsigned char kPoisonByte = 0xFF;    // f32/f16/bf16 NaN, integer -1
@@ -240,7 +242,10 @@ void ensure_stacks(unsigned n) {
 
 void init_fiber_stack(Fiber& f) {
     // Initial frame, from the top: return address = trampoline, then rbp rbx r12 r13 r14 r15.
-    auto* top = reinterpret_cast<uint64_t*>(f.stack_lo + kStackBytes);
+    // Stagger stack tops by a few cache lines per fiber: equal strides would put every
+    // fiber's hot frame in the same L1 set and make each switch a miss.
+    std::size_t color = (f.ctx.linear % kStackColors) * kCacheLine;
+    auto* top = reinterpret_cast<uint64_t*>(f.stack_lo + kStackBytes - color);
     top[-1] = reinterpret_cast<uint64_t>(&pagedrun_fiber_trampoline);
     top[-2] = 0;                                          // rbp: ends frame-pointer walks
     top[-3] = 0;                                          // rbx
@@ -443,7 +448,8 @@ void block_barrier(int kind, int pred, const Loc& loc) {
         // different call sites is divergent control flow, undefined on hardware.
         for (auto& o : L.fibers) {
             if (o.site.line() != loc.line() ||
-                std::strcmp(o.site.file_name(), loc.file_name()) != 0) {
+                (o.site.file_name() != loc.file_name() &&
+                 std::strcmp(o.site.file_name(), loc.file_name()) != 0)) {
                 fail(loc, "divergent __syncthreads: thread %u waits at %s while this thread "
                           "waits here",
                      o.ctx.linear, fmt_loc(o.site).c_str());
