@@ -168,6 +168,12 @@ def rotary_embedding_and_cache_write(
 
 # --------------------------------------------------------------------------------- attention
 
+def _check_block_ids(block_ids: np.ndarray, num_blocks: int, what: str) -> None:
+    """numpy would wrap a negative id silently; a kernel would read out of bounds. Refuse both."""
+    if block_ids.size and (block_ids.min() < 0 or block_ids.max() >= num_blocks):
+        raise ValueError(f"{what}: block id out of range [0, {num_blocks})")
+
+
 def _gather_context(cache: np.ndarray, block_table_row: np.ndarray, context_len: int) -> np.ndarray:
     """K or V of the first context_len tokens of one request, [context_len, num_kv_heads, head_dim] f32.
 
@@ -180,6 +186,7 @@ def _gather_context(cache: np.ndarray, block_table_row: np.ndarray, context_len:
                          f"{block_table_row.shape[0]} x {block_size}")
     token_pos = np.arange(context_len)
     blocks = block_table_row[token_pos // block_size].astype(np.int64)
+    _check_block_ids(blocks, cache.shape[0], "block_tables")
     return _f32(cache[blocks, token_pos % block_size])
 
 
@@ -387,6 +394,8 @@ def copy_blocks(k_caches: list[np.ndarray], v_caches: list[np.ndarray],
     if pairs.shape[0] == 0:
         return
     src, dst = pairs[:, 0], pairs[:, 1]
+    for cache in list(k_caches) + list(v_caches):
+        _check_block_ids(pairs, cache.shape[0], "block_copies")
     if np.unique(dst).size != dst.size or np.intersect1d(src, dst).size:
         raise ValueError("block_copies: destinations must be distinct and not also sources")
     for cache in list(k_caches) + list(v_caches):
@@ -413,4 +422,6 @@ def swap_blocks(src_caches: list[np.ndarray], dst_caches: list[np.ndarray],
     for src_cache, dst_cache in zip(src_caches, dst_caches):
         if src_cache.shape[1:] != dst_cache.shape[1:]:
             raise ValueError(f"block layouts differ: {src_cache.shape} vs {dst_cache.shape}")
+        _check_block_ids(pairs[:, 0], src_cache.shape[0], "block_pairs source")
+        _check_block_ids(pairs[:, 1], dst_cache.shape[0], "block_pairs destination")
         dst_cache[pairs[:, 1]] = src_cache[pairs[:, 0]]

@@ -432,3 +432,96 @@ def test_round_to_bf16(rng):
     assert np.isnan(ops.round_to_bf16(np.array([np.nan], np.float32))).all()
     assert np.isnan(ops.round_to_bf16(np.array([0x7F800001], np.uint32).view(np.float32))).all()
     assert ops.round_to_bf16(np.array([3.4e38], np.float32))[0] == np.inf
+
+
+# ------------------------------------------------------------------------------ the op chain
+
+def dense_causal_reference(q, k, v, positions, cos_sin_cache, scale):
+    """One sequence, all tokens at once, float64: rotate, then dense causal GQA attention."""
+    num_tokens, num_heads, head_dim = q.shape
+    group = num_heads // k.shape[1]
+    q_rot = np.stack([ref_rotate(q[t], positions[t], cos_sin_cache) for t in range(num_tokens)])
+    k_rot = np.stack([ref_rotate(k[t], positions[t], cos_sin_cache) for t in range(num_tokens)])
+    out = np.zeros(q.shape)
+    for h in range(num_heads):
+        scores = q_rot[:, h] @ k_rot[:, h // group].T * scale
+        scores[np.triu_indices(num_tokens, 1)] = -np.inf
+        w = np.exp(scores - scores.max(axis=1, keepdims=True))
+        out[:, h] = (w / w.sum(axis=1, keepdims=True)) @ v[:, h // group].astype(np.float64)
+    return out
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_chunked_prefill_with_prefix_hit_equals_dense(rng, block_size):
+    """Two requests stepped through rotary+cache write and paged attention in random chunks
+    (with padding tokens) give what one dense pass over each whole sequence gives. Request B
+    starts with A's first two blocks (a prefix-cache hit): it reads A's KV through its table."""
+    num_heads, num_kv_heads, head_dim = 8, 2, 32
+    scale = head_dim ** -0.5
+    cos_sin = ops.build_cos_sin_cache(ops.rope_inv_freq(head_dim, 10000.0), 512)
+    shared = 2 * block_size
+    len_a, len_b = shared + 45, shared + 70
+    seq_q = {r: rng.standard_normal((n, num_heads, head_dim)).astype(np.float32)
+             for r, n in (("a", len_a), ("b", len_b))}
+    seq_k = {r: rng.standard_normal((n, num_kv_heads, head_dim)).astype(np.float32)
+             for r, n in (("a", len_a), ("b", len_b))}
+    seq_v = {r: rng.standard_normal((n, num_kv_heads, head_dim)).astype(np.float32)
+             for r, n in (("a", len_a), ("b", len_b))}
+    seq_k["b"][:shared], seq_v["b"][:shared] = seq_k["a"][:shared], seq_v["a"][:shared]
+
+    blocks_a, blocks_b = -(-len_a // block_size), -(-len_b // block_size)
+    num_blocks = blocks_a + blocks_b - 2 + 3  # 3 never-used NaN blocks
+    k_cache, v_cache = make_pool(rng, num_blocks, block_size, num_kv_heads, head_dim)
+    perm = rng.permutation(num_blocks)
+    max_blocks = blocks_b + 1
+    table = {"a": np.zeros(max_blocks, np.int32), "b": np.zeros(max_blocks, np.int32)}
+    table["a"][:blocks_a] = perm[:blocks_a]
+    table["b"][:2] = table["a"][:2]
+    table["b"][2:blocks_b] = perm[blocks_a:blocks_a + blocks_b - 2]
+
+    computed = {"a": 0, "b": None}  # b joins once a's shared prefix is in the cache
+    outputs = {"a": np.zeros((len_a, num_heads, head_dim)), "b": np.zeros((len_b, num_heads, head_dim))}
+    seq_len = {"a": len_a, "b": len_b}
+    while computed["a"] < len_a or computed["b"] is None or computed["b"] < len_b:
+        if computed["b"] is None and computed["a"] >= shared:
+            computed["b"] = shared  # prefix hit: b's first shared tokens are not recomputed
+        active = [r for r in ("a", "b") if computed[r] is not None and computed[r] < seq_len[r]]
+        chunks = {r: min(seq_len[r] - computed[r], int(rng.integers(1, 40))) for r in active}
+        q_rows, k_rows, v_rows, positions, slots, tables, qsl, ctx = [], [], [], [], [], [], [0], []
+        for r in active:
+            pos = np.arange(computed[r], computed[r] + chunks[r])
+            q_rows.append(seq_q[r][pos]); k_rows.append(seq_k[r][pos]); v_rows.append(seq_v[r][pos])
+            positions.append(pos)
+            slots.append([slot_of(table[r], p, block_size) for p in pos])
+            tables.append(table[r]); qsl.append(qsl[-1] + chunks[r]); ctx.append(pos[-1] + 1)
+        num_padding = int(rng.integers(0, 4))
+        pad = lambda rows: np.concatenate(rows + [np.zeros((num_padding,) + rows[0].shape[1:],
+                                                           np.float32)])
+        q, k, v = pad(q_rows), pad(k_rows), pad(v_rows)
+        pos_all = np.concatenate(positions + [np.zeros(num_padding, int)]).astype(np.int32)
+        slot_all = np.concatenate(slots + [np.full(num_padding, -1)]).astype(np.int32)
+        q_rot, _ = ops.rotary_embedding_and_cache_write(q, k, v, pos_all, cos_sin, k_cache, v_cache,
+                                                        slot_all)
+        out = ops.paged_prefill_attention(q_rot, k_cache, v_cache, np.stack(tables),
+                                          np.array(qsl, np.int32), np.array(ctx, np.int32), scale)
+        for j, r in enumerate(active):
+            outputs[r][computed[r]:computed[r] + chunks[r]] = out[qsl[j]:qsl[j + 1]]
+            computed[r] += chunks[r]
+
+    for r in ("a", "b"):
+        ref = dense_causal_reference(seq_q[r], seq_k[r], seq_v[r], np.arange(seq_len[r]), cos_sin,
+                                     scale)
+        first = shared if r == "b" else 0  # b never computed its shared prefix's outputs
+        np.testing.assert_allclose(outputs[r][first:], ref[first:], **TOL[np.float32])
+
+
+def test_block_ids_out_of_range_are_refused(rng):
+    q, kc, vc, tables, qsl, ctx = make_step(rng, 8, 4, 2, 16, [(10, 10)], 16)
+    bad = tables.copy()
+    bad[0, 1] = -1
+    with pytest.raises(ValueError, match="out of range"):
+        ops.paged_prefill_attention(q, kc, vc, bad, qsl, ctx, 0.25)
+    with pytest.raises(ValueError, match="out of range"):
+        ops.copy_blocks([kc], [vc], np.array([[0, kc.shape[0]]], np.int32))
+    with pytest.raises(ValueError, match="out of range"):
+        ops.swap_blocks([kc], [vc], np.array([[-1, 0]], np.int32))
