@@ -11,8 +11,8 @@ Order of processing, per row (vLLM's order):
   4. greedy rows (temperature < GREEDY_TEMPERATURE_EPS): argmax of the processed logits, ties to
      the lowest token id. No random draw is consumed.
   5. temperature: logits / temperature.
-  6. top-k: keep tokens whose logit >= the k-th largest (ties at the boundary kept);
-     argpartition, never a full sort.
+  6. top-k: keep tokens whose logit >= the k-th largest (ties at the boundary kept); found by a
+     chunk-max filter and a partition of the survivors, never a sort of the vocabulary.
   7. top-p: over the renormalized top-k distribution, in order of decreasing probability
      (ties: lower id first), keep a token while the mass of the tokens before it is < top_p.
      Only a growing candidate set is sorted (TOP_P_FIRST_CANDIDATES, x4 until it covers top_p).
@@ -44,7 +44,7 @@ TOP_P_GROWTH = 4
 CANDIDATE_CHUNK = 64
 # Tokens per chunk of the two-level inverse CDF (see _inverse_cdf).
 CDF_CHUNK = 1024
-# Rows sampled together: bounds the [rows, vocab] float64 CDF temporaries (32 x 128k x 8 B = 32 MiB).
+# Rows sampled together: bounds the [rows, vocab] float32 temporaries (32 x 128k x 4 B = 16 MiB each).
 SAMPLE_ROW_CHUNK = 32
 
 

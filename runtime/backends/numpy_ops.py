@@ -128,7 +128,8 @@ def rotary_embedding_and_cache_write(
     """Rotate q and k by their positions, write rotated k and raw v into the paged cache.
 
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-    positions: [num_tokens] int32, each in [0, max_position)
+    positions: [num_tokens] int32, each in [0, max_position), padding tokens included (their
+        rotation is computed and discarded, so give them a valid position such as 0)
     cos_sin_cache: [max_position, head_dim] float32 (see `build_cos_sin_cache`)
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], written in place
     slot_mapping: [num_tokens] int32; a negative slot is padding: nothing is written for that
