@@ -211,17 +211,19 @@ def _attend(q_rows: np.ndarray, k_ctx: np.ndarray, v_ctx: np.ndarray, first_quer
     for start in range(0, query_len, QUERY_CHUNK_TOKENS):
         stop = min(query_len, start + QUERY_CHUNK_TOKENS)
         rows = stop - start
+        # Keys past the chunk's last query position are invisible to all its rows: skip them.
+        num_visible = first_query_pos + stop
         q_chunk = q_grouped[:, :, start:stop].reshape(num_kv_heads, group * rows, head_dim)
-        scores = (q_chunk @ k_t).reshape(num_kv_heads, group, rows, context_len)
+        scores = (q_chunk @ k_t[:, :, :num_visible]).reshape(num_kv_heads, group, rows, num_visible)
         scores *= np.float32(scale)
         query_pos = first_query_pos + np.arange(start, stop)
-        visible = context_pos[None, :] <= query_pos[:, None]  # [rows, context_len]
+        visible = context_pos[None, :num_visible] <= query_pos[:, None]  # [rows, num_visible]
         scores = np.where(visible, scores, np.float32(-np.inf))
         scores -= scores.max(axis=-1, keepdims=True)
         probs = np.exp(scores)
         probs /= probs.sum(axis=-1, keepdims=True)
-        out[:, :, start:stop] = (probs.reshape(num_kv_heads, group * rows, context_len) @ v_g
-                                 ).reshape(num_kv_heads, group, rows, head_dim)
+        out[:, :, start:stop] = (probs.reshape(num_kv_heads, group * rows, num_visible)
+                                 @ v_g[:, :num_visible]).reshape(num_kv_heads, group, rows, head_dim)
     return out.transpose(2, 0, 1, 3).reshape(query_len, num_heads, head_dim)
 
 
