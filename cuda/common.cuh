@@ -18,11 +18,20 @@
 #else
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
-#if !defined(__CUDACC_RTC__)
+#include <math_constants.h>  // CUDART_INF_F, CUDART_NAN_F: use these, not INFINITY/NAN
+#if defined(__CUDACC_RTC__)
+// NVRTC ships no <cstdint>; the fixed-width types kernels and ptx.cuh use.
+typedef signed char int8_t;
+typedef unsigned char uint8_t;
+typedef short int16_t;
+typedef unsigned short uint16_t;
+typedef int int32_t;
+typedef unsigned int uint32_t;
+typedef long long int64_t;
+typedef unsigned long long uint64_t;
+#else
 #include <cstdint>
 #endif
-// NVRTC has no <cstdint> unless the toolkit headers are on its -I path; cuda_fp16.h brings
-// the fixed-width types in both cases.
 #define PAGEDRUN_DYN_SMEM_ALIGN 16
 #define DYNAMIC_SMEM(type, name)                                                   \
     extern __shared__ __align__(PAGEDRUN_DYN_SMEM_ALIGN) unsigned char             \

