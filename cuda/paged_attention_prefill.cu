@@ -42,7 +42,7 @@
 // power of two (16, 32, 64 accepted by the wrapper). Scalars: float scale; int num_heads,
 // num_kv_heads, group_size, block_size_log2, max_blocks_per_seq.
 //
-// Register budget: 255 per thread at 128 threads (d128: 32 registers of Q fragments, 64 of
+// Register budget: 192 per thread at 128 threads (d128: 32 registers of Q fragments, 64 of
 // output accumulators); the gate must show 0 spill bytes.
 // Measured: no GPU numbers yet (benchmarks/kernels/bench_attention.py writes them).
 #include "common.cuh"
@@ -195,7 +195,7 @@ __device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __rest
     for (int dn = 0; dn < D_TILES; ++dn)
 #pragma unroll
         for (int j = 0; j < 4; ++j) o[dn][j] = 0.f;
-    float m[2] = {-INFINITY, -INFINITY};
+    float m[2] = {-CUDART_INF_F, -CUDART_INF_F};
     float l[2] = {0.f, 0.f};  // per-thread partial row sums; reduced over the quad at the end
     const float scale_log2 = scale * kLog2e;
     // Positions of this thread's two rows (g and g + 8 of the warp's 16).
@@ -234,20 +234,20 @@ __device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __rest
         // Causal mask, online softmax (rows h = 0, 1 of this thread).
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            float row_max = -INFINITY;
+            float row_max = -CUDART_INF_F;
 #pragma unroll
             for (int n = 0; n < S_TILES; ++n)
 #pragma unroll
                 for (int j = 0; j < 2; ++j) {
                     const int key = kv0 + n * 8 + quad_col + j;
                     float& x = s[n][2 * h + j];
-                    x = (key <= q_pos[h]) ? x * scale_log2 : -INFINITY;
+                    x = (key <= q_pos[h]) ? x * scale_log2 : -CUDART_INF_F;
                     row_max = fmaxf(row_max, x);
                 }
             row_max = fmaxf(row_max, __shfl_xor_sync(kFullMask, row_max, 1));
             row_max = fmaxf(row_max, __shfl_xor_sync(kFullMask, row_max, 2));
             const float m_new = fmaxf(m[h], row_max);
-            const float m_base = (m_new == -INFINITY) ? 0.f : m_new;  // row fully masked so far
+            const float m_base = (m_new == -CUDART_INF_F) ? 0.f : m_new;  // row fully masked so far
             const float correction = exp2f(m[h] - m_base);
             float row_sum = 0.f;
 #pragma unroll
@@ -331,7 +331,7 @@ __device__ __forceinline__ void prefill_simt(float* __restrict__ out, const floa
         q_reg[i] = row_valid ? q_row[i] * scale_log2 : 0.f;
         acc[i] = 0.f;
     }
-    float m = -INFINITY, l = 0.f;
+    float m = -CUDART_INF_F, l = 0.f;
 
     for (int kv0 = 0; kv0 < c.kv_end; kv0 += kBlockN) {
         load_kv_tile<float, HEAD_DIM>(s_k, HEAD_DIM, k_cache, kv0, c, num_kv_heads, block_size_log2);
@@ -345,7 +345,7 @@ __device__ __forceinline__ void prefill_simt(float* __restrict__ out, const floa
 #pragma unroll 1
         for (int j0 = 0; j0 < kBlockN; j0 += kSimtKeys) {
             float s[kSimtKeys];
-            float sub_max = -INFINITY;
+            float sub_max = -CUDART_INF_F;
 #pragma unroll
             for (int j = 0; j < kSimtKeys; ++j) {
                 const float* k_row = s_k + (j0 + j) * HEAD_DIM + dim0;
@@ -353,11 +353,11 @@ __device__ __forceinline__ void prefill_simt(float* __restrict__ out, const floa
 #pragma unroll
                 for (int i = 0; i < HALF; ++i) dot = fmaf(q_reg[i], k_row[i], dot);
                 dot += __shfl_xor_sync(kFullMask, dot, 1);
-                s[j] = (kv0 + j0 + j <= q_pos) ? dot : -INFINITY;
+                s[j] = (kv0 + j0 + j <= q_pos) ? dot : -CUDART_INF_F;
                 sub_max = fmaxf(sub_max, s[j]);
             }
             const float m_new = fmaxf(m, sub_max);
-            const float m_base = (m_new == -INFINITY) ? 0.f : m_new;
+            const float m_base = (m_new == -CUDART_INF_F) ? 0.f : m_new;
             const float correction = exp2f(m - m_base);
             l *= correction;
 #pragma unroll
