@@ -260,10 +260,11 @@ class LLMEngine:
                                              f"max_model_len {self.max_model_len}")
         if params.stop and self.tokenizer is None:
             raise RequestError(ERR_INVALID, "stop strings need a tokenizer; use stop_token_ids")
-        # The KV a sequence needs at its longest; the last sampled token's KV is never written.
+        # The KV a sequence may need at its longest (the scheduler's rule: prompt + max_tokens,
+        # counting the last token's slot, so both refuse exactly the same requests).
         max_new = params.max_tokens if params.max_tokens is not None else self.max_model_len
-        longest = min(prompt_len + max_new - 1, self.max_model_len)
-        blocks = math.ceil(max(longest, prompt_len) / self.block_size)
+        longest = min(prompt_len + max_new, self.max_model_len)
+        blocks = math.ceil(longest / self.block_size)
         if blocks > self.num_kv_blocks:
             raise RequestError(ERR_CAPACITY, f"needs {blocks} KV blocks ({longest} tokens) but the "
                                              f"whole pool has {self.num_kv_blocks}")

@@ -1,0 +1,129 @@
+"""Admission: KV capacity stated up front, clear errors for requests that can never run, devices,
+and the offline LLM API over a model directory written to disk."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import numpy as np
+import pytest
+
+from engine_helpers import TINY_VOCAB, greedy, make_engine, reference_greedy
+from pagedrun.runtime.engine import DeviceNotAvailableError, RequestError
+from pagedrun.runtime.engine_config import EngineConfig
+from pagedrun.runtime.model_runner import kv_bytes_per_block
+from pagedrun.runtime.sampling_params import SamplingParams
+
+
+def test_capacity_logged_and_reported(tiny_model, caplog):
+    with caplog.at_level(logging.INFO, logger="pagedrun.engine"):
+        engine = make_engine(tiny_model, block_size=16, num_kv_blocks=100, max_model_len=320)
+    info = engine.model_info()
+    assert info["num_kv_blocks"] == 100
+    assert info["kv_capacity_tokens"] == 1600
+    assert info["max_concurrency_at_max_len"] == pytest.approx(100 / 20)
+    message = caplog.text
+    assert "100 blocks" in message and "1600 tokens" in message and "5.00" in message
+
+
+def test_kv_blocks_derived_from_memory_budget(tiny_model):
+    per_block = kv_bytes_per_block(tiny_model[0], 16)
+    engine = make_engine(tiny_model, block_size=16, max_model_len=512,
+                         kv_cache_memory_bytes=37 * per_block + per_block // 2)
+    assert engine.model_info()["num_kv_blocks"] == 37
+
+
+def test_rejections(tiny_model):
+    engine = make_engine(tiny_model, block_size=16, num_kv_blocks=8, max_model_len=200)
+
+    def code_of(**kwargs) -> str:
+        kwargs.setdefault("sampling_params", greedy(4))
+        with pytest.raises(RequestError) as info:
+            engine.add_request(kwargs.pop("request_id", "x"), **kwargs)
+        return info.value.code
+
+    assert code_of(prompt_token_ids=list(range(3, 204))) == "prompt_too_long"
+    # 150 prompt tokens + 50 new need 13 blocks of 16; the whole pool has 8.
+    assert code_of(prompt_token_ids=[5] * 150, sampling_params=greedy(50)) == "capacity"
+    assert code_of(prompt_token_ids=[]) == "empty_prompt"
+    assert code_of(prompt_token_ids=[TINY_VOCAB]) == "invalid_request"
+    assert code_of(prompt="text but no tokenizer") == "invalid_request"
+    assert code_of(prompt_token_ids=[5], sampling_params=greedy(4, stop=["x"])) == "invalid_request"
+    assert code_of(prompt_token_ids=[5], prompt="both") == "invalid_request"
+    engine.add_request("dup", prompt_token_ids=[5, 6], sampling_params=greedy(2))
+    assert code_of(request_id="dup", prompt_token_ids=[5]) == "duplicate_request_id"
+    # Nothing of a refused request was admitted: only "dup" runs.
+    assert engine.get_stats()["num_requests_waiting"] + engine.get_stats()[
+        "num_requests_running"] == 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    # Exactly fitting the pool is fine: 8 blocks = 128 tokens = 120 prompt + 8 new; one more is not.
+    assert code_of(prompt_token_ids=[7] * 120, sampling_params=greedy(9)) == "capacity"
+    engine.add_request("fits", prompt_token_ids=[7] * 120, sampling_params=greedy(8))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_devices(tiny_model):
+    with pytest.raises(DeviceNotAvailableError, match="sim"):
+        make_engine(tiny_model, device="sim", num_kv_blocks=8)
+    with pytest.raises(NotImplementedError):
+        make_engine(tiny_model, device="cuda", num_kv_blocks=8)
+    assert make_engine(tiny_model, device="auto", num_kv_blocks=8).device == "cpu"
+
+
+def _save_hf_dir(path, config, weights) -> None:
+    from safetensors.numpy import save_file
+
+    tensors = {"model.embed_tokens.weight": weights.embed_tokens, "model.norm.weight": weights.norm,
+               "lm_head.weight": weights.lm_head}
+    for i, layer in enumerate(weights.layers):
+        p = f"model.layers.{i}."
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            tensors[p + f"self_attn.{name}.weight"] = getattr(layer, name)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            tensors[p + f"mlp.{name}.weight"] = getattr(layer, name)
+        tensors[p + "input_layernorm.weight"] = layer.input_layernorm
+        tensors[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
+              str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads, "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta, "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": False, "eos_token_id": 2, "bos_token_id": 1}))
+
+
+def test_offline_llm_from_model_dir(tiny_model, tmp_path):
+    from pagedrun import LLM
+
+    _save_hf_dir(tmp_path, *tiny_model)
+    llm = LLM(model=str(tmp_path), device="cpu", block_size=8, max_model_len=256,
+              num_kv_blocks=64, max_num_batched_tokens=32)
+    prompts = [[5, 6, 7], list(range(10, 80)), [300] * 3]
+    params = [greedy(6), greedy(3), SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=4,
+                                                    ignore_eos=True)]
+    outs = llm.generate(prompts, params)
+    assert [o.prompt_token_ids for o in outs] == prompts
+    assert outs[0].outputs[0].token_ids == reference_greedy(tiny_model, prompts[0], 6)
+    assert outs[1].outputs[0].token_ids == reference_greedy(tiny_model, prompts[1], 3)
+    assert [c.index for c in outs[2].outputs] == [0, 1]
+    assert all(o.finished for o in outs)
+    # One prompt as a flat token list is one request.
+    (single,) = llm.generate(prompts[0], greedy(2))
+    assert single.outputs[0].token_ids == reference_greedy(tiny_model, prompts[0], 2)
+    stats = llm.engine.get_stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"] == 64
+    assert math.isclose(llm.engine.model_info()["max_concurrency_at_max_len"], 64 / 32)
+    with pytest.raises(RequestError):
+        llm.generate([[5], []], greedy(2))  # all or nothing
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_engine_config_validates():
+    with pytest.raises(ValueError):
+        EngineConfig(block_size=12)
