@@ -14,9 +14,10 @@ started from, up to the quantization the GGUF applied:
 - llama.cpp's converter permutes the rows of `attn_q` and `attn_k` of Llama-architecture models
   so its interleaved (GPT-J style) rotary embedding gives the same result as Hugging Face's
   half-split (NeoX style) one; `unpermute_rotary_rows` undoes it. Qwen2 GGUFs are not permuted.
-- `tokenizer.json` is rebuilt from the vocabulary, merges and token types in the metadata as a
-  byte-level BPE (`tokenizer.ggml.model == "gpt2"`), with the pre-tokenizer named by
-  `tokenizer.ggml.pre`. SentencePiece (`"llama"`) vocabularies are not supported yet.
+- `tokenizer.json` is rebuilt from the vocabulary, merges and token types in the metadata: a
+  byte-level BPE (`tokenizer.ggml.model == "gpt2"`: SmolLM2, Qwen2, Llama 3) with the
+  pre-tokenizer named by `tokenizer.ggml.pre`, or a SentencePiece BPE with byte fallback
+  (`"llama"`: Llama 2, Mistral) whose merges are rebuilt from the token scores.
 """
 from __future__ import annotations
 
@@ -65,6 +66,8 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# SentencePiece's visible space (U+2581 LOWER ONE EIGHTH BLOCK).
+SPM_SPACE = "\u2581"
 SUPPORTED_PRE_TOKENIZERS = ("default", "gpt-2", "gpt2", "smollm", "starcoder", "qwen2", "llama-bpe")
 
 
@@ -251,37 +254,55 @@ def _token_strings(meta: GGUFMetadata) -> list[str]:
 
 
 def build_tokenizer(meta: GGUFMetadata) -> Any:
-    """A `tokenizers.Tokenizer` equal to the one the GGUF's vocabulary came from."""
+    """A `tokenizers.Tokenizer` equal to the one the GGUF's vocabulary came from.
+
+    "gpt2" vocabularies are byte-level BPE with their merges stored in the GGUF; "llama" ones
+    are SentencePiece BPE with byte fallback, whose merges are rebuilt from the token scores.
+    """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers import processors
+    from tokenizers import normalizers, processors
 
     kind = meta.require("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise ModelLoadError(
-            meta.path, f"tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')",
-            field="tokenizer.ggml.model",
+            meta.path, f"tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' or "
+            "SentencePiece BPE 'llama')", field="tokenizer.ggml.model",
         )
     tokens = _token_strings(meta)
     token_types = [int(t) for t in meta.get("tokenizer.ggml.token_type", [TOKEN_TYPE_NORMAL] * len(tokens))]
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise ModelLoadError(meta.path, "duplicate tokens in vocabulary", field="tokenizer.ggml.tokens")
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
-    bpe = models.BPE(
-        vocab=vocab,
-        merges=merges,
-        unk_token=None if unk_id is None else tokens[int(unk_id)],
-        fuse_unk=False,
-        byte_fallback=False,
-    )
-    tokenizer = Tokenizer(bpe)
-    tokenizer.pre_tokenizer = _pre_tokenizer(meta, pre_tokenizers, Regex)
-    tokenizer.decoder = decoders.ByteLevel()
+    unk_token = None if unk_id is None else tokens[int(unk_id)]
+    if kind == "gpt2":
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+        tokenizer = Tokenizer(models.BPE(
+            vocab=vocab, merges=merges, unk_token=unk_token, fuse_unk=False, byte_fallback=False,
+        ))
+        tokenizer.pre_tokenizer = _pre_tokenizer(meta, pre_tokenizers, Regex)
+        tokenizer.decoder = decoders.ByteLevel()
+    else:
+        scores = meta.get("tokenizer.ggml.scores")
+        if scores is None:
+            raise ModelLoadError(meta.path, "missing GGUF metadata", field="tokenizer.ggml.scores")
+        tokenizer = Tokenizer(models.BPE(
+            vocab=vocab, merges=sentencepiece_merges(tokens, [float(x) for x in scores], token_types),
+            unk_token=unk_token, fuse_unk=True, byte_fallback=True,
+        ))
+        # SentencePiece marks spaces with U+2581 and (add_space_prefix) puts one before the text;
+        # decoding maps it back, joins <0xNN> byte tokens into characters, and drops that space.
+        steps = [normalizers.Replace(" ", SPM_SPACE)]
+        decode_steps = [decoders.Replace(SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+        if bool(meta.get("tokenizer.ggml.add_space_prefix", True)):
+            steps.insert(0, normalizers.Prepend(SPM_SPACE))
+            decode_steps.append(decoders.Strip(" ", 1, 0))
+        tokenizer.normalizer = normalizers.Sequence(steps)
+        tokenizer.decoder = decoders.Sequence(decode_steps)
     special = [
         AddedToken(tok, special=True, normalized=False)
         for tok, typ in zip(tokens, token_types)
-        if typ == TOKEN_TYPE_CONTROL
+        if typ in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN)
     ]
     user = [
         AddedToken(tok, special=False, normalized=False)
@@ -291,16 +312,41 @@ def build_tokenizer(meta: GGUFMetadata) -> Any:
     tokenizer.add_special_tokens(special)
     tokenizer.add_tokens(user)
     bos_id = meta.get("tokenizer.ggml.bos_token_id")
-    if bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos_id is not None:
+    # SentencePiece GGUFs (Llama 2, Mistral) add BOS unless they say otherwise.
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
+    if add_bos and bos_id is not None:
         bos = tokens[int(bos_id)]
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{bos}:0 $A:0",
             pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
             special_tokens=[(bos, int(bos_id))],
         )
-    else:
+    elif kind == "gpt2":
         tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     return tokenizer
+
+
+def sentencepiece_merges(tokens: list[str], scores: list[float], token_types: list[int]) -> list[tuple[str, str]]:
+    """BPE merges equivalent to SentencePiece BPE's scores.
+
+    SentencePiece BPE repeatedly joins the adjacent pair whose joined piece has the highest
+    score. As a merge list: every split (left, right) of a normal piece into two pieces that are
+    themselves in the vocabulary is a merge producing that piece, ranked by the piece's score
+    (ties keep vocabulary order; the splits of one piece are ordered by their parts' ids).
+    """
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    ranked = []
+    for piece_id, piece in enumerate(tokens):
+        if token_types[piece_id] != TOKEN_TYPE_NORMAL:
+            continue
+        splits = [
+            (piece[:cut], piece[cut:]) for cut in range(1, len(piece))
+            if piece[:cut] in vocab and piece[cut:] in vocab
+        ]
+        splits.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+        ranked.extend((-scores[piece_id], piece_id, left, right) for left, right in splits)
+    ranked.sort(key=lambda entry: (entry[0], entry[1]))
+    return [(left, right) for _, _, left, right in ranked]
 
 
 def _pre_tokenizer(meta: GGUFMetadata, pre_tokenizers: Any, Regex: Any) -> Any:
@@ -327,6 +373,7 @@ def tokenizer_config(meta: GGUFMetadata, context_length: int) -> dict:
     """tokenizer_config.json: special tokens, chat template, BOS/EOS behaviour."""
     tokens = _token_strings(meta)
     token_types = [int(t) for t in meta.get("tokenizer.ggml.token_type", [TOKEN_TYPE_NORMAL] * len(tokens))]
+    is_spm = meta.get("tokenizer.ggml.model") == "llama"
 
     def token(key: str) -> str | None:
         token_id = meta.get(f"tokenizer.ggml.{key}")
@@ -335,15 +382,15 @@ def tokenizer_config(meta: GGUFMetadata, context_length: int) -> dict:
     added = {
         str(i): {
             "content": tok, "lstrip": False, "normalized": False, "rstrip": False,
-            "single_word": False, "special": typ == TOKEN_TYPE_CONTROL,
+            "single_word": False, "special": typ in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN),
         }
         for i, (tok, typ) in enumerate(zip(tokens, token_types))
-        if typ in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)
+        if typ in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_USER_DEFINED)
     }
     config: dict[str, Any] = {
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", is_spm)),
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-        "add_prefix_space": bool(meta.get("tokenizer.ggml.add_space_prefix", False)),
+        "add_prefix_space": bool(meta.get("tokenizer.ggml.add_space_prefix", is_spm)),
         "added_tokens_decoder": added,
         "bos_token": token("bos_token_id"),
         "eos_token": token("eos_token_id"),

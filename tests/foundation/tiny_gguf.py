@@ -30,6 +30,24 @@ USER_DEFINED_TOKENS = ["<tool>"]
 MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w", "Ġw o", "r l", "Ġwo rl", "Ġworl d", "Ã ©"]
 
 
+# SentencePiece vocabulary (tokenizer "llama"): pieces and scores; a higher score merges first.
+SPM_SPACE = "\u2581"
+SPM_SINGLES = [SPM_SPACE, "h", "e", "l", "o", "w", "r", "d"]
+SPM_MERGED = ["he", "ll", "or", "ld", "hell", "hello", SPM_SPACE + "hello", SPM_SPACE + "w",
+              SPM_SPACE + "wor", SPM_SPACE + "world"]
+
+
+def spm_vocab() -> tuple[list[str], list[float], list[int]]:
+    """(tokens, scores, token types) of a tiny SentencePiece BPE vocabulary with byte fallback."""
+    import gguf
+
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + SPM_SINGLES + SPM_MERGED
+    scores = [0.0] * (3 + 256) + [-100.0] * len(SPM_SINGLES) + [-1.0 - i for i in range(len(SPM_MERGED))]
+    types = ([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+             + [gguf.TokenType.BYTE] * 256 + [gguf.TokenType.NORMAL] * (len(SPM_SINGLES) + len(SPM_MERGED)))
+    return tokens, scores, [int(t) for t in types]
+
+
 def byte_symbols() -> list[str]:
     """The 256 byte-level BPE symbols in byte order (GPT-2's printable remapping of bytes)."""
     printable = (
@@ -105,18 +123,22 @@ def write_tiny_gguf(
     intermediate_size: int = 96,
     tied: bool = False,
     embed_type: str = "Q8_0",
+    tokenizer: str = "gpt2",
 ) -> TinyModel:
     """Write a random tiny model; sizes must keep every quantized row a multiple of 32."""
     import gguf
 
     rng = np.random.default_rng(seed)
     head_dim = hidden_size // num_heads
-    tokens = SPECIAL_TOKENS + byte_symbols() + [m.replace(" ", "") for m in MERGES] + USER_DEFINED_TOKENS
-    token_types = (
-        [gguf.TokenType.CONTROL] * len(SPECIAL_TOKENS)
-        + [gguf.TokenType.NORMAL] * (len(tokens) - len(SPECIAL_TOKENS) - len(USER_DEFINED_TOKENS))
-        + [gguf.TokenType.USER_DEFINED] * len(USER_DEFINED_TOKENS)
-    )
+    if tokenizer == "gpt2":
+        tokens = SPECIAL_TOKENS + byte_symbols() + [m.replace(" ", "") for m in MERGES] + USER_DEFINED_TOKENS
+        token_types = (
+            [gguf.TokenType.CONTROL] * len(SPECIAL_TOKENS)
+            + [gguf.TokenType.NORMAL] * (len(tokens) - len(SPECIAL_TOKENS) - len(USER_DEFINED_TOKENS))
+            + [gguf.TokenType.USER_DEFINED] * len(USER_DEFINED_TOKENS)
+        )
+    else:
+        tokens, scores, token_types = spm_vocab()
     vocab_size = len(tokens)
 
     writer = gguf.GGUFWriter(str(path), arch)
@@ -129,16 +151,21 @@ def write_tiny_gguf(
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
     writer.add_token_list(tokens)
     writer.add_token_types(token_types)
-    writer.add_token_merges(MERGES)
+    if tokenizer == "gpt2":
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("smollm")
+        writer.add_token_merges(MERGES)
+        writer.add_pad_token_id(2)
+        writer.add_add_bos_token(False)
+    else:
+        # Llama 2 style: scores instead of merges; BOS and the space prefix left to defaults.
+        writer.add_tokenizer_model("llama")
+        writer.add_token_scores(scores)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
-    writer.add_pad_token_id(2)
-    writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
 
     hf: dict[str, np.ndarray] = {}
