@@ -126,3 +126,20 @@ def test_headline_capital_of_france():
     result = run_cli("generate", "What is the capital of France?", timeout=GENERATE_TIMEOUT_S)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "The capital of France is Paris.\n"
+
+
+def test_streaming_loop_picks_what_greedy_generate_picks(tmp_path):
+    # The CLI streams through its own loop; greedy it must equal the reference's greedy_generate.
+    from pagedrun.runtime.gguf_convert import convert_gguf
+    from pagedrun.runtime.model_config import ModelConfig
+    from pagedrun.runtime.reference import ReferenceModel
+    from pagedrun.runtime.weights import load_model_weights
+    from pagedrun.server.cli import generate_token_ids
+
+    tiny = _load_helper().write_tiny_gguf(tmp_path / "tiny.gguf", num_layers=2, seed=9)
+    model_dir = convert_gguf(tiny.path, tmp_path / "hf")
+    config = ModelConfig.from_model_dir(model_dir)
+    model = ReferenceModel(config, load_model_weights(model_dir, config))
+    for prompt, eos in [([5, 17, 200, 3], ()), ([42], (7,)), (list(range(3, 40)), ())]:
+        streamed = list(generate_token_ids(model, prompt, 12, eos))
+        assert streamed == model.greedy_generate(prompt, 12, eos)
