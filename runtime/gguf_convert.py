@@ -120,8 +120,14 @@ class GGUFMetadata:
         return self.require(f"{self.architecture}.{suffix}")
 
 
-def hf_config_from_gguf(meta: GGUFMetadata, vocab_size: int, tied: bool) -> dict:
-    """The Hugging Face config.json dict for a GGUF's hyper-parameters."""
+def hf_config_from_gguf(
+    meta: GGUFMetadata, vocab_size: int, tied: bool, attention_bias: bool = False
+) -> dict:
+    """The Hugging Face config.json dict for a GGUF's hyper-parameters.
+
+    tied: the GGUF has no `output.weight` (lm_head is the embedding). attention_bias: it has
+    `attn_q.bias` (Llama's flag; Qwen2 always has q/k/v biases).
+    """
     arch = meta.architecture
     if arch not in _ARCHITECTURES:
         raise ModelLoadError(
@@ -161,7 +167,7 @@ def hf_config_from_gguf(meta: GGUFMetadata, vocab_size: int, tied: bool) -> dict
         "use_cache": True,
     }
     if model_type == "llama":
-        config.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+        config.update(attention_bias=attention_bias, mlp_bias=False, pretraining_tp=1)
     else:
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=0)
     for key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
@@ -451,7 +457,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, pr
     if "token_embd.weight" not in names:
         raise ModelLoadError(gguf_path, "missing tensor", tensor="token_embd.weight")
     vocab_size = int(next(t for t in tensors if t.name == "token_embd.weight").shape[1])
-    config = hf_config_from_gguf(meta, vocab_size, tied="output.weight" not in names)
+    config = hf_config_from_gguf(meta, vocab_size, tied="output.weight" not in names,
+                                 attention_bias="blk.0.attn_q.bias" in names)
     tokenizer = build_tokenizer(meta)
 
     if progress:

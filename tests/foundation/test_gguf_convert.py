@@ -149,6 +149,11 @@ def test_qwen2_is_not_unpermuted_and_keeps_biases(tmp_path):
         if model.gguf_types[name] in ("F32", "F16", "BF16"):
             np.testing.assert_array_equal(weights[name], original, err_msg=name)
     assert "model.layers.2.self_attn.k_proj.bias" in weights
+    from pagedrun.runtime.model_config import ModelConfig
+    from pagedrun.runtime.weights import load_model_weights
+
+    loaded = load_model_weights(out, ModelConfig.from_model_dir(out))
+    np.testing.assert_array_equal(loaded.layers[2].k_bias, model.hf_weights["model.layers.2.self_attn.k_proj.bias"])
 
 
 @pytest.mark.parametrize("num_heads,head_dim,num_cols", [(1, 2, 1), (3, 10, 7), (9, 64, 5), (2, 38, 0)])
