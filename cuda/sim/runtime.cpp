@@ -372,6 +372,15 @@ bool check_smem_guard(std::string& err) {
     return true;
 }
 
+// After a failed block the scheduler takes over memory the abandoned fibers touched: order
+// everything they released (arrivals at barriers, exits, the error message) before it.
+void acquire_all_fibers() {
+    Launch& L = *g_L;
+    tsan_acquire(&L.tsan_block_end);
+    tsan_acquire(&L.tsan_barrier_token);
+    tsan_acquire(&L.tsan_warp_token);
+}
+
 void run_block() {
     Launch& L = *g_L;
     poison_shared();
@@ -393,11 +402,15 @@ void run_block() {
             if (f.state == State::Runnable) {
                 run_fiber(f);
                 progress = true;
-                if (L.failed) return;
+                if (L.failed) {
+                    acquire_all_fibers();
+                    return;
+                }
             }
             if (f.state == State::Done) ++done;
         }
         if (done < L.nthreads && !progress) {
+            acquire_all_fibers();
             L.failed = true;
             L.error = deadlock_report();
             return;
@@ -423,6 +436,7 @@ void fail(const Loc& loc, const char* fmt, ...) {
     L.failed = true;
     L.error = std::string("kernel ") + L.name + ": " + thread_name(*L.cur) + ": " + msg +
               " (at " + fmt_loc(loc) + ")";
+    tsan_release(&L.tsan_block_end);  // the scheduler reads the message
     yield_to_scheduler(true);
     __builtin_unreachable();
 }
