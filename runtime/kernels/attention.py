@@ -174,7 +174,9 @@ def paged_decode_attention(module, q, k_cache, v_cache, block_tables, context_le
         partial_out = xp.empty((num_seqs, num_heads, split.num_splits, head_dim), dtype=np.float32)
         partial_lse = xp.empty((num_seqs, num_heads, split.num_splits), dtype=np.float32)
     else:
-        partial_out = partial_lse = None
+        # Unused by the kernel when num_splits == 1; an array, not None, because CuPy's
+        # launcher takes arrays and numpy scalars only.
+        partial_out = partial_lse = xp.empty((1,), dtype=np.float32)
     kernel((num_kv_heads, num_seqs, split.num_splits), (DECODE_THREADS,),
            (out, partial_out, partial_lse, q, k_cache, v_cache, block_tables, context_lens,
             np.float32(scale), np.int32(num_heads), np.int32(num_kv_heads),
