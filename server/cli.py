@@ -14,6 +14,8 @@ DEFAULT_MAX_TOKENS = 256
 GGUF_SUFFIX = ".gguf"
 EXIT_USAGE = 2
 EXIT_MODEL_ERROR = 1
+EXIT_INTERRUPTED = 130   # 128 + SIGINT, the shell convention
+EXIT_BROKEN_PIPE = 141   # 128 + SIGPIPE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,7 +77,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_MODEL_ERROR
     except KeyboardInterrupt:
         print(file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`paged-run generate ... | head`): stop quietly, as Unix tools do.
+        sys.stdout = None
+        return EXIT_BROKEN_PIPE
 
 
 # -- generate ---------------------------------------------------------------------------------
@@ -170,6 +176,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=True)
     out = sys.stdout
+    if hasattr(out, "reconfigure"):
+        out.reconfigure(errors="replace")   # a non-UTF-8 terminal gets '?' rather than a crash
     for token in generate_token_ids(model, prompt_ids, args.max_tokens, sorted(eos_ids),
                                     args.temperature, args.seed):
         if token in eos_ids:

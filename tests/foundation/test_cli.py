@@ -143,3 +143,20 @@ def test_streaming_loop_picks_what_greedy_generate_picks(tmp_path):
     for prompt, eos in [([5, 17, 200, 3], ()), ([42], (7,)), (list(range(3, 40)), ())]:
         streamed = list(generate_token_ids(model, prompt, 12, eos))
         assert streamed == model.greedy_generate(prompt, 12, eos)
+
+
+def test_non_utf8_stdout_and_closed_pipe_do_not_crash(tmp_path):
+    tiny = _load_helper().write_tiny_gguf(tmp_path / "tiny.gguf", num_layers=1, seed=6)
+    model_dir = tmp_path / "hf"
+    assert run_cli("convert", str(tiny.path), str(model_dir), "--quiet").returncode == 0
+    # Byte-level tokens of a random model decode to arbitrary characters; ASCII must not crash.
+    result = run_cli("generate", "héllo 世界", "--model", str(model_dir), "--max-tokens", "20",
+                     "--ignore-eos", "--no-chat", env={"PYTHONIOENCODING": "ascii"})
+    assert result.returncode == 0, result.stderr
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pagedrun", "generate", "x", "--model", str(model_dir),
+         "--max-tokens", "200", "--ignore-eos"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()   # the reader goes away at once
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=120) in (0, 141)
+    assert "Traceback" not in stderr
