@@ -39,7 +39,10 @@ def twins() -> SimModule:
 
 
 @pytest.fixture
-def rng(request):
+def rng():
+    """Fresh random inputs every run; the seed is printed so a failure can be replayed."""
     import numpy as np
 
-    return np.random.default_rng(abs(hash(request.node.nodeid)) % 2**32)
+    seed = int(np.random.SeedSequence().entropy % (2**63))
+    print(f"sim test seed {seed}")
+    return np.random.default_rng(seed)
