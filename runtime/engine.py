@@ -116,7 +116,10 @@ class LLMEngine:
         self.num_kv_blocks = self._resolve_num_kv_blocks()
         self.num_cpu_blocks = (config.swap_space_bytes // self.bytes_per_block
                                if config.preemption_mode == "swap" else 0)
-        self.eos_token_ids = frozenset(model_config.eos_token_ids)
+        # The model's EOS ids plus the tokenizer's (chat models end turns with the latter).
+        tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_ids = frozenset(model_config.eos_token_ids) | (
+            frozenset() if tokenizer_eos is None else frozenset([tokenizer_eos]))
         self.runner = ModelRunner(model_config, weights, block_size=self.block_size,
                                   num_gpu_blocks=self.num_kv_blocks,
                                   num_cpu_blocks=self.num_cpu_blocks,
@@ -128,7 +131,7 @@ class LLMEngine:
             max_model_len=self.max_model_len, enable_prefix_caching=config.enable_prefix_caching,
             num_cpu_blocks=self.num_cpu_blocks, preemption_mode=config.preemption_mode,
             check_invariants=config.check_invariants))
-        self.sampler = Sampler(model_config.eos_token_ids, seed=config.seed)
+        self.sampler = Sampler(sorted(self.eos_token_ids), seed=config.seed)
         self._seq_ids = itertools.count(1)
         # Salts that keep prompt-logprob requests out of the prefix cache (every prompt position
         # must be computed to have its logits); 0 is everyone else's shared salt.
@@ -325,7 +328,7 @@ class LLMEngine:
                 request.num_cached_prompt_tokens = int(num_cached)
         req_ids = out.req_ids
         prompt_rows = tuple(row for row in range(out.num_reqs) if self._wants_prompt_logits(
-            int(req_ids[row]), int(out.num_computed_tokens_before[row])))
+            int(req_ids[row]), int(out.num_computed_tokens_before[row]), int(out.query_lens[row])))
         runner_out = self.runner.execute(out, prompt_rows)
         for row, logits in runner_out.prompt_logits.items():
             self._add_prompt_logprobs(int(req_ids[row]), int(out.num_computed_tokens_before[row]),
@@ -353,24 +356,31 @@ class LLMEngine:
                     len(request.seqs) == request.params.n):
                 self._finish_request(request)
 
-    def _wants_prompt_logits(self, seq_id: int, num_computed_before: int) -> bool:
+    def _wants_prompt_logits(self, seq_id: int, num_computed_before: int, query_len: int) -> bool:
+        """Whether this row's chunk holds the next prompt position still missing a logprob.
+
+        Row j of a chunk starting at position p predicts prompt token p + j + 1. Chunks after a
+        recompute preemption need not line up with the first pass, so overlap is what counts.
+        """
         request, seq = self._seqs[seq_id]
-        return (request.prompt_logprobs is not None and seq.index == 0
-                and num_computed_before + 1 == len(request.prompt_logprobs)
-                and len(request.prompt_logprobs) < len(request.prompt_token_ids))
+        if request.prompt_logprobs is None or seq.index != 0:
+            return False
+        need = len(request.prompt_logprobs)  # the next prompt token without a logprob
+        return (need < len(request.prompt_token_ids)
+                and num_computed_before + 1 <= need <= num_computed_before + query_len)
 
     def _add_prompt_logprobs(self, seq_id: int, num_computed_before: int,
                              logits: np.ndarray) -> None:
-        """logits[j] (position num_computed_before + j) predicts prompt token at position +1."""
+        """logits[j] (position num_computed_before + j) predicts the prompt token at +1."""
         request, _ = self._seqs[seq_id]
         prompt = request.prompt_token_ids
-        first = num_computed_before + 1
+        first = len(request.prompt_logprobs)
         last = min(num_computed_before + logits.shape[0], len(prompt) - 1)  # inclusive
         if last < first:
             return
-        targets = np.asarray(prompt[first:last + 1])
+        rows = logits[first - 1 - num_computed_before:last - num_computed_before]
         request.prompt_logprobs.extend(
-            make_logprobs(logits[:last - first + 1], targets, request.params.prompt_logprobs))
+            make_logprobs(rows, np.asarray(prompt[first:last + 1]), request.params.prompt_logprobs))
 
     def _sample(self, out, runner_out, sampled: np.ndarray, stop_mask: np.ndarray,
                 touched: dict[str, Request]) -> list:

@@ -150,3 +150,24 @@ def test_max_model_len_ends_with_length(tiny_model):
     assert c.finish_reason == "length"
     assert len(prompt) + len(c.token_ids) == 64
     assert c.token_ids == reference_greedy(tiny_model, prompt, 4)
+
+
+def test_prompt_logprobs_survive_recompute_preemption(tiny_model):
+    """A pool too small for all prompts at once preempts mid-prompt; recomputed chunks do not
+    line up with the first pass, yet every prompt position gets exactly one logprob."""
+    rng = np.random.default_rng(12)
+    prompts = [rng.integers(3, TINY_VOCAB, n).tolist() for n in (150, 170, 90, 200)]
+    engine = make_engine(tiny_model, block_size=16, num_kv_blocks=20, max_model_len=320,
+                         max_num_batched_tokens=37)
+    params = greedy(8, prompt_logprobs=1)
+    out = run_requests(engine, [(0, f"r{i}", dict(prompt_token_ids=p, sampling_params=params))
+                                for i, p in enumerate(prompts)])
+    assert engine.get_stats()["num_preemptions_total"] > 0
+    ref = ReferenceModel(*tiny_model)
+    for i, prompt in enumerate(prompts):
+        lp = log_softmax(ref.forward(np.array(prompt)))
+        got = out[f"r{i}"].prompt_logprobs
+        assert len(got) == len(prompt)
+        assert np.allclose([g.logprob for g in got[1:]],
+                           [lp[j - 1][prompt[j]] for j in range(1, len(prompt))], atol=LOGPROB_ATOL)
+        assert out[f"r{i}"].outputs[0].token_ids == reference_greedy(tiny_model, prompt, 8)
