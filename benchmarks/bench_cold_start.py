@@ -24,11 +24,12 @@ PROMPT = "What is the capital of France?"
 MAX_TOKENS = 16
 
 
-def time_to_first_token() -> tuple[float, float, str]:
+def time_to_first_token(extra_args: list[str]) -> tuple[float, float, str]:
     """(seconds to first stdout byte, seconds to exit, text) of one `paged-run generate`."""
     started = time.perf_counter()
     process = subprocess.Popen(
-        [sys.executable, "-m", "pagedrun", "generate", PROMPT, "--max-tokens", str(MAX_TOKENS)],
+        [sys.executable, "-m", "pagedrun", "generate", PROMPT, "--max-tokens", str(MAX_TOKENS),
+         *extra_args],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
     )
     first = process.stdout.read(1)
@@ -54,14 +55,20 @@ def main() -> int:
     parser.add_argument("--convert", action="store_true", help="also time a full GGUF conversion")
     args = parser.parse_args()
 
-    _, _, text = time_to_first_token()   # warms the model cache (converts on a fresh machine)
-    runs = [time_to_first_token() for _ in range(args.repeats)]
-    first = [r[0] for r in runs]
-    total = [r[1] for r in runs]
+    _, _, text = time_to_first_token([])   # warms the model cache (converts on a fresh machine)
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(f"time to first token: median {statistics.median(first):.2f} s, "
-          f"min {min(first):.2f} s, max {max(first):.2f} s (target < 3 s)")
-    print(f"whole run ({MAX_TOKENS} tokens max): median {statistics.median(total):.2f} s")
+    # Interleaved so both settings see the same neighbours.
+    settings = {"default BLAS threads": [], "--threads 1": ["--threads", "1"]}
+    runs: dict[str, list] = {name: [] for name in settings}
+    for _ in range(args.repeats):
+        for name, extra in settings.items():
+            runs[name].append(time_to_first_token(extra))
+    for name, results in runs.items():
+        first = [r[0] for r in results]
+        total = [r[1] for r in results]
+        print(f"{name}: time to first token median {statistics.median(first):.2f} s "
+              f"(min {min(first):.2f}, max {max(first):.2f}; target < 3 s); "
+              f"whole run ({MAX_TOKENS} tokens max) median {statistics.median(total):.2f} s")
     print(f"output: {text.strip()!r}")
     if args.convert:
         print(f"conversion of the default GGUF: {conversion_seconds():.1f} s")

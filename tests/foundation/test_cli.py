@@ -119,6 +119,21 @@ def test_bad_model_path_is_a_one_line_error(tmp_path):
 def test_bad_arguments_are_rejected(tmp_path):
     assert run_cli("generate", "hi", "--max-tokens", "0").returncode == 2
     assert run_cli("generate", "hi", "--temperature", "-1").returncode == 2
+    assert run_cli("generate", "hi", "--threads", "0").returncode == 2
+
+
+def test_threads_option_reaches_blas(tmp_path):
+    tiny = _load_helper().write_tiny_gguf(tmp_path / "tiny.gguf", num_layers=1, seed=8)
+    model_dir = tmp_path / "hf"
+    assert run_cli("convert", str(tiny.path), str(model_dir), "--quiet").returncode == 0
+    # In-process check of the mechanism: set before numpy, visible to the BLAS library.
+    check = subprocess.run([sys.executable, "-c",
+                            "import os, sys; from pagedrun.server import cli; cli.limit_blas_threads(1); "
+                            "import numpy; print(os.environ['OPENBLAS_NUM_THREADS'])"],
+                           capture_output=True, text=True, timeout=60)
+    assert check.stdout.strip() == "1", check.stderr
+    result = run_cli("generate", "hello", "--model", str(model_dir), "--max-tokens", "3", "--threads", "1")
+    assert result.returncode == 0, result.stderr
 
 
 @needs_default_model
