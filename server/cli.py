@@ -264,7 +264,15 @@ def env_report() -> list[tuple[str, str]]:
     try:
         from pagedrun.runtime.default_model import default_gguf_path
 
-        lines.append(("default model gguf", str(default_gguf_path())))
+        from pagedrun.runtime.default_model import (
+            DEFAULT_MODEL_NAME, converted_dir_name, verify_converted,
+        )
+
+        gguf_path = default_gguf_path()
+        lines.append(("default model gguf", str(gguf_path)))
+        converted = models_cache_dir() / converted_dir_name(gguf_path, DEFAULT_MODEL_NAME)
+        state = "ready" if verify_converted(converted) else "not converted yet (first generate converts it)"
+        lines.append(("default model dir", f"{converted} ({state})"))
     except Exception as exc:  # report, never fail: this command exists for broken setups
         lines.append(("default model gguf", f"unavailable: {exc}"))
     return lines
