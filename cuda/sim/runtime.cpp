@@ -15,6 +15,8 @@
 
 #include <dlfcn.h>
 #include <link.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -424,6 +426,92 @@ void run_block() {
     }
 }
 
+// ---- faults -------------------------------------------------------------------------------
+// In plain builds a SIGSEGV/SIGBUS raised by kernel code (wild pointer, fiber stack overflow)
+// becomes a SimKernelError naming kernel, block and thread: the handler (on an alternate
+// stack) jumps back to the scheduler and the fiber is abandoned. Under ASan/TSan the
+// sanitizer's own report is better, so the handler is not installed there.
+#if !defined(PAGEDRUN_SIM_ASAN) && !defined(PAGEDRUN_SIM_TSAN)
+constexpr std::size_t kAltStackBytes = 64 * 1024;
+sigjmp_buf g_fault_jmp;
+void* volatile g_fault_addr = nullptr;
+volatile int g_fault_signal = 0;
+Fiber* volatile g_fault_fiber = nullptr;
+
+void on_fault(int sig, siginfo_t* info, void*) {
+    if (g_L && g_L->cur) {
+        g_fault_addr = info->si_addr;
+        g_fault_signal = sig;
+        g_fault_fiber = g_L->cur;
+        siglongjmp(g_fault_jmp, 1);
+    }
+    signal(sig, SIG_DFL);  // not ours: let the default action (or the re-raise) happen
+}
+
+struct FaultGuard {
+    struct sigaction old_segv {}, old_bus {};
+    stack_t old_alt{};
+    void* alt = nullptr;
+    FaultGuard() {
+        alt = std::malloc(kAltStackBytes);
+        stack_t ss{};
+        ss.ss_sp = alt;
+        ss.ss_size = kAltStackBytes;
+        sigaltstack(&ss, &old_alt);
+        struct sigaction sa {};
+        sa.sa_sigaction = &on_fault;
+        sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+        sigemptyset(&sa.sa_mask);
+        sigaction(SIGSEGV, &sa, &old_segv);
+        sigaction(SIGBUS, &sa, &old_bus);
+    }
+    ~FaultGuard() {
+        sigaction(SIGSEGV, &old_segv, nullptr);
+        sigaction(SIGBUS, &old_bus, nullptr);
+        sigaltstack(old_alt.ss_size ? &old_alt : nullptr, nullptr);
+        if (!old_alt.ss_size) {
+            stack_t off{};
+            off.ss_flags = SS_DISABLE;
+            sigaltstack(&off, nullptr);
+        }
+        std::free(alt);
+    }
+};
+#endif
+
+void run_grid(const unsigned* grid) {
+    Launch& L = *g_L;
+    for (unsigned z = 0; z < grid[2] && !L.failed; ++z)
+        for (unsigned y = 0; y < grid[1] && !L.failed; ++y)
+            for (unsigned x = 0; x < grid[0] && !L.failed; ++x) {
+                g_launch.block_idx = {x, y, z};
+                run_block();
+            }
+}
+
+// Runs the grid; in plain builds a fault in kernel code ends it with an error.
+void run_grid_guarded(const unsigned* grid) {
+#if !defined(PAGEDRUN_SIM_ASAN) && !defined(PAGEDRUN_SIM_TSAN)
+    FaultGuard guard;
+    if (sigsetjmp(g_fault_jmp, 1) != 0) {
+        Launch& L = *g_L;
+        Fiber& f = *g_fault_fiber;
+        L.cur = nullptr;
+        L.failed = true;
+        char buf[160];
+        bool in_guard = false;
+        auto* a = static_cast<unsigned char*>(g_fault_addr);
+        if (a >= f.stack_lo - kGuardBytes && a < f.stack_lo) in_guard = true;
+        std::snprintf(buf, sizeof buf, "%s at address %p%s",
+                      g_fault_signal == SIGBUS ? "bus error" : "segmentation fault",
+                      g_fault_addr, in_guard ? " (fiber stack overflow: per-thread arrays too big)" : "");
+        L.error = std::string("kernel ") + L.name + ": " + thread_name(f) + ": " + buf;
+        return;
+    }
+#endif
+    run_grid(grid);
+}
+
 }  // namespace
 
 void fail(const Loc& loc, const char* fmt, ...) {
@@ -646,12 +734,7 @@ int launch(const char* kernel_name, KernelBody body, void* fn, const unsigned* g
 
     Launch* outer = g_L;
     g_L = &L;
-    for (unsigned z = 0; z < grid[2] && !L.failed; ++z)
-        for (unsigned y = 0; y < grid[1] && !L.failed; ++y)
-            for (unsigned x = 0; x < grid[0] && !L.failed; ++x) {
-                g_launch.block_idx = {x, y, z};
-                run_block();
-            }
+    run_grid_guarded(grid);
     g_L = outer;
     g_thread = nullptr;
 

@@ -91,3 +91,14 @@ def test_cp_async_wait_one_group_short_reads_nan(planted, rng):
     planted.get_function("cp_async_wait_one_short")(1, 4, (x, bad))
     np.testing.assert_array_equal(bad[:16], x[:16])
     assert np.isnan(bad[16:]).all()
+
+
+@plain_only
+def test_wild_pointer_fault_becomes_an_exception(planted):
+    y = np.zeros(32, np.float32)
+    with pytest.raises(SimKernelError, match=r"wild_pointer: block \(1,0,0\) thread \(5,0,0\) "
+                                             r"\[warp 0 lane 5\]: segmentation fault at address"):
+        planted.get_function("wild_pointer")(2, 32, (y, np.int64(16)))
+    # the process and the module stay usable
+    planted.get_function("read_unwritten_smem")(1, TILE, (np.ones(TILE, np.float32),
+                                                          np.zeros(TILE, np.float32)))

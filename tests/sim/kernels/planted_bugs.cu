@@ -105,3 +105,9 @@ extern "C" __global__ void mismatched_masks(const float* x, float* y) {
     unsigned mask = threadIdx.x < 16 ? 0xffffffffu : 0xffff0000u;
     y[threadIdx.x] = __shfl_down_sync(mask, x[threadIdx.x], 1);
 }
+
+// BUG: thread 5 of block 1 dereferences an address the host never gave it.
+extern "C" __global__ void wild_pointer(float* y, long long address) {
+    bool wild = blockIdx.x == 1 && threadIdx.x == 5;
+    y[threadIdx.x] = wild ? *reinterpret_cast<const float*>(address) : 0.0f;
+}
