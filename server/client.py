@@ -281,8 +281,15 @@ class Client:
         return _Accumulator(rid).finish(body)
 
     # plumbing
-    def _send(self, msg_type: MsgType, body: dict) -> None:
-        self._sock.send_multipart(encode(msg_type, body))
+    def _send(self, msg_type: MsgType, body: dict, flags: int = 0) -> None:
+        # A DEALER with no connected server (down, or CURVE refused us) blocks on send;
+        # SNDTIMEO turns that into zmq.Again after timeout_s.
+        self._sock.setsockopt(zmq.SNDTIMEO, max(1, int(self.timeout_s * 1000)))
+        try:
+            self._sock.send_multipart(encode(msg_type, body), flags)
+        except zmq.Again:
+            raise RequestTimeout(f"could not send to the server within {self.timeout_s} s "
+                                 "(not connected?)") from None
         self._last_sent = time.monotonic()
 
     def _call(self, msg_type: MsgType, reply_type: MsgType) -> dict:
@@ -298,7 +305,10 @@ class Client:
     def _abort_quietly(self, request_id: str) -> None:
         if request_id in self._pending and not self._sock.closed:
             self._pending.pop(request_id, None)
-            self._send(MsgType.ABORT, {"request_id": request_id})
+            try:
+                self._send(MsgType.ABORT, {"request_id": request_id}, zmq.NOBLOCK)
+            except RequestTimeout:
+                pass  # not connected: the server's lease/disconnect handling aborts it
 
     def _recv_for(self, request_id: str, accept=None) -> tuple[MsgType, dict]:
         """Next message for `request_id` (others are queued for their own readers)."""
@@ -372,7 +382,10 @@ class AsyncStream:
         if not self._done:
             self._done = True
             self._client._queues.pop(self.request_id, None)
-            await self._client._send(MsgType.ABORT, {"request_id": self.request_id})
+            try:
+                await self._client._send(MsgType.ABORT, {"request_id": self.request_id})
+            except RequestTimeout:
+                pass  # not connected: the server's lease/disconnect handling aborts it
 
     async def __aenter__(self):
         return self
@@ -419,7 +432,12 @@ class AsyncClient:
     async def _send(self, msg_type: MsgType, body: dict) -> None:
         self._start()
         async with self._send_lock:
-            await self._sock.send_multipart(encode(msg_type, body))
+            try:  # with no connected server a send waits forever; bound it
+                await asyncio.wait_for(self._sock.send_multipart(encode(msg_type, body)),
+                                       self.timeout_s)
+            except asyncio.TimeoutError:
+                raise RequestTimeout(f"could not send to the server within {self.timeout_s} s "
+                                     "(not connected?)") from None
 
     async def _read_loop(self) -> None:
         while True:
