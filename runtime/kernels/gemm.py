@@ -1,0 +1,126 @@
+"""Launch wrapper of the GEMM kernels (cuda/gemm.cu, cuda/gemm_skinny.cu), executing a plan.
+
+    module = load_module(["gemm.cu", "gemm_skinny.cu"], backend="sim")   # or "cuda"
+    out = gemm(module, a, b, b_layout="nk", bias=bias)                   # a @ b.T + bias
+    out = linear(module, x, weight, bias)                                # numpy_ops.linear
+
+a: [M, K]; b: [N, K] ("nk", the HF weight layout) or [K, N] ("kn", pre-transposed); bias [N];
+residual [M, N] (added in the epilogue); all contiguous, one dtype (float32, float16, or uint16
+holding bf16 bits). out: [M, N] in a's dtype, or float32 (out_dtype=np.float32, e.g. logits).
+Arrays are numpy under the CPU harness and cupy on a GPU. The plan (runtime/kernels/gemm_plan.py)
+picks the skinny or the tensor-core kernel; shapes no kernel serves raise UnsupportedKernelShape.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .attention import device_num_sms
+from .gemm_plan import (SKINNY, SKINNY_ROWS_PER_WARP, SKINNY_THREADS, SKINNY_WARPS, TC_BK,
+                        TC_STAGES, TC_THREADS, TC_TILE, GemmPlan, plan_gemm, tc_aligned)
+from .kernel_args import array_module, dtype_suffix, require, require_contiguous
+
+_OUT_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
+               np.dtype(np.uint16): "bf16"}
+SKINNY_SMEM_BYTES_PER_ROW = 512  # one k-tile of a row: 32 lanes x 16 bytes
+
+
+def gemm_smem_bytes(dtype_name: str) -> int:
+    """Dynamic shared memory of a tensor-core CTA (the fp32 path uses static memory only)."""
+    if dtype_name == "f32":
+        return 0
+    tile_m, tile_n = TC_TILE[dtype_name]
+    return TC_STAGES * (tile_m + tile_n) * TC_BK * 2
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def gemm(module, a, b, *, b_layout: str = "nk", bias=None, residual=None, out=None,
+         out_dtype=None, plan: GemmPlan | None = None, num_sms: int | None = None):
+    """out = a @ B (+ bias) (+ residual); B = b.T for "nk", b for "kn". Returns out [M, N]."""
+    xp = array_module(a)
+    suffix = dtype_suffix(a)
+    require(a.ndim == 2 and b.ndim == 2, f"a {a.shape} and b {b.shape} must be 2-D")
+    require(b.dtype == a.dtype, f"a ({a.dtype}) and b ({b.dtype}) dtypes differ")
+    require(b_layout in ("nk", "kn"), f"b_layout must be 'nk' or 'kn', got {b_layout!r}")
+    M, K = a.shape
+    N = b.shape[0] if b_layout == "nk" else b.shape[1]
+    require((b.shape[1] if b_layout == "nk" else b.shape[0]) == K,
+            f"a {a.shape} and b {b.shape} ({b_layout}) disagree on K")
+    require_contiguous("a", a)
+    require_contiguous("b", b)
+    out_dtype = np.dtype(a.dtype if out_dtype is None else out_dtype)
+    require(out_dtype in (np.dtype(a.dtype), np.dtype(np.float32)),
+            f"out_dtype {out_dtype}: only a's dtype or float32")
+    out_suffix = _OUT_SUFFIX[out_dtype]
+    if bias is not None:
+        require(bias.shape == (N,) and bias.dtype == a.dtype,
+                f"bias must be [{N}] {a.dtype}, got {bias.shape} {bias.dtype}")
+        require_contiguous("bias", bias)
+    if residual is not None:
+        require(residual.shape == (M, N) and residual.dtype == out_dtype,
+                f"residual must be [{M}, {N}] {out_dtype}, got {residual.shape} {residual.dtype}")
+        require_contiguous("residual", residual)
+    if out is None:
+        out = xp.empty((M, N), dtype=out_dtype)
+    require(out.shape == (M, N) and out.dtype == out_dtype,
+            f"out must be [{M}, {N}] {out_dtype}, got {out.shape} {out.dtype}")
+    require_contiguous("out", out)
+    require(K > 0, "K must be >= 1 (an empty reduction has no kernel)")
+    if M == 0 or N == 0:
+        return out
+    if plan is None:
+        plan = plan_gemm(M, N, K, dtype_name=suffix, b_layout=b_layout,
+                         num_sms=num_sms or device_num_sms(xp))
+    scalars = (np.int32(M), np.int32(N), np.int32(K))
+    if plan.kind == SKINNY:
+        require(b_layout == "nk", "the skinny GEMM reads weights in the 'nk' layout only")
+        require(K % (16 // a.dtype.itemsize) == 0,
+                f"the skinny GEMM needs K % {16 // a.dtype.itemsize} == 0, got K={K}")
+        rows_per_cta = SKINNY_WARPS * SKINNY_ROWS_PER_WARP[plan.m_tile]
+        grid = (_ceil_div(N, rows_per_cta), _ceil_div(M, plan.m_tile), plan.num_splits)
+        smem = plan.m_tile * SKINNY_SMEM_BYTES_PER_ROW
+        kernel = module.get_function(f"gemm_skinny_{suffix}_o{out_suffix}_m{plan.m_tile}")
+        if plan.num_splits == 1:
+            kernel(grid, (SKINNY_THREADS,), (out, None, a, b, bias, residual, *scalars,
+                                             np.int32(plan.k_split)), shared_mem=smem)
+            return out
+        partial = xp.empty((plan.num_splits, M, N), dtype=np.float32)
+        kernel(grid, (SKINNY_THREADS,), (None, partial, a, b, None, None, *scalars,
+                                         np.int32(plan.k_split)), shared_mem=smem)
+        reduce = module.get_function(f"gemm_splitk_reduce_{suffix}_o{out_suffix}")
+        reduce((_ceil_div(M * N, SKINNY_THREADS),), (SKINNY_THREADS,),
+               (out, partial, bias, residual, np.int32(M), np.int32(N),
+                np.int32(plan.num_splits)))
+        return out
+    aligned = tc_aligned(N, K, b_layout)
+    require(not plan.aligned or aligned or suffix == "f32",
+            f"an aligned tensor-core plan needs K % 8 == 0 (and N % 8 for 'kn'), got N={N}, K={K}")
+    name = f"gemm_{suffix}_{b_layout}_o{out_suffix}"
+    if suffix != "f32" and not plan.aligned:
+        require(out_suffix == suffix, "unaligned shapes have no fp32-output instantiation")
+        name += "_unaligned"
+    tile_m, tile_n = TC_TILE[suffix]
+    module.get_function(name)((_ceil_div(N, tile_n), _ceil_div(M, tile_m)), (TC_THREADS,),
+                              (out, a, b, bias, residual, *scalars),
+                              shared_mem=gemm_smem_bytes(suffix))
+    return out
+
+
+def linear(module, x, weight, bias=None, *, residual=None, out_dtype=None, num_sms=None):
+    """numpy_ops.linear on kernels: x [M, K] @ weight.T (+ bias). weight is the logical HF
+    [N, K] matrix; a contiguous one runs as "nk", the transposed view of a contiguous [K, N]
+    array (the model's pre-transposed storage) as "kn"."""
+    if weight.flags.c_contiguous:
+        b, layout = weight, "nk"
+    else:
+        require(weight.T.flags.c_contiguous,
+                f"weight must be contiguous or the transpose of a contiguous array, strides "
+                f"{weight.strides}")
+        b, layout = weight.T, "kn"
+    return gemm(module, x, b, b_layout=layout, bias=bias, residual=residual,
+                out_dtype=out_dtype, num_sms=num_sms)
+
+
+__all__ = ["gemm", "gemm_smem_bytes", "linear"]
