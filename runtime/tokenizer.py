@@ -19,7 +19,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Sequence
 
-from pagedrun.runtime.errors import ModelLoadError
+from pagedrun.runtime.errors import ModelLoadError, PagedRunError
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -30,8 +30,9 @@ SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 Message = dict[str, Any]
 
 
-class ChatTemplateError(ValueError):
-    """The model has no chat template, or its template rejected the messages."""
+class ChatTemplateError(PagedRunError, ValueError):
+    """The model has no chat template, or its template rejected the messages (the CLI prints
+    it as a one-line error; a ValueError for callers that validate input)."""
 
 
 class Tokenizer:
