@@ -107,6 +107,17 @@ def ensure_converted(
     final_dir = cache_root / converted_dir_name(gguf_path, name)
     if verify_converted(final_dir):
         return final_dir
+    try:
+        return _convert_locked(gguf_path, final_dir, progress)
+    except OSError as exc:
+        raise ModelLoadError(
+            cache_root, f"cannot write the converted-model cache ({exc.strerror or exc}); "
+            "point XDG_CACHE_HOME at a writable directory",
+        ) from None
+
+
+def _convert_locked(gguf_path: Path, final_dir: Path, progress: bool) -> Path:
+    cache_root = final_dir.parent
     cache_root.mkdir(parents=True, exist_ok=True)
     with _FileLock(cache_root / (final_dir.name + LOCK_SUFFIX)):
         # Another process may have finished the conversion while we waited for the lock.

@@ -134,6 +134,13 @@ def test_failed_conversion_leaves_nothing_behind(tmp_path, gguf_file, monkeypatc
     assert [p.name for p in root.iterdir() if not p.name.endswith(".lock")] == []
 
 
+def test_unwritable_cache_is_a_model_load_error(tmp_path, gguf_file):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache root should be")
+    with pytest.raises(ModelLoadError, match="XDG_CACHE_HOME"):
+        ensure_converted(gguf_file, blocker / "models")
+
+
 def test_sampled_check_trades_coverage_for_speed(tmp_path, gguf_file, monkeypatch):
     # Large files are only sampled on each start; `full=True` sees every byte.
     monkeypatch.setattr(default_model, "FULL_CHECK_MAX_BYTES", 0)
