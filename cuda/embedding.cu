@@ -1,0 +1,51 @@
+// embedding.cu -- gather of embedding rows: out[t] = table[token_ids[t]].
+//
+// Pointers (T = float | __half | __nv_bfloat16; contiguous):
+//   token_ids  [num_tokens]        int32, each in [0, vocab) (the wrapper checks host ids;
+//                                  an id out of range here writes a NaN row, never reads OOB)
+//   table      [vocab, hidden]     T
+//   out        [num_tokens, hidden] T
+//
+// Launch geometry: grid (num_tokens), block 256; each thread copies a strided slice of the
+// row, element-wise (a pure copy: coalesced along hidden).
+// Instantiations: embedding_{f32,f16,bf16}. Scalars: int hidden, int vocab.
+//
+// Register budget: 32 per thread; the gate must show 0 spill bytes.
+// Measured: no GPU numbers yet.
+#include "common.cuh"
+
+namespace embedding_ops {
+
+constexpr int kThreads = 256;
+
+template <typename T> __device__ __forceinline__ T nan_value();
+template <> __device__ __forceinline__ float nan_value<float>() { return __uint_as_float(0x7fc00000u); }
+template <> __device__ __forceinline__ __half nan_value<__half>() { return __ushort_as_half(0x7e00); }
+template <> __device__ __forceinline__ __nv_bfloat16 nan_value<__nv_bfloat16>() {
+    return __ushort_as_bfloat16(0x7fc0);
+}
+
+template <typename T>
+__device__ __forceinline__ void embedding(T* out, const int* token_ids, const T* table,
+                                          int hidden, int vocab) {
+    const int token = token_ids[blockIdx.x];
+    T* dst = out + static_cast<long long>(blockIdx.x) * hidden;
+    if (token < 0 || token >= vocab) {
+        for (int i = threadIdx.x; i < hidden; i += kThreads) dst[i] = nan_value<T>();
+        return;
+    }
+    const T* src = table + static_cast<long long>(token) * hidden;
+    for (int i = threadIdx.x; i < hidden; i += kThreads) dst[i] = src[i];
+}
+
+}  // namespace embedding_ops
+
+#define PAGEDRUN_EMBEDDING(DT, T)                                                                \
+    extern "C" __global__ void __launch_bounds__(embedding_ops::kThreads)                        \
+        embedding_##DT(T* out, const int* token_ids, const T* table, int hidden, int vocab) {   \
+        embedding_ops::embedding<T>(out, token_ids, table, hidden, vocab);                       \
+    }
+
+PAGEDRUN_EMBEDDING(f32, float)
+PAGEDRUN_EMBEDDING(f16, __half)
+PAGEDRUN_EMBEDDING(bf16, __nv_bfloat16)
