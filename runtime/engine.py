@@ -105,6 +105,13 @@ class LLMEngine:
 
         self.config = config
         self.device = resolve_device(config.device)
+        if config.tensor_parallel_size != 1:
+            raise DeviceNotAvailableError(
+                "tensor_parallel_size > 1 needs the cuda backend, which has not landed yet")
+        if config.dtype not in ("auto", "float32"):
+            # numpy has no bfloat16 and its float16 GEMMs are slow: the cpu backend computes
+            # in float32 whatever the checkpoint stores.
+            log.warning("dtype %s: the cpu backend runs float32", config.dtype)
         self.model_name = config.model or "default"
         if model_config is None:
             model_config, weights, tokenizer = _load_model(config.model)

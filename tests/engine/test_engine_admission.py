@@ -71,6 +71,8 @@ def test_devices(tiny_model):
     with pytest.raises(NotImplementedError):
         make_engine(tiny_model, device="cuda", num_kv_blocks=8)
     assert make_engine(tiny_model, device="auto", num_kv_blocks=8).device == "cpu"
+    with pytest.raises(DeviceNotAvailableError, match="tensor_parallel_size"):
+        make_engine(tiny_model, num_kv_blocks=8, tensor_parallel_size=2)
 
 
 def _save_hf_dir(path, config, weights) -> None:
