@@ -1,0 +1,117 @@
+"""End to end with the real LLMEngine (numpy backend): a tiny fixture model for concurrency,
+aborts and prefix-cache usage, and the default model (SmolLM2-135M) for one real answer."""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+
+import pytest
+
+from pagedrun.client import AsyncClient, Client
+from pagedrun.runtime.engine import LLMEngine
+from pagedrun.runtime.engine_config import EngineConfig
+from pagedrun.runtime.sampling_params import SamplingParams
+
+TINY_MODEL = os.path.join(os.path.dirname(__file__), "..", "fixtures", "tiny", "llama_tied_bf16")
+NUM_REQUESTS = 24
+
+
+def tiny_engine(**overrides) -> LLMEngine:
+    cfg = dict(model=TINY_MODEL, device="cpu", num_kv_blocks=96, max_num_seqs=8,
+               max_num_batched_tokens=64, check_invariants=True)
+    cfg.update(overrides)
+    return LLMEngine(EngineConfig(**cfg))
+
+
+def alone(prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """The reference: the same request served by a fresh engine with nothing else running."""
+    engine = tiny_engine()
+    engine.add_request("ref", prompt_token_ids=prompt_ids, sampling_params=SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    tokens = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.extend(out.outputs[0].token_ids)
+    return tokens
+
+
+def test_concurrent_requests_match_alone_and_free_every_block(start_server):
+    rng = random.Random(7)
+    shared_prefix = [rng.randrange(3, 257) for _ in range(35)]
+    jobs = []
+    for i in range(NUM_REQUESTS):
+        tail = [rng.randrange(3, 257) for _ in range(rng.choice([1, 5, 19, 30]))]
+        prompt = (shared_prefix + tail) if i % 2 else tail
+        role = "abort" if i % 6 == 5 else "complete"
+        jobs.append((prompt, rng.randint(3, 40), role))
+    _, ep = start_server(tiny_engine())
+
+    async def one(prompt, max_tokens, role):
+        async with AsyncClient(ep, timeout_s=60) as c:
+            s = await c.stream(prompt_token_ids=prompt, sampling_params={
+                "max_tokens": max_tokens if role == "complete" else 80,
+                "temperature": 0.0, "ignore_eos": True})
+            got = []
+            async for d in s:
+                got.extend(d.token_ids)
+                if role == "abort" and len(got) >= 2:
+                    await s.aclose()
+                    return None
+            return got, s.result
+
+    async def run_all():
+        return await asyncio.wait_for(asyncio.gather(*[one(*job) for job in jobs]), 120)
+
+    results = asyncio.run(run_all())
+    cached = 0
+    for (prompt, max_tokens, role), res in zip(jobs, results):
+        if role == "complete":
+            got, final = res
+            assert got == alone(prompt, max_tokens)
+            assert final.usage["prompt_tokens"] == len(prompt)
+            assert final.usage["completion_tokens"] == max_tokens
+            cached += final.usage["cached_prompt_tokens"]
+    assert cached > 0  # the shared 35-token prefix was served from the prefix cache
+    with Client(ep, timeout_s=10) as c:
+        deadline = time.monotonic() + 20
+        while (stats := c.stats())["gauges"]["server_requests_in_flight"] and \
+                time.monotonic() < deadline:
+            time.sleep(0.02)
+        info = c.model_info()
+    g = stats["gauges"]
+    assert g["num_free_blocks"] == g["num_total_blocks"] == 96
+    assert g["num_requests_running"] == g["num_requests_waiting"] == 0
+    assert stats["counters"]["request_abort_total"] == NUM_REQUESTS // 6
+    assert stats["counters"]["prefix_cache_hits"] > 0
+    assert info["kv_capacity_tokens"] == 96 * 16 and info["vocab_size"] == 257
+
+
+def test_engine_rejections_become_error_codes(start_server):
+    from pagedrun.client import CapacityError, InvalidRequestError, PromptTooLongError
+    _, ep = start_server(tiny_engine(num_kv_blocks=4))  # 64 tokens of KV in all
+    with Client(ep, timeout_s=10) as c:
+        with pytest.raises(InvalidRequestError):  # this fixture model has no tokenizer
+            c.generate("text needs a tokenizer")
+        with pytest.raises(PromptTooLongError):
+            c.generate(prompt_token_ids=[5] * 129)
+        with pytest.raises(CapacityError) as info:  # 60 + 20 tokens need 5 blocks
+            c.generate(prompt_token_ids=[5] * 60, sampling_params={"max_tokens": 20})
+        assert info.value.code == "capacity"
+        ok = c.generate(prompt_token_ids=[5] * 10, sampling_params={"max_tokens": 3})
+        assert len(ok.token_ids) >= 1
+
+
+@pytest.mark.slow
+def test_default_model_answers_through_the_server(start_server):
+    engine = LLMEngine(EngineConfig(model=None, device="cpu", max_model_len=512,
+                                    num_kv_blocks=256))
+    _, ep = start_server(engine)
+    with Client(ep, timeout_s=120) as c:
+        info = c.model_info()
+        out = c.generate(messages=[{"role": "user", "content": "What is the capital of France?"}],
+                         sampling_params={"max_tokens": 16, "temperature": 0})
+    assert info["tokenizer"]["has_chat_template"] is True
+    assert "Paris" in out.text, out.text
+    assert out.usage["completion_tokens"] <= 16 and out.metrics["time_to_first_token_s"] > 0
