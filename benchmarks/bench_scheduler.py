@@ -8,12 +8,14 @@ Cases (block 16, prefix caching on):
   prompts), chunked prefills (budget 2048), finishes (max_tokens 8..300), aborts, on a pool
   small enough to preempt; mean over the trace's steps.
 The same cases run through benchmarks/python_scheduler_baseline.py (the same algorithm in plain
-Python, which makes the same decisions) in the same process. Usage:
+Python, which makes the same decisions) in the same process, with the garbage collector off
+while timing (as timeit does) for both. Usage:
     python benchmarks/bench_scheduler.py [--json] [--quick]
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import platform
@@ -82,6 +84,8 @@ def run_mixed(impl: str, trace, collect=None) -> list[float]:
                            max_num_seqs=MIXED_MAX_NUM_SEQS, max_num_batched_tokens=MIXED_BUDGET,
                            max_model_len=MAX_MODEL_LEN)
     times = []
+    gc.collect()
+    gc.disable()
     for step, (arrivals, aborts) in enumerate(trace):
         for rid, prompt, max_tokens in arrivals:
             sched.add_request(rid, prompt, max_tokens)
@@ -93,13 +97,14 @@ def run_mixed(impl: str, trace, collect=None) -> list[float]:
         times.append(time.perf_counter() - t0)
         if collect is not None:
             collect(step, out, finished)
+    gc.enable()
     return times
 
 
 def run_decode(impl: str, num_reqs: int, num_steps: int, seed: int = 0) -> list[float]:
     rng = np.random.default_rng(seed)
     system = rng.integers(0, VOCAB, 64, dtype=np.int32)
-    sched = make_scheduler(impl, num_gpu_blocks=num_reqs * 40 + 64, block_size=BLOCK_SIZE,
+    sched = make_scheduler(impl, num_gpu_blocks=num_reqs * 64 + 64, block_size=BLOCK_SIZE,
                            max_num_seqs=num_reqs, max_num_batched_tokens=DECODE_BUDGET,
                            max_model_len=MAX_MODEL_LEN)
     for rid in range(num_reqs):
@@ -113,12 +118,15 @@ def run_decode(impl: str, num_reqs: int, num_steps: int, seed: int = 0) -> list[
         if out.num_reqs == num_reqs and out.num_batched_tokens == num_reqs:
             break
     times = []
+    gc.collect()
+    gc.disable()  # as timeit does: the baseline's lists would otherwise pay for GC passes
     for _ in range(num_steps):
         t0 = time.perf_counter()
         out = sched.schedule()
         sched.update_from_output(out, sampled_tokens(out, step))
         times.append(time.perf_counter() - t0)
         step += 1
+    gc.enable()
     assert out.num_batched_tokens == num_reqs
     return times
 
