@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <bit>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
@@ -126,6 +127,7 @@ struct Fiber {
 
 struct Warp {
     uint32_t exists = 0;   // lanes present in the block
+    uint32_t exited = 0;   // lanes whose thread has returned
     uint32_t arrived = 0;  // lanes waiting in a collective
     void* data[kWarpSize]{};
 };
@@ -303,6 +305,7 @@ void fiber_main(Fiber* f) {
     tsan_acquire(&L.tsan_block_start);
     L.body(L.args, L.fn);
     f->state = State::Done;
+    L.warps[f->ctx.warp].exited |= 1u << f->ctx.lane;
     tsan_release(&L.tsan_block_end);
     yield_to_scheduler(true);
     __builtin_unreachable();
@@ -388,7 +391,7 @@ void run_block() {
     poison_shared();
     L.block_arrived = 0;
     L.block_acc = 0;
-    for (auto& w : L.warps) w.arrived = 0;
+    for (auto& w : L.warps) w.arrived = w.exited = 0;
     for (auto& f : L.fibers) {
         f.state = State::Runnable;
         f.open_group.clear();
@@ -593,17 +596,15 @@ void warp_collective(uint32_t mask, const char* what, void* lane_data, WarpFn fn
              "%u threads); naming absent lanes is undefined on hardware",
              what, mask, f.ctx.warp, w.exists, L.nthreads);
     unsigned base = f.ctx.warp * kWarpSize;
-    for (unsigned l = 0; l < kWarpSize; ++l) {
-        if (!(mask & (1u << l)) || l == f.ctx.lane) continue;
-        const Fiber& o = L.fibers[base + l];
-        if (o.state == State::Done)
-            fail(loc, "%s with mask 0x%08x names lane %u, which has exited", what, mask, l);
-    }
-    for (unsigned l = 0; l < kWarpSize; ++l) {
-        if (!(w.arrived & (1u << l))) continue;
+    if (uint32_t gone = mask & w.exited)
+        fail(loc, "%s with mask 0x%08x names lane %d, which has exited", what, mask,
+             std::countr_zero(gone));
+    for (uint32_t pending = w.arrived; pending; pending &= pending - 1) {
+        unsigned l = unsigned(std::countr_zero(pending));
         const Fiber& o = L.fibers[base + l];
         bool overlaps = (mask & (1u << l)) || (o.mask & me);
-        if (overlaps && (o.mask != mask || std::strcmp(o.what, what) != 0))
+        bool same = o.mask == mask && (o.what == what || std::strcmp(o.what, what) == 0);
+        if (overlaps && !same)
             fail(loc,
                  "mismatched warp operations: this lane calls %s with mask 0x%08x while lane "
                  "%u waits at %s with mask 0x%08x (%s)",
