@@ -2,14 +2,16 @@
 //
 // Computes, per row t (hidden = H):
 //   rms_norm:           out[t] = x[t] * rsqrt(mean(x[t]^2) + eps) * weight
-//   fused_add_rms_norm: residual[t] = x[t] + residual[t]           (fp32, in place)
-//                       out[t] = residual[t] * rsqrt(mean(residual[t]^2) + eps) * weight
+//   fused_add_rms_norm: r = x[t] + residual_in[t]                  (fp32)
+//                       residual_out[t] = r
+//                       out[t] = r * rsqrt(mean(r^2) + eps) * weight
 // all math in fp32 (the residual stream is carried in fp32 whatever the activation dtype,
 // matching runtime/backends/numpy_ops.py), one rounding to T at the store.
 //
 // Pointers (T = float | __half | __nv_bfloat16; contiguous):
 //   x         [num_tokens, H]  T
-//   residual  [num_tokens, H]  float   (fused_add_rms_norm only; read and written)
+//   residual_in, residual_out  [num_tokens, H]  float  (fused_add_rms_norm only; may alias:
+//                              each element is read, then written, by the same thread)
 //   weight    [H]              T
 //   out       [num_tokens, H]  T       (may alias x)
 //
@@ -70,18 +72,19 @@ __device__ __forceinline__ void rms_norm(T* out, const T* x, const T* weight, in
 }
 
 template <typename T>
-__device__ __forceinline__ void fused_add_rms_norm(T* out, float* residual, const T* x,
+__device__ __forceinline__ void fused_add_rms_norm(T* out, float* residual_out,
+                                                   const float* residual_in, const T* x,
                                                    const T* weight, int hidden, float eps) {
     const long long row = static_cast<long long>(blockIdx.x) * hidden;
     float sum_sq = 0.f;
     for (int i = threadIdx.x; i < hidden; i += kThreads) {
-        const float v = to_f32(x[row + i]) + residual[row + i];
-        residual[row + i] = v;  // each element is read and written by the same thread
+        const float v = to_f32(x[row + i]) + residual_in[row + i];
+        residual_out[row + i] = v;
         sum_sq += v * v;
     }
     const float inv_rms = rsqrtf(block_sum(sum_sq) / hidden + eps);
     for (int i = threadIdx.x; i < hidden; i += kThreads)
-        out[row + i] = from_f32<T>(residual[row + i] * inv_rms * to_f32(weight[i]));
+        out[row + i] = from_f32<T>(residual_out[row + i] * inv_rms * to_f32(weight[i]));
 }
 
 }  // namespace rms_norm_ops
@@ -92,9 +95,10 @@ __device__ __forceinline__ void fused_add_rms_norm(T* out, float* residual, cons
         rms_norm_ops::rms_norm<T>(out, x, weight, hidden, eps);                                  \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(rms_norm_ops::kThreads)                         \
-        fused_add_rms_norm_##DT(T* out, float* residual, const T* x, const T* weight,           \
-                                int hidden, float eps) {                                         \
-        rms_norm_ops::fused_add_rms_norm<T>(out, residual, x, weight, hidden, eps);              \
+        fused_add_rms_norm_##DT(T* out, float* residual_out, const float* residual_in,          \
+                                const T* x, const T* weight, int hidden, float eps) {            \
+        rms_norm_ops::fused_add_rms_norm<T>(out, residual_out, residual_in, x, weight, hidden,   \
+                                            eps);                                                \
     }
 
 PAGEDRUN_RMS_NORM(f32, float)

@@ -65,28 +65,33 @@ def rms_norm(module, x, weight, eps: float, out=None):
     return out
 
 
-def fused_add_rms_norm(module, x, residual, weight, eps: float, out=None):
-    """residual += x (float32, in place when residual is a float32 array), out = rms_norm of it.
+def fused_add_rms_norm(module, x, residual, weight, eps: float, out=None, residual_out=None):
+    """r = x + residual (float32), out = rms_norm(r); returns (out, r).
 
-    x: [num_tokens, hidden] activations; residual: [num_tokens, hidden], float32 (updated in
-    place) or x's dtype (converted to a new float32 array first). Returns (out, residual f32).
+    x: [num_tokens, hidden] activations; residual: [num_tokens, hidden], float32 or x's dtype
+    (converted to float32 first). r is written to residual_out when given (float32, may be the
+    residual itself), else in place into a float32 residual, else into the converted copy.
     """
     suffix = dtype_suffix(x)
     num_tokens, hidden = _check_rows("x", x)
     _check_weight(weight, x, hidden)
     require(residual.shape == x.shape, f"residual {residual.shape} must match x {x.shape}")
     residual = to_float32(residual)
-    if residual is x:  # float32 x passed as its own residual: keep x intact
-        residual = residual.copy()
     require_contiguous("residual", residual)
+    if residual_out is None:
+        # float32 x passed as its own residual: keep x intact
+        residual_out = residual.copy() if residual is x else residual
+    require(residual_out.shape == x.shape and np.dtype(residual_out.dtype) == np.float32,
+            f"residual_out must be {x.shape} float32")
+    require_contiguous("residual_out", residual_out)
     xp = array_module(x)
     out = xp.empty_like(x) if out is None else out
     require(out.shape == x.shape and out.dtype == x.dtype, "out must match x")
     if num_tokens:
         module.get_function(f"fused_add_rms_norm_{suffix}")(
             (num_tokens,), (NORM_THREADS,),
-            (out, residual, x, weight, np.int32(hidden), np.float32(eps)))
-    return out, residual
+            (out, residual_out, residual, x, weight, np.int32(hidden), np.float32(eps)))
+    return out, residual_out
 
 
 def silu_and_mul(module, gate_up, out=None):

@@ -46,6 +46,15 @@ def test_fused_add_rms_norm_updates_residual_in_place(rng, dt, num_tokens, hidde
     assert new_res is res_dev  # float32 residual: updated in place, no copy
     assert_close(to_host(new_res), exp_res, FUSED_TOL["f32"], "new residual")
     assert_close(result_f32(out, dt), exp_out, FUSED_TOL[dt], f"fused_add_rms_norm {dt}")
+    # Out of place: the input residual is left alone, the sum goes to residual_out.
+    res_in = to_device(residual.copy())
+    res_out = to_device(np.full_like(residual, np.nan))
+    out2, new_res2 = fused_add_rms_norm(kernel_module("rms_norm.cu"), to_device(x), res_in,
+                                        to_device(w), EPS, residual_out=res_out)
+    assert new_res2 is res_out
+    np.testing.assert_array_equal(to_host(res_in), residual)
+    np.testing.assert_array_equal(to_host(new_res2), to_host(new_res))
+    np.testing.assert_array_equal(result_f32(out2, dt), result_f32(out, dt))
 
 
 @pytest.mark.parametrize("dt", ("f32", "bf16"))
