@@ -1,4 +1,4 @@
-"""The `paged-run` command line: generate, convert, env (serve, chat, bench come with the server).
+"""The `paged-run` command line: generate, convert, env here; serve, chat, bench from their modules.
 
 Start-up time is a feature: this module imports only argparse and sys at load time; numpy,
 tokenizers, the model code and (for `env`) cupy are imported inside the command that needs
@@ -19,7 +19,10 @@ EXIT_BROKEN_PIPE = 141   # 128 + SIGPIPE
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="paged-run", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="paged-run",
+        description="LLM inference with PagedAttention and continuous batching (no PyTorch).",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     generate = commands.add_parser(
@@ -66,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
         "found (through CuPy, if installed), and paged-run's cache locations.",
     )
     env.set_defaults(func=cmd_env)
+
+    # The server's commands live in their own modules (light to import: argparse and sys only;
+    # each add_parser sets its own `func`).
+    from pagedrun.server import bench_cmd, chat_cmd, serve_cmd
+
+    for module in (serve_cmd, chat_cmd, bench_cmd):
+        module.add_parser(commands)
     return parser
 
 

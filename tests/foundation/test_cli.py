@@ -38,7 +38,7 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 120) -> subpro
 
 
 @pytest.mark.parametrize("command,expected", [
-    ([], ["generate", "convert", "env"]),
+    ([], ["generate", "convert", "env", "serve", "chat", "bench"]),
     (["generate"], ["PROMPT", "--model", "--max-tokens", "--no-chat", "--temperature"]),
     (["convert"], ["MODEL.gguf", "OUT_DIR"]),
     (["env"], ["versions"]),
