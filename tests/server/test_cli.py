@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 from fake_engine import FakeEngine, expected_tokens
-from test_shutdown import free_tcp_endpoint
+from wire import free_tcp_endpoint
 
 from pagedrun.client import Client
 from pagedrun.server import bench_cmd, chat_cmd, serve_cmd

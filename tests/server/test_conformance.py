@@ -287,3 +287,35 @@ def test_pinging_client_keeps_its_lease(start_server, zmq_ctx):
         if body.get("request_id") == "alive":
             break
     assert kind == MsgType.FINAL and body["usage"]["completion_tokens"] == 100
+
+
+class FlakyEngine(FakeEngine):
+    """Its step raises once, the first time a request named by a 'boom' prompt runs."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.armed = True
+
+    def step(self):
+        if self.armed and any(r.prompt_ids == list(b"boom") for r in self._requests.values()):
+            self.armed = False
+            raise RuntimeError("simulated kernel failure")
+        return super().step()
+
+
+def test_engine_failure_is_internal_error_and_server_recovers(start_server, zmq_ctx):
+    _, ep = start_server(FlakyEngine())
+    s = dealer(zmq_ctx, ep)
+    send(s, MsgType.GENERATE, {"request_id": "b", "prompt": "boom"})
+    _, kind, body = recv_until_final(s, "b")
+    assert kind == MsgType.ERROR and body["code"] == "internal_error"
+    assert "simulated kernel failure" in body["message"]
+    send(s, MsgType.GENERATE, {"request_id": "after", "prompt": "fine",
+                               "sampling_params": {"max_tokens": 4}})
+    deltas, kind, _ = recv_until_final(s, "after")
+    assert kind == MsgType.FINAL
+    assert [t for d in deltas for t in d["token_ids"]] == expected_tokens(list(b"fine"), 4)
+    send(s, MsgType.STATS, {})
+    _, stats = recv(s)
+    assert stats["gauges"]["server_requests_in_flight"] == 0
+    assert stats["gauges"]["num_free_blocks"] == stats["gauges"]["num_total_blocks"]

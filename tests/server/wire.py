@@ -1,6 +1,8 @@
 """Raw-frame helpers for tests that speak docs/protocol.md without the Python client."""
 from __future__ import annotations
 
+import socket
+
 import msgpack
 import zmq
 
@@ -46,3 +48,10 @@ def assert_error_shape(body: dict) -> None:
     assert set(body) == {"code", "message", "request_id"}
     assert isinstance(body["code"], str) and isinstance(body["message"], str)
     assert body["request_id"] is None or isinstance(body["request_id"], str)
+
+
+def free_tcp_endpoint() -> str:
+    """A loopback endpoint on a port that was free a moment ago (for servers in subprocesses)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
