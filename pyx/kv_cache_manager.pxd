@@ -20,6 +20,9 @@ cdef struct ReqBlocks:
     int32_t num_hashed_blocks  # blocks [0, num_hashed_blocks) were offered to the cache
     int32_t num_pending_hits   # prefix hits found by find_cached_prefix, not yet taken
     bint on_host               # swapped out: block_ids name host blocks
+    bint may_share_partial     # set by fork: the partly filled last block may be shared, so
+                               # the next write checks for copy-on-write (no one else can
+                               # share a partial block: the prefix cache holds full ones only)
 
 
 cdef class KVCacheManager:

@@ -168,7 +168,7 @@ cdef class KVCacheManager:
         cdef int32_t num_fresh = num_needed - num_held if num_needed > num_held else 0
         cdef int32_t i, b, cow_index = -1
         # Copy-on-write: the first token to write lands in a partly filled, shared block.
-        if num_computed_tokens % bs != 0 and num_new_tokens > 0:
+        if rb.may_share_partial and num_computed_tokens % bs != 0 and num_new_tokens > 0:
             i = num_computed_tokens // bs
             if i < rb.num_blocks and self.gpu_pool.ref_cnt[rb.block_ids[i]] > 1:
                 cow_index = i
@@ -194,6 +194,8 @@ cdef class KVCacheManager:
         for i in range(num_fresh):
             rb.block_ids[rb.num_blocks] = self.gpu_pool.allocate()
             rb.num_blocks += 1
+        if num_new_tokens > 0:
+            rb.may_share_partial = False  # the partial block is private from now on
         return True
 
     cdef void free_blocks(self, int32_t s) noexcept nogil:
@@ -209,6 +211,7 @@ cdef class KVCacheManager:
         rb.num_hashed_blocks = 0
         rb.num_pending_hits = 0
         rb.on_host = False
+        rb.may_share_partial = False
 
     cdef void cache_full_blocks(self, int32_t s, const int32_t* token_ids,
                                 int32_t num_computed_tokens, uint64_t extra_key) noexcept nogil:
@@ -260,6 +263,8 @@ cdef class KVCacheManager:
         rc.num_hashed_blocks = rp.num_hashed_blocks
         rc.num_pending_hits = 0
         rc.on_host = False
+        rp.may_share_partial = True
+        rc.may_share_partial = True
         for i in range(n):
             self.gpu_pool.incref(rp.block_ids[i])
         return True

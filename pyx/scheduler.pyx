@@ -44,19 +44,20 @@ cdef enum ReqStatus:
 
 
 cdef struct ReqState:
-    int64_t req_id
+    # Fields every step reads come first (one cache line).
     int32_t* token_ids          # [token_capacity] prompt then generated tokens
-    int32_t token_capacity
     int32_t num_tokens
-    int32_t num_prompt_tokens
     int32_t num_computed_tokens  # tokens whose KV is in the cache
+    int32_t status
+    uint32_t gen                # bumped when the slot is freed (stale SchedulerOutput rows)
+    int64_t req_id
     int32_t num_output_tokens
     int32_t max_tokens
+    int32_t token_capacity
     int32_t priority            # lower is served first
     int64_t arrival_seq
     uint64_t cache_salt
-    int32_t status
-    uint32_t gen                # bumped when the slot is freed (stale SchedulerOutput rows)
+    int32_t num_prompt_tokens
 
 
 class SchedulerInvariantError(AssertionError):
@@ -741,7 +742,9 @@ cdef class Scheduler:
             if r.gen != gens[k] or r.status != RUNNING:
                 continue  # aborted (or the slot reused) since schedule()
             r.num_computed_tokens += qlens[k]
-            if r.num_computed_tokens // bs > self.kv.reqs[s].num_hashed_blocks:
+            # Blocks became full this step: offer them to the prefix cache (this test, not the
+            # manager's num_hashed_blocks, keeps a decode step off the manager's memory).
+            if r.num_computed_tokens // bs != (r.num_computed_tokens - qlens[k]) // bs:
                 self.kv.cache_full_blocks(s, r.token_ids, r.num_computed_tokens, r.cache_salt)
             if r.num_computed_tokens != r.num_tokens:
                 continue  # a prefill chunk: nothing sampled
