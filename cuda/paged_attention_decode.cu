@@ -23,6 +23,9 @@
 // per step. Each token lane group runs its own online softmax (fp32, base 2, scores pre-scaled
 // by scale * log2 e); at the end the groups merge inside the warp by shuffles and the warps
 // merge through shared memory. Unused cache slots are never read (NaN there cannot leak).
+// Each step issues the next step's K/V loads before computing on the current ones (one step of
+// software prefetch: two steps of loads in flight per warp; by Little's law an SM needs ~25 KB
+// in flight to stream HBM3e, and one step of 4 warps x 32 lanes x 32 bytes is 4 KB per CTA).
 // Split-K: when the host plan (runtime/kernels/attention.py: plan_decode_split) picks
 // num_splits > 1, split z covers tokens [z * partition_size, (z + 1) * partition_size) and
 // writes its normalised partial output and log2-sum-exp; paged_attention_decode_merge_* then
@@ -40,8 +43,10 @@
 // wrapper). Scalars: float scale; int num_heads, num_kv_heads, group_size, block_size_log2,
 // max_blocks_per_seq, partition_size, num_splits.
 //
-// Register budget: 240 per thread at 128 threads (group 8 holds 2 x 8 x VEC fp32 of q and
-// accumulators: ~230 measured on sm_80/sm_90, the others <= 128); 0 spill bytes.
+// Register budget: 255 per thread at 128 threads, 2 CTAs per SM (__launch_bounds__(128, 2)):
+// group 8 holds 2 x 8 x VEC fp32 of q and accumulators plus one step of prefetched K/V and
+// measures 233-240 on sm_80/sm_90 (anything <= 255 still fits two CTAs per SM); groups 1-4
+// use <= 128. 0 spill bytes.
 // Measured: no GPU numbers yet (benchmarks/kernels/bench_attention.py writes them).
 #include "common.cuh"
 
@@ -49,6 +54,10 @@ namespace decode_attn {
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
+// Two CTAs per SM is what group 8 fits (2 x 128 x ~236 registers). Saying so also stops ptxas
+// from squeezing small instantiations into 64 registers with spills (f32_d128_g4 spilled 12
+// bytes on sm_80 with a bare __launch_bounds__(128)).
+constexpr int kMinCtasPerSm = 2;
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kVecBytes = 16;  // one 128-bit load per lane: the widest global load there is
@@ -71,13 +80,12 @@ __device__ __forceinline__ float2 unpack2(uint32_t w, __nv_bfloat16) {
     return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
 }
 
-// Loads 16 bytes (VEC elements of T) and widens them to fp32. Words are split with shifts,
-// not by reading the uint4 through a T* (that type pun is undefined in host C++, and g++ -O2
-// under the CPU harness does optimise it away).
+// Widens one 16-byte vector (VEC elements of T, as loaded) to fp32. Words are split with
+// shifts, not by reading the uint4 through a T* (that type pun is undefined in host C++, and
+// g++ -O2 under the CPU harness does optimise it away).
 template <typename T, int VEC>
-__device__ __forceinline__ void load_vec(const T* src, float (&dst)[VEC]) {
+__device__ __forceinline__ void unpack_vec(const uint4& raw, float (&dst)[VEC]) {
     static_assert(VEC == 8, "16-bit types: eight per 16-byte vector");
-    const uint4 raw = *reinterpret_cast<const uint4*>(src);
     const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -86,14 +94,42 @@ __device__ __forceinline__ void load_vec(const T* src, float (&dst)[VEC]) {
         dst[2 * i + 1] = pair.y;
     }
 }
-// fp32: the four words are the values.
 template <>
-__device__ __forceinline__ void load_vec<float, 4>(const float* src, float (&dst)[4]) {
-    const float4 raw = *reinterpret_cast<const float4*>(src);
-    dst[0] = raw.x;
-    dst[1] = raw.y;
-    dst[2] = raw.z;
-    dst[3] = raw.w;
+__device__ __forceinline__ void unpack_vec<float, 4>(const uint4& raw, float (&dst)[4]) {
+    dst[0] = __uint_as_float(raw.x);
+    dst[1] = __uint_as_float(raw.y);
+    dst[2] = __uint_as_float(raw.z);
+    dst[3] = __uint_as_float(raw.w);
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 load_raw(const T* src) {
+    return *reinterpret_cast<const uint4*>(src);
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void load_vec(const T* src, float (&dst)[VEC]) {
+    unpack_vec<T, VEC>(load_raw(src), dst);
+}
+
+// Issues the K and V loads of one token (zeros when it is past the partition): raw 16-byte
+// vectors, so a load in flight costs 8 registers whatever T is.
+template <typename T, int HEAD_DIM>
+__device__ __forceinline__ void fetch_token(uint4& k_raw, uint4& v_raw, const T* k_cache,
+                                            const T* v_cache, const int* block_table, int token,
+                                            int part_end, int block_size_log2, int num_kv_heads,
+                                            int kv_head, int dim0) {
+    if (token < part_end) {
+        const int block = block_table[token >> block_size_log2];
+        // A slot index fits in int (< 2^31 cached tokens); the element offset does not.
+        const int slot = (block << block_size_log2) + (token & ((1 << block_size_log2) - 1));
+        const long long elem =
+            (static_cast<long long>(slot) * num_kv_heads + kv_head) * HEAD_DIM + dim0;
+        k_raw = load_raw(k_cache + elem);
+        v_raw = load_raw(v_cache + elem);
+    } else {
+        k_raw = v_raw = make_uint4(0u, 0u, 0u, 0u);
+    }
 }
 
 // Folds the softmax state (m_o, l_o, acc_o) into (m, l, acc); -inf maxima are empty states.
@@ -140,7 +176,6 @@ __device__ __forceinline__ void decode_partition(
     const int context_len = context_lens[seq];
     const int part_begin = split * partition_size;
     const int part_end = min(context_len, part_begin + partition_size);
-    const int block_size = 1 << block_size_log2;
     const int* block_table = block_tables + static_cast<long long>(seq) * max_blocks_per_seq;
 
     // q rows of the group, pre-scaled so the softmax runs in base 2 (exp2f is one MUFU op).
@@ -170,24 +205,21 @@ __device__ __forceinline__ void decode_partition(
     }
 
     // The loop bound is warp-uniform so every lane reaches the shuffles; a token lane group
-    // past the end computes on zeros and skips the update.
-    for (int base = part_begin + warp * TOKENS_PER_WARP; base < part_end;
-         base += TOKENS_PER_STEP) {
-        const int token = base + token_slot;
-        const bool valid = token < part_end;
+    // past the end computes on zeros and skips the update. Each step issues the next step's
+    // K/V loads before computing on the current ones (one step of software prefetch), so a
+    // warp keeps two steps of loads in flight.
+    const int first = part_begin + warp * TOKENS_PER_WARP;
+    uint4 k_next, v_next;
+    fetch_token<T, HEAD_DIM>(k_next, v_next, k_cache, v_cache, block_table, first + token_slot,
+                             part_end, block_size_log2, num_kv_heads, kv_head, dim0);
+    for (int base = first; base < part_end; base += TOKENS_PER_STEP) {
+        const bool valid = base + token_slot < part_end;
         float k[VEC], v[VEC];
-        if (valid) {
-            const int block = block_table[token >> block_size_log2];
-            // A slot index fits in int (< 2^31 cached tokens); the element offset does not.
-            const int slot = block * block_size + (token & (block_size - 1));
-            const long long elem =
-                (static_cast<long long>(slot) * num_kv_heads + kv_head) * HEAD_DIM + dim0;
-            load_vec<T, VEC>(k_cache + elem, k);
-            load_vec<T, VEC>(v_cache + elem, v);
-        } else {
-#pragma unroll
-            for (int i = 0; i < VEC; ++i) k[i] = v[i] = 0.f;
-        }
+        unpack_vec<T, VEC>(k_next, k);
+        unpack_vec<T, VEC>(v_next, v);
+        fetch_token<T, HEAD_DIM>(k_next, v_next, k_cache, v_cache, block_table,
+                                 base + TOKENS_PER_STEP + token_slot, part_end, block_size_log2,
+                                 num_kv_heads, kv_head, dim0);
         float s[GROUP];
 #pragma unroll
         for (int g = 0; g < GROUP; ++g) {
@@ -299,7 +331,7 @@ __device__ __forceinline__ void decode_merge(T* __restrict__ out,
 }  // namespace decode_attn
 
 #define PAGEDRUN_DECODE_KERNEL(NAME, T, HEAD_DIM, GROUP)                                        \
-    extern "C" __global__ void __launch_bounds__(decode_attn::kThreads)                         \
+    extern "C" __global__ void __launch_bounds__(decode_attn::kThreads, decode_attn::kMinCtasPerSm) \
         NAME(T* out, float* partial_out, float* partial_lse, const T* q, const T* k_cache,      \
              const T* v_cache, const int* block_tables, const int* context_lens, float scale,   \
              int num_heads, int num_kv_heads, int group_size, int block_size_log2,              \
