@@ -89,8 +89,13 @@ class Server:
         self.limits = ModelLimits(vocab_size=int(info["vocab_size"]),
                                   max_model_len=int(info["max_model_len"]))
         tokenizer = getattr(engine, "tokenizer", None)
-        self._encode = getattr(tokenizer, "encode", None) if self.config.tokenize_in_server \
-            else None
+        # Tokenize here, not in the engine thread, when the tokenizer offers the same calls the
+        # engine would make (runtime/engine.py: encode(prompt); apply_chat_template(messages,
+        # tokenize=True)); otherwise the engine does it (and the fake engine of the tests).
+        use = self.config.tokenize_in_server and tokenizer is not None
+        self._encode = getattr(tokenizer, "encode", None) if use else None
+        self._apply_template = (getattr(tokenizer, "apply_chat_template", None)
+                                if use and getattr(tokenizer, "chat_template", None) else None)
         self.metrics = ServerMetrics()
         self._requests: dict[str, _Request] = {}          # engine id -> request
         self._by_client: dict[tuple[bytes, str], str] = {}  # (identity, client id) -> engine id
@@ -277,6 +282,16 @@ class Server:
             kwargs["prompt"] = req.prompt
         elif req.prompt_token_ids is not None:
             kwargs["prompt_token_ids"] = req.prompt_token_ids
+        elif self._apply_template is not None:
+            try:
+                ids = list(self._apply_template(req.messages, tokenize=True))
+            except Exception as exc:  # template errors are the messages' fault (as in engine)
+                raise ProtocolError(ErrorCode.INVALID_REQUEST, f"chat template: {exc}",
+                                    rid) from None
+            if not ids:
+                raise ProtocolError(ErrorCode.EMPTY_PROMPT, "messages: render to no tokens", rid)
+            check_prompt_len(len(ids), self.limits, rid)
+            kwargs["prompt_token_ids"] = ids
         else:
             kwargs["messages"] = req.messages
         now = time.monotonic()

@@ -103,11 +103,15 @@ def test_engine_rejections_become_error_codes(start_server):
         assert len(ok.token_ids) >= 1
 
 
+@pytest.fixture(scope="module")
+def default_engine():
+    return LLMEngine(EngineConfig(model=None, device="cpu", max_model_len=512,
+                                  num_kv_blocks=256))
+
+
 @pytest.mark.slow
-def test_default_model_answers_through_the_server(start_server):
-    engine = LLMEngine(EngineConfig(model=None, device="cpu", max_model_len=512,
-                                    num_kv_blocks=256))
-    _, ep = start_server(engine)
+def test_default_model_answers_through_the_server(start_server, default_engine):
+    _, ep = start_server(default_engine)
     with Client(ep, timeout_s=120) as c:
         info = c.model_info()
         out = c.generate(messages=[{"role": "user", "content": "What is the capital of France?"}],
@@ -115,3 +119,38 @@ def test_default_model_answers_through_the_server(start_server):
     assert info["tokenizer"]["has_chat_template"] is True
     assert "Paris" in out.text, out.text
     assert out.usage["completion_tokens"] <= 16 and out.metrics["time_to_first_token_s"] > 0
+
+
+@pytest.mark.slow
+def test_server_side_tokenization_matches_the_engine(default_engine):
+    """The I/O thread tokenizes prompts and chat messages itself; the ids must be exactly the
+    ones the engine computes when handed the text (its RequestOutput.prompt_token_ids)."""
+    from pagedrun.server.server import Server
+    from pagedrun.server.validation import GenerateRequest
+
+    prompt = "Héllo <|im_start|> wörld"
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    engine = default_engine
+    one = SamplingParams(max_tokens=1)
+    engine.add_request("text", prompt=prompt, sampling_params=one)
+    engine.add_request("chat", messages=messages, sampling_params=one)
+    by_engine = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            by_engine[out.request_id] = out.prompt_token_ids
+
+    class RecordingLoop:
+        def __init__(self):
+            self.added = {}
+
+        def add(self, engine_id, kwargs):
+            self.added[engine_id] = kwargs
+
+    server = Server(engine)
+    server._loop = RecordingLoop()  # capture what would be handed to the engine thread
+    server._on_generate(b"id", GenerateRequest("a", one, prompt=prompt))
+    server._on_generate(b"id", GenerateRequest("b", one, messages=messages))
+    a, b = server._loop.added.values()
+    assert "prompt" not in a and "messages" not in b
+    assert a["prompt_token_ids"] == list(by_engine["text"])
+    assert b["prompt_token_ids"] == list(by_engine["chat"])
