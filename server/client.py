@@ -113,29 +113,36 @@ def _generate_body(request_id, prompt, prompt_token_ids, messages, sampling_para
 
 
 class _Accumulator:
-    """Builds a Completion from DELTA frames and the FINAL frame."""
+    """Builds a Completion from DELTA frames (per sequence index) and the FINAL frame; after a
+    stream, every `outputs` entry carries its sequence's `token_ids` and `text` as with
+    stream off."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self.texts: list[str] = []
-        self.token_ids: list[int] = []
-        self.logprobs: list | None = None
+        self.texts: dict[int, list[str]] = {}
+        self.token_ids: dict[int, list[int]] = {}
+        self.logprobs: dict[int, list] = {}
 
     def add(self, d: Delta) -> None:
-        if d.index == 0:
-            self.texts.append(d.text)
-            self.token_ids.extend(d.token_ids)
-            if d.logprobs is not None:
-                self.logprobs = (self.logprobs or []) + d.logprobs
+        self.texts.setdefault(d.index, []).append(d.text)
+        self.token_ids.setdefault(d.index, []).extend(d.token_ids)
+        if d.logprobs is not None:
+            self.logprobs.setdefault(d.index, []).extend(d.logprobs)
 
     def finish(self, body: dict) -> Completion:
-        outputs = body.get("outputs", [])
-        first = outputs[0] if outputs else {}
-        text = first.get("text", "".join(self.texts))
-        return Completion(self.request_id, text, first.get("token_ids", self.token_ids),
+        outputs = [dict(o) for o in body.get("outputs", [])]
+        for o in outputs:
+            i = o.get("index", 0)
+            o.setdefault("token_ids", self.token_ids.get(i, []))
+            o.setdefault("text", "".join(self.texts.get(i, [])))
+            if i in self.logprobs:
+                o.setdefault("logprobs", self.logprobs[i])
+        first = outputs[0] if outputs else {"token_ids": self.token_ids.get(0, []),
+                                            "text": "".join(self.texts.get(0, []))}
+        return Completion(self.request_id, first["text"], first["token_ids"],
                           body.get("finish_reason"), body.get("stop_reason"),
                           body.get("usage", {}), body.get("metrics", {}), outputs,
-                          first.get("logprobs", self.logprobs))
+                          first.get("logprobs"))
 
 
 def _make_socket(ctx, endpoint: str, server_public_key_file, client_secret_key_file):

@@ -154,3 +154,19 @@ def test_server_side_tokenization_matches_the_engine(default_engine):
     assert "prompt" not in a and "messages" not in b
     assert a["prompt_token_ids"] == list(by_engine["text"])
     assert b["prompt_token_ids"] == list(by_engine["chat"])
+
+
+def test_parallel_sampling_stream_equals_no_stream(start_server):
+    _, ep = start_server(tiny_engine())
+    params = {"n": 3, "max_tokens": 6, "temperature": 1.0, "seed": 11, "ignore_eos": True,
+              "logprobs": 2}
+    with Client(ep, timeout_s=30) as c:
+        whole = c.generate(prompt_token_ids=[9, 8, 7, 6], sampling_params=params)
+        s = c.stream(prompt_token_ids=[9, 8, 7, 6], sampling_params=params)
+        indices = {d.index for d in s}
+    assert indices == {0, 1, 2} and len(whole.outputs) == 3
+    for a, b in zip(whole.outputs, s.result.outputs):
+        assert a["token_ids"] == b["token_ids"] and len(a["token_ids"]) == 6
+        assert [lp["token_id"] for lp in a["logprobs"]] == a["token_ids"]
+        assert a["logprobs"] == b["logprobs"]
+    assert len({tuple(o["token_ids"]) for o in whole.outputs}) > 1  # seeded, not identical
