@@ -1,7 +1,7 @@
 """Optional CURVE encryption + authentication (libzmq's), keys read from files.
 
 The server's key pair is one zmq certificate file holding both keys (as written by
-`zmq.auth.create_certificates` or `paged-run keygen`); allowed clients are the public
+`zmq.auth.create_certificates`); allowed clients are the public
 certificate files in one directory. libzmq asks the ZAP handler (pyzmq's ThreadAuthenticator)
 about every new connection; a client whose key is not in the directory never completes the
 handshake, so it gets no reply at all (documented in docs/protocol.md, "Security").
