@@ -53,6 +53,9 @@ _IGNORED_OPTION_PREFIXES = ("--std", "-std", "--use_fast_math", "-use_fast_math"
                             "--generate-line-info", "-arch", "--gpu-architecture",
                             "-default-device", "--fmad", "-fmad", "-G", "-dopt")
 _ERR_LEN = 8192
+# Dynamic shared memory a launch may use without opting in: above it, CUDA requires the
+# kernel attribute max_dynamic_shared_size_bytes (CuPy: fn.max_dynamic_shared_size_bytes = n).
+DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024
 
 
 class SimKernelError(RuntimeError):
@@ -152,6 +155,8 @@ class SimFunction:
         sig.restype = ctypes.c_char_p
         text = sig().decode()
         self.param_codes: tuple[str, ...] = tuple(text.split(",")) if text else ()
+        # Same attribute as cupy.RawKernel: set it before launching with > 48 KiB.
+        self.max_dynamic_shared_size_bytes = 0
 
     def __call__(self, grid, block, args, shared_mem: int = 0, stream=None):
         del stream  # one host thread runs everything; kept for the CuPy signature
@@ -161,6 +166,12 @@ class SimFunction:
         if len(args) != len(self.param_codes):
             raise TypeError(f"kernel {self.name} takes {len(self.param_codes)} arguments "
                             f"({','.join(self.param_codes)}), got {len(args)}")
+        limit = max(DEFAULT_DYNAMIC_SMEM_LIMIT, int(self.max_dynamic_shared_size_bytes))
+        if shared_mem > limit:
+            raise SimKernelError(
+                f"kernel {self.name}: {shared_mem} bytes of dynamic shared memory need "
+                f"fn.max_dynamic_shared_size_bytes = {shared_mem} before the launch (the GPU "
+                f"refuses more than {DEFAULT_DYNAMIC_SMEM_LIMIT} bytes without it)")
         holders = []  # keep every ctypes value (and array) alive across the launch
         ptrs = (ctypes.c_void_p * max(len(args), 1))()
         for i, (code, value) in enumerate(zip(self.param_codes, args)):

@@ -185,3 +185,16 @@ def test_load_module_sim_backend_matches_cupy_surface():
     with pytest.raises(ValueError, match="no host equivalent"):
         SimModule('#include "smoke.cu"\n', options=("-Xptxas=-v",),
                   include_dirs=(Path(__file__).parent / "kernels",))
+
+
+def test_large_dynamic_shared_memory_needs_the_opt_in_attribute(smoke, rng):
+    threads, offset = 32, 20000  # 80 KiB of dynamic shared memory
+    nbytes = 4 * (threads + offset)
+    x = rng.standard_normal(threads).astype(np.float32)
+    y = np.empty_like(x)
+    fn = smoke.get_function("dynamic_smem_roundtrip")
+    with pytest.raises(SimKernelError, match="max_dynamic_shared_size_bytes"):
+        fn(1, threads, (x, y, np.int32(offset)), shared_mem=nbytes)
+    fn.max_dynamic_shared_size_bytes = nbytes
+    fn(1, threads, (x, y, np.int32(offset)), shared_mem=nbytes)
+    np.testing.assert_array_equal(y, np.roll(x, -1))
