@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from pagedrun.runtime.backends import numpy_ops
+from pagedrun.runtime.backends.base import make_backend
 from pagedrun.runtime.detokenizer import IncrementalDetokenizer
 from pagedrun.runtime.engine_config import EngineConfig
 from pagedrun.runtime.errors import PagedRunError
@@ -65,18 +65,23 @@ class DeviceNotAvailableError(PagedRunError, NotImplementedError):
 
 
 def resolve_device(device: str) -> str:
-    """"auto": cuda when CuPy sees a GPU and the cuda backend exists, else cpu."""
-    if device == "cpu":
-        return "cpu"
+    """"auto": cuda when CuPy sees a GPU, else cpu. "sim" runs the CUDA kernels on the CPU
+    harness; "cuda" without a usable GPU raises DeviceNotAvailableError."""
+    if device in ("cpu", "sim"):
+        return device
     if device == "auto":
         return "cuda" if _cuda_backend_usable() else "cpu"
+    if device == "cuda" and _cuda_backend_usable():
+        return "cuda"
     raise DeviceNotAvailableError(
-        f"device {device!r}: its backend has not landed yet; use device='cpu' (numpy backend)")
+        f"device {device!r}: CuPy is not installed or sees no GPU; use device='cpu' (numpy) "
+        "or 'sim' (the CUDA kernels on the CPU harness)")
 
 
 def _cuda_backend_usable() -> bool:
-    # The cuda backend module does not exist yet; until it does, "auto" is always cpu.
-    return False
+    from pagedrun.runtime.backends.cuda_backend import cuda_available
+
+    return cuda_available()
 
 
 def make_logprobs(logits: np.ndarray, token_ids: np.ndarray, num_top: int) -> list[Logprob]:
@@ -108,7 +113,7 @@ class LLMEngine:
         if config.tensor_parallel_size != 1:
             raise DeviceNotAvailableError(
                 "tensor_parallel_size > 1 needs the cuda backend, which has not landed yet")
-        if config.dtype not in ("auto", "float32"):
+        if self.device == "cpu" and config.dtype not in ("auto", "float32"):
             # numpy has no bfloat16 and its float16 GEMMs are slow: the cpu backend computes
             # in float32 whatever the checkpoint stores.
             log.warning("dtype %s: the cpu backend runs float32", config.dtype)
@@ -116,10 +121,14 @@ class LLMEngine:
         if model_config is None:
             model_config, weights, tokenizer = _load_model(config.model)
         self.model_config = model_config
+        self.backend = make_backend(self.device, config.dtype)  # the one place that picks ops
+        if self.device != "cpu":  # unsupported kernel shapes fail here, not mid-step
+            self.backend.check_model(model_config.head_dim, config.block_size)
         self.tokenizer = tokenizer
         self.max_model_len = self._resolve_max_model_len()
         self.block_size = config.block_size
-        self.bytes_per_block = kv_bytes_per_block(model_config, config.block_size)
+        self.bytes_per_block = kv_bytes_per_block(model_config, config.block_size,
+                                                  self.backend.kv_dtype)
         self.num_kv_blocks = self._resolve_num_kv_blocks()
         self.num_cpu_blocks = (config.swap_space_bytes // self.bytes_per_block
                                if config.preemption_mode == "swap" else 0)
@@ -130,7 +139,7 @@ class LLMEngine:
         self.runner = ModelRunner(model_config, weights, block_size=self.block_size,
                                   num_gpu_blocks=self.num_kv_blocks,
                                   num_cpu_blocks=self.num_cpu_blocks,
-                                  max_model_len=self.max_model_len, ops=numpy_ops)
+                                  max_model_len=self.max_model_len, ops=self.backend)
         self.scheduler = Scheduler(SchedulerConfig(
             num_gpu_blocks=self.num_kv_blocks, block_size=self.block_size,
             max_num_seqs=config.max_num_seqs,
@@ -198,7 +207,7 @@ class LLMEngine:
             "vocab_size": self.model_config.vocab_size,
             "eos_token_ids": sorted(self.eos_token_ids),
             "device": self.device,
-            "dtype": "float32",
+            "dtype": self.backend.dtype_name,
         }
 
     # ------------------------------------------------------------------ admission

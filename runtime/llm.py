@@ -48,8 +48,9 @@ class LLM:
     """An engine for offline batch generation.
 
     model: Hugging Face directory, .gguf file, or None (the default model).
-    device: "auto" (cuda when available, else cpu), "cpu"; "sim"/"cuda" until their backends land
-    raise DeviceNotAvailableError. Other keywords are EngineConfig fields.
+    device: "auto" (cuda when CuPy sees a GPU, else cpu), "cpu" (numpy), "sim" (the CUDA kernels
+    on the CPU harness), "cuda" (DeviceNotAvailableError without a GPU). Other keywords are
+    EngineConfig fields.
     """
 
     def __init__(self, model: str | None = None, device: str = "auto", *, block_size: int = 16,

@@ -95,12 +95,14 @@ class ModelRunner:
         self.num_cpu_blocks = num_cpu_blocks
         self.model = LlamaModel(config, weights, ops, max_position=max_model_len)
         block_shape = (block_size, config.num_key_value_heads, config.head_dim)
-        # np.zeros maps untouched pages lazily, so a large pool costs memory only as it fills.
-        self.k_caches = [np.zeros((num_gpu_blocks, *block_shape), KV_DTYPE)
+        # The backend places the pools (np.zeros maps untouched pages lazily on cpu/sim, so a
+        # large pool costs memory only as it fills); the swap pool is host memory.
+        kv_dtype = ops.kv_dtype
+        self.k_caches = [ops.zeros((num_gpu_blocks, *block_shape), kv_dtype)
                          for _ in range(config.num_hidden_layers)]
-        self.v_caches = [np.zeros((num_gpu_blocks, *block_shape), KV_DTYPE)
+        self.v_caches = [ops.zeros((num_gpu_blocks, *block_shape), kv_dtype)
                          for _ in range(config.num_hidden_layers)]
-        self.cpu_caches = [np.zeros((num_cpu_blocks, *block_shape), KV_DTYPE)
+        self.cpu_caches = [np.zeros((num_cpu_blocks, *block_shape), kv_dtype)
                            for _ in range(2 * config.num_hidden_layers)] if num_cpu_blocks else []
 
     @property
@@ -130,9 +132,9 @@ class ModelRunner:
                                          attn, self.k_caches, self.v_caches)
         qsl = out.query_start_loc
         last_token = qsl[sample_rows + 1] - 1
-        logits = self.model.logits(x[last_token], residual[last_token])
+        logits = self.ops.to_host(self.model.logits(x[last_token], residual[last_token]))
         prompt_logits = {}
         for row in prompt_logit_rows:
             rows = slice(int(qsl[row]), int(qsl[row + 1]))
-            prompt_logits[row] = self.model.logits(x[rows], residual[rows])
+            prompt_logits[row] = self.ops.to_host(self.model.logits(x[rows], residual[rows]))
         return RunnerOutput(sample_rows, logits, prompt_logits)

@@ -140,7 +140,7 @@ class LlamaModel:
             return ops.paged_prefill_attention(q, k_cache, v_cache, attn.prefill_block_tables,
                                                attn.prefill_query_start_loc,
                                                attn.prefill_context_lens, self.scale)
-        out = np.empty(q.shape, dtype=np.float32)
+        out = ops.empty_like(q)  # the backend's array and dtype
         out[attn.decode_token_rows] = ops.paged_decode_attention(
             q[attn.decode_token_rows], k_cache, v_cache, attn.decode_block_tables,
             attn.decode_context_lens, self.scale)
@@ -152,4 +152,4 @@ class LlamaModel:
     def logits(self, x: np.ndarray, residual: np.ndarray) -> np.ndarray:
         """Final norm and LM head for the given rows: [rows, hidden] x2 -> [rows, vocab] float32."""
         h, _ = self.ops.fused_add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps)
-        return self.ops.linear(h, self.lm_head_t.T)
+        return self.ops.linear(h, self.lm_head_t.T, out_dtype=np.float32)

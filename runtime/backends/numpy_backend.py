@@ -1,0 +1,45 @@
+"""NumpyBackend: the cpu backend, runtime/backends/numpy_ops.py behind the Backend interface.
+
+Everything is float32 numpy (numpy has no bfloat16; see numpy_ops' docstring); the ops are the
+reference functions themselves, so this backend is the oracle the others are compared with.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import numpy_ops
+
+
+class NumpyBackend:
+    name = "cpu"
+    dtype_name = "float32"
+    kv_dtype = np.dtype(np.float32)
+
+    embedding = staticmethod(numpy_ops.embedding)
+    rms_norm = staticmethod(numpy_ops.rms_norm)
+    fused_add_rms_norm = staticmethod(numpy_ops.fused_add_rms_norm)
+    silu_and_mul = staticmethod(numpy_ops.silu_and_mul)
+    rotary_embedding_and_cache_write = staticmethod(numpy_ops.rotary_embedding_and_cache_write)
+    paged_decode_attention = staticmethod(numpy_ops.paged_decode_attention)
+    paged_prefill_attention = staticmethod(numpy_ops.paged_prefill_attention)
+    copy_blocks = staticmethod(numpy_ops.copy_blocks)
+    swap_blocks = staticmethod(numpy_ops.swap_blocks)
+
+    @staticmethod
+    def linear(x, weight, bias=None, *, out_dtype=None):
+        """numpy_ops.linear; out_dtype is accepted for the interface (the result is float32)."""
+        del out_dtype
+        return numpy_ops.linear(x, weight, bias)
+
+    @staticmethod
+    def zeros(shape, dtype):
+        # np.zeros maps untouched pages lazily: a large pool costs memory only as it fills.
+        return np.zeros(shape, dtype)
+
+    @staticmethod
+    def empty_like(x):
+        return np.empty_like(x)
+
+    @staticmethod
+    def to_host(x) -> np.ndarray:
+        return np.asarray(x, dtype=np.float32)

@@ -1,0 +1,165 @@
+"""KernelBackend: the model's ops on the cuda/*.cu kernels, array-module agnostic; SimBackend:
+the same kernels executed on CPU threads by the harness (cuda/sim), on numpy arrays.
+
+The sim and cuda backends are one class with two array modules: the launch wrappers in
+runtime/kernels/ take numpy arrays (SimModule) or cupy arrays (RawModule) alike, so the sim
+backend runs exactly the code paths of the cuda backend except the memory placement.
+
+Dtypes: activations, weights and KV pools in the backend dtype -- float32 (the kernels' fp32
+test instantiations), float16, or bfloat16 stored as uint16 bits; the residual stream and the
+logits in float32. Weights arrive as the model's float32 numpy arrays (llama.py passes views
+like `w_t.T` each call); each is converted once, to a contiguous HF [out, in] matrix (the
+layout the skinny decode GEMM streams), and kept keyed by the array's memory. Shapes a kernel
+does not serve (head_dim, block_size) are refused by `check_model` at start-up.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from pagedrun.runtime.kernels import attention, cache_ops, fused_ops, gemm, sampling
+from pagedrun.runtime.kernels.attention import SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS
+from pagedrun.runtime.kernels.kernel_args import (UnsupportedKernelShape, from_bf16_bits,
+                                                  to_bf16_bits)
+from pagedrun.runtime.kernels.loader import load_module
+
+_ACTIVATION_DTYPE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
+                     "bfloat16": np.dtype(np.uint16)}
+# Kernel sources per op group (one module each, built on first use).
+_SOURCES = {"gemm": ("gemm.cu", "gemm_skinny.cu"), "norm": ("rms_norm.cu",),
+            "activation": ("activation.cu",), "embedding": ("embedding.cu",),
+            "rotary": ("rotary_cache_write.cu",), "decode": ("paged_attention_decode.cu",),
+            "prefill": ("paged_attention_prefill.cu",), "blocks": ("block_copy.cu",),
+            "sampling": ("sampling.cu",)}
+
+
+class KernelBackend:
+    """Ops on kernels for an array module `xp` (numpy: harness; cupy: GPU)."""
+
+    name = "kernels"
+    loader_backend = "sim"
+
+    def __init__(self, dtype_name: str, xp) -> None:
+        if dtype_name not in _ACTIVATION_DTYPE:
+            raise ValueError(f"dtype must be one of {tuple(_ACTIVATION_DTYPE)}, got {dtype_name!r}")
+        self.dtype_name = dtype_name
+        self.act_dtype = _ACTIVATION_DTYPE[dtype_name]
+        self.kv_dtype = self.act_dtype
+        self.xp = xp
+        self._modules: dict[str, object] = {}
+        self._weights: dict[tuple, tuple[np.ndarray, object]] = {}
+
+    # ------------------------------------------------------------------ placement
+    def module(self, group: str):
+        if group not in self._modules:
+            self._modules[group] = load_module(list(_SOURCES[group]), backend=self.loader_backend)
+        return self._modules[group]
+
+    def check_model(self, head_dim: int, block_size: int) -> None:
+        if head_dim not in SUPPORTED_HEAD_DIMS:
+            raise UnsupportedKernelShape(f"head_dim {head_dim}: the {self.name} backend's "
+                                         f"attention kernels serve {SUPPORTED_HEAD_DIMS}")
+        if block_size not in SUPPORTED_BLOCK_SIZES:
+            raise UnsupportedKernelShape(f"block_size {block_size}: the {self.name} backend's "
+                                         f"attention kernels serve {SUPPORTED_BLOCK_SIZES}")
+
+    def to_kernel_dtype(self, x: np.ndarray) -> np.ndarray:
+        """float32 host values -> host array in the backend dtype (bf16: uint16 bits, RNE)."""
+        if self.act_dtype == np.uint16:
+            return to_bf16_bits(x)
+        return np.ascontiguousarray(x, dtype=self.act_dtype)
+
+    def device(self, host: np.ndarray):
+        return self.xp.asarray(np.ascontiguousarray(host))
+
+    def weight(self, w, *, keep_float32: bool = False):
+        """The placed, converted copy of a model weight (once per underlying array)."""
+        if w is None:
+            return None
+        key = (w.__array_interface__["data"][0], w.shape, w.strides, keep_float32)
+        hit = self._weights.get(key)
+        if hit is None:
+            host = np.asarray(w, dtype=np.float32)
+            host = host if keep_float32 else self.to_kernel_dtype(host)
+            # Keep the original alive: its address is the key.
+            hit = self._weights[key] = (w, self.device(host))
+        return hit[1]
+
+    def zeros(self, shape, dtype):
+        return self.xp.zeros(shape, dtype)
+
+    def empty_like(self, x):
+        return self.xp.empty_like(x)
+
+    def to_host(self, x) -> np.ndarray:
+        host = x if isinstance(x, np.ndarray) else x.get()
+        if np.dtype(host.dtype) == np.uint16:
+            return from_bf16_bits(host)
+        return np.asarray(host, dtype=np.float32)
+
+    def _ints(self, x):
+        return self.device(np.asarray(x, dtype=np.int32))
+
+    # ------------------------------------------------------------------ ops
+    def embedding(self, token_ids, table):
+        return fused_ops.embedding(self.module("embedding"), self._ints(token_ids),
+                                   self.weight(table))
+
+    def rms_norm(self, x, weight, eps):
+        return fused_ops.rms_norm(self.module("norm"), x, self.weight(weight), eps)
+
+    def fused_add_rms_norm(self, x, residual, weight, eps):
+        """Out of place, like numpy_ops: the caller's residual (often a row view) is kept."""
+        residual_out = self.xp.empty(x.shape, dtype=np.float32)
+        return fused_ops.fused_add_rms_norm(self.module("norm"), x, residual, self.weight(weight),
+                                            eps, residual_out=residual_out)
+
+    def linear(self, x, weight, bias=None, *, out_dtype=None):
+        # self.weight places a contiguous [out, in] copy: the "nk" layout, skinny-GEMM ready.
+        return gemm.linear(self.module("gemm"), self.xp.ascontiguousarray(x), self.weight(weight),
+                           self.weight(bias), out_dtype=out_dtype)
+
+    def silu_and_mul(self, gate_up):
+        return fused_ops.silu_and_mul(self.module("activation"), gate_up)
+
+    def rotary_embedding_and_cache_write(self, q, k, v, positions, cos_sin_cache, k_cache,
+                                         v_cache, slot_mapping):
+        return cache_ops.rotary_embedding_and_cache_write(
+            self.module("rotary"), q, k, v, self._ints(positions),
+            self.weight(cos_sin_cache, keep_float32=True), k_cache, v_cache,
+            self._ints(slot_mapping))
+
+    def paged_decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale):
+        context_lens = np.asarray(context_lens, dtype=np.int32)
+        return attention.paged_decode_attention(
+            self.module("decode"), self.xp.ascontiguousarray(q), k_cache, v_cache,
+            self._ints(block_tables), self._ints(context_lens), scale,
+            max_context_len=int(context_lens.max()) if context_lens.size else 1)
+
+    def paged_prefill_attention(self, q, k_cache, v_cache, block_tables, query_start_loc,
+                                context_lens, scale):
+        qsl = np.asarray(query_start_loc, dtype=np.int32)
+        max_query_len = int(np.diff(qsl).max()) if qsl.size > 1 else 0
+        return attention.paged_prefill_attention(
+            self.module("prefill"), self.xp.ascontiguousarray(q), k_cache, v_cache,
+            self._ints(block_tables), self._ints(qsl), self._ints(context_lens), scale,
+            max_query_len=max_query_len)
+
+    def copy_blocks(self, k_caches, v_caches, block_copies) -> None:
+        pairs = self._ints(np.asarray(block_copies).reshape(-1, 2))
+        cache_ops.copy_blocks(self.module("blocks"), k_caches, v_caches, pairs)
+
+    def swap_blocks(self, src_caches, dst_caches, block_pairs) -> None:
+        cache_ops.swap_blocks(self.module("blocks"), src_caches, dst_caches, block_pairs)
+
+    def sampler(self, eos_token_ids, seed: int = 0) -> sampling.KernelSampler:
+        return sampling.KernelSampler(self.module("sampling"), eos_token_ids, seed)
+
+
+class SimBackend(KernelBackend):
+    """The cuda backend's code on numpy arrays, every kernel run by the CPU harness."""
+
+    name = "sim"
+    loader_backend = "sim"
+
+    def __init__(self, dtype_name: str = "float32") -> None:
+        super().__init__(dtype_name, np)

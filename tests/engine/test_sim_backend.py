@@ -1,0 +1,131 @@
+"""The sim backend end to end: the tiny random Llama (head_dim 64, GQA) through every CUDA kernel
+on the CPU harness -- GEMMs, norms, SiLU, embedding, rotary + cache write, paged decode and
+prefill attention, block copies.
+
+- fp32 weights: the engine on device="sim" gives the numpy backend's greedy tokens exactly,
+  under chunked prefill, decode/prefill mixes and prefix-cache hits; LLM(device="sim") too.
+- bf16 weights: the model's logits are within the bf16 tolerance of the numpy model run on the
+  same bf16-rounded weights, prefill and decode.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine_helpers import greedy, make_engine, random_prompts, random_weights, run_requests, tiny_config
+from pagedrun.runtime.backends.base import make_backend
+from pagedrun.runtime.backends.numpy_backend import NumpyBackend
+from pagedrun.runtime.backends.numpy_ops import round_to_bf16
+from pagedrun.runtime.engine import DeviceNotAvailableError
+from pagedrun.runtime.kernels.kernel_args import UnsupportedKernelShape
+from pagedrun.runtime.model_runner import build_attention_inputs
+from pagedrun.runtime.models.llama import LlamaModel
+from pagedrun.runtime.weights import LayerWeights, ModelWeights
+
+# Logits of a bf16 model vs the fp32 model on the same (rounded) weights: activations are
+# rounded to bf16 (2^-9 relative) at every op boundary of 2 layers; logits here have a spread of
+# about +-10, so 0.15 absolute is ~1.5% of the range -- and a wrong kernel is off by O(1).
+BF16_LOGIT_ATOL = 0.15
+BF16_LOGIT_RTOL = 0.03
+
+
+@pytest.fixture(scope="module")
+def sim_model():
+    """Tiny Llama whose attention the kernels serve: head_dim 64, 2 query heads per kv head."""
+    config = tiny_config(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                         intermediate_size=160)
+    return config, random_weights(config, seed=5)
+
+
+def _greedy_outputs(model, device, prompts, max_tokens, **config):
+    engine = make_engine(model, device=device, num_kv_blocks=48, block_size=16, **config)
+    requests = [(i // 2, f"r{i}", dict(prompt_token_ids=p, sampling_params=greedy(max_tokens)))
+                for i, p in enumerate(prompts)]
+    outs = run_requests(engine, requests)
+    return engine, {k: v.outputs[0].token_ids for k, v in outs.items()}
+
+
+def test_sim_greedy_equals_cpu_with_chunked_prefill_and_prefix_hits(sim_model):
+    rng = np.random.default_rng(11)
+    shared = rng.integers(3, sim_model[0].vocab_size, 40).tolist()
+    prompts = random_prompts(rng, sim_model[0].vocab_size, 5, 70, shared_prefix=shared)
+    kw = dict(max_num_batched_tokens=48, enable_prefix_caching=True)
+    cpu_engine, expected = _greedy_outputs(sim_model, "cpu", prompts, 6, **kw)
+    sim_engine, got = _greedy_outputs(sim_model, "sim", prompts, 6, **kw)
+    assert sim_engine.model_info()["device"] == "sim"
+    assert sim_engine.model_info()["dtype"] == "float32"
+    assert got == expected
+
+
+def test_llm_device_sim_matches_cpu(sim_model, tmp_path):
+    from pagedrun import LLM
+    from test_engine_admission import _save_hf_dir
+
+    _save_hf_dir(tmp_path, *sim_model)
+    prompts = [[5, 6, 7], list(range(10, 60))]
+    outs = {}
+    for device in ("cpu", "sim"):
+        llm = LLM(model=str(tmp_path), device=device, block_size=16, max_model_len=128,
+                  num_kv_blocks=16, max_num_batched_tokens=32)
+        outs[device] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(5))]
+    assert outs["sim"] == outs["cpu"]
+
+
+def _bf16_weights(weights: ModelWeights) -> ModelWeights:
+    r = round_to_bf16
+    layers = [LayerWeights(**{k: (None if v is None else r(v)) for k, v in vars(lw).items()})
+              for lw in weights.layers]
+    return ModelWeights(config=weights.config, embed_tokens=r(weights.embed_tokens),
+                        layers=layers, norm=r(weights.norm), lm_head=r(weights.lm_head))
+
+
+def _run_two_steps(model: LlamaModel, backend, config, prompt_len: int, num_blocks: int = 8):
+    """A prefill of prompt_len tokens, then one decode step; returns both steps' last logits."""
+    block_shape = (16, config.num_key_value_heads, config.head_dim)
+    k_caches = [backend.zeros((num_blocks, *block_shape), backend.kv_dtype)
+                for _ in range(config.num_hidden_layers)]
+    v_caches = [backend.zeros((num_blocks, *block_shape), backend.kv_dtype)
+                for _ in range(config.num_hidden_layers)]
+    block_table = np.array([[5, 2, 7, 0]], dtype=np.int32)  # shuffled physical blocks
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(3, config.vocab_size, prompt_len + 1).astype(np.int32)
+    logits = []
+    for start, stop in ((0, prompt_len), (prompt_len, prompt_len + 1)):
+        positions = np.arange(start, stop, dtype=np.int32)
+        slots = (block_table[0, positions // 16] * 16 + positions % 16).astype(np.int32)
+        qsl = np.array([0, stop - start], dtype=np.int32)
+        attn = build_attention_inputs(qsl, np.diff(qsl).astype(np.int32),
+                                      np.array([stop], np.int32), block_table)
+        x, residual = model.forward(tokens[start:stop], positions, slots, attn, k_caches, v_caches)
+        logits.append(backend.to_host(model.logits(x[-1:], residual[-1:]))[0])
+    return np.stack(logits)
+
+
+def test_bf16_sim_logits_within_tolerance_of_numpy(sim_model):
+    config, weights = sim_model
+    bf16_weights = _bf16_weights(weights)
+    sim = make_backend("sim", "bfloat16")
+    assert sim.kv_dtype == np.uint16 and sim.dtype_name == "bfloat16"
+    got = _run_two_steps(LlamaModel(config, bf16_weights, sim, max_position=256), sim, config, 37)
+    ref_backend = NumpyBackend()
+    expected = _run_two_steps(LlamaModel(config, bf16_weights, ref_backend, max_position=256),
+                              ref_backend, config, 37)
+    assert got.dtype == np.float32 and np.all(np.isfinite(got))
+    err = np.abs(got - expected)
+    assert np.all(err <= BF16_LOGIT_ATOL + BF16_LOGIT_RTOL * np.abs(expected)), err.max()
+    # Far from ties, bf16 picks numpy's greedy token.
+    top2 = np.sort(expected, axis=1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 4 * BF16_LOGIT_ATOL
+    np.testing.assert_array_equal(got.argmax(1)[clear], expected.argmax(1)[clear])
+
+
+def test_devices_refuse_what_they_cannot_run(tiny_model, sim_model):
+    with pytest.raises(UnsupportedKernelShape, match="head_dim 16"):
+        make_engine(tiny_model, device="sim", num_kv_blocks=8)  # tiny_model: head_dim 16
+    with pytest.raises(UnsupportedKernelShape, match="block_size 8"):
+        make_engine(sim_model, device="sim", num_kv_blocks=8, block_size=8)
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        with pytest.raises(DeviceNotAvailableError, match="sim"):
+            make_engine(sim_model, device="cuda", num_kv_blocks=8)
