@@ -1,0 +1,170 @@
+#!/usr/bin/env python3
+"""GEMM benchmarks: tensor-core TFLOP/s against cupy.matmul (cuBLAS), skinny GB/s against copy.
+
+    python benchmarks/kernels/bench_gemm.py --device cuda      # the tables on a GPU
+    python benchmarks/kernels/bench_gemm.py --device sim       # toy sizes, CPU harness
+
+Shapes are Llama-3-8B's linear layers (hidden 4096, 32/8 heads of 128, intermediate 14336,
+vocab 128256), weights bf16 in the HF [out, in] layout as the cuda backend stores them.
+Prefill (cuda/gemm.cu): M = 512 .. 8192 tokens; TFLOP/s = 2 M N K over the median time, next to
+cupy.matmul on the same arrays in the same run (CuPy's matmul is the baseline only: it never runs
+on the serving path) and the ratio (the mission's target: >= 1.0).
+Decode (cuda/gemm_skinny.cu with the split-K plan): M = 1 .. 64 rows; GB/s = weight + activation
++ output bytes over the median time, next to the device-to-device copy bandwidth measured in the
+same run and the ratio (target: >= 0.85). L2 is flushed between repeats.
+
+On the CPU harness the same code runs at toy sizes, one repeat, and checks every result against
+a float64 reference so the script cannot rot; its times measure the harness, not a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from pagedrun.runtime.kernels.gemm import gemm
+from pagedrun.runtime.kernels.gemm_plan import SKINNY, plan_gemm
+from pagedrun.runtime.kernels.kernel_args import from_bf16_bits, to_bf16_bits
+from pagedrun.runtime.kernels.loader import load_module
+
+BF16_BYTES = 2
+# (name, N, K) of Llama-3-8B's GEMMs.
+GPU_LAYERS = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
+              ("down", 4096, 14336), ("lm_head", 128256, 4096))
+GPU_PREFILL_M = (512, 2048, 8192)
+GPU_DECODE_M = (1, 8, 32, 64)
+SIM_LAYERS = (("qkv", 96, 64), ("down", 40, 160))
+SIM_PREFILL_M = (70,)
+SIM_DECODE_M = (1, 9)
+COPY_BYTES = 1 << 30
+L2_FLUSH_BYTES = 256 << 20
+GPU_REPEATS = 20
+SIM_TOLERANCE = 2e-2  # bf16 output rounding vs the float64 reference, relative to max |ref|
+
+
+class Timer:
+    """Median device time of fn() in seconds; flushes L2 between repeats on a GPU."""
+
+    def __init__(self, device: str):
+        self.device = device
+        if device == "cuda":
+            import cupy
+
+            self.cupy = cupy
+            self.flush_buf = cupy.empty(L2_FLUSH_BYTES, dtype=np.uint8)
+
+    def __call__(self, fn, repeats: int) -> float:
+        if self.device != "cuda":
+            start = time.perf_counter()
+            fn()
+            return time.perf_counter() - start
+        cupy = self.cupy
+        fn()  # warm-up: module load (NVRTC or cache), first touch
+        times = []
+        for _ in range(repeats):
+            self.flush_buf.fill(1)
+            begin, end = cupy.cuda.Event(), cupy.cuda.Event()
+            begin.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(begin, end) * 1e-3)
+        return statistics.median(times)
+
+
+def copy_bandwidth(xp, timer: Timer) -> float:
+    """Bytes/s of a device-to-device copy, read + write counted."""
+    src = xp.empty(COPY_BYTES // 2, dtype=np.uint8)
+    dst = xp.empty_like(src)
+    seconds = timer(lambda: dst.__setitem__(Ellipsis, src), GPU_REPEATS)
+    return COPY_BYTES / seconds
+
+
+def _random_bf16(xp, rng, shape):
+    """Random bf16 bits made where they live (the 2 GiB LM head is not built on the host)."""
+    if xp is np:
+        return to_bf16_bits(rng.standard_normal(shape, dtype=np.float32))
+    values = xp.random.standard_normal(shape, dtype=np.float32)
+    return (values.view(np.uint32) >> np.uint32(16)).astype(np.uint16)  # truncation is fine here
+
+
+def _check(out, a, w, what: str) -> None:
+    """Harness mode: the result against float64 on the same bf16 values."""
+    ref = from_bf16_bits(a).astype(np.float64) @ from_bf16_bits(w).astype(np.float64).T
+    err = np.abs(from_bf16_bits(out) - ref).max() / max(np.abs(ref).max(), 1e-30)
+    if err > SIM_TOLERANCE:
+        raise AssertionError(f"{what}: relative error {err:.3g} > {SIM_TOLERANCE}")
+
+
+def bench(xp, device: str, timer: Timer, rng, module, m_values, layers, num_sms: int,
+          baseline: bool) -> list[tuple]:
+    rows = []
+    repeats = GPU_REPEATS if device == "cuda" else 1
+    for name, N, K in layers:
+        w = _random_bf16(xp, rng, (N, K))
+        for M in m_values:
+            a = _random_bf16(xp, rng, (M, K))
+            out = xp.empty((M, N), dtype=np.uint16)
+            plan = plan_gemm(M, N, K, dtype_name="bf16", b_layout="nk", num_sms=num_sms)
+            seconds = timer(lambda: gemm(module, a, w, out=out, plan=plan), repeats)
+            if device != "cuda":
+                _check(out, a, w, f"{name} M={M}")
+            cublas = float("nan")
+            if baseline and device == "cuda":
+                # cuBLAS on the same values: bf16 bits viewed as bfloat16 need a real dtype;
+                # CuPy has none, so the baseline runs float16 of the same shape (same FLOPs).
+                a16, w16 = a.view(np.float16), w.view(np.float16)
+                cublas = timer(lambda: xp.matmul(a16, w16.T), repeats)
+            rows.append((name, M, N, K, plan, seconds, cublas))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=("cuda", "sim"), default="cuda")
+    args = ap.parse_args(argv)
+    if args.device == "cuda":
+        import cupy as xp
+
+        num_sms = int(xp.cuda.Device().attributes["MultiProcessorCount"])
+        where = xp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    else:
+        xp, num_sms, where = np, 4, "the CPU harness (times are not GPU times)"
+    timer = Timer(args.device)
+    rng = np.random.default_rng(0)
+    module = load_module(["gemm.cu", "gemm_skinny.cu"], backend=args.device)
+    gpu = args.device == "cuda"
+    print(f"# bench_gemm on {where}")
+    copy_gbps = copy_bandwidth(xp, timer) / 1e9 if gpu else float("nan")
+    print(f"# device-to-device copy: {copy_gbps:.0f} GB/s (read + write)")
+
+    print("\n## prefill (tensor core), bf16, weight [N, K]")
+    print(f"{'layer':>8} {'M':>6} {'N':>7} {'K':>6} {'median ms':>10} {'TFLOP/s':>8} "
+          f"{'cuBLAS':>8} {'ratio':>6}")
+    for name, M, N, K, plan, sec, cublas in bench(
+            xp, args.device, timer, rng, module, GPU_PREFILL_M if gpu else SIM_PREFILL_M,
+            GPU_LAYERS if gpu else SIM_LAYERS, num_sms, baseline=True):
+        tflops = 2 * M * N * K / sec / 1e12
+        base = 2 * M * N * K / cublas / 1e12
+        print(f"{name:>8} {M:>6} {N:>7} {K:>6} {sec * 1e3:>10.3f} {tflops:>8.2f} {base:>8.2f} "
+              f"{tflops / base:>6.2f}")
+
+    print("\n## decode (skinny, split-K plan), bf16, weight [N, K]")
+    print(f"{'layer':>8} {'M':>6} {'N':>7} {'K':>6} {'kernel':>11} {'splits':>6} "
+          f"{'median us':>10} {'GB/s':>8} {'of copy':>8}")
+    for name, M, N, K, plan, sec, _ in bench(
+            xp, args.device, timer, rng, module, GPU_DECODE_M if gpu else SIM_DECODE_M,
+            GPU_LAYERS if gpu else SIM_LAYERS, num_sms, baseline=False):
+        moved = (N * K + M * K + M * N) * BF16_BYTES
+        gbps = moved / sec / 1e9
+        kind = f"skinny m{plan.m_tile}" if plan.kind == SKINNY else "tensor"
+        print(f"{name:>8} {M:>6} {N:>7} {K:>6} {kind:>11} {plan.num_splits:>6} "
+              f"{sec * 1e6:>10.1f} {gbps:>8.1f} {gbps / copy_gbps:>8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+"""benchmarks/kernels/bench_gemm.py must keep running: its CPU-harness mode (toy sizes, each
+result checked against a float64 reference) runs here, so the GPU table cannot rot unnoticed."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "bench_gemm.py"
+
+
+def test_bench_gemm_runs_on_the_harness(capsys):
+    spec = importlib.util.spec_from_file_location("bench_gemm", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--device", "sim"]) == 0
+    table = capsys.readouterr().out
+    assert "## prefill" in table and "## decode" in table
+    rows = [line for line in table.splitlines() if line.split()[:1] in (["qkv"], ["down"])]
+    assert len(rows) == len(bench.SIM_LAYERS) * (len(bench.SIM_PREFILL_M) + len(bench.SIM_DECODE_M))
+    assert sum("skinny" in line for line in rows) == len(bench.SIM_LAYERS) * len(bench.SIM_DECODE_M)
