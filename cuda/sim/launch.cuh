@@ -2,6 +2,7 @@
 // turns each extern "C" kernel into two exported C functions,
 //   int pagedrun_launch_<name>(grid[3], block[3], smem_bytes, void** args, err, err_len)
 //   const char* pagedrun_signature_<name>()   e.g. "p,p,i4,f4"
+//   unsigned pagedrun_max_threads_<name>()    __launch_bounds__ max threads, 0 if none
 // The args array follows cuLaunchKernel: args[i] points at the value of parameter i.
 #pragma once
 #include <string>
@@ -49,7 +50,11 @@ const char* signature_of(void (*)(P...)) {
 
 }  // namespace pagedrun_sim
 
-#define PAGEDRUN_SIM_EXPORT_KERNEL(name)                                                     \
+// max_threads: the kernel's __launch_bounds__ max threads per block, 0 without bounds.
+#define PAGEDRUN_SIM_EXPORT_KERNEL(name, max_threads)                                        \
+    extern "C" __attribute__((visibility("default"))) unsigned pagedrun_max_threads_##name() { \
+        return static_cast<unsigned>(max_threads);                                           \
+    }                                                                                        \
     extern "C" __attribute__((visibility("default"))) int pagedrun_launch_##name(           \
         const unsigned* grid, const unsigned* block, std::size_t smem, void** args,         \
         char* err, std::size_t err_len) {                                                    \

@@ -30,17 +30,19 @@
 
 // ---- qualifiers -------------------------------------------------------------------------
 #ifdef PAGEDRUN_SIM_SCAN
-// Only for the kernel-name scan (g++ -E): marks kernel definitions in the preprocessed text.
+// Only for the kernel scan (g++ -E): marks kernel definitions and their launch bounds in the
+// preprocessed text (runtime/kernels/sim_module.py turns the bounds into a launch check).
 #define __global__ PAGEDRUN_KERNEL_MARK
+#define __launch_bounds__(...) PAGEDRUN_BOUNDS_BEGIN __VA_ARGS__ PAGEDRUN_BOUNDS_END
 #else
 #define __global__
+#define __launch_bounds__(...)
 #endif
 #define __device__
 #define __host__
 #define __constant__
 #define __forceinline__ inline
 #define __noinline__ __attribute__((noinline))
-#define __launch_bounds__(...)
 #define __restrict__ __restrict
 #define __align__(n) __attribute__((aligned(n)))
 // thread_local, not a named section: GCC ignores section attributes on statics of template

@@ -47,7 +47,10 @@ _MODE_FLAGS = {
               "-fno-sanitize-recover=all"), ("-DPAGEDRUN_SIM_ASAN",)),
     "tsan": (("-O1", "-g", "-fsanitize=thread"), ("-DPAGEDRUN_SIM_TSAN",)),
 }
-_KERNEL_RE = re.compile(r'extern\s+"C"\s+PAGEDRUN_KERNEL_MARK\s+(?:\w+\s+)*?void\s+(\w+)\s*\(')
+_BOUNDS_RE = re.compile(r"PAGEDRUN_BOUNDS_BEGIN(.*?)PAGEDRUN_BOUNDS_END", re.S)
+_KERNEL_RE = re.compile(
+    r'extern\s+"C"\s+PAGEDRUN_KERNEL_MARK\s+((?:\w+\s+)*?)void\s+((?:\w+\s+)*?)(\w+)\s*\(')
+_BOUNDS_TOKEN = re.compile(r"PAGEDRUN_BOUNDS_(\d+)")
 # NVRTC options with no meaning for the host build; accepted so call sites stay identical.
 _IGNORED_OPTION_PREFIXES = ("--std", "-std", "--use_fast_math", "-use_fast_math", "-lineinfo",
                             "--generate-line-info", "-arch", "--gpu-architecture",
@@ -92,6 +95,34 @@ def _host_options(options: Iterable[str]) -> list[str]:
         else:
             raise ValueError(f"option {opt!r} has no host equivalent under the CPU harness")
     return out
+
+
+def _first_argument(expr: str) -> str:
+    """'a, f(b, c)' -> 'a' (top-level comma split)."""
+    depth = 0
+    for i, ch in enumerate(expr):
+        depth += ch in "([{<"
+        depth -= ch in ")]}>"
+        if ch == "," and depth == 0:
+            return expr[:i].strip()
+    return expr.strip()
+
+
+def scan_kernels(preprocessed: str) -> dict[str, str | None]:
+    """extern "C" kernels of a scan-mode preprocessed text -> their __launch_bounds__ max
+    threads expression (None without bounds)."""
+    bounds: list[str] = []
+
+    def token(m: re.Match) -> str:
+        bounds.append(_first_argument(" ".join(m.group(1).split())))
+        return f" PAGEDRUN_BOUNDS_{len(bounds) - 1} "
+
+    text = _BOUNDS_RE.sub(token, preprocessed)
+    kernels: dict[str, str | None] = {}
+    for m in _KERNEL_RE.finditer(text):
+        b = _BOUNDS_TOKEN.search(m.group(1) + " " + m.group(2))
+        kernels.setdefault(m.group(3), bounds[int(b.group(1))] if b else None)
+    return kernels
 
 
 def _run(cmd: Sequence[str]) -> str:
@@ -157,6 +188,10 @@ class SimFunction:
         self.param_codes: tuple[str, ...] = tuple(text.split(",")) if text else ()
         # Same attribute as cupy.RawKernel: set it before launching with > 48 KiB.
         self.max_dynamic_shared_size_bytes = 0
+        bound = getattr(lib, f"pagedrun_max_threads_{name}")
+        bound.restype = ctypes.c_uint
+        # __launch_bounds__ max threads per block (0: none); the GPU refuses bigger blocks.
+        self.launch_bounds_max_threads = int(bound())
 
     def __call__(self, grid, block, args, shared_mem: int = 0, stream=None):
         del stream  # one host thread runs everything; kept for the CuPy signature
@@ -166,6 +201,12 @@ class SimFunction:
         if len(args) != len(self.param_codes):
             raise TypeError(f"kernel {self.name} takes {len(self.param_codes)} arguments "
                             f"({','.join(self.param_codes)}), got {len(args)}")
+        threads = block3[0] * block3[1] * block3[2]
+        if 0 < self.launch_bounds_max_threads < threads:
+            raise SimKernelError(
+                f"kernel {self.name}: block of {threads} threads exceeds its "
+                f"__launch_bounds__ of {self.launch_bounds_max_threads} (the GPU refuses "
+                f"the launch)")
         limit = max(DEFAULT_DYNAMIC_SMEM_LIMIT, int(self.max_dynamic_shared_size_bytes))
         if shared_mem > limit:
             raise SimKernelError(
@@ -233,7 +274,8 @@ class SimModule:
         src = cdir / f"src-{_sha(code)}.cu"
         _atomic_build(src, lambda tmp: Path(tmp).write_text(code))
         scanned = _run([CXX, *cflags, "-DPAGEDRUN_SIM_SCAN", "-E", "-x", "c++", str(src)])
-        self.kernel_names: tuple[str, ...] = tuple(dict.fromkeys(_KERNEL_RE.findall(scanned)))
+        self.launch_bounds = scan_kernels(scanned)
+        self.kernel_names: tuple[str, ...] = tuple(self.launch_bounds)
         for expr in name_expressions or ():
             if expr not in self.kernel_names:
                 raise ValueError(f"name expression {expr!r}: the harness launches only "
@@ -245,7 +287,9 @@ class SimModule:
 
         def build(tmp: str) -> None:
             thunk = Path(tmp).with_suffix(".cpp")
-            exports = "\n".join(f"PAGEDRUN_SIM_EXPORT_KERNEL({k})" for k in self.kernel_names)
+            exports = "\n".join(
+                f"PAGEDRUN_SIM_EXPORT_KERNEL({k}, {bound or 0})"
+                for k, bound in self.launch_bounds.items())
             thunk.write_text(f'#include "{src}"\n#include "sim/launch.cuh"\n{exports}\n')
             try:
                 _run([CXX, *flags, "-shared", str(thunk), str(runtime_obj), "-o", tmp])

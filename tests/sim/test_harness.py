@@ -198,3 +198,14 @@ def test_large_dynamic_shared_memory_needs_the_opt_in_attribute(smoke, rng):
     fn.max_dynamic_shared_size_bytes = nbytes
     fn(1, threads, (x, y, np.int32(offset)), shared_mem=nbytes)
     np.testing.assert_array_equal(y, np.roll(x, -1))
+
+
+def test_launch_bounds_are_enforced(smoke):
+    fn = smoke.get_function("bounded_iota")
+    assert fn.launch_bounds_max_threads == 64
+    assert smoke.get_function("block_reverse").launch_bounds_max_threads == 0
+    y = np.zeros(64, np.int32)
+    fn(1, 64, (y,))
+    np.testing.assert_array_equal(y, np.arange(64))
+    with pytest.raises(SimKernelError, match="exceeds its __launch_bounds__ of 64"):
+        fn(1, (32, 3), (np.zeros(96, np.int32),))

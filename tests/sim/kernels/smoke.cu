@@ -108,3 +108,11 @@ extern "C" __global__ void dynamic_smem_roundtrip(const float* x, float* y, int 
     __syncthreads();
     y[threadIdx.x] = buf[offset + (threadIdx.x + 1) % blockDim.x];
 }
+
+namespace smoke_bounds {
+constexpr int kThreads = 64;
+}
+// Bounded to smoke_bounds::kThreads threads per block; y: [blockDim.x] i32 = threadIdx.x.
+extern "C" __global__ void __launch_bounds__(smoke_bounds::kThreads, 2) bounded_iota(int* y) {
+    y[threadIdx.x] = int(threadIdx.x);
+}
