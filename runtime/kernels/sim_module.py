@@ -28,6 +28,7 @@ import os
 import re
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -56,6 +57,9 @@ _IGNORED_OPTION_PREFIXES = ("--std", "-std", "--use_fast_math", "-use_fast_math"
                             "--generate-line-info", "-arch", "--gpu-architecture",
                             "-default-device", "--fmad", "-fmad", "-G", "-dopt")
 _ERR_LEN = 8192
+# One launch at a time in the process: static shared memory and the fault handler that turns
+# a segfault in kernel code into SimKernelError are process-wide.
+_LAUNCH_LOCK = threading.Lock()
 # Dynamic shared memory a launch may use without opting in: above it, CUDA requires the
 # kernel attribute max_dynamic_shared_size_bytes (CuPy: fn.max_dynamic_shared_size_bytes = n).
 DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024
@@ -220,8 +224,9 @@ class SimFunction:
             holders.append((value, holder))
             ptrs[i] = ctypes.cast(ctypes.pointer(holder), ctypes.c_void_p)
         err = ctypes.create_string_buffer(_ERR_LEN)
-        rc = self._launch((ctypes.c_uint * 3)(*grid3), (ctypes.c_uint * 3)(*block3),
-                          int(shared_mem), ptrs, err, _ERR_LEN)
+        with _LAUNCH_LOCK:
+            rc = self._launch((ctypes.c_uint * 3)(*grid3), (ctypes.c_uint * 3)(*block3),
+                              int(shared_mem), ptrs, err, _ERR_LEN)
         if rc != 0:
             raise SimKernelError(err.value.decode(errors="replace"))
 

@@ -102,3 +102,13 @@ def test_wild_pointer_fault_becomes_an_exception(planted):
     # the process and the module stay usable
     planted.get_function("read_unwritten_smem")(1, TILE, (np.ones(TILE, np.float32),
                                                           np.zeros(TILE, np.float32)))
+
+
+def test_divergent_shuffle_is_a_deadlock_report(planted, rng):
+    x = rng.standard_normal(32).astype(np.float32)
+    with pytest.raises(SimKernelError) as err:
+        planted.get_function("divergent_shuffle")(1, 32, (x, np.zeros(32, np.float32)))
+    msg = str(err.value)
+    assert "divergent_shuffle: deadlock in block (0,0,0) of 32 threads" in msg
+    assert "threads 0-15 wait at __shfl_xor_sync mask 0xffffffff (planted_bugs.cu:" in msg
+    assert "threads 16-31 have exited" in msg

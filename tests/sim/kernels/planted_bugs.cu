@@ -111,3 +111,10 @@ extern "C" __global__ void wild_pointer(float* y, long long address) {
     bool wild = blockIdx.x == 1 && threadIdx.x == 5;
     y[threadIdx.x] = wild ? *reinterpret_cast<const float*>(address) : 0.0f;
 }
+
+// BUG: half of the warp shuffles with a full mask, the other half skips the shuffle.
+extern "C" __global__ void divergent_shuffle(const float* x, float* y) {
+    float v = x[threadIdx.x];
+    if (threadIdx.x % 32 < 16) v = __shfl_xor_sync(0xffffffffu, v, 1);
+    y[threadIdx.x] = v;
+}
