@@ -147,7 +147,10 @@ class LLMEngine:
             max_model_len=self.max_model_len, enable_prefix_caching=config.enable_prefix_caching,
             num_cpu_blocks=self.num_cpu_blocks, preemption_mode=config.preemption_mode,
             check_invariants=config.check_invariants))
-        self.sampler = Sampler(sorted(self.eos_token_ids), seed=config.seed)
+        # cpu: the numpy sampler; sim / cuda: the sampling kernels, same draws per seed.
+        self.sampler = (Sampler(sorted(self.eos_token_ids), seed=config.seed)
+                        if self.device == "cpu" else
+                        self.backend.sampler(sorted(self.eos_token_ids), seed=config.seed))
         self._seq_ids = itertools.count(1)
         # Salts that keep prompt-logprob requests out of the prefix cache (every prompt position
         # must be computed to have its logits); 0 is everyone else's shared salt.

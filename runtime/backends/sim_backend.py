@@ -152,7 +152,7 @@ class KernelBackend:
         cache_ops.swap_blocks(self.module("blocks"), src_caches, dst_caches, block_pairs)
 
     def sampler(self, eos_token_ids, seed: int = 0) -> sampling.KernelSampler:
-        return sampling.KernelSampler(self.module("sampling"), eos_token_ids, seed)
+        return sampling.KernelSampler(self.module("sampling"), eos_token_ids, seed, xp=self.xp)
 
 
 class SimBackend(KernelBackend):

@@ -119,8 +119,11 @@ def sample(module, logits, params: Sequence[SamplingParams], uniforms, out=None)
 class KernelSampler:
     """runtime.sampler.Sampler with penalties and sampling on the kernels (same draws)."""
 
-    def __init__(self, module, eos_token_ids: Sequence[int] = (), seed: int = 0) -> None:
+    def __init__(self, module, eos_token_ids: Sequence[int] = (), seed: int = 0, xp=np) -> None:
+        """xp: the array module the kernels run on (numpy: harness; cupy: GPU). Host logits
+        are copied there; device logits are copied on the device."""
         self.module = module
+        self.xp = xp
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self.generator = np.random.Generator(np.random.PCG64(seed))
 
@@ -141,17 +144,17 @@ class KernelSampler:
         if not (len(params) == len(generators) == len(prompt_token_ids) == len(output_token_ids)
                 == num_rows):
             raise ValueError(f"{num_rows} logits rows but {len(params)} params")
-        xp = array_module(logits)
+        on_host = array_module(logits) is np
         want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw = None
         if want_logprobs:  # raw logprobs, before penalties (host: rows that asked only)
             rows = logits[np.asarray(want_logprobs)]
-            raw = log_softmax(rows if xp is np else rows.get())
-        processed = xp.array(logits, dtype=np.float32, copy=True)
+            raw = log_softmax(rows if on_host else rows.get())
+        processed = self.xp.array(logits, dtype=np.float32)  # a copy: penalties work in place
         apply_penalties(self.module, processed, params, prompt_token_ids, output_token_ids,
                         self.eos_token_ids)
         tokens = sample(self.module, processed, params, self.draw_uniforms(params, generators))
-        token_ids = np.asarray(tokens if xp is np else tokens.get(), dtype=np.int32)
+        token_ids = np.asarray(tokens if self.xp is np else tokens.get(), dtype=np.int32)
         logprobs: list[Logprob | None] = [None] * num_rows
         for j, i in enumerate(want_logprobs):
             t = int(token_ids[i])

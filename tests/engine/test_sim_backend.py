@@ -129,3 +129,58 @@ def test_devices_refuse_what_they_cannot_run(tiny_model, sim_model):
     except ImportError:
         with pytest.raises(DeviceNotAvailableError, match="sim"):
             make_engine(sim_model, device="cuda", num_kv_blocks=8)
+
+
+def test_sim_sampling_kernels_draw_the_cpu_tokens(sim_model):
+    """The engine on sim samples with cuda/sampling.cu: seeded and unseeded requests, penalties,
+    top-k/top-p/min-p, n > 1 and logprobs give the numpy sampler's tokens (same uniforms)."""
+    from pagedrun.runtime.sampling_params import SamplingParams
+
+    params = [SamplingParams(seed=1, top_k=20, max_tokens=5),
+              SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.2, max_tokens=5),
+              SamplingParams(seed=2, min_p=0.05, frequency_penalty=0.3, logprobs=2, max_tokens=5),
+              SamplingParams(n=2, seed=3, temperature=1.1, presence_penalty=0.5, max_tokens=4)]
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, sim_model[0].vocab_size, n).tolist() for n in (9, 30, 17, 5)]
+    results = {}
+    for device in ("cpu", "sim"):
+        engine = make_engine(sim_model, device=device, num_kv_blocks=48, seed=9)
+        outs = run_requests(engine, [(0, f"r{i}", dict(prompt_token_ids=p, sampling_params=sp))
+                                     for i, (p, sp) in enumerate(zip(prompts, params))])
+        results[device] = {k: [(c.token_ids, c.logprobs) for c in v.outputs]
+                           for k, v in outs.items()}
+    assert type(make_engine(sim_model, device="sim", num_kv_blocks=8).sampler).__name__ == \
+        "KernelSampler"
+    cpu, sim = results["cpu"], results["sim"]
+    assert {k: [t for t, _ in v] for k, v in sim.items()} == \
+        {k: [t for t, _ in v] for k, v in cpu.items()}
+    for key in cpu:  # logprobs: raw logits of fp32 kernels vs numpy, not bits
+        for (_, lp_cpu), (_, lp_sim) in zip(cpu[key], sim[key]):
+            if lp_cpu is None:
+                assert lp_sim is None
+                continue
+            for a, b in zip(lp_cpu, lp_sim):
+                assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-3
+                assert a.top.keys() == b.top.keys()
+
+
+def test_backend_factory_and_cuda_import_guard():
+    import subprocess
+    import sys
+
+    from pagedrun.runtime.backends import cuda_backend
+    from pagedrun.runtime.backends.base import resolve_dtype
+
+    assert resolve_dtype("sim", "auto") == "float32" and resolve_dtype("cuda", "auto") == "bfloat16"
+    with pytest.raises(ValueError, match="dtype"):
+        resolve_dtype("sim", "int8")
+    assert make_backend("cpu").name == "cpu"
+    assert make_backend("sim", "float16").kv_dtype == np.float16
+    # Importing the cuda backend module (as the engine does for "auto") never imports cupy.
+    probe = subprocess.run([sys.executable, "-c", "import sys; import pagedrun.runtime.backends."
+                            "cuda_backend; print('cupy' in sys.modules)"],
+                           capture_output=True, text=True, check=True)
+    assert probe.stdout.strip() == "False"
+    if not cuda_backend.cuda_available():
+        with pytest.raises(cuda_backend.CudaNotAvailableError):
+            cuda_backend.CudaBackend()
