@@ -107,7 +107,12 @@ def run_mixed(impl: str, trace, collect=None) -> list[float]:
 def run_decode(impl: str, num_reqs: int, num_steps: int, seed: int = 0) -> list[float]:
     rng = np.random.default_rng(seed)
     system = rng.integers(0, VOCAB, 64, dtype=np.int32)
-    sched = make_scheduler(impl, num_gpu_blocks=num_reqs * 64 + 64, block_size=BLOCK_SIZE,
+    # Room for every request's longest length (prompt <= 511, warm-up, all timed steps): the
+    # decode cases measure decode steps, not preemption.
+    max_len = 512 + 64 + REPEATS * num_steps
+    blocks_per_req = -(-max_len // BLOCK_SIZE)
+    sched = make_scheduler(impl, num_gpu_blocks=num_reqs * blocks_per_req + 64,
+                           block_size=BLOCK_SIZE,
                            max_num_seqs=num_reqs, max_num_batched_tokens=DECODE_BUDGET,
                            max_model_len=MAX_MODEL_LEN)
     for rid in range(num_reqs):
