@@ -36,6 +36,15 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _nullable(x, xp):
+    """An optional pointer argument: None under the harness (a NULL pointer there); on CuPy an
+    explicit 8-byte 0, because CuPy passes None as 0xffffffff, not NULL (cupy/cupy#9046), and
+    the kernels test `bias != nullptr`."""
+    if x is not None or xp is np:
+        return x
+    return np.uint64(0)
+
+
 def gemm(module, a, b, *, b_layout: str = "nk", bias=None, residual=None, out=None,
          out_dtype=None, plan: GemmPlan | None = None, num_sms: int | None = None):
     """out = a @ B (+ bias) (+ residual); B = b.T for "nk", b for "kn". Returns out [M, N]."""
@@ -74,6 +83,8 @@ def gemm(module, a, b, *, b_layout: str = "nk", bias=None, residual=None, out=No
         plan = plan_gemm(M, N, K, dtype_name=suffix, b_layout=b_layout,
                          num_sms=num_sms or device_num_sms(xp))
     scalars = (np.int32(M), np.int32(N), np.int32(K))
+    bias_arg, residual_arg = _nullable(bias, xp), _nullable(residual, xp)
+    null = _nullable(None, xp)
     if plan.kind == SKINNY:
         require(b_layout == "nk", "the skinny GEMM reads weights in the 'nk' layout only")
         require(K % (16 // a.dtype.itemsize) == 0,
@@ -83,15 +94,15 @@ def gemm(module, a, b, *, b_layout: str = "nk", bias=None, residual=None, out=No
         smem = plan.m_tile * SKINNY_SMEM_BYTES_PER_ROW
         kernel = module.get_function(f"gemm_skinny_{suffix}_o{out_suffix}_m{plan.m_tile}")
         if plan.num_splits == 1:
-            kernel(grid, (SKINNY_THREADS,), (out, None, a, b, bias, residual, *scalars,
+            kernel(grid, (SKINNY_THREADS,), (out, null, a, b, bias_arg, residual_arg, *scalars,
                                              np.int32(plan.k_split)), shared_mem=smem)
             return out
         partial = xp.empty((plan.num_splits, M, N), dtype=np.float32)
-        kernel(grid, (SKINNY_THREADS,), (None, partial, a, b, None, None, *scalars,
+        kernel(grid, (SKINNY_THREADS,), (null, partial, a, b, null, null, *scalars,
                                          np.int32(plan.k_split)), shared_mem=smem)
         reduce = module.get_function(f"gemm_splitk_reduce_{suffix}_o{out_suffix}")
         reduce((_ceil_div(M * N, SKINNY_THREADS),), (SKINNY_THREADS,),
-               (out, partial, bias, residual, np.int32(M), np.int32(N),
+               (out, partial, bias_arg, residual_arg, np.int32(M), np.int32(N),
                 np.int32(plan.num_splits)))
         return out
     aligned = tc_aligned(N, K, b_layout)
@@ -103,7 +114,7 @@ def gemm(module, a, b, *, b_layout: str = "nk", bias=None, residual=None, out=No
         name += "_unaligned"
     tile_m, tile_n = TC_TILE[suffix]
     module.get_function(name)((_ceil_div(N, tile_n), _ceil_div(M, tile_m)), (TC_THREADS,),
-                              (out, a, b, bias, residual, *scalars),
+                              (out, a, b, bias_arg, residual_arg, *scalars),
                               shared_mem=gemm_smem_bytes(suffix))
     return out
 
