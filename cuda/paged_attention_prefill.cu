@@ -22,8 +22,9 @@
 // Tiling: a CTA owns kBlockM = 64 query rows of one (request, query head) and walks the keys
 // in tiles of kBlockN = 32 up to its last row's position (tiles past the causal edge are never
 // loaded). Key rows are fetched with cp.async (16 bytes, zero-filled past the context, so
-// NaN in unused slots cannot enter) into padded shared rows; K's group is waited for before
-// S = Q K^T, V's after, so V's load overlaps the score math.
+// NaN in unused slots cannot enter) into padded shared rows, two stages deep: tile i + 1's K
+// and V are in flight while tile i is computed. The second stage is the Q tile's space (Q is
+// needed only until its fragments are in registers), so the pipeline costs no shared memory.
 //   f16/bf16: each warp owns 16 query rows. Q lives in registers as mma A fragments
 //     (ldmatrix_x4), K tiles are B fragments (ldmatrix_x4), V tiles B fragments through
 //     ldmatrix_x4_trans; P is re-packed from the S accumulators into A fragments without a trip
@@ -162,9 +163,15 @@ __device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __rest
     constexpr int CHUNKS_PER_ROW = HEAD_DIM * sizeof(T) / kChunk;
     constexpr int ELEMS_PER_CHUNK = kChunk / sizeof(T);
     DYNAMIC_SMEM(T, smem);
+    // Q's rows are needed only until its fragments are in registers; then the same space is
+    // the second K/V stage (kBlockM == 2 * kBlockN rows: exactly one K tile plus one V tile).
+    static_assert(kBlockM == 2 * kBlockN, "the Q tile doubles as the second K/V stage");
+    // Stage z holds kBlockN K rows then kBlockN V rows at stage_k(z); stage 0 sits after Q,
+    // stage 1 on top of Q. (Arithmetic, not a pointer table: a table indexed by the runtime
+    // stage went to local memory.)
     T* s_q = smem;                     // [kBlockM][ROW]
-    T* s_k = s_q + kBlockM * ROW;      // [kBlockN][ROW]
-    T* s_v = s_k + kBlockN * ROW;      // [kBlockN][ROW]
+    auto stage_k = [&](int z) { return s_q + (1 - z) * kBlockM * ROW; };
+    constexpr int V_OFFSET = kBlockN * ROW;  // V rows follow the K rows of a stage
 
     const int head = blockIdx.z;
     const int warp = threadIdx.x / 32;
@@ -183,12 +190,18 @@ __device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __rest
         cp_async_16_zfill(s_q + row * ROW + col, src, valid ? kChunk : 0);
     }
     cp_async_commit();
-    cp_async_wait_all();
+    // Key tile 0 into stage 0 while Q lands.
+    load_kv_tile<T, HEAD_DIM>(stage_k(0), ROW, k_cache, 0, c, num_kv_heads, block_size_log2);
+    load_kv_tile<T, HEAD_DIM>(stage_k(0) + V_OFFSET, ROW, v_cache, 0, c, num_kv_heads,
+                              block_size_log2);
+    cp_async_commit();
+    cp_async_wait<1>();  // Q landed
     __syncthreads();
     uint32_t q_frag[K_STEPS][4];
 #pragma unroll
     for (int kk = 0; kk < K_STEPS; ++kk)
         ldmatrix_x4(q_frag[kk], s_q + (warp * 16 + lane % 16) * ROW + kk * 16 + (lane / 16) * 8);
+    __syncthreads();  // every warp has its Q fragments: the Q rows become stage 1
 
     float o[D_TILES][4];
 #pragma unroll
@@ -204,12 +217,20 @@ __device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __rest
     for (int h = 0; h < 2; ++h)
         q_pos[h] = c.first_q_pos + c.tile_row0 + warp * 16 + quad_row + 8 * h;
 
-    for (int kv0 = 0; kv0 < c.kv_end; kv0 += kBlockN) {
-        load_kv_tile<T, HEAD_DIM>(s_k, ROW, k_cache, kv0, c, num_kv_heads, block_size_log2);
+    // Two-stage pipeline: tile i + 1 is in flight while tile i is computed. Every iteration
+    // commits one group (empty past the last tile) so wait<1> always means "tile i landed".
+    for (int kv0 = 0, stage = 0; kv0 < c.kv_end; kv0 += kBlockN, stage ^= 1) {
+        const T* s_k = stage_k(stage);
+        const T* s_v = s_k + V_OFFSET;
+        if (kv0 + kBlockN < c.kv_end) {
+            T* next_k = stage_k(stage ^ 1);
+            load_kv_tile<T, HEAD_DIM>(next_k, ROW, k_cache, kv0 + kBlockN, c, num_kv_heads,
+                                      block_size_log2);
+            load_kv_tile<T, HEAD_DIM>(next_k + V_OFFSET, ROW, v_cache, kv0 + kBlockN, c,
+                                      num_kv_heads, block_size_log2);
+        }
         cp_async_commit();
-        load_kv_tile<T, HEAD_DIM>(s_v, ROW, v_cache, kv0, c, num_kv_heads, block_size_log2);
-        cp_async_commit();
-        cp_async_wait<1>();  // K landed (V may still be in flight)
+        cp_async_wait<1>();  // tile i landed (tile i + 1 may still be in flight)
         __syncthreads();
 
         float s[S_TILES][4];
@@ -267,8 +288,6 @@ __device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __rest
             }
         }
 
-        cp_async_wait<0>();  // V landed
-        __syncthreads();
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
             // S accumulators of n-tiles 2kk, 2kk+1 are exactly the A fragment of k-step kk.
@@ -287,7 +306,7 @@ __device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __rest
                 mma<T>(o[2 * dp + 1], p_frag, b1);
             }
         }
-        __syncthreads();  // the next tile's cp.async overwrites s_k / s_v
+        __syncthreads();  // the next iteration's cp.async overwrites this stage
     }
 
 #pragma unroll
