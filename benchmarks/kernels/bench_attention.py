@@ -15,7 +15,8 @@ the L2 (the pool is far larger than any L2); L2 is flushed between repeats as we
 
 Prefill (cuda/paged_attention_prefill.cu): one request per row of the table, a chunk of
 query_len tokens behind a cached prefix; FLOPs = 4 * num_heads * head_dim * (visible keys summed
-over query rows), TFLOP/s over the median time.
+over query rows), TFLOP/s over the median time, next to the tensor-core ceiling measured in the
+same run (cuBLAS through cupy.matmul on a square fp16 GEMM).
 
 On the CPU harness the same code runs at toy sizes, one repeat, and checks each result against
 numpy_ops so the script cannot rot; its times measure the harness, not a GPU.
@@ -48,6 +49,7 @@ KV_POOL_BYTES = 8 << 30       # cap of the KV pool on a GPU (both K and V)
 COPY_BYTES = 1 << 30          # device-to-device copy that measures the bandwidth ceiling
 L2_FLUSH_BYTES = 256 << 20    # larger than any current L2 (H100 50 MB, H200 60 MB)
 GPU_REPEATS = 20
+CEILING_GEMM_DIM = 8192       # square fp16 GEMM whose cuBLAS rate is the prefill ceiling
 SIM_TOLERANCE = 3e-2          # bf16 outputs vs the float32 reference
 
 
@@ -87,6 +89,15 @@ def copy_bandwidth(xp, timer: Timer) -> float:
     dst = xp.empty_like(src)
     seconds = timer(lambda: dst.__setitem__(Ellipsis, src), GPU_REPEATS)
     return 2 * COPY_BYTES / seconds
+
+
+def matmul_tflops(xp, timer: Timer) -> float:
+    """Tensor-core ceiling for prefill: cuBLAS (through cupy.matmul) on a square fp16 GEMM."""
+    a = xp.ones((CEILING_GEMM_DIM, CEILING_GEMM_DIM), dtype=np.float16)
+    b = xp.ones_like(a)
+    out = xp.empty_like(a)
+    seconds = timer(lambda: xp.matmul(a, b, out=out), GPU_REPEATS)
+    return 2 * CEILING_GEMM_DIM ** 3 / seconds / 1e12
 
 
 def _random_bf16(xp, rng, shape):
@@ -209,10 +220,13 @@ def main(argv=None) -> int:
                                                                     modules):
         print(f"{num_seqs:>6} {context_len:>8} {splits:>6} {micros:>10.1f} {gbps:>8.1f} "
               f"{100 * gbps / copy_gbps:>6.1f}%")
-    print("\n## prefill, bf16, head_dim 128, block 16, one request")
-    print(f"{'query':>6} {'prefix':>7} {'median ms':>10} {'TFLOP/s':>8}")
+    ceiling = matmul_tflops(xp, timer) if args.device == "cuda" else float("nan")
+    print(f"\n## prefill, bf16, head_dim 128, block 16, one request "
+          f"(ceiling: cuBLAS fp16 {CEILING_GEMM_DIM}^3 GEMM {ceiling:.0f} TFLOP/s)")
+    print(f"{'query':>6} {'prefix':>7} {'median ms':>10} {'TFLOP/s':>8} {'% gemm':>7}")
     for query_len, prefix, millis, tflops in bench_prefill(xp, args.device, timer, rng, modules):
-        print(f"{query_len:>6} {prefix:>7} {millis:>10.3f} {tflops:>8.2f}")
+        print(f"{query_len:>6} {prefix:>7} {millis:>10.3f} {tflops:>8.2f} "
+              f"{100 * tflops / ceiling:>6.1f}%")
     return 0
 
 
