@@ -122,6 +122,9 @@ class ReferenceModel:
     """Dense float32 forward and greedy decoding for one sequence at a time."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights) -> None:
+        # The oracle computes in float32 only; narrower weights would silently change its numbers.
+        if weights.embed_tokens.dtype != np.float32:
+            raise ValueError(f"ReferenceModel needs float32 weights, got {weights.embed_tokens.dtype}")
         self.config = config
         self.weights = weights
 

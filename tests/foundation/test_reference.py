@@ -143,6 +143,12 @@ def test_forward_rejects_bad_token_ids_and_positions() -> None:
         model.forward(np.array([1, 2]), start_pos=3, kv_cache=DenseKVCache(model.config))
 
 
+def test_reference_refuses_non_float32_weights() -> None:
+    half = load_model_weights(TINY_DIR / "qwen2_tied", dtype=np.float16)
+    with pytest.raises(ValueError, match="float32"):
+        ReferenceModel(half.config, half)
+
+
 def test_llama3_inv_freq_bands() -> None:
     """head_dim 12, theta 1e4, original context 64, factors 1/8/8: one pair per band."""
     config = tiny_model("llama3_sharded").config
