@@ -110,16 +110,21 @@ class LLMEngine:
 
         self.config = config
         self.device = resolve_device(config.device)
-        if config.tensor_parallel_size != 1:
-            raise DeviceNotAvailableError(
-                "tensor_parallel_size > 1 needs the cuda backend, which has not landed yet")
         if self.device == "cpu" and config.dtype not in ("auto", "float32"):
             # numpy has no bfloat16 and its float16 GEMMs are slow: the cpu backend computes
             # in float32 whatever the checkpoint stores.
             log.warning("dtype %s: the cpu backend runs float32", config.dtype)
         self.model_name = config.model or "default"
         if model_config is None:
-            model_config, weights, tokenizer = _load_model(config.model)
+            model_config, weights, tokenizer = _load_model(config.model,
+                                                           config.tensor_parallel_size == 1)
+        elif config.tensor_parallel_size > 1:
+            raise PagedRunError("tensor parallel ranks read their shards from a model directory; "
+                                "give EngineConfig.model instead of in-memory weights")
+        if config.tensor_parallel_size > 1:  # refuse what cannot shard before anything starts
+            from pagedrun.runtime.distributed.sharding import check_shardable
+
+            check_shardable(model_config, config.tensor_parallel_size)
         self.model_config = model_config
         self.backend = make_backend(self.device, config.dtype)  # the one place that picks ops
         if self.device != "cpu":  # unsupported kernel shapes fail here, not mid-step
@@ -127,7 +132,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.max_model_len = self._resolve_max_model_len()
         self.block_size = config.block_size
-        self.bytes_per_block = kv_bytes_per_block(model_config, config.block_size,
+        self.bytes_per_block = kv_bytes_per_block(_kv_config(model_config, config),
+                                                  config.block_size,
                                                   self.backend.kv_dtype)
         self.num_kv_blocks = self._resolve_num_kv_blocks()
         self.num_cpu_blocks = (config.swap_space_bytes // self.bytes_per_block
@@ -136,10 +142,15 @@ class LLMEngine:
         tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | (
             frozenset() if tokenizer_eos is None else frozenset([tokenizer_eos]))
-        self.runner = ModelRunner(model_config, weights, block_size=self.block_size,
-                                  num_gpu_blocks=self.num_kv_blocks,
-                                  num_cpu_blocks=self.num_cpu_blocks,
-                                  max_model_len=self.max_model_len, ops=self.backend)
+        if config.tensor_parallel_size > 1:
+            from pagedrun.runtime.distributed.executor import start_tensor_parallel
+
+            self.runner = start_tensor_parallel(self, model_config)
+        else:
+            self.runner = ModelRunner(model_config, weights, block_size=self.block_size,
+                                      num_gpu_blocks=self.num_kv_blocks,
+                                      num_cpu_blocks=self.num_cpu_blocks,
+                                      max_model_len=self.max_model_len, ops=self.backend)
         self.scheduler = Scheduler(SchedulerConfig(
             num_gpu_blocks=self.num_kv_blocks, block_size=self.block_size,
             max_num_seqs=config.max_num_seqs,
@@ -474,6 +485,12 @@ class LLMEngine:
         elif seq.detokenizer is not None:
             seq.text += seq.detokenizer.finish()
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (one device: nothing to do). Idempotent."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
     # ------------------------------------------------------------------ stats
 
     def get_stats(self) -> dict:
@@ -492,23 +509,38 @@ class LLMEngine:
         }
 
 
-def _load_model(model: str | None):
-    """(ModelConfig, ModelWeights, Tokenizer | None) from an HF directory, a .gguf, or None."""
-    import os
-
+def resolve_model_dir(model: str | None) -> str:
+    """The HF directory of `model`: itself, a .gguf's converted cache, or the default model."""
     from pagedrun.runtime.default_model import default_model_dir, ensure_converted
     from pagedrun.runtime.paths import models_cache_dir
+
+    if model is None:
+        return default_model_dir()
+    if str(model).endswith(".gguf"):
+        return ensure_converted(model, models_cache_dir())
+    return model
+
+
+def _kv_config(model_config: ModelConfig, config: EngineConfig) -> ModelConfig:
+    """The config whose KV heads one device holds (tensor parallel: a rank's)."""
+    if config.tensor_parallel_size == 1:
+        return model_config
+    from pagedrun.runtime.distributed.sharding import rank_config, shard_spec
+
+    return rank_config(model_config, shard_spec(model_config, config.tensor_parallel_size, 0))
+
+
+def _load_model(model: str | None, load_weights: bool = True):
+    """(ModelConfig, ModelWeights | None, Tokenizer | None) from an HF directory, a .gguf, or
+    None. Tensor parallel: no weights here, each rank reads its own shard."""
+    import os
+
     from pagedrun.runtime.tokenizer import TOKENIZER_FILE, Tokenizer
     from pagedrun.runtime.weights import load_model_weights
 
-    if model is None:
-        model_dir = default_model_dir()
-    elif str(model).endswith(".gguf"):
-        model_dir = ensure_converted(model, models_cache_dir())
-    else:
-        model_dir = model
+    model_dir = resolve_model_dir(model)
     config = ModelConfig.from_model_dir(model_dir)
-    weights = load_model_weights(model_dir, config, np.float32)
+    weights = load_model_weights(model_dir, config, np.float32) if load_weights else None
     tokenizer = (Tokenizer.from_dir(model_dir)
                  if os.path.isfile(os.path.join(model_dir, TOKENIZER_FILE)) else None)
     return config, weights, tokenizer

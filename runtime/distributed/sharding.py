@@ -1,0 +1,180 @@
+"""Megatron-style sharding of a Llama-family model: which slice of which tensor each rank holds.
+
+Per layer (HF [out, in] matrices):
+- q_proj, k_proj, v_proj (and their biases), gate_proj, up_proj: column-parallel, i.e. split
+  along `out`; rank r holds query heads [r * H/tp, (r+1) * H/tp) and the matching rows.
+- o_proj, down_proj: row-parallel, split along `in`; each rank's product is a partial sum and is
+  all-reduced (two all-reduces per layer). o_proj's bias is added once, by rank 0.
+- KV heads: with num_kv_heads >= tp each rank holds KV/tp of them; with num_kv_heads < tp each
+  KV head is replicated on tp/KV ranks and rank r holds the one its query heads read
+  (head r * H/tp belongs to KV group (r * H/tp) // (H/KV)).
+- embed_tokens and lm_head: vocab-parallel, ceil(vocab/tp) rows per rank, the last rank's slice
+  zero-padded; the embedding is a masked lookup plus all-reduce, the LM head's logits are
+  gathered to rank 0 and the padding trimmed.
+- norms: replicated.
+
+A rank reads only its slices from the safetensors files (`SafetensorsCheckpoint.get(...,
+index=)` slices the memory map before copying), so no rank materializes a full weight matrix.
+Configurations that cannot be sharded are refused with `TensorParallelConfigError` naming the
+numbers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagedrun.runtime.errors import PagedRunError
+from pagedrun.runtime.model_config import ModelConfig
+from pagedrun.runtime.weights import LayerWeights, ModelWeights, SafetensorsCheckpoint
+
+
+class TensorParallelConfigError(PagedRunError):
+    """The model cannot be split over this many ranks; the message says why."""
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """The slices rank `rank` of `tp_size` holds (head and row indices are global)."""
+
+    tp_size: int
+    rank: int
+    head_start: int          # first query head
+    num_heads: int           # query heads on this rank
+    kv_head_start: int       # first KV head
+    num_kv_heads: int        # KV heads on this rank (1 when replicated)
+    inter_start: int         # first intermediate (MLP) feature
+    inter_size: int
+    vocab_start: int         # first vocabulary row
+    vocab_size: int          # vocabulary rows on this rank, padding included (same on all ranks)
+    full_vocab_size: int
+
+    @property
+    def num_real_vocab(self) -> int:
+        """Rows of this rank's vocabulary slice that are real tokens (the rest is padding)."""
+        return max(0, min(self.vocab_size, self.full_vocab_size - self.vocab_start))
+
+
+def check_shardable(config: ModelConfig, tp_size: int) -> None:
+    """Raise TensorParallelConfigError if `config` cannot be split over `tp_size` ranks."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if tp_size < 1:
+        raise TensorParallelConfigError(f"tensor_parallel_size must be >= 1, got {tp_size}")
+    if heads % tp_size:
+        raise TensorParallelConfigError(
+            f"tensor_parallel_size {tp_size} does not divide num_attention_heads {heads}: "
+            f"each rank must hold whole query heads (try a divisor of {heads})")
+    if kv_heads >= tp_size and kv_heads % tp_size:
+        raise TensorParallelConfigError(
+            f"tensor_parallel_size {tp_size} does not divide num_key_value_heads {kv_heads}")
+    if kv_heads < tp_size and tp_size % kv_heads:
+        raise TensorParallelConfigError(
+            f"num_key_value_heads {kv_heads} < tensor_parallel_size {tp_size} needs "
+            f"tp a multiple of {kv_heads} (each KV head replicated on the same number of ranks)")
+    if config.intermediate_size % tp_size:
+        raise TensorParallelConfigError(
+            f"tensor_parallel_size {tp_size} does not divide intermediate_size "
+            f"{config.intermediate_size}")
+
+
+def shard_spec(config: ModelConfig, tp_size: int, rank: int) -> ShardSpec:
+    check_shardable(config, tp_size)
+    if not 0 <= rank < tp_size:
+        raise ValueError(f"rank must be in [0, {tp_size}), got {rank}")
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    num_heads = heads // tp_size
+    head_start = rank * num_heads
+    if kv_heads >= tp_size:
+        num_kv = kv_heads // tp_size
+        kv_start = rank * num_kv
+    else:  # replicated: the KV group of this rank's (single-group) query heads
+        num_kv = 1
+        kv_start = head_start // (heads // kv_heads)
+    inter = config.intermediate_size // tp_size
+    vocab_per_rank = math.ceil(config.vocab_size / tp_size)
+    return ShardSpec(tp_size, rank, head_start, num_heads, kv_start, num_kv, rank * inter, inter,
+                     rank * vocab_per_rank, vocab_per_rank, config.vocab_size)
+
+
+def rank_config(config: ModelConfig, spec: ShardSpec) -> ModelConfig:
+    """The config one rank's forward sees: its head, KV head, MLP and vocabulary counts."""
+    return dataclasses.replace(config, num_attention_heads=spec.num_heads,
+                               num_key_value_heads=spec.num_kv_heads,
+                               intermediate_size=spec.inter_size, vocab_size=spec.vocab_size)
+
+
+def _rows(start: int, count: int, unit: int = 1) -> slice:
+    return slice(start * unit, (start + count) * unit)
+
+
+def _vocab_slice(read, name: str, spec: ShardSpec, hidden: int) -> np.ndarray:
+    """[spec.vocab_size, hidden] rows of an embedding-like tensor, zero-padded past the vocab."""
+    real = spec.num_real_vocab
+    out = np.zeros((spec.vocab_size, hidden), np.float32)
+    if real:
+        out[:real] = read(name, (slice(spec.vocab_start, spec.vocab_start + real),))
+    return out
+
+
+def load_shard(source, config: ModelConfig, spec: ShardSpec) -> ModelWeights:
+    """Rank `spec.rank`'s weights, from a model directory (read slice by slice) or from an
+    in-memory ModelWeights (tests). Shapes are the rank's: see `rank_config`."""
+    if isinstance(source, ModelWeights):
+        def read(name: str, index: tuple) -> np.ndarray:
+            return np.ascontiguousarray(_in_memory(source, name)[index], dtype=np.float32)
+    else:
+        checkpoint = SafetensorsCheckpoint(source)
+
+        def read(name: str, index: tuple) -> np.ndarray:
+            return checkpoint.get(name, dtype=np.float32, index=index)
+
+    hd, hidden = config.head_dim, config.hidden_size
+    q_rows = _rows(spec.head_start, spec.num_heads, hd)
+    kv_rows = _rows(spec.kv_head_start, spec.num_kv_heads, hd)
+    inter_rows = _rows(spec.inter_start, spec.inter_size)
+    everything = (slice(None),)
+    layers = []
+    for i in range(config.num_hidden_layers):
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        bias = config.attention_bias
+        layers.append(LayerWeights(
+            input_layernorm=read(f"model.layers.{i}.input_layernorm.weight", everything),
+            q_proj=read(attn + "q_proj.weight", (q_rows,)),
+            k_proj=read(attn + "k_proj.weight", (kv_rows,)),
+            v_proj=read(attn + "v_proj.weight", (kv_rows,)),
+            o_proj=read(attn + "o_proj.weight", (slice(None), q_rows)),
+            q_bias=read(attn + "q_proj.bias", (q_rows,)) if bias else None,
+            k_bias=read(attn + "k_proj.bias", (kv_rows,)) if bias else None,
+            v_bias=read(attn + "v_proj.bias", (kv_rows,)) if bias else None,
+            # Row-parallel bias: added once, before the all-reduce, by rank 0 only.
+            o_bias=(read(attn + "o_proj.bias", everything)
+                    if config.o_proj_bias and spec.rank == 0 else None),
+            post_attention_layernorm=read(f"model.layers.{i}.post_attention_layernorm.weight",
+                                          everything),
+            gate_proj=read(mlp + "gate_proj.weight", (inter_rows,)),
+            up_proj=read(mlp + "up_proj.weight", (inter_rows,)),
+            down_proj=read(mlp + "down_proj.weight", (slice(None), inter_rows)),
+        ))
+    embed = _vocab_slice(read, "model.embed_tokens.weight", spec, hidden)
+    lm_head = (embed if config.tie_word_embeddings
+               else _vocab_slice(read, "lm_head.weight", spec, hidden))
+    return ModelWeights(config=rank_config(config, spec), embed_tokens=embed, layers=layers,
+                        norm=read("model.norm.weight", everything), lm_head=lm_head)
+
+
+def _in_memory(weights: ModelWeights, name: str) -> np.ndarray:
+    """The HF-named tensor of an in-memory ModelWeights."""
+    if name == "model.embed_tokens.weight":
+        return weights.embed_tokens
+    if name == "lm_head.weight":
+        return weights.lm_head
+    if name == "model.norm.weight":
+        return weights.norm
+    _, _, index, group, field = name.split(".", 4)
+    layer = weights.layers[int(index)]
+    field = field.replace(".weight", "").replace("_proj.bias", "_bias")
+    if group in ("input_layernorm", "post_attention_layernorm"):
+        return getattr(layer, group)
+    return getattr(layer, field)

@@ -1,0 +1,63 @@
+"""The wire format of one step, driver -> tensor-parallel workers: what a rank needs of a
+SchedulerOutput to run the forward (and the step's block moves) exactly as rank 0 does.
+
+Frames: [b"step", header (msgpack: seq, num_batched_tokens, prompt_logit_rows, per array its
+name, dtype and shape), one frame per array (raw bytes, sent without a copy)]. Only the fields
+the runner reads travel; the request ids, the sampling bookkeeping and the prefix-cache counts
+stay with the scheduler on the driver. A decode step of 256 sequences with 128-block tables is
+about 140 KB, mostly the block table (benchmarks/bench_step_broadcast.py measures the cost).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+
+STEP = b"step"
+# SchedulerOutput fields ModelRunner.execute reads, in wire order.
+STEP_ARRAYS = ("input_token_ids", "positions", "slot_mapping", "query_start_loc", "query_lens",
+               "context_lens", "block_tables", "sample_mask", "block_copies", "swap_out",
+               "swap_in")
+
+
+@dataclass
+class StepInputs:
+    """A worker's view of one step: the SchedulerOutput fields ModelRunner.execute reads
+    (same names, shapes and dtypes as pagedrun.pyx.scheduler.SchedulerOutput)."""
+
+    seq: int
+    num_batched_tokens: int
+    prompt_logit_rows: tuple[int, ...]
+    input_token_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    query_start_loc: np.ndarray
+    query_lens: np.ndarray
+    context_lens: np.ndarray
+    block_tables: np.ndarray
+    sample_mask: np.ndarray
+    block_copies: np.ndarray
+    swap_out: np.ndarray
+    swap_in: np.ndarray
+
+
+def encode_step(seq: int, out, prompt_logit_rows: tuple[int, ...]) -> list:
+    """Frames of one step; `out` is a SchedulerOutput (or a StepInputs)."""
+    arrays = [np.ascontiguousarray(getattr(out, name)) for name in STEP_ARRAYS]
+    header = {"seq": seq, "num_batched_tokens": int(out.num_batched_tokens),
+              "prompt_logit_rows": [int(r) for r in prompt_logit_rows],
+              "arrays": [[a.dtype.str, list(a.shape)] for a in arrays]}
+    return [STEP, msgpack.packb(header), *arrays]
+
+
+def decode_step(frames: list) -> StepInputs:
+    """frames: what encode_step produced (bytes or zmq.Frame), the leading b"step" included."""
+    def buf(f):
+        return f.buffer if hasattr(f, "buffer") else f
+
+    header = msgpack.unpackb(bytes(buf(frames[1])))
+    arrays = {name: np.frombuffer(buf(f), dtype=dtype).reshape(shape)
+              for name, (dtype, shape), f in zip(STEP_ARRAYS, header["arrays"], frames[2:])}
+    return StepInputs(seq=header["seq"], num_batched_tokens=header["num_batched_tokens"],
+                      prompt_logit_rows=tuple(header["prompt_logit_rows"]), **arrays)
