@@ -31,6 +31,10 @@ class EngineConfig:
     swap_space_bytes: int = 0  # host blocks for swap preemption; 0 disables swap
     preemption_mode: str = "recompute"
     tensor_parallel_size: int = 1
+    # Tensor parallel over several nodes (tensor_parallel_size / nnodes ranks each); the control
+    # plane's HOST:PORT on node 0 (None: loopback, any free port). runtime/distributed/.
+    nnodes: int = 1
+    master_addr: str | None = None
     seed: int = 0
     check_invariants: bool = False  # scheduler invariants after every step (tests turn this on)
 
@@ -42,9 +46,12 @@ class EngineConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise EngineConfigError(
                 f"preemption_mode: must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "nnodes"):
             if getattr(self, name) < 1:
                 raise EngineConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise EngineConfigError(f"nnodes {self.nnodes} must divide tensor_parallel_size "
+                                    f"{self.tensor_parallel_size} (the same ranks on each node)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise EngineConfigError(
                 f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -87,13 +87,18 @@ class ModelRunner:
     """Weights, KV pools and the step's forward on one device (the numpy backend for now)."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, *, block_size: int,
-                 num_gpu_blocks: int, num_cpu_blocks: int, max_model_len: int, ops) -> None:
+                 num_gpu_blocks: int, num_cpu_blocks: int, max_model_len: int, ops,
+                 model=None) -> None:
+        """`model`: a prebuilt forward to use instead of LlamaModel(config, weights) (a
+        tensor-parallel rank's shard; `config` is then that rank's config, see
+        runtime/distributed/sharding.py, so the KV pools hold only its KV heads)."""
         self.config = config
         self.ops = ops
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
-        self.model = LlamaModel(config, weights, ops, max_position=max_model_len)
+        self.model = model if model is not None else LlamaModel(config, weights, ops,
+                                                                max_position=max_model_len)
         block_shape = (block_size, config.num_key_value_heads, config.head_dim)
         # The backend places the pools (np.zeros maps untouched pages lazily on cpu/sim, so a
         # large pool costs memory only as it fills); the swap pool is host memory.

@@ -120,8 +120,9 @@ class SafetensorsFile:
                 raise bad(f"{end - begin} bytes for shape {shape} of {dtype} (expected {expected_bytes})")
         return TensorInfo(self.path, dtype, tuple(shape), begin, end)
 
-    def read(self, name: str, dtype: np.dtype) -> np.ndarray:
-        """The tensor `name` as a new C-contiguous array of `dtype` (a float dtype)."""
+    def read(self, name: str, dtype: np.dtype, index=None) -> np.ndarray:
+        """The tensor `name` (or `raw[index]` of it: only those bytes are read from the memory
+        map; tensor-parallel ranks read their shards so) as a new C-contiguous `dtype` array."""
         info = self.tensors[name]
         if info.dtype not in _DISK_DTYPES:
             raise ModelLoadError(
@@ -130,6 +131,8 @@ class SafetensorsFile:
             )
         start = self._data_start + info.begin
         raw = self._map[start:self._data_start + info.end].view(_DISK_DTYPES[info.dtype]).reshape(info.shape)
+        if index is not None:
+            raw = raw[index]
         if info.dtype == _BF16:
             widened = (raw.astype(np.uint32) << _BF16_SHIFT_BITS).view(np.float32)
             return np.ascontiguousarray(widened, dtype=dtype)
@@ -192,8 +195,10 @@ class SafetensorsCheckpoint:
         name: str,
         expected_shape: tuple[int, ...] | None = None,
         dtype: np.dtype | type = np.float32,
+        index=None,
     ) -> np.ndarray:
-        """Tensor `name` as a new C-contiguous `dtype` array, its shape checked if given."""
+        """Tensor `name` (or its `[index]` slice) as a new C-contiguous `dtype` array, the whole
+        tensor's shape checked if given."""
         if name not in self._file_by_tensor:
             where = self._describe_files()
             raise ModelLoadError(where, "missing from the checkpoint", tensor=name)
@@ -203,7 +208,7 @@ class SafetensorsCheckpoint:
             raise ModelLoadError(
                 shard.path, f"shape {list(shape)} does not match the config's {list(expected_shape)}", tensor=name
             )
-        return shard.read(name, np.dtype(dtype))
+        return shard.read(name, np.dtype(dtype), index)
 
     def _describe_files(self) -> pathlib.Path:
         if len(self._files) == 1:

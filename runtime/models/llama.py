@@ -108,7 +108,7 @@ class LlamaModel:
         ops, cfg = self.ops, self.config
         num_tokens = token_ids.shape[0]
         q_size, kv_size = cfg.q_size, cfg.kv_size
-        x = ops.embedding(token_ids, self.embed_tokens)
+        x = self.embed(token_ids)
         residual = None
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
             if residual is None:
@@ -124,10 +124,23 @@ class LlamaModel:
             q, _ = ops.rotary_embedding_and_cache_write(q, k, v, positions, self.cos_sin_cache,
                                                         k_cache, v_cache, slot_mapping)
             attn_out = self._attention(q, k_cache, v_cache, attn)
-            x = ops.linear(attn_out.reshape(num_tokens, q_size), layer.o_t.T, layer.o_bias)
+            x = self.all_reduce(ops.linear(attn_out.reshape(num_tokens, q_size), layer.o_t.T,
+                                           layer.o_bias))
             h, residual = ops.fused_add_rms_norm(x, residual, layer.post_norm, cfg.rms_norm_eps)
-            x = ops.linear(ops.silu_and_mul(ops.linear(h, layer.gate_up_t.T)), layer.down_t.T)
+            x = self.all_reduce(
+                ops.linear(ops.silu_and_mul(ops.linear(h, layer.gate_up_t.T)), layer.down_t.T))
         return x, residual
+
+    # Tensor parallelism overrides these three (runtime/distributed/sharded_model.py): a rank's
+    # embedding is a masked lookup into its vocabulary slice, the row-parallel o_proj / down_proj
+    # outputs are partial sums to all-reduce, and its LM head logits are gathered to rank 0.
+    def embed(self, token_ids: np.ndarray):
+        """token_ids: [num_tokens] int32 -> [num_tokens, hidden] activations."""
+        return self.ops.embedding(token_ids, self.embed_tokens)
+
+    def all_reduce(self, x):
+        """The sum of x over tensor-parallel ranks; one rank: x itself."""
+        return x
 
     def _attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                    attn: AttentionInputs) -> np.ndarray:
