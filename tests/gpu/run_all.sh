@@ -88,6 +88,16 @@ else
 fi
 step bench python benchmarks/kernels/bench_attention.py --device "$DEVICE"
 
+# Issue 7 (GEMM, fused ops, sampling, backends): GEMM TFLOP/s vs cupy.matmul and skinny GB/s vs
+# copy; then the whole model on the kernel backend (cuda: greedy == cpu for a tiny model and
+# the default model, bf16 logits within tolerance; sim: the same checks on the harness).
+step bench_gemm python benchmarks/kernels/bench_gemm.py --device "$DEVICE"
+if [ "$DEVICE" = cuda ]; then
+  step model_cuda python -m pytest -q tests/gpu/test_cuda_backend.py
+else
+  step model_sim python -m pytest -q tests/engine/test_sim_backend.py
+fi
+
 if [ "${#FAILED[@]}" -gt 0 ]; then
   echo "run_all.sh ($DEVICE): FAILED steps: ${FAILED[*]}"
   exit 1
