@@ -92,6 +92,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.num_outputs[rid] = 0
 
     def _schedule_and_execute(self):
+        self.mid_step = True  # cleared by _update; a failure in between leaves it set
         out = self.sched.schedule()
         assert out.num_batched_tokens <= self.cfg.max_num_batched_tokens
         assert out.num_reqs <= self.cfg.max_num_seqs
@@ -129,6 +130,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert sorted(finished) == sorted(expected_finished)
         for rid in finished:
             self._forget(rid)
+        self.mid_step = False
 
     def _forget(self, rid):
         del self.tokens[rid], self.max_tokens[rid], self.num_outputs[rid]
@@ -177,8 +179,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert self.sched.get_token_ids(rid).tolist() == toks, rid
 
     def teardown(self):
-        if not hasattr(self, "sched"):
-            return
+        if not hasattr(self, "sched") or getattr(self, "mid_step", False):
+            return  # not set up, or a step failed: the failure is the report
         for _ in range(MAX_QUIESCE_STEPS):
             if not self.sched.has_unfinished_requests():
                 break
