@@ -15,6 +15,7 @@
 
 #include <dlfcn.h>
 #include <link.h>
+#include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -166,9 +167,14 @@ thread_local unsigned char g_tls_anchor;
 unsigned char* g_static_smem = nullptr;
 std::size_t g_static_smem_bytes = 0;
 
-// Finds this module's PT_TLS segment instance for the calling thread.
+// Finds this module's PT_TLS segment instance for the calling thread (cached per thread id:
+// launches are serialised, and a thread_local cache would itself be poisoned).
+pthread_t g_static_smem_thread{};
 bool locate_static_smem() {
     g_tls_anchor = 0;
+    if (g_static_smem && pthread_equal(g_static_smem_thread, pthread_self()) &&
+        &g_tls_anchor >= g_static_smem && &g_tls_anchor < g_static_smem + g_static_smem_bytes)
+        return true;
     Dl_info info;
     if (!dladdr(reinterpret_cast<void*>(&locate_static_smem), &info)) return false;
     struct Found { const void* base; unsigned char* lo; std::size_t size; } found{
@@ -189,6 +195,7 @@ bool locate_static_smem() {
     if (!found.lo || anchor < found.lo || anchor >= found.lo + found.size) return false;
     g_static_smem = found.lo;
     g_static_smem_bytes = found.size;
+    g_static_smem_thread = pthread_self();
     return true;
 }
 std::mutex g_launch_mutex;  // the static __shared__ storage exists once per module
