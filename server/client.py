@@ -346,6 +346,16 @@ class Client:
 
 
 # --- asyncio client ---------------------------------------------------------------------
+async def _within(awaitable, timeout_s: float):
+    """`await awaitable` with a timeout (asyncio.TimeoutError). Python 3.11's asyncio.timeout,
+    because wait_for before 3.12 can swallow a cancellation that lands as the inner await
+    completes, and a cancelled stream must abort, not keep running."""
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(timeout_s):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, timeout_s)
+
+
 class AsyncStream:
     """Async iterator of `Delta`s; `.result` after exhaustion. `aclose()`, leaving an
     `async with` block, or cancelling the awaiting task aborts the request."""
@@ -365,7 +375,7 @@ class AsyncStream:
         if self._done:
             raise StopAsyncIteration
         try:
-            msg_type, body = await asyncio.wait_for(self._queue.get(), self._client.timeout_s)
+            msg_type, body = await _within(self._queue.get(), self._client.timeout_s)
         except asyncio.TimeoutError:
             await self.aclose()
             raise RequestTimeout(f"no reply for {self.request_id!r} within "
@@ -440,8 +450,7 @@ class AsyncClient:
         self._start()
         async with self._send_lock:
             try:  # with no connected server a send waits forever; bound it
-                await asyncio.wait_for(self._sock.send_multipart(encode(msg_type, body)),
-                                       self.timeout_s)
+                await _within(self._sock.send_multipart(encode(msg_type, body)), self.timeout_s)
             except asyncio.TimeoutError:
                 raise RequestTimeout(f"could not send to the server within {self.timeout_s} s "
                                      "(not connected?)") from None
@@ -470,7 +479,7 @@ class AsyncClient:
         queue = self._queues[rid] = asyncio.Queue()
         try:
             await self._send(msg_type, {"request_id": rid})
-            got, body = await asyncio.wait_for(queue.get(), self.timeout_s)
+            got, body = await _within(queue.get(), self.timeout_s)
         except asyncio.TimeoutError:
             raise RequestTimeout(f"no reply within {self.timeout_s} s") from None
         finally:
@@ -491,7 +500,7 @@ class AsyncClient:
     async def abort(self, request_id: str) -> bool:
         fut = self._aborts[request_id] = asyncio.get_running_loop().create_future()
         await self._send(MsgType.ABORT, {"request_id": request_id})
-        return await asyncio.wait_for(fut, self.timeout_s)
+        return await _within(fut, self.timeout_s)
 
     async def stream(self, prompt: str | None = None, *, prompt_token_ids=None, messages=None,
                      sampling_params=None, request_id: str | None = None) -> AsyncStream:
