@@ -16,7 +16,8 @@ What this module owns
   `SchedulerConfig.check_invariants`): violations raise `SchedulerInvariantError`.
 
 The API, the output fields, the step contract and when `fork_request` is legal are specified
-in docs/scheduler.md. The hot loops run without the GIL.
+in docs/scheduler.md. The hot loops run without the GIL; the scheduler is not thread-safe (one
+engine thread drives it) and a call from another thread during a hot loop raises.
 """
 from libc.stdlib cimport malloc, realloc, free
 from libc.string cimport memcpy, memmove, memset
@@ -163,6 +164,7 @@ cdef class Scheduler:
     cdef int32_t* finished_slots       # [max_num_seqs]
     cdef int64_t step_id
     cdef bint awaiting_update
+    cdef bint in_hot_loop              # a GIL-free section runs (see _enter)
     # counters
     cdef int64_t num_preemptions, prefix_queries, prefix_hits
 
@@ -213,6 +215,7 @@ cdef class Scheduler:
         self.num_preempted = 0
         self.step_id = 0
         self.awaiting_update = False
+        self.in_hot_loop = False
         self.num_preemptions = 0
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -266,6 +269,14 @@ cdef class Scheduler:
         self.free_slots[self.num_free_slots] = s
         self.num_free_slots += 1
 
+    cdef int _enter(self) except -1:
+        # Not thread-safe by design (one engine thread drives it); the hot loops release the
+        # GIL, so a second thread calling in would race on the C state: fail loudly instead.
+        if self.in_hot_loop:
+            raise RuntimeError("Scheduler is not thread-safe: called while schedule() or "
+                               "update_from_output() runs on another thread")
+        return 0
+
     # ---------------------------------------------------------------- waiting queue
     cdef inline bint _served_before(self, int32_t a, int32_t b) noexcept nogil:
         if self.reqs[a].priority != self.reqs[b].priority:
@@ -299,6 +310,7 @@ cdef class Scheduler:
     def add_request(self, request_id: int, prompt_token_ids, max_tokens: int,
                     priority: int = 0, cache_salt: int = 0) -> None:
         """Queue a request. prompt_token_ids: int32 [num_prompt_tokens] (converted if not)."""
+        self._enter()
         if self.awaiting_update:
             raise RuntimeError("add_request between schedule() and update_from_output()")
         prompt = np.ascontiguousarray(prompt_token_ids, dtype=np.int32)
@@ -343,6 +355,7 @@ cdef class Scheduler:
 
     def abort_request(self, request_id: int) -> bool:
         """Remove a request at any point, freeing its blocks; False if it is not live."""
+        self._enter()
         s = self.slot_of.pop(request_id, None)
         if s is None:
             return False
@@ -359,6 +372,7 @@ cdef class Scheduler:
 
     def fork_request(self, parent_id: int, child_id: int, child_last_token_id=None) -> None:
         """Child of a running request in decode state sharing all its blocks (docs/scheduler.md)."""
+        self._enter()
         if self.awaiting_update:
             raise RuntimeError("fork_request between schedule() and update_from_output()")
         if parent_id not in self.slot_of:
@@ -452,13 +466,18 @@ cdef class Scheduler:
     # ---------------------------------------------------------------- the step
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch (design note in _schedule_core) and return it."""
+        self._enter()
         if self.awaiting_update:
             raise RuntimeError("schedule() called again before update_from_output()")
-        with nogil:
-            self._schedule_core()
-        self.step_id += 1
-        self.awaiting_update = True
-        out = self._build_output()
+        self.in_hot_loop = True
+        try:
+            with nogil:
+                self._schedule_core()
+            self.step_id += 1
+            self.awaiting_update = True
+            out = self._build_output()  # also drops the GIL while filling the arrays
+        finally:
+            self.in_hot_loop = False
         if self.run_checks:
             self._check_step(out)
             self.check_invariants()
@@ -687,6 +706,7 @@ cdef class Scheduler:
     def update_from_output(self, SchedulerOutput out, sampled_token_ids, stop_mask=None) -> list:
         """Advance the step's requests; sampled_token_ids int32 [num_reqs] (read where
         out.sample_mask), stop_mask bool [num_reqs] or None. Returns finished request ids."""
+        self._enter()
         if not self.awaiting_update or out.step_id != self.step_id:
             raise RuntimeError(f"update_from_output: expected the output of step {self.step_id} "
                                f"once, got step {out.step_id}")
@@ -706,12 +726,14 @@ cdef class Scheduler:
         cdef const uint32_t[::1] gens = out._slot_gens
         cdef const int32_t[::1] qlens = out.query_lens
         cdef int32_t num_finished = 0
+        self.in_hot_loop = True
         with nogil:
             num_finished = self._update_core(R, &slots[0] if R > 0 else NULL,
                                              &gens[0] if R > 0 else NULL,
                                              &qlens[0] if R > 0 else NULL,
                                              &sampled_view[0] if R > 0 else NULL,
                                              &stop_view[0] if R > 0 else NULL)
+        self.in_hot_loop = False
         if num_finished < 0:
             raise MemoryError("Scheduler: out of host memory")
         finished = []
@@ -720,10 +742,9 @@ cdef class Scheduler:
             s = self.finished_slots[k]
             finished.append(self.reqs[s].req_id)
             del self.slot_of[self.reqs[s].req_id]
-        with nogil:
-            for k in range(num_finished):
-                self.kv.free_blocks(self.finished_slots[k])
-                self._release_slot(self.finished_slots[k])
+        for k in range(num_finished):  # few per step: no need to drop the GIL here
+            self.kv.free_blocks(self.finished_slots[k])
+            self._release_slot(self.finished_slots[k])
         self.awaiting_update = False
         if self.run_checks:
             self.check_invariants()
