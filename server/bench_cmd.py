@@ -168,10 +168,10 @@ def format_table(report: dict) -> str:
     def ms(v):
         return "-" if v is None else f"{v:.1f}"
 
+    errors = f": {', '.join(report['errors'])}" if report["errors"] else ""
     lines = [
         f"completed {report['completed']}/{report['num_prompts']} "
-        f"(failed {report['failed']}{': ' + ', '.join(report['errors']) if report['errors'] else ''})"
-        f" in {report['duration_s']:.2f} s",
+        f"(failed {report['failed']}{errors}) in {report['duration_s']:.2f} s",
         f"throughput: {report['request_throughput_per_s']:.2f} req/s, "
         f"{report['output_token_throughput_per_s']:.1f} output tok/s, "
         f"{report['total_token_throughput_per_s']:.1f} total tok/s",
