@@ -135,7 +135,7 @@ class LLMEngine:
         self.bytes_per_block = kv_bytes_per_block(_kv_config(model_config, config),
                                                   config.block_size,
                                                   self.backend.kv_dtype)
-        self.num_kv_blocks = self._resolve_num_kv_blocks()
+        self.num_kv_blocks = self._resolve_num_kv_blocks(weights)
         self.num_cpu_blocks = (config.swap_space_bytes // self.bytes_per_block
                                if config.preemption_mode == "swap" else 0)
         # The model's EOS ids plus the tokenizer's (chat models end turns with the latter).
@@ -196,12 +196,21 @@ class LLMEngine:
             max_len = window
         return max_len
 
-    def _resolve_num_kv_blocks(self) -> int:
+    def _resolve_num_kv_blocks(self, weights) -> int:
         if self.config.num_kv_blocks is not None:
             if self.config.num_kv_blocks < 1:
                 raise PagedRunError(f"num_kv_blocks: must be >= 1, got {self.config.num_kv_blocks}")
             return self.config.num_kv_blocks
-        budget = self.config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+        budget = self.config.kv_cache_memory_bytes
+        if budget is None and self.device == "cuda":
+            # gpu_memory_utilization x total - weights - the peak of a maximum-size step
+            budget = self.backend.measure_kv_budget(
+                self.model_config, weights, block_size=self.block_size,
+                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                gpu_memory_utilization=self.config.gpu_memory_utilization)
+        elif budget is None:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
         # Never more than every sequence at max length could use.
         useful = self.config.max_num_seqs * math.ceil(self.max_model_len / self.block_size)
         num = min(budget // self.bytes_per_block, useful)

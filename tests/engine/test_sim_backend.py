@@ -184,3 +184,13 @@ def test_backend_factory_and_cuda_import_guard():
     if not cuda_backend.cuda_available():
         with pytest.raises(cuda_backend.CudaNotAvailableError):
             cuda_backend.CudaBackend()
+
+
+def test_kv_budget_arithmetic():
+    from pagedrun.runtime.backends.cuda_backend import kv_cache_budget_bytes
+
+    gib = 2**30
+    # 141 GiB device, 0.9 of it, 1 GiB in use before, 16 GiB weights, 3 GiB step peak.
+    assert kv_cache_budget_bytes(141 * gib, gib, 16 * gib, 3 * gib, 0.9) == \
+        int(0.9 * 141 * gib) - 20 * gib
+    assert kv_cache_budget_bytes(10 * gib, 0, 9 * gib, 2 * gib, 0.9) == 0  # never negative
