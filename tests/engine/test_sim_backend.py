@@ -194,3 +194,18 @@ def test_kv_budget_arithmetic():
     assert kv_cache_budget_bytes(141 * gib, gib, 16 * gib, 3 * gib, 0.9) == \
         int(0.9 * 141 * gib) - 20 * gib
     assert kv_cache_budget_bytes(10 * gib, 0, 9 * gib, 2 * gib, 0.9) == 0  # never negative
+
+
+def test_bench_model_runs_on_the_harness(capsys):
+    """benchmarks/kernels/bench_model.py (the GPU e2e tokens/s table) must keep running."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "bench_model.py"
+    spec = importlib.util.spec_from_file_location("bench_model", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--device", "sim"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()
+            if line.strip() and line.split()[0].isdigit()]
+    assert [int(r[0]) for r in rows] == list(bench.SIM_CONCURRENCY)

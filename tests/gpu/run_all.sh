@@ -92,6 +92,9 @@ step bench python benchmarks/kernels/bench_attention.py --device "$DEVICE"
 # copy; then the whole model on the kernel backend (cuda: greedy == cpu for a tiny model and
 # the default model, bf16 logits within tolerance; sim: the same checks on the harness).
 step bench_gemm python benchmarks/kernels/bench_gemm.py --device "$DEVICE"
+# e2e tokens/s at concurrency 1/32/256; 8 of Llama-3-8B's 32 layers keep the host-side random
+# weights (float32, built matrix by matrix) and the session's device time bounded.
+step bench_model python benchmarks/kernels/bench_model.py --device "$DEVICE" --layers 8
 if [ "$DEVICE" = cuda ]; then
   step model_cuda python -m pytest -q tests/gpu/test_cuda_backend.py
 else
