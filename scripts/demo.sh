@@ -15,8 +15,8 @@ PY="${PYTHON:-python3}"
 READY_TIMEOUT_S=300
 LOG="$(mktemp -t paged-run-demo.XXXXXX.log)"
 
-# `python -m pagedrun.server.serve_cmd serve` is `paged-run serve` (same parser, same run()).
-"$PY" -m pagedrun.server.serve_cmd serve --port "$PORT" --max-model-len 2048 >"$LOG" 2>&1 &
+# `python -m pagedrun` is the `paged-run` CLI (no PATH shim needed).
+"$PY" -m pagedrun serve --port "$PORT" --max-model-len 2048 >"$LOG" 2>&1 &
 SERVER_PID=$!
 cleanup() { if kill -0 "$SERVER_PID" 2>/dev/null; then kill -KILL "$SERVER_PID"; fi; }
 trap cleanup EXIT
