@@ -21,10 +21,12 @@ DTYPES = ("f32", "f16", "bf16")
 # reference computes in float32 on the same (already rounded) inputs, so the budget is the
 # kernel's own roundings: f32 -- exp2 vs exp and summation order; f16 / bf16 -- the tensor-core
 # path rounds P to the input type before P V, and every output is rounded once on store
-# (bf16 keeps 8 bits of mantissa: 2^-8 ~ 4e-3 relative, a few of those in a sum).
-ATTENTION_TOL = {"f32": dict(atol=2e-5, rtol=2e-5),
-                 "f16": dict(atol=4e-3, rtol=4e-3),
-                 "bf16": dict(atol=3e-2, rtol=3e-2)}
+# (bf16 keeps 8 bits of mantissa: 2^-8 ~ 4e-3 relative). Measured under the harness over 6
+# seeds x GQA 1/4/8 x d128: worst error 13% (f32), 33% (f16), 20% (bf16) of these bounds; the
+# rest is headroom for the GPU's approximate exp2 and contracted FMAs.
+ATTENTION_TOL = {"f32": dict(atol=1e-5, rtol=1e-5),
+                 "f16": dict(atol=2e-3, rtol=2e-3),
+                 "bf16": dict(atol=1.6e-2, rtol=1.6e-2)}
 # Rotary: fp32 math and one rounding per store; a contracted fma on the GPU may flip the last
 # bit of a stored 16-bit value.
 ROTARY_TOL = {"f32": dict(atol=1e-5, rtol=1e-5),
