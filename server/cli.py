@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     generate.add_argument("--ignore-eos", action="store_true",
                           help="keep generating past end-of-sequence tokens")
+    generate.add_argument("--device", choices=("auto", "cpu", "sim", "cuda"), default="auto",
+                          help="where the model runs: cuda when CuPy sees a GPU (auto), the "
+                          "numpy backend (cpu), or the CUDA kernels on CPU threads (sim)")
     generate.add_argument("--threads", type=int, default=None, metavar="N",
                           help="CPU threads for the numpy math (default: the BLAS library's "
                           "choice; 1 is steadier on a busy shared machine)")
@@ -122,40 +125,35 @@ def resolve_model_dir(model: str | None, progress: bool = True) -> Any:
 
 
 def generate_token_ids(
-    model: Any,
+    engine: Any,
     prompt_ids: Sequence[int],
     max_new_tokens: int,
     eos_token_ids: Sequence[int],
     temperature: float = 0.0,
     seed: int | None = None,
 ) -> Iterator[int]:
-    """Yield new token ids one at a time; the one call the engine will replace.
+    """Yield new token ids as the paged engine produces them (one request through `step()`).
 
-    Runs the dense reference model with its KV cache. Greedy (temperature 0) picks exactly what
-    `ReferenceModel.greedy_generate` picks; otherwise samples from softmax(logits / T).
-    Stops after an EOS id (which is yielded) or max_new_tokens.
+    `eos_token_ids` empty means "ignore EOS". The EOS token itself, when it ends the request,
+    is yielded last (as `ReferenceModel.greedy_generate` returns it).
     """
-    import numpy as np
+    from pagedrun.runtime.sampling_params import SamplingParams
 
-    from pagedrun.runtime.reference import DenseKVCache
-
-    rng = np.random.default_rng(seed)
-    cache = DenseKVCache(model.config, capacity=max(len(prompt_ids) + max_new_tokens, 1))
-    stop_ids = {int(t) for t in eos_token_ids}
-    next_input = np.asarray(prompt_ids)
-    for _ in range(max_new_tokens):
-        hidden = model.hidden_states(next_input, cache.num_tokens, cache)
-        logits = hidden[-1] @ model.weights.lm_head.T
-        if temperature <= 0.0:
-            token = int(np.argmax(logits))
-        else:
-            scaled = logits.astype(np.float64) / temperature
-            probs = np.exp(scaled - scaled.max())
-            token = int(rng.choice(probs.size, p=probs / probs.sum()))
-        yield token
-        if token in stop_ids:
-            return
-        next_input = np.array([token])
+    # The caller's EOS set is authoritative (it may add the tokenizer's EOS to the model's, or
+    # be empty for --ignore-eos), so it goes in as stop_token_ids rather than the engine's own.
+    params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_new_tokens,
+                            ignore_eos=True, stop_token_ids=sorted(int(t) for t in eos_token_ids))
+    request_id = "cli-generate"
+    engine.add_request(request_id, prompt_token_ids=list(prompt_ids), sampling_params=params)
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == request_id:
+                    yield from out.outputs[0].token_ids
+    finally:
+        # A reader that stops early (closed pipe, Ctrl-C) must not leave the request's blocks held.
+        if engine.has_unfinished_requests():
+            engine.abort_request(request_id)
 
 
 # BLAS libraries read their thread count once, when numpy first loads them.
@@ -191,10 +189,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             return EXIT_USAGE
         limit_blas_threads(args.threads)
     from pagedrun.runtime.detokenizer import IncrementalDetokenizer
+    from pagedrun.runtime.engine import LLMEngine
+    from pagedrun.runtime.engine_config import EngineConfig
     from pagedrun.runtime.model_config import ModelConfig
-    from pagedrun.runtime.reference import ReferenceModel
     from pagedrun.runtime.tokenizer import Tokenizer
-    from pagedrun.runtime.weights import load_model_weights
 
     model_dir = resolve_model_dir(args.model)
     tokenizer = Tokenizer.from_dir(model_dir)
@@ -210,13 +208,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         eos_ids.add(tokenizer.eos_token_id)
     if args.ignore_eos:
         eos_ids = set()
-    model = ReferenceModel(config, load_model_weights(model_dir, config))
+    engine = LLMEngine(EngineConfig(
+        model=str(model_dir), device=args.device,
+        max_model_len=min(len(prompt_ids) + args.max_tokens, config.max_position_embeddings),
+        max_num_seqs=1))
 
     detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=True)
     out = sys.stdout
     if hasattr(out, "reconfigure"):
         out.reconfigure(errors="replace")   # a non-UTF-8 terminal gets '?' rather than a crash
-    for token in generate_token_ids(model, prompt_ids, args.max_tokens, sorted(eos_ids),
+    for token in generate_token_ids(engine, prompt_ids, args.max_tokens, sorted(eos_ids),
                                     args.temperature, args.seed):
         if token in eos_ids:
             break

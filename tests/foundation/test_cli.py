@@ -144,7 +144,7 @@ def test_headline_capital_of_france():
 
 
 def test_streaming_loop_picks_what_greedy_generate_picks(tmp_path):
-    # The CLI streams through its own loop; greedy it must equal the reference's greedy_generate.
+    # The CLI streams through the paged engine; greedy it must equal the reference's greedy_generate.
     from pagedrun.runtime.gguf_convert import convert_gguf
     from pagedrun.runtime.model_config import ModelConfig
     from pagedrun.runtime.reference import ReferenceModel
@@ -154,9 +154,14 @@ def test_streaming_loop_picks_what_greedy_generate_picks(tmp_path):
     tiny = _load_helper().write_tiny_gguf(tmp_path / "tiny.gguf", num_layers=2, seed=9)
     model_dir = convert_gguf(tiny.path, tmp_path / "hf")
     config = ModelConfig.from_model_dir(model_dir)
+    from pagedrun.runtime.engine import LLMEngine
+    from pagedrun.runtime.engine_config import EngineConfig
+
     model = ReferenceModel(config, load_model_weights(model_dir, config))
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", max_model_len=64,
+                                    check_invariants=True))
     for prompt, eos in [([5, 17, 200, 3], ()), ([42], (7,)), (list(range(3, 40)), ())]:
-        streamed = list(generate_token_ids(model, prompt, 12, eos))
+        streamed = list(generate_token_ids(engine, prompt, 12, eos))
         assert streamed == model.greedy_generate(prompt, 12, eos)
 
 
