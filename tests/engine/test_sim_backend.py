@@ -119,6 +119,17 @@ def test_bf16_sim_logits_within_tolerance_of_numpy(sim_model):
     np.testing.assert_array_equal(got.argmax(1)[clear], expected.argmax(1)[clear])
 
 
+def test_fp16_sim_logits_close_to_numpy_fp32(sim_model):
+    """float16 kernels (10 mantissa bits) on the fp32 weights: within a quarter of the bf16 budget."""
+    config, weights = sim_model
+    sim = make_backend("sim", "float16")
+    got = _run_two_steps(LlamaModel(config, weights, sim, max_position=256), sim, config, 21)
+    ref = NumpyBackend()
+    expected = _run_two_steps(LlamaModel(config, weights, ref, max_position=256), ref, config, 21)
+    err = np.abs(got - expected)
+    assert np.all(err <= (BF16_LOGIT_ATOL + BF16_LOGIT_RTOL * np.abs(expected)) / 4), err.max()
+
+
 def test_devices_refuse_what_they_cannot_run(tiny_model, sim_model):
     with pytest.raises(UnsupportedKernelShape, match="head_dim 16"):
         make_engine(tiny_model, device="sim", num_kv_blocks=8)  # tiny_model: head_dim 16
