@@ -57,6 +57,28 @@ def test_sim_greedy_equals_cpu_with_chunked_prefill_and_prefix_hits(sim_model):
     assert got == expected
 
 
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_sim_greedy_equals_cpu_under_preemption(sim_model, preemption_mode):
+    """A tiny pool forces preemption: swap moves blocks device <-> host through block_copy.cu."""
+    from pagedrun.runtime.model_runner import kv_bytes_per_block
+
+    rng = np.random.default_rng(21)
+    prompts = [rng.integers(3, sim_model[0].vocab_size, n).tolist() for n in (60, 45, 70, 33)]
+    tokens, preemptions = {}, {}
+    for device in ("cpu", "sim"):
+        swap = 32 * kv_bytes_per_block(sim_model[0], 16) if preemption_mode == "swap" else 0
+        engine = make_engine(sim_model, device=device, num_kv_blocks=12, block_size=16,
+                             max_model_len=192, max_num_batched_tokens=64,
+                             preemption_mode=preemption_mode, swap_space_bytes=swap)
+        outs = run_requests(engine, [(0, f"r{i}", dict(prompt_token_ids=p,
+                                                       sampling_params=greedy(16)))
+                                     for i, p in enumerate(prompts)])
+        tokens[device] = {k: v.outputs[0].token_ids for k, v in outs.items()}
+        preemptions[device] = engine.get_stats()["num_preemptions_total"]
+    assert preemptions["sim"] > 0
+    assert tokens["sim"] == tokens["cpu"]
+
+
 def test_llm_device_sim_matches_cpu(sim_model, tmp_path):
     from pagedrun import LLM
     from test_engine_admission import _save_hf_dir
