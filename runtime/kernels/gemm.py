@@ -16,12 +16,14 @@ import numpy as np
 
 from .attention import device_num_sms
 from .gemm_plan import (SKINNY, SKINNY_ROWS_PER_WARP, SKINNY_THREADS, SKINNY_WARPS, TC_BK,
-                        TC_STAGES, TC_THREADS, TC_TILE, GemmPlan, plan_gemm, tc_aligned)
+                        TC_STAGES, TC_THREADS, TC_TILE, TENSOR_CORE, GemmPlan, plan_gemm,
+                        tc_aligned)
 from .kernel_args import array_module, dtype_suffix, require, require_contiguous
 
 _OUT_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
                np.dtype(np.uint16): "bf16"}
 SKINNY_SMEM_BYTES_PER_ROW = 512  # one k-tile of a row: 32 lanes x 16 bytes
+VEC16_BYTES = 16
 
 
 def gemm_smem_bytes(dtype_name: str) -> int:
@@ -34,6 +36,16 @@ def gemm_smem_bytes(dtype_name: str) -> int:
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _data_ptr(x) -> int:
+    return x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
+
+
+def vec16_aligned(*arrays) -> bool:
+    """Every array starts on a 16-byte boundary (16-byte loads and cp.async need it; a row
+    view of a larger matrix may not)."""
+    return all(_data_ptr(x) % VEC16_BYTES == 0 for x in arrays)
 
 
 def _nullable(x, xp):
@@ -79,9 +91,16 @@ def gemm(module, a, b, *, b_layout: str = "nk", bias=None, residual=None, out=No
     require(K > 0, "K must be >= 1 (an empty reduction has no kernel)")
     if M == 0 or N == 0:
         return out
+    base_aligned = vec16_aligned(a, b)
     if plan is None:
         plan = plan_gemm(M, N, K, dtype_name=suffix, b_layout=b_layout,
                          num_sms=num_sms or device_num_sms(xp))
+        if not base_aligned:  # element-wise loads (and the fp32 SIMT path) take any address
+            plan = plan._replace(kind=TENSOR_CORE, m_tile=TC_TILE[suffix][0], num_splits=1,
+                                 k_split=K, aligned=False)
+    require(base_aligned or (plan.kind != SKINNY and (suffix == "f32" or not plan.aligned)),
+            "a or b does not start on a 16-byte boundary: only the unaligned tensor-core "
+            "instantiation can read it")
     scalars = (np.int32(M), np.int32(N), np.int32(K))
     bias_arg, residual_arg = _nullable(bias, xp), _nullable(residual, xp)
     null = _nullable(None, xp)

@@ -126,6 +126,23 @@ def test_linear_takes_the_models_transposed_weights(rng, dt):
         assert_close(result_f32(out, dt), expected, _tol(dt, K), f"linear {dt}")
 
 
+@pytest.mark.parametrize("dt", ("f32", "bf16"))
+def test_row_views_off_a_16_byte_boundary(rng, dt):
+    """a = rows 1.. of a matrix whose rows are 8 bytes long: not 16-byte aligned. The planned
+    call falls back to element-wise loads; a forced skinny plan is refused, never misread."""
+    M, N, K = 5, 24, 64
+    full, full_ref = as_kernel_dtype(rng.standard_normal((M + 1, K)), dt)
+    w, w_ref = as_kernel_dtype(rng.standard_normal((N, K)), dt)
+    flat = np.concatenate([np.zeros(4 // full.itemsize, full.dtype), full.ravel()])
+    a = flat[4 // full.itemsize:].reshape(M + 1, K)[1:]  # starts 4 bytes past an aligned row
+    assert a.flags.c_contiguous and (a.ctypes.data % 16) != 0
+    out = gemm(module(), a, w, num_sms=SIM_NUM_SMS)
+    expected = full_ref[1:].astype(np.float64) @ w_ref.astype(np.float64).T
+    assert_close(result_f32(out, dt), expected, _tol(dt, K), f"misaligned {dt}")
+    with pytest.raises(UnsupportedKernelShape, match="16-byte boundary"):  # 16-byte loads
+        gemm(module(), a, w, plan=skinny_plan(M, N, K, dt, SIM_NUM_SMS), num_sms=SIM_NUM_SMS)
+
+
 def test_plan_picks_kernels():
     assert plan_gemm(1, 4096, 4096, dtype_name="bf16", b_layout="nk", num_sms=132).kind == SKINNY
     assert plan_gemm(SKINNY_MAX_M, 4096, 4096, dtype_name="bf16", b_layout="nk",
