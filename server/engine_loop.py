@@ -7,9 +7,10 @@ validation and reply encoding therefore run while the model computes (numpy and 
 the GIL in their kernels), and a slow client never delays a step.
 
 Events posted (tuples): ("outputs", list[RequestOutput]), ("rejected", engine_request_id, code,
-message), ("failed", message). After each step a fresh `engine.get_stats()` snapshot is stored in
-`latest_stats` *before* the step's outputs are posted, so a client that saw its final frame and
-then asks for stats sees the blocks of its request already freed.
+message), ("failed", message, engine_dead: the server must fail everything and exit). After
+each step a fresh `engine.get_stats()` snapshot is stored in `latest_stats` *before* the step's
+outputs are posted, so a client that saw its final frame and then asks for stats sees the blocks
+of its request already freed.
 """
 from __future__ import annotations
 
@@ -83,10 +84,12 @@ class EngineLoop:
             try:
                 outputs = engine.step()
                 self.latest_stats = dict(engine.get_stats())
-            except Exception:
+            except Exception as exc:
                 message = traceback.format_exc(limit=3)
                 log.error("engine step failed:\n%s", message)
-                self.events.put(("failed", message.strip().splitlines()[-1]))
+                # engine_dead (a lost tensor-parallel rank): no later step can succeed.
+                self.events.put(("failed", message.strip().splitlines()[-1],
+                                 bool(getattr(exc, "engine_dead", False))))
                 self.notify()
                 continue
             if outputs:

@@ -28,6 +28,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     eng = p.add_argument_group("engine (vLLM names)")
     eng.add_argument("--device", default="auto", choices=("auto", "cpu", "sim", "cuda"))
     eng.add_argument("--tensor-parallel-size", type=int, default=1)
+    eng.add_argument("--nnodes", type=int, default=1,
+                     help="tensor parallel over this many nodes (tp/nnodes ranks on each)")
+    eng.add_argument("--node-rank", type=int, default=0,
+                     help="this node's index; > 0 runs headless workers that join node 0")
+    eng.add_argument("--master-addr", default=None, metavar="HOST:PORT",
+                     help="node 0's tensor-parallel control address (all nodes give the same)")
     eng.add_argument("--max-model-len", type=int, default=None)
     eng.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     eng.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32, 64))
@@ -89,7 +95,8 @@ def build_engine(args):
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        tensor_parallel_size=args.tensor_parallel_size, seed=args.seed))
+        tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
+        master_addr=args.master_addr, seed=args.seed))
 
 
 def startup_summary(info: dict, endpoint: str, curve: bool) -> str:
@@ -130,18 +137,35 @@ def run(args) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.node_rank > 0:  # headless: this node's tensor-parallel workers only
+        from pagedrun.runtime.distributed.node import run_node
+
+        if not args.master_addr:
+            raise SystemExit("paged-run serve: --node-rank > 0 needs --master-addr HOST:PORT")
+        return run_node(args.master_addr, args.tensor_parallel_size, args.nnodes, args.node_rank)
+    if args.nnodes > 1 and not args.master_addr:
+        raise SystemExit("paged-run serve: --nnodes > 1 needs --master-addr HOST:PORT "
+                         "(an address of this node the other nodes can reach)")
     config = server_config_from_args(args)
     engine = build_engine(args)
-    server = Server(engine, config)
+    try:
+        server = Server(engine, config)
 
-    def announce():  # once bound, so the endpoint printed is the real one (port 0 / '*')
-        endpoint = server.wait_bound(60)
-        if endpoint:
-            print(startup_summary(server.model_info, endpoint, config.curve is not None),
-                  flush=True)
+        def announce():  # once bound, so the endpoint printed is the real one (port 0 / '*')
+            endpoint = server.wait_bound(60)
+            if endpoint:
+                print(startup_summary(server.model_info, endpoint, config.curve is not None),
+                      flush=True)
 
-    threading.Thread(target=announce, daemon=True).start()
-    return serve_until_signalled(server)
+        threading.Thread(target=announce, daemon=True).start()
+        code = serve_until_signalled(server)
+    finally:
+        engine.close()  # tensor parallel: the workers exit (or are killed) before we do
+    if server.engine_dead is not None:
+        print(f"paged-run serve: stopped, the engine failed: {server.engine_dead}",
+              file=sys.stderr, flush=True)
+        return 1
+    return code
 
 
 def main(argv=None) -> int:

@@ -103,6 +103,7 @@ class Server:
         self._last_seen: dict[bytes, float] = {}
         self._next_id = 0
         self._shutdown = threading.Event()
+        self.engine_dead: str | None = None  # why, once a step failed for good (lost TP rank)
         self._bound = threading.Event()
         self._draining = False
         self.endpoint: str | None = None
@@ -340,6 +341,11 @@ class Server:
                     if not req.orphaned:
                         self._send_error(req.identity, code, message, req.client_id)
             elif event[0] == "failed":
+                if event[2] and self.engine_dead is None:  # fail everything below, then exit
+                    self.engine_dead = event[1]
+                    log.error("engine is dead (%s): failing in-flight requests, shutting down",
+                              event[1])
+                    self.request_shutdown()
                 for req in list(self._requests.values()):
                     if not req.orphaned:
                         self._send_error(req.identity, ErrorCode.INTERNAL_ERROR,

@@ -221,7 +221,7 @@ class TensorParallelExecutor:
         deadline = time.monotonic() + timeout_s
         ready = set()
         while len(ready) < self.tp_size - 1:
-            self._check_alive()
+            self._check_connections()  # not _check_alive: it would swallow the ready messages
             if time.monotonic() > deadline:
                 raise PeerLostError(f"tensor parallel: ranks "
                                     f"{sorted(set(self._identities) - ready)} did not load their "
@@ -244,11 +244,15 @@ class TensorParallelExecutor:
                 raise PeerLostError(f"tensor parallel rank {rank} (pid {proc.pid}) exited "
                                     f"with code {code}")
 
-    def _check_alive(self) -> None:
-        """Raise PeerLostError if any rank is gone or has reported an error."""
+    def _check_connections(self) -> None:
         self._check_local_workers()
         if self._watch.check():
             raise PeerLostError("tensor parallel: a worker's connection dropped")
+
+    def _check_alive(self) -> None:
+        """Between steps: raise PeerLostError if any rank is gone or has reported an error
+        (the only message a worker sends after `ready`)."""
+        self._check_connections()
         while True:
             msg = self._recv_control(0)
             if msg is None:

@@ -16,8 +16,10 @@ reported to the driver as an `error` message before the worker exits with EXIT_E
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -166,6 +168,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s rank{args.rank} %(levelname)s %(name)s: %(message)s")
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints a stuck worker's stacks
     started = time.monotonic()
     code = run_worker(args.master_addr, args.rank, args.local_rank, args.join_timeout)
     log.info("rank %d exits %d after %.1f s", args.rank, code, time.monotonic() - started)
