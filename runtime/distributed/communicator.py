@@ -63,6 +63,7 @@ class ConnectionWatch:
     """Reports when any connection of `sock` drops, through a ZeroMQ socket monitor."""
 
     def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
         self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.lost = False
 
@@ -75,6 +76,10 @@ class ConnectionWatch:
         return self.lost
 
     def close(self) -> None:
+        # Unbind the monitor's inproc endpoint (named after the socket's fd, which a later
+        # socket of this context may reuse) before closing.
+        if not self.sock.closed:
+            self.sock.disable_monitor()
         self.monitor.close(linger=0)
 
 
