@@ -6,6 +6,8 @@
 #   3. twins     the PTX twin check: on cuda, tests/gpu/test_ptx_twins.py (each host twin in
 #                cuda/sim/twins.cuh against the real instruction); on sim, tests/sim/test_twins.py
 #   4. bench     the benchmark table (benchmarks/kernels/bench_attention.py)
+#   5. tp        tensor parallelism at TP=1 through the whole path (NCCL on cuda) against the
+#                plain ModelRunner (tests/distributed/gpu_tp_check.py)
 #
 #   bash tests/gpu/run_all.sh                 # on a GPU machine (cupy installed)
 #   bash tests/gpu/run_all.sh --device sim    # rehearsal on the CPU harness, no GPU needed
@@ -87,6 +89,7 @@ else
   step twins python -m pytest -q tests/sim/test_twins.py
 fi
 step bench python benchmarks/kernels/bench_attention.py --device "$DEVICE"
+step tp python tests/distributed/gpu_tp_check.py --device "$DEVICE"
 
 # Issue 7 (GEMM, fused ops, sampling, backends): GEMM TFLOP/s vs cupy.matmul and skinny GB/s vs
 # copy; then the whole model on the kernel backend (cuda: greedy == cpu for a tiny model and
