@@ -35,6 +35,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import msgpack
@@ -136,6 +137,7 @@ class TensorParallelExecutor:
             self.control.bind(zmq_tcp(host, port))
         self.master_addr = master_addr
         self.comm = None
+        self._watchdog: _Watchdog | None = None
         atexit.register(self.close)
         try:
             self._start(model_dir, device, dtype, block_size, max_model_len, num_gpu_blocks,
@@ -176,6 +178,8 @@ class TensorParallelExecutor:
             self.comm.wait_for_peers(rendezvous_timeout_s)
         self.runner = build_rank(plan, 0, self.comm, ops)
         self._wait_ready(DEFAULT_LOAD_TIMEOUT_S)
+        if hasattr(self.comm, "abort"):
+            self.start_watchdog()
         log.info("tensor parallel: %d ranks on %d node(s), control %s, local workers %s",
                  self.tp_size, nnodes, self.master_addr,
                  {r: p.pid for r, p in self._procs.items()})
@@ -245,9 +249,24 @@ class TensorParallelExecutor:
                                     f"with code {code}")
 
     def _check_connections(self) -> None:
+        if self._watchdog is not None:  # it owns the monitor socket now (not thread-safe)
+            if self._watchdog.lost is not None:
+                raise PeerLostError(self._watchdog.lost)
+            return
         self._check_local_workers()
         if self._watch.check():
             raise PeerLostError("tensor parallel: a worker's connection dropped")
+
+    def start_watchdog(self) -> None:
+        """Watch the ranks from a thread that aborts the communicator when one is lost.
+
+        NCCL collectives block rank 0 inside CUDA calls no Python timeout reaches; a rank that
+        dies mid-collective would hang it. The watchdog calls `comm.abort()`
+        (ncclCommAbort), so the blocked call returns with an error and `execute` fails as on
+        the CPU. Started after the rendezvous on communicators that have `abort`.
+        """
+        self._watchdog = _Watchdog(self)
+        self._watchdog.start()
 
     def _check_alive(self) -> None:
         """Between steps: raise PeerLostError if any rank is gone or has reported an error
@@ -292,6 +311,9 @@ class TensorParallelExecutor:
                     self.control.send_multipart([identity, b"shutdown"], zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
+        if self._watchdog is not None:
+            self._watchdog.stop.set()
+            self._watchdog.join()
         kill_workers(self._procs, SHUTDOWN_GRACE_S if self.dead is None else 0.0)
         if self.comm is not None:
             self.comm.close()
@@ -301,3 +323,27 @@ class TensorParallelExecutor:
         self._ctx = None
         atexit.unregister(self.close)
 
+
+
+class _Watchdog(threading.Thread):
+    """TensorParallelExecutor.start_watchdog's thread: polls the local workers and the control
+    connections every POLL_INTERVAL_S; on a loss records why and aborts the communicator."""
+
+    def __init__(self, executor: TensorParallelExecutor) -> None:
+        super().__init__(name="pagedrun-tp-watchdog", daemon=True)
+        self.executor = executor
+        self.stop = threading.Event()
+        self.lost: str | None = None
+
+    def run(self) -> None:
+        ex = self.executor
+        while not self.stop.wait(POLL_INTERVAL_S):
+            try:
+                ex._check_local_workers()
+                if ex._watch.check():
+                    raise PeerLostError("tensor parallel: a worker's connection dropped")
+            except PeerLostError as exc:
+                self.lost = str(exc)
+                log.error("watchdog: %s; aborting the communicator", exc)
+                ex.comm.abort()
+                return

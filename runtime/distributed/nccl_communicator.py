@@ -88,6 +88,13 @@ class NcclCommunicator:
             return None
         return [out[r] for r in range(self.world_size)]
 
+    def abort(self) -> None:
+        """ncclCommAbort, from the executor's watchdog thread: a collective blocked on a lost
+        rank returns with an error instead of hanging."""
+        comm = self.comm
+        if comm is not None:
+            comm.abort()
+
     def close(self) -> None:
         comm, self.comm = self.comm, None
         if comm is not None:

@@ -172,3 +172,29 @@ def test_unshardable_models_refused(tmp_path, heads, kv_heads, tp, needle):
         LLMEngine(EngineConfig(model=model_dir, device="cpu", tensor_parallel_size=tp))
     assert needle in str(info.value)
     assert set(worker_pids(os.getpid())) - before == set()
+
+
+def test_watchdog_aborts_the_communicator_when_a_rank_dies(tmp_path):
+    """The NCCL guard (a blocked collective cannot time out) exercised on the CPU: the watchdog
+    notices a killed worker and calls the communicator's abort; the next step fails."""
+    model_dir = write_model_dir(tmp_path / "m")
+    config = ModelConfig.from_model_dir(model_dir)
+    executor = TensorParallelExecutor(model_dir, config, tp_size=2, device="cpu", dtype="auto",
+                                      block_size=16, max_model_len=256, num_gpu_blocks=8,
+                                      num_cpu_blocks=0)
+    aborted = []
+    executor.comm.abort = lambda: aborted.append(time.monotonic())
+    executor.start_watchdog()
+    try:
+        (worker,) = worker_pids(os.getpid())
+        killed = time.monotonic()
+        os.kill(worker, signal.SIGKILL)
+        deadline = killed + 10
+        while not aborted and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert aborted, "the watchdog did not abort the communicator"
+        with pytest.raises(PeerLostError, match="exited|dropped"):
+            executor.execute(None)
+    finally:
+        executor.close()
+    assert worker_pids(os.getpid()) == []
