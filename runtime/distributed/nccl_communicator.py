@@ -34,9 +34,9 @@ class NcclNotAvailableError(PagedRunError):
 
 def _require_nccl() -> None:
     if nccl is None or not getattr(nccl, "available", True):
-        raise NcclNotAvailableError("tensor parallelism on cuda needs CuPy with NCCL "
-                                    "(pip install cupy-cuda12x; python -m cupyx.tools.install_library "
-                                    "--library nccl --cuda 12.x)")
+        raise NcclNotAvailableError(
+            "tensor parallelism on cuda needs CuPy with NCCL (pip install cupy-cuda12x; "
+            "python -m cupyx.tools.install_library --library nccl --cuda 12.x)")
 
 
 def _nccl_dtype(dtype) -> int:

@@ -97,3 +97,12 @@ def test_silent_peer_times_out():
         root.all_reduce(np.ones(4, np.float32))
     peer.close()
     root.close()
+
+
+def test_nccl_communicator_without_cupy_says_what_to_install():
+    from pagedrun.runtime.distributed import nccl_communicator
+
+    if nccl_communicator.nccl is not None:
+        pytest.skip("CuPy with NCCL is installed here (tests/gpu/run_all.sh covers it)")
+    with pytest.raises(nccl_communicator.NcclNotAvailableError, match="cupy"):
+        nccl_communicator.NcclCommunicator(0, 1, [0] * 128)

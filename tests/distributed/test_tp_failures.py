@@ -84,7 +84,7 @@ def test_worker_killed_mid_generation(tmp_path):
         assert "paged-run serve" in proc.stdout.readline()
         workers = worker_pids(proc.pid)
         assert len(workers) == 1
-        params = {"max_tokens": 400, "ignore_eos": True, "temperature": 0.0}
+        params = {"max_tokens": 500, "ignore_eos": True, "temperature": 0.0}
         with Client(f"tcp://127.0.0.1:{port}", timeout_s=SERVE_START_TIMEOUT_S) as client:
             streams = [client.stream(prompt_token_ids=[5 + i, 6, 7], sampling_params=params)
                        for i in range(3)]
