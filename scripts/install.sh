@@ -16,8 +16,8 @@ for arg in "$@"; do
   esac
 done
 
-# Debian packages: libzmq + msgpack-c for the C client example, boost.context for the CPU
-# execution harness's fibers (if used), pkg-config to find them.
+# Debian packages: libzmq + msgpack-c for the C client example (examples/c_client), and
+# pkg-config to find them. (The CPU execution harness brings its own fiber switch.)
 APT_PACKAGES=(pkg-config libzmq3-dev libmsgpack-dev)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
