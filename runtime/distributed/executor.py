@@ -67,6 +67,19 @@ def ranks_of_node(tp_size: int, nnodes: int, node_rank: int) -> range:
     return range(node_rank * per_node, (node_rank + 1) * per_node)
 
 
+def bind_host(host: str) -> str:
+    """An address ZeroMQ can bind: IP literals as they are, host names resolved (bind takes
+    interfaces and addresses, not DNS names)."""
+    import ipaddress
+    import socket
+
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        return socket.gethostbyname(host)
+
+
 def spawn_workers(master_addr: str, ranks: range, per_node: int, join_timeout_s: float
                   ) -> dict[int, subprocess.Popen]:
     """One worker process per rank, each in its own session (so its process group can be
@@ -99,11 +112,9 @@ def kill_workers(procs: dict[int, subprocess.Popen], grace_s: float = 0.0) -> No
 def start_tensor_parallel(engine, model_config) -> "TensorParallelExecutor":
     """The executor of an LLMEngine whose config has tensor_parallel_size > 1 (rank 0 on the
     engine's backend; KV sizes as the engine computed them per rank)."""
-    from pagedrun.runtime.engine import resolve_model_dir
-
     config = engine.config
     return TensorParallelExecutor(
-        resolve_model_dir(config.model), model_config, tp_size=config.tensor_parallel_size,
+        config.model, model_config, tp_size=config.tensor_parallel_size,
         device=engine.device, dtype=config.dtype, block_size=engine.block_size,
         max_model_len=engine.max_model_len, num_gpu_blocks=engine.num_kv_blocks,
         num_cpu_blocks=engine.num_cpu_blocks, nnodes=config.nnodes,
@@ -113,11 +124,14 @@ def start_tensor_parallel(engine, model_config) -> "TensorParallelExecutor":
 class TensorParallelExecutor:
     """ModelRunner's `execute` over tp ranks; rank 0 in this process."""
 
-    def __init__(self, model_dir: str, model_config, *, tp_size: int, device: str, dtype: str,
+    def __init__(self, model: str | None, model_config, *, tp_size: int, device: str, dtype: str,
                  block_size: int, max_model_len: int, num_gpu_blocks: int, num_cpu_blocks: int,
                  nnodes: int = 1, master_addr: str | None = None,
                  rendezvous_timeout_s: float = DEFAULT_RENDEZVOUS_TIMEOUT_S,
                  collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, ops=None) -> None:
+        """model: as EngineConfig.model (a directory, a .gguf, None for the default model);
+        every rank resolves it on its own node, so the default model and converted GGUFs need
+        no shared path across nodes (a directory must exist at the same path on each)."""
         check_shardable(model_config, tp_size)
         self.tp_size = tp_size
         self.dead: str | None = None  # why, once a rank is lost
@@ -134,13 +148,13 @@ class TensorParallelExecutor:
             master_addr = f"127.0.0.1:{port}"
         else:
             host, port = parse_master_addr(master_addr)
-            self.control.bind(zmq_tcp(host, port))
+            self.control.bind(zmq_tcp(bind_host(host), port))
         self.master_addr = master_addr
         self.comm = None
         self._watchdog: _Watchdog | None = None
         atexit.register(self.close)
         try:
-            self._start(model_dir, device, dtype, block_size, max_model_len, num_gpu_blocks,
+            self._start(model, device, dtype, block_size, max_model_len, num_gpu_blocks,
                         num_cpu_blocks, nnodes, rendezvous_timeout_s, collective_timeout_s, ops)
         except BaseException:
             self.close()
@@ -148,13 +162,13 @@ class TensorParallelExecutor:
 
     # ------------------------------------------------------------------ start-up
 
-    def _start(self, model_dir, device, dtype, block_size, max_model_len, num_gpu_blocks,
+    def _start(self, model, device, dtype, block_size, max_model_len, num_gpu_blocks,
                num_cpu_blocks, nnodes, rendezvous_timeout_s, collective_timeout_s, ops) -> None:
         local = ranks_of_node(self.tp_size, nnodes, 0)
         self._procs = spawn_workers(self.master_addr, range(1, local.stop), len(local),
                                     rendezvous_timeout_s)
         self._identities = self._rendezvous(nnodes, rendezvous_timeout_s)
-        plan = {"model_dir": str(model_dir), "tp_size": self.tp_size, "device": device,
+        plan = {"model": None if model is None else str(model), "tp_size": self.tp_size, "device": device,
                 "dtype": dtype, "block_size": block_size, "max_model_len": max_model_len,
                 "num_gpu_blocks": num_gpu_blocks, "num_cpu_blocks": num_cpu_blocks,
                 "collective_timeout_s": collective_timeout_s, "nccl_unique_id": None,
@@ -164,7 +178,7 @@ class TensorParallelExecutor:
 
             plan["nccl_unique_id"] = NcclCommunicator.make_unique_id()
         else:
-            host = parse_master_addr(self.master_addr)[0]
+            host = bind_host(parse_master_addr(self.master_addr)[0])
             self.comm = CpuCommunicator(0, self.tp_size, bind=zmq_tcp(host, 0),
                                         timeout_s=collective_timeout_s, context=self._ctx)
             plan["comm_address"] = self.comm.address

@@ -4,7 +4,9 @@
 
 Life of a worker (the driver's side is executor.py; the messages are listed there):
   1. connect a DEALER to the driver's control ROUTER and say hello (rank, pid, host);
-  2. receive the plan (model, device, dtype, KV sizes, the communicator's address or NCCL id);
+  2. receive the plan (model as the user named it, resolved here: a directory, a .gguf (its
+     converted cache on this node), or None (this node's default model); device, dtype, KV
+     sizes, the communicator's address or the NCCL unique id);
   3. read only its shard from the safetensors files, build its communicator, its
      ShardedLlamaModel and a ModelRunner whose KV pools hold only its KV heads; report ready;
   4. loop: each step message -> `runner.execute` (the collectives inside keep the ranks in step;
@@ -61,7 +63,9 @@ def build_rank(plan: dict, rank: int, comm, ops=None):
     from pagedrun.runtime.model_config import ModelConfig
     from pagedrun.runtime.model_runner import ModelRunner
 
-    model_dir = plan["model_dir"]
+    from pagedrun.runtime.engine import resolve_model_dir
+
+    model_dir = resolve_model_dir(plan["model"])
     config = ModelConfig.from_model_dir(model_dir)
     spec = shard_spec(config, plan["tp_size"], rank)
     if ops is not None:

@@ -31,7 +31,7 @@ EXIT_TIMEOUT_S = 30
 
 def test_two_nodes_form_one_tp4_group(tmp_path):
     model_dir = write_model_dir(tmp_path / "m", vocab_size=VOCAB, num_key_value_heads=2)
-    addr = f"127.0.0.1:{free_port()}"
+    addr = f"localhost:{free_port()}"  # a host name, as users give it (bound resolved)
     # Node 1 first: its workers keep knocking until node 0's control socket is bound.
     node1 = subprocess.Popen([*PAGED_RUN, "serve", "--tensor-parallel-size", "4", "--nnodes",
                               "2", "--node-rank", "1", "--master-addr", addr,
