@@ -84,9 +84,10 @@ def write_model_dir(path, seed: int = 0, **overrides) -> str:
 
 
 def make_engine(model_dir: str, tp: int, device: str = "cpu", **kwargs) -> LLMEngine:
+    config = {"num_kv_blocks": 64, "max_num_seqs": 8, "max_num_batched_tokens": 48,
+              "check_invariants": True, **kwargs}
     return LLMEngine(EngineConfig(model=model_dir, device=device, tensor_parallel_size=tp,
-                                  num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=48,
-                                  check_invariants=True, **kwargs))
+                                  **config))
 
 
 def prompts(vocab_size: int, seed: int = 1) -> list[list[int]]:

@@ -1,0 +1,59 @@
+"""Every block move and logits path of a step reaches the workers: at TP=2, a run that swaps
+sequences out and back in (a KV pool too small for the batch), forks n = 2 samples onto shared
+prompt blocks (copy-on-write), asks for prompt logprobs (extra gathered logits rows) and seeded
+random sampling produces exactly TP=1's tokens, and logprobs equal to float32 rounding."""
+from __future__ import annotations
+
+import numpy as np
+
+from tp_helpers import make_engine, prompts, write_model_dir
+
+from pagedrun.runtime.sampling_params import SamplingParams
+
+VOCAB = 389
+LOGPROB_ATOL = 1e-4
+
+
+def run(engine, prompt_ids):
+    results = {}
+    for i, ids in enumerate(prompt_ids):
+        params = SamplingParams(temperature=0.8, top_k=50, seed=100 + i, n=2, max_tokens=12,
+                                ignore_eos=True, logprobs=2,
+                                prompt_logprobs=2 if i % 2 else None)
+        engine.add_request(f"r{i}", prompt_token_ids=ids, sampling_params=params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            entry = results.setdefault(out.request_id, {"prompt": None, "seqs": {}})
+            if out.prompt_logprobs is not None:
+                entry["prompt"] = out.prompt_logprobs
+            for comp in out.outputs:
+                seq = entry["seqs"].setdefault(comp.index, ([], []))
+                seq[0].extend(comp.token_ids)
+                seq[1].extend(comp.logprobs or [])
+    return results, engine.get_stats()["num_preemptions_total"]
+
+
+def test_swap_fork_prompt_logprobs_match_tp1(tmp_path):
+    model_dir = write_model_dir(tmp_path / "m", vocab_size=VOCAB, num_key_value_heads=2)
+    kw = dict(num_kv_blocks=14, preemption_mode="swap", swap_space_bytes=1 << 22)
+    ps = prompts(VOCAB)
+    ref, ref_preemptions = run(make_engine(model_dir, 1, **kw), ps)
+    engine = make_engine(model_dir, 2, **kw)
+    try:
+        got, preemptions = run(engine, ps)
+    finally:
+        engine.close()
+    assert ref_preemptions > 0 and preemptions == ref_preemptions  # swaps really happened
+    assert got.keys() == ref.keys()
+    for rid in ref:
+        assert got[rid]["seqs"].keys() == ref[rid]["seqs"].keys() == {0, 1}
+        for index, (ref_tokens, ref_lps) in ref[rid]["seqs"].items():
+            tokens, lps = got[rid]["seqs"][index]
+            assert tokens == ref_tokens
+            np.testing.assert_allclose([lp.logprob for lp in lps],
+                                       [lp.logprob for lp in ref_lps], atol=LOGPROB_ATOL)
+        if ref[rid]["prompt"] is not None:
+            want = [lp.logprob for lp in ref[rid]["prompt"][1:]]
+            have = [lp.logprob for lp in got[rid]["prompt"][1:]]
+            assert len(have) == len(want) > 0
+            np.testing.assert_allclose(have, want, atol=LOGPROB_ATOL)
