@@ -104,3 +104,30 @@ def test_default_model_tp3_serves_transformers_tokens():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _serve_args(*argv):
+    import argparse
+
+    from pagedrun.server import serve_cmd
+
+    parser = argparse.ArgumentParser(prog="paged-run")
+    serve_cmd.add_parser(parser.add_subparsers(dest="command", required=True))
+    return serve_cmd, parser.parse_args(["serve", *argv])
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--tensor-parallel-size", "4", "--nnodes", "2", "--node-rank", "1"], "needs --master-addr"),
+    (["--tensor-parallel-size", "4", "--nnodes", "2"], "needs --master-addr"),
+])
+def test_serve_multinode_flags_checked(argv, needle):
+    serve_cmd, args = _serve_args(*argv)
+    with pytest.raises(SystemExit, match=needle):
+        serve_cmd.run(args)
+
+
+def test_nnodes_must_divide_tp():
+    from pagedrun.runtime.engine_config import EngineConfig, EngineConfigError
+
+    with pytest.raises(EngineConfigError, match="nnodes 3 must divide tensor_parallel_size 4"):
+        EngineConfig(tensor_parallel_size=4, nnodes=3)
