@@ -25,6 +25,9 @@ def _compare(model_dir, tp, device="cpu", max_tokens=8, **kw):
     finally:
         engine.close()
     assert tokens == ref_tokens
+    # KV capacity is sized per rank: a block holds only the rank's KV heads (one when replicated).
+    kv_heads = ref.model_config.num_key_value_heads
+    assert engine.bytes_per_block * kv_heads == ref.bytes_per_block * max(1, kv_heads // tp)
     assert len(logits) == len(ref_logits)
     for got, want in zip(logits, ref_logits):
         assert got.shape == want.shape and got.shape[1] == VOCAB
