@@ -3,8 +3,8 @@
 Rank 0 creates the unique id (`make_unique_id`, 128 bytes) and the driver hands it to every rank
 in the plan over our ZeroMQ control plane (executor.py); every rank then calls
 `ncclCommInitRank` with it, which blocks until all ranks have joined. Collectives are enqueued
-on the current (compute) stream, so they order with the kernels around them without a host
-synchronization.
+on the backend's compute stream (`use_stream`; build_rank passes it), so they order with the
+kernels around them without a host synchronization.
 
 `all_reduce(x)`: in-place sum of a contiguous cupy array (float32, float16, or bf16 stored as
 uint16 bits). `gather(x)`: NCCL has no gather; rank 0 needs every rank's logits slice, so it is
@@ -63,6 +63,15 @@ class NcclCommunicator:
         self.device = cupy.cuda.Device(device_id)
         self.device.use()
         self.comm = nccl.NcclCommunicator(world_size, tuple(unique_id), rank)
+        self.stream = None  # the backend's compute stream, once `use_stream` names it
+
+    def use_stream(self, stream) -> None:
+        """Enqueue collectives on `stream` (the cuda backend's): the engine steps in another
+        thread than the one that built the backend, and cupy's current stream is per thread."""
+        self.stream = stream
+
+    def _stream_ptr(self) -> int:
+        return (self.stream or cupy.cuda.get_current_stream()).ptr
 
     @staticmethod
     def make_unique_id() -> list[int]:
@@ -72,7 +81,7 @@ class NcclCommunicator:
 
     def all_reduce(self, x):
         x = cupy.ascontiguousarray(x)
-        stream = cupy.cuda.get_current_stream().ptr
+        stream = self._stream_ptr()
         self.comm.allReduce(x.data.ptr, x.data.ptr, x.size, _nccl_dtype(x.dtype), nccl.NCCL_SUM,
                             stream)
         return x
@@ -80,7 +89,7 @@ class NcclCommunicator:
     def gather(self, x):
         x = cupy.ascontiguousarray(x)
         out = cupy.empty((self.world_size, *x.shape), dtype=x.dtype)
-        stream = cupy.cuda.get_current_stream().ptr
+        stream = self._stream_ptr()
         # allGather counts elements per rank; uint16 (bf16 bits) travels as raw 16-bit words.
         dtype = nccl.NCCL_FLOAT16 if x.dtype == np.uint16 else _nccl_dtype(x.dtype)
         self.comm.allGather(x.data.ptr, out.data.ptr, x.size, dtype, stream)

@@ -77,6 +77,8 @@ def build_rank(plan: dict, rank: int, comm, ops=None):
         ops = CudaBackend(resolve_dtype("cuda", plan["dtype"]), device_id=plan["local_rank"])
     else:
         ops = make_backend(plan["device"], plan["dtype"])
+    if hasattr(comm, "use_stream") and hasattr(ops, "stream"):
+        comm.use_stream(ops.stream)  # NCCL on the compute stream
     local_config = rank_config(config, spec)
     weights = load_shard(model_dir, config, spec)
     model = ShardedLlamaModel(local_config, weights, ops, plan["max_model_len"], spec, comm)
