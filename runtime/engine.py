@@ -125,6 +125,12 @@ class LLMEngine:
             from pagedrun.runtime.distributed.sharding import check_shardable
 
             check_shardable(model_config, config.tensor_parallel_size)
+            if self.device == "cuda" and config.num_kv_blocks is None \
+                    and config.kv_cache_memory_bytes is None:
+                # measure_kv_budget runs the whole model on one GPU; per-rank measurement
+                # (each rank's shard, the minimum over ranks) is not wired yet (2026-11-29).
+                raise PagedRunError("tensor parallel on cuda: give num_kv_blocks "
+                                    "(--num-kv-blocks) or kv_cache_memory_bytes, per rank")
         self.model_config = model_config
         self.backend = make_backend(self.device, config.dtype)  # the one place that picks ops
         if self.device != "cpu":  # unsupported kernel shapes fail here, not mid-step
