@@ -12,6 +12,8 @@ from tp_helpers import greedy_run, make_engine, prompts, write_model_dir
 # Logits of the sharded forward differ from one device's only by float32 summation order.
 LOGITS_RTOL = 1e-5
 LOGITS_ATOL = 1e-5
+# bf16 (8-bit mantissa): a few rounding steps of the largest logit.
+BF16_LOGITS_REL = 0.02
 VOCAB = 389  # prime: no TP size divides it, the last rank's vocabulary slice is padded
 
 
@@ -54,3 +56,23 @@ def test_sim_tp2_matches_single_device(tmp_path):
     model_dir = write_model_dir(tmp_path / "m", vocab_size=VOCAB, hidden_size=128,
                                 num_attention_heads=2, num_key_value_heads=2)
     _compare(model_dir, 2, device="sim", max_tokens=3)
+
+
+def test_sim_tp2_bfloat16(tmp_path):
+    """bf16 activations (uint16 bits) through the CPU communicator: each rank's partial sum is
+    rounded to bf16 before the float32 all-reduce, so logits differ from TP=1 at bf16 rounding
+    level (the seeds make this deterministic: the greedy tokens agree)."""
+    model_dir = write_model_dir(tmp_path / "m", vocab_size=VOCAB, hidden_size=128,
+                                num_attention_heads=2, num_key_value_heads=2)
+    ps = prompts(VOCAB)[:3]
+    ref_tokens, ref_logits = greedy_run(make_engine(model_dir, 1, device="sim",
+                                                    dtype="bfloat16"), ps, 3)
+    engine = make_engine(model_dir, 2, device="sim", dtype="bfloat16")
+    try:
+        tokens, logits = greedy_run(engine, ps, 3)
+    finally:
+        engine.close()
+    assert tokens == ref_tokens
+    for got, want in zip(logits, ref_logits, strict=True):
+        scale = float(np.abs(want).max())
+        assert float(np.abs(got - want).max()) <= BF16_LOGITS_REL * scale
