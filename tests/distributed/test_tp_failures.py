@@ -198,3 +198,16 @@ def test_watchdog_aborts_the_communicator_when_a_rank_dies(tmp_path):
     finally:
         executor.close()
     assert worker_pids(os.getpid()) == []
+
+
+def test_headless_node_without_driver_gives_up():
+    """`serve --node-rank 1` whose node 0 never comes up: its workers stop waiting after the
+    join timeout, the node exits 1, nothing is left running."""
+    from pagedrun.runtime.distributed.node import run_node
+
+    started = time.monotonic()
+    code = run_node(f"127.0.0.1:{free_port()}", tp_size=4, nnodes=2, node_rank=1,
+                    join_timeout_s=1.5)
+    assert code == 1
+    assert time.monotonic() - started < 20
+    assert worker_pids(os.getpid()) == []
