@@ -32,7 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 CUDA_DIR = REPO / "cuda"
 ARCHS = ("sm_80", "sm_90")
 # A file that uses any of these needs the arch-specific Hopper target.
-HOPPER_ONLY = re.compile(r"\b(wgmma|cp\.async\.bulk|mbarrier|setmaxnreg|tma_\w+)\b")
+# (the instructions, and the cuda/ptx.cuh functions wrapping them: wgmma_*, mbarrier_*, tma_*)
+HOPPER_ONLY = re.compile(r"\b(wgmma\w*|cp\.async\.bulk|mbarrier\w*|setmaxnreg|tma_\w+)\b")
 BUDGET = re.compile(r"Register budget:\s*(\d+)", re.IGNORECASE)
 NVRTC_SUCCESS = 0
 

@@ -105,7 +105,7 @@ constexpr unsigned char kGuardByte = 0xA5;
 constexpr std::size_t kMaxDynSmem = 227 * 1024;  // sm_90 opt-in maximum per block
 constexpr unsigned kMaxThreads = 1024;
 
-enum class State { Runnable, WaitBlock, WaitWarp, Done };
+enum class State { Runnable, WaitBlock, WaitWarp, WaitCond, Done };
 
 struct PendingCopy {
     unsigned char* dst;
@@ -120,6 +120,8 @@ struct Fiber {
     Loc site{};
     const char* what = nullptr;
     uint32_t mask = 0;
+    WaitReady ready = nullptr;  // State::WaitCond: the scheduler resumes the fiber once true
+    void* ready_ctx = nullptr;
     void* asan_fake = nullptr;
     void* tsan_fiber = nullptr;
     std::vector<PendingCopy> open_group;
@@ -156,9 +158,11 @@ struct Launch {
     // Block start is released by the scheduler and acquired by each fiber; block end the
     // reverse. Two tokens, so that one fiber finishing does not order it before the next.
     char tsan_block_start = 0, tsan_block_end = 0, tsan_barrier_token = 0, tsan_warp_token = 0;
+    char tsan_cond_token = 0;
 };
 
 Launch* g_L = nullptr;
+uint64_t g_block_serial = 0;  // bumped per block: twins' side state keyed by it resets itself
 
 // Static __shared__ variables are `static thread_local` (see sim.cuh: GCC drops section
 // attributes on template-instantiated statics, but every thread_local of the module lands
@@ -323,6 +327,7 @@ void describe_wait(const Fiber& f, std::string& out) {
         case State::Done: out = "have exited"; break;
         case State::Runnable: out = "are runnable"; break;
         case State::WaitBlock: out = "wait at __syncthreads (" + fmt_loc(f.site) + ")"; break;
+        case State::WaitCond: out = std::string("wait at ") + f.what + " (" + fmt_loc(f.site) + ")"; break;
         case State::WaitWarp: {
             char m[16];
             std::snprintf(m, sizeof m, "0x%08x", f.mask);
@@ -395,6 +400,7 @@ void acquire_all_fibers() {
 
 void run_block() {
     Launch& L = *g_L;
+    ++g_block_serial;
     poison_shared();
     L.block_arrived = 0;
     L.block_acc = 0;
@@ -411,6 +417,7 @@ void run_block() {
         bool progress = false;
         done = 0;
         for (auto& f : L.fibers) {
+            if (f.state == State::WaitCond && f.ready(f.ready_ctx)) f.state = State::Runnable;
             if (f.state == State::Runnable) {
                 run_fiber(f);
                 progress = true;
@@ -638,6 +645,23 @@ void warp_collective(uint32_t mask, const char* what, void* lane_data, WarpFn fn
     }
     tsan_acquire(&L.tsan_warp_token);
 }
+
+void wait_until(WaitReady ready, void* ctx, const char* what, const Loc& loc) {
+    Launch& L = *g_L;
+    Fiber& f = *L.cur;
+    tsan_release(&L.tsan_cond_token);
+    if (!ready(ctx)) {
+        f.state = State::WaitCond;
+        f.ready = ready;
+        f.ready_ctx = ctx;
+        f.what = what;
+        f.site = loc;
+        yield_to_scheduler(false);
+    }
+    tsan_acquire(&L.tsan_cond_token);
+}
+
+uint64_t block_serial() { return g_block_serial; }
 
 bool is_shared(const void* p, std::size_t bytes) {
     auto* c = static_cast<const unsigned char*>(p);

@@ -68,6 +68,17 @@ PAGEDRUN_SIM_HIDDEN void cp_async(void* smem_dst, const void* gmem_src, int src_
 PAGEDRUN_SIM_HIDDEN void cp_async_commit();
 PAGEDRUN_SIM_HIDDEN void cp_async_wait(int pending_groups_allowed);
 
+// Blocks the calling thread until ready(ctx) is true (polled by the scheduler between fiber
+// runs; returns at once when already true). A wait no thread can satisfy is reported as a
+// deadlock naming `what` and the call site. Release/acquire for the sanitizers: data written
+// before any thread's wait_until is visible after every later one returns (mbarrier twins).
+using WaitReady = bool (*)(void* ctx);
+PAGEDRUN_SIM_HIDDEN void wait_until(WaitReady ready, void* ctx, const char* what,
+                                    const Loc& loc);
+// A number that changes at the start of every block of every launch: header-side twin state
+// (mbarrier transactions, warpgroup rendezvous) keyed by it resets itself per block.
+PAGEDRUN_SIM_HIDDEN uint64_t block_serial();
+
 // True if p lies in this launch's shared memory (static __shared__ or dynamic).
 PAGEDRUN_SIM_HIDDEN bool is_shared(const void* p, std::size_t bytes);
 

@@ -1,0 +1,91 @@
+"""Host-side TMA descriptors for tma_load_2d (cuda/ptx.cuh): the 2-D tiled tensor map of a
+row-major matrix, in the form each backend reads.
+
+  sim_descriptor(matrix, box_rows, box_cols, swizzle_bytes) -> np.ndarray uint64[16]
+      The CPU harness's TmaDescriptor (cuda/sim/hopper.cuh): {magic, base address, dims,
+      row stride, box, element size, swizzle}. It holds the matrix's address: keep the
+      matrix alive (and unmoved) while kernels use the descriptor.
+  cuda_descriptor(matrix, box_rows, box_cols, swizzle_bytes) -> np.ndarray uint64[16]
+      The CUtensorMap from the driver's cuTensorMapEncodeTiled (libcuda through ctypes) for a
+      CuPy matrix; copy it to device memory and pass its pointer as the descriptor.
+
+matrix: 2-D, C-contiguous rows (the row stride may exceed the row, as for a column slice),
+2-byte (bf16/f16 as uint16/float16) or 4-byte elements. box_cols * itemsize must be a
+multiple of 16 bytes, and equal swizzle_bytes when swizzled (32, 64 or 128).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+SIM_TMA_MAGIC = 0x31414D5452444150  # kTmaMagic in cuda/sim/hopper.cuh
+DESCRIPTOR_WORDS = 16               # 128 bytes, like CUtensorMap
+SWIZZLE_BYTES = (0, 32, 64, 128)
+MAX_BOX = 256                       # per dimension, as cuTensorMapEncodeTiled allows
+
+# CUtensorMapSwizzle / CUtensorMapDataType values from the CUDA driver API (cuda.h).
+_CU_SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}
+_CU_DTYPE = {np.dtype(np.uint8): 0, np.dtype(np.uint16): 1, np.dtype(np.uint32): 2,
+             np.dtype(np.int32): 3, np.dtype(np.float16): 6, np.dtype(np.float32): 7}
+
+
+def _check(shape, itemsize, box_rows, box_cols, swizzle_bytes):
+    if len(shape) != 2:
+        raise ValueError(f"tma: a 2-D matrix is needed, got shape {shape}")
+    if swizzle_bytes not in SWIZZLE_BYTES:
+        raise ValueError(f"tma: swizzle_bytes {swizzle_bytes} not in {SWIZZLE_BYTES}")
+    if not (1 <= box_rows <= MAX_BOX and 1 <= box_cols <= MAX_BOX):
+        raise ValueError(f"tma: box {box_rows}x{box_cols} outside 1..{MAX_BOX}")
+    row_bytes = box_cols * itemsize
+    if row_bytes % 16 or (swizzle_bytes and row_bytes != swizzle_bytes):
+        raise ValueError(f"tma: box row of {row_bytes} bytes must be a multiple of 16"
+                         + (f" equal to the {swizzle_bytes}-byte swizzle" if swizzle_bytes else ""))
+
+
+def sim_descriptor(matrix: np.ndarray, box_rows: int, box_cols: int,
+                   swizzle_bytes: int = 0) -> np.ndarray:
+    """matrix: [rows, cols] numpy array (last axis contiguous)."""
+    _check(matrix.shape, matrix.itemsize, box_rows, box_cols, swizzle_bytes)
+    if matrix.strides[1] != matrix.itemsize:
+        raise ValueError("tma: the matrix's rows must be contiguous")
+    rows, cols = matrix.shape
+    d = np.zeros(DESCRIPTOR_WORDS, np.uint64)
+    d[0] = SIM_TMA_MAGIC
+    d[1] = matrix.ctypes.data
+    d[2], d[3] = cols, rows
+    d[4] = matrix.strides[0]
+    d[5] = box_cols | (box_rows << 32)
+    d[6] = matrix.itemsize | (swizzle_bytes << 32)
+    return d
+
+
+def cuda_descriptor(matrix, box_rows: int, box_cols: int, swizzle_bytes: int = 0) -> np.ndarray:
+    """matrix: [rows, cols] CuPy array on the current device (last axis contiguous)."""
+    _check(matrix.shape, matrix.itemsize, box_rows, box_cols, swizzle_bytes)
+    dtype = np.dtype(matrix.dtype)
+    if dtype.name == "bfloat16" or dtype.kind == "V":
+        dtype = np.dtype(np.uint16)
+    if dtype not in _CU_DTYPE:
+        raise ValueError(f"tma: element type {matrix.dtype} not supported")
+    if matrix.strides[1] != matrix.itemsize or matrix.strides[0] % 16:
+        raise ValueError("tma: rows must be contiguous with a row stride multiple of 16 bytes")
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    fn = libcuda.cuTensorMapEncodeTiled
+    fn.restype = ctypes.c_int
+    rows, cols = matrix.shape
+    out = np.zeros(DESCRIPTOR_WORDS, np.uint64)
+    dims = (ctypes.c_uint64 * 2)(cols, rows)
+    strides = (ctypes.c_uint64 * 1)(matrix.strides[0])
+    box = (ctypes.c_uint32 * 2)(box_cols, box_rows)
+    elem_strides = (ctypes.c_uint32 * 2)(1, 1)
+    rc = fn(ctypes.c_void_p(out.ctypes.data), ctypes.c_int(_CU_DTYPE[dtype]), ctypes.c_uint32(2),
+            ctypes.c_void_p(int(matrix.data.ptr)), dims, strides, box, elem_strides,
+            ctypes.c_int(0),                             # CU_TENSOR_MAP_INTERLEAVE_NONE
+            ctypes.c_int(_CU_SWIZZLE[swizzle_bytes]),
+            ctypes.c_int(0),                             # CU_TENSOR_MAP_L2_PROMOTION_NONE
+            ctypes.c_int(0))                             # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: zeros
+    if rc != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {rc}")
+    return out
