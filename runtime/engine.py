@@ -110,9 +110,9 @@ class LLMEngine:
 
         self.config = config
         self.device = resolve_device(config.device)
-        if self.device == "cpu" and config.dtype not in ("auto", "float32"):
-            # numpy has no bfloat16 and its float16 GEMMs are slow: the cpu backend computes
-            # in float32 whatever the checkpoint stores.
+        if self.device == "cpu" and config.dtype == "float16":
+            # numpy's float16 GEMMs are slow: the cpu backend computes float16 in float32
+            # ("bfloat16" selects the bf16-weight backend, runtime/backends/cpu_bf16_backend.py).
             log.warning("dtype %s: the cpu backend runs float32", config.dtype)
         self.model_name = config.model or "default"
         if model_config is None:

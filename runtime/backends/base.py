@@ -20,7 +20,8 @@ import numpy as np
 # EngineConfig.dtype -> the activation / weight / KV dtype of the kernel backends.
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 # Under "auto": the numpy and sim backends compute in float32 (the exact reference, and the sim
-# backend's comparisons against it); the cuda backend in bfloat16.
+# backend's comparisons against it); the cuda backend in bfloat16. On cpu, "bfloat16" selects
+# CpuBf16Backend (bf16 weights, float32 activations); "float16" runs float32.
 AUTO_DTYPE = {"cpu": "float32", "sim": "float32", "cuda": "bfloat16"}
 
 
@@ -57,6 +58,10 @@ def resolve_dtype(device: str, dtype: str) -> str:
 def make_backend(device: str, dtype: str = "auto") -> Backend:
     """The backend of a resolved device ("cpu", "sim" or "cuda")."""
     if device == "cpu":
+        if resolve_dtype(device, dtype) == "bfloat16":  # bf16 weights on the compiled GEMM
+            from .cpu_bf16_backend import CpuBf16Backend
+
+            return CpuBf16Backend()
         from .numpy_backend import NumpyBackend
 
         return NumpyBackend()

@@ -1,0 +1,158 @@
+# cython: language_level=3
+"""cpu_gemm: the bf16-weight GEMM of the cpu backend (runtime/backends/cpu_bf16_backend.py).
+
+    packed = PackedWeight(w)                   # w: [N, K] float32, HF [out, in]; once, at load
+    y = gemm_bf16(x, packed, bias)             # x: [M, K] float32 -> y: [M, N] float32
+
+y = bf16(x) @ bf16(W).T (+ bias), accumulated in float32: x is rounded to bf16 (RNE) once per
+call, W once at packing (layout in pyx/cpu_gemm_kernels.h). The kernel runs without the GIL;
+`threads=2` splits the output tiles in two halves, one on a pooled worker thread and one on
+the calling thread (the pool's thread sleeps on a queue between calls, it never spins).
+
+Paths: "avx512bf16" (vdpbf16ps, picked when the CPU has it), "portable" (scalar C, any CPU);
+"auto" picks the first the CPU runs. Tests force each.
+"""
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from libc.stdint cimport uint16_t
+from libc.stdlib cimport free, malloc
+
+cdef extern from "cpu_gemm_kernels.h" namespace "pagedrun_gemm" nogil:
+    const int TILE_N
+    int cpu_has_avx512bf16()
+    void convert_rows(const float* x, long stride_m, long stride_k, int M, int K,
+                      uint16_t* xb, int kp2)
+    void gemm_tiles(int path, const uint16_t* xb, int M, int kp, const uint16_t* wp, int N,
+                    int tile_begin, int tile_end, const float* bias, float* y, long ldy)
+
+PATHS = ("portable", "avx512bf16")
+_PATH_CODE = {"portable": 0, "avx512bf16": 1}
+# Tiles per thread below which the second thread costs more (a queue hand-off, ~tens of us)
+# than it saves: 4 tiles = 64 outputs.
+MIN_TILES_PER_THREAD = 4
+
+cdef int _HAS_BF16 = cpu_has_avx512bf16()
+_pool = None
+
+
+def has_avx512bf16():
+    """True when this CPU runs the vdpbf16ps path."""
+    return bool(_HAS_BF16)
+
+
+def _resolve_path(path):
+    if path == "auto":
+        return 1 if _HAS_BF16 else 0
+    if path not in _PATH_CODE:
+        raise ValueError(f"path must be 'auto' or one of {PATHS}, got {path!r}")
+    if path == "avx512bf16" and not _HAS_BF16:
+        raise RuntimeError("this CPU has no AVX512-BF16")
+    return _PATH_CODE[path]
+
+
+def to_bf16_bits(x):
+    """float32 array -> uint16 bf16 bits, round to nearest even (NaN stays NaN)."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+    out = (rounded >> np.uint32(16)).astype(np.uint16)
+    nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    out[nan] = ((bits[nan] >> np.uint32(16)) | np.uint32(0x40)).astype(np.uint16)
+    return out
+
+
+class PackedWeight:
+    """A [N, K] weight as bf16 bits in the kernel's tiled layout.
+
+    packed: [num_tiles, ceil(K / 2), TILE_N, 2] uint16, zero past N and K.
+    """
+
+    def __init__(self, weight):
+        w = np.asarray(weight, dtype=np.float32)
+        if w.ndim != 2:
+            raise ValueError(f"weight must be [N, K], got shape {w.shape}")
+        self.n, self.k = int(w.shape[0]), int(w.shape[1])
+        if self.n < 1 or self.k < 1:
+            raise ValueError(f"weight must be non-empty, got shape {w.shape}")
+        tile = TILE_N
+        num_tiles = -(-self.n // tile)
+        kp = -(-self.k // 2)
+        padded = np.zeros((num_tiles * tile, kp * 2), dtype=np.uint16)
+        padded[:self.n, :self.k] = to_bf16_bits(w)
+        self.packed = np.ascontiguousarray(
+            padded.reshape(num_tiles, tile, kp, 2).transpose(0, 2, 1, 3))
+        self.num_tiles, self.kp = num_tiles, kp
+
+    @property
+    def nbytes(self):
+        return self.packed.nbytes
+
+
+def _run_tiles(const uint16_t[:, ::1] xb, const uint16_t[::1] wp, int n, int tile_begin,
+               int tile_end, bias, float[:, ::1] y, int path):
+    """One thread's share: tiles [tile_begin, tile_end) of y, without the GIL."""
+    cdef const float[::1] b
+    cdef const float* bias_ptr = NULL
+    if bias is not None:
+        b = bias
+        bias_ptr = &b[0]
+    cdef int m = xb.shape[0]
+    cdef int kp = xb.shape[1] // 2
+    if m == 0 or tile_end <= tile_begin:
+        return
+    with nogil:
+        gemm_tiles(path, &xb[0, 0], m, kp, &wp[0], n, tile_begin, tile_end, bias_ptr,
+                   &y[0, 0], y.shape[1])
+
+
+def _convert(const float[:, :] x, int kp2):
+    """x: [M, K] float32, any strides -> [M, kp2] bf16 bits (zero past K)."""
+    cdef int m = x.shape[0], k = x.shape[1]
+    out = np.empty((m, kp2), dtype=np.uint16)
+    cdef uint16_t[:, ::1] xb = out
+    if m == 0:
+        return out
+    if k == 0:
+        out[:] = 0
+        return out
+    with nogil:
+        convert_rows(&x[0, 0], x.strides[0] // sizeof(float), x.strides[1] // sizeof(float),
+                     m, k, &xb[0, 0], kp2)
+    return out
+
+
+def gemm_bf16(x, packed, bias=None, *, path="auto", threads=2):
+    """y = bf16(x) @ W.T (+ bias), float32 accumulation.
+
+    x: [M, K] float32 (any strides; other float dtypes are converted); packed: PackedWeight of
+    W [N, K]; bias: [N] float32 or None. Returns a new [M, N] float32 array.
+    """
+    cdef int code = _resolve_path(path)
+    x = np.asarray(x)
+    if x.dtype != np.float32:
+        x = x.astype(np.float32)
+    if x.ndim != 2 or x.shape[1] != packed.k:
+        raise ValueError(f"x must be [M, {packed.k}], got shape {x.shape}")
+    if x.strides[0] % 4 or x.strides[1] % 4:
+        x = np.ascontiguousarray(x)
+    if bias is not None:
+        bias = np.ascontiguousarray(bias, dtype=np.float32)
+        if bias.shape != (packed.n,):
+            raise ValueError(f"bias must be [{packed.n}], got shape {bias.shape}")
+    xb = _convert(x, packed.kp * 2)
+    y = np.empty((x.shape[0], packed.n), dtype=np.float32)
+    wp = packed.packed.reshape(-1)
+    num_tiles = packed.num_tiles
+    if threads < 2 or num_tiles < 2 * MIN_TILES_PER_THREAD:
+        _run_tiles(xb, wp, packed.n, 0, num_tiles, bias, y, code)
+        return y
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedrun-gemm")
+    # An even split point keeps both halves on the two-tile micro-kernel.
+    split = (num_tiles // 2 + 1) & ~1
+    job = _pool.submit(_run_tiles, xb, wp, packed.n, split, num_tiles, bias, y, code)
+    _run_tiles(xb, wp, packed.n, 0, split, bias, y, code)
+    job.result()
+    return y

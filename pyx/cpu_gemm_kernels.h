@@ -1,0 +1,184 @@
+// cpu_gemm_kernels.h: the bf16-weight GEMM of the cpu backend (pyx/cpu_gemm.pyx wraps it).
+//
+//   y[M, N] (float32) = x[M, K] (bf16 bits) @ W[N, K]^T (bf16 bits, packed) (+ bias[N])
+//
+// Packed weight layout (pagedrun.pyx.cpu_gemm.pack_weight builds it at load):
+//   wp[num_tiles][kp][TILE_N][2] uint16, num_tiles = ceil(N / TILE_N), kp = ceil(K / 2)
+//   wp[t][p][j][e] = W[t * TILE_N + j, 2 * p + e], zero past N and K.
+// One 32-bit lane holds the pair (k, k+1) of one output: the operand vdpbf16ps multiplies by a
+// broadcast pair of x. x is bf16 [M][kp * 2] with its pad column zeroed by the caller.
+//
+// Two paths over the same layout: AVX512-BF16 (chosen at run time, compiled with per-function
+// target attributes so the module builds for any x86-64) and a portable scalar one. Both
+// accumulate in float32; the products of two bf16 values are exact in float32.
+#pragma once
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define PAGEDRUN_X86 1
+#else
+#define PAGEDRUN_X86 0
+#endif
+
+namespace pagedrun_gemm {
+
+constexpr int TILE_N = 16;   // outputs per tile: one zmm of float32 accumulators
+constexpr int MR = 8;        // x rows per micro-kernel (8 x 2 tiles = 16 accumulators)
+constexpr int NR = 2;        // tiles per micro-kernel
+
+// float32 -> bf16 bits, round to nearest even; NaN stays a (quiet) NaN.
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    bits += 0x7FFFu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+// x[M, K] float32 with strides (in elements) -> xb[M, kp2] bf16 bits, zero pad past K.
+static inline void convert_rows(const float* x, long stride_m, long stride_k, int M, int K,
+                                uint16_t* xb, int kp2) {
+    for (int m = 0; m < M; ++m) {
+        const float* row = x + (long)m * stride_m;
+        uint16_t* out = xb + (long)m * kp2;
+        if (stride_k == 1) {
+            for (int k = 0; k < K; ++k) out[k] = f32_to_bf16(row[k]);
+        } else {
+            for (int k = 0; k < K; ++k) out[k] = f32_to_bf16(row[(long)k * stride_k]);
+        }
+        for (int k = K; k < kp2; ++k) out[k] = 0;
+    }
+}
+
+// ------------------------------------------------------------------------- portable path
+
+// Tiles [tile_begin, tile_end) of y; y rows have ldy floats.
+static inline void gemm_tiles_scalar(const uint16_t* xb, int M, int kp, const uint16_t* wp,
+                                     int N, int tile_begin, int tile_end, const float* bias,
+                                     float* y, long ldy) {
+    const long tile_elems = (long)kp * TILE_N * 2;
+    for (int t = tile_begin; t < tile_end; ++t) {
+        const uint16_t* wt = wp + t * tile_elems;
+        const int n0 = t * TILE_N;
+        const int width = N - n0 < TILE_N ? N - n0 : TILE_N;
+        for (int m = 0; m < M; ++m) {
+            const uint16_t* xr = xb + (long)m * kp * 2;
+            float acc[TILE_N] = {0};
+            for (int p = 0; p < kp; ++p) {
+                const float x0 = bf16_to_f32(xr[2 * p]), x1 = bf16_to_f32(xr[2 * p + 1]);
+                const uint16_t* w = wt + (long)p * TILE_N * 2;
+                for (int j = 0; j < TILE_N; ++j)
+                    acc[j] += x0 * bf16_to_f32(w[2 * j]) + x1 * bf16_to_f32(w[2 * j + 1]);
+            }
+            float* yr = y + (long)m * ldy + n0;
+            for (int j = 0; j < width; ++j) yr[j] = acc[j] + (bias ? bias[n0 + j] : 0.0f);
+        }
+    }
+}
+
+// ------------------------------------------------------------------------- AVX512-BF16 path
+#if PAGEDRUN_X86
+#define PAGEDRUN_BF16_TARGET __attribute__((target("avx512f,avx512bf16,avx512vl,avx512bw")))
+
+// MR_ x rows by NR_ tiles over all of K: MR_ * NR_ accumulators, each weight vector loaded once
+// and used for MR_ rows, each x pair broadcast once and used for NR_ tiles.
+template <int MR_, int NR_>
+PAGEDRUN_BF16_TARGET static inline void micro_avx512(const uint16_t* xb, int kp,
+                                                     const uint16_t* wt, long tile_elems,
+                                                     const float* bias, int n0, int N,
+                                                     float* y, long ldy) {
+    __m512 acc[MR_][NR_];
+    for (int r = 0; r < MR_; ++r)
+        for (int c = 0; c < NR_; ++c) acc[r][c] = _mm512_setzero_ps();
+    const uint32_t* x32 = reinterpret_cast<const uint32_t*>(xb);  // one pair per uint32
+    for (int p = 0; p < kp; ++p) {
+        __m512bh w[NR_];
+        for (int c = 0; c < NR_; ++c)
+            w[c] = (__m512bh)_mm512_loadu_si512(wt + c * tile_elems + (long)p * TILE_N * 2);
+        for (int r = 0; r < MR_; ++r) {
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x32[(long)r * kp + p]);
+            for (int c = 0; c < NR_; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, w[c]);
+        }
+    }
+    for (int c = 0; c < NR_; ++c) {
+        const int nc = n0 + c * TILE_N;
+        const int width = N - nc < TILE_N ? N - nc : TILE_N;
+        const __mmask16 mask = (__mmask16)((1u << width) - 1u);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + nc) : _mm512_setzero_ps();
+        for (int r = 0; r < MR_; ++r)
+            _mm512_mask_storeu_ps(y + (long)r * ldy + nc, mask, _mm512_add_ps(acc[r][c], b));
+    }
+}
+
+template <int NR_>
+PAGEDRUN_BF16_TARGET static inline void rows_avx512(const uint16_t* xb, int M, int kp,
+                                                    const uint16_t* wt, long tile_elems,
+                                                    const float* bias, int n0, int N, float* y,
+                                                    long ldy) {
+    const long xrow = (long)kp * 2;
+    int m = 0;
+    for (; m + MR <= M; m += MR)
+        micro_avx512<MR, NR_>(xb + m * xrow, kp, wt, tile_elems, bias, n0, N, y + m * ldy, ldy);
+    const uint16_t* xr = xb + m * xrow;
+    float* yr = y + m * ldy;
+    switch (M - m) {  // the remainder rows, one instantiation each
+        case 7: micro_avx512<7, NR_>(xr, kp, wt, tile_elems, bias, n0, N, yr, ldy); break;
+        case 6: micro_avx512<6, NR_>(xr, kp, wt, tile_elems, bias, n0, N, yr, ldy); break;
+        case 5: micro_avx512<5, NR_>(xr, kp, wt, tile_elems, bias, n0, N, yr, ldy); break;
+        case 4: micro_avx512<4, NR_>(xr, kp, wt, tile_elems, bias, n0, N, yr, ldy); break;
+        case 3: micro_avx512<3, NR_>(xr, kp, wt, tile_elems, bias, n0, N, yr, ldy); break;
+        case 2: micro_avx512<2, NR_>(xr, kp, wt, tile_elems, bias, n0, N, yr, ldy); break;
+        case 1: micro_avx512<1, NR_>(xr, kp, wt, tile_elems, bias, n0, N, yr, ldy); break;
+        default: break;
+    }
+}
+
+// Tiles [tile_begin, tile_end) of y, NR tiles at a time: the weights of those tiles (NR * 16 *
+// K * 2 bytes, <= 100 KB at K 1536) stream from memory once and stay in L2 for all M rows.
+PAGEDRUN_BF16_TARGET static void gemm_tiles_avx512(const uint16_t* xb, int M, int kp,
+                                                   const uint16_t* wp, int N, int tile_begin,
+                                                   int tile_end, const float* bias, float* y,
+                                                   long ldy) {
+    const long tile_elems = (long)kp * TILE_N * 2;
+    int t = tile_begin;
+    for (; t + NR <= tile_end; t += NR)
+        rows_avx512<NR>(xb, M, kp, wp + t * tile_elems, tile_elems, bias, t * TILE_N, N, y, ldy);
+    if (t < tile_end)
+        rows_avx512<1>(xb, M, kp, wp + t * tile_elems, tile_elems, bias, t * TILE_N, N, y, ldy);
+}
+#endif
+
+static inline int cpu_has_avx512bf16() {
+#if PAGEDRUN_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+#else
+    return 0;
+#endif
+}
+
+// path 1: AVX512-BF16 (the caller checked cpu_has_avx512bf16), 0: portable.
+static inline void gemm_tiles(int path, const uint16_t* xb, int M, int kp, const uint16_t* wp,
+                              int N, int tile_begin, int tile_end, const float* bias, float* y,
+                              long ldy) {
+#if PAGEDRUN_X86
+    if (path == 1) {
+        gemm_tiles_avx512(xb, M, kp, wp, N, tile_begin, tile_end, bias, y, ldy);
+        return;
+    }
+#endif
+    gemm_tiles_scalar(xb, M, kp, wp, N, tile_begin, tile_end, bias, y, ldy);
+}
+
+}  // namespace pagedrun_gemm

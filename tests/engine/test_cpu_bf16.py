@@ -1,0 +1,202 @@
+"""The bf16-weight cpu backend: pagedrun.pyx.cpu_gemm against a float64 numpy product of the
+same bf16-rounded inputs (both code paths, forced), and the engine on dtype "bfloat16" against
+the float32 numpy backend (logits within bf16 tolerance, greedy text of the default model)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine_helpers import greedy, make_engine, run_requests
+
+from pagedrun.pyx import cpu_gemm
+from pagedrun.runtime.backends.base import make_backend
+from pagedrun.runtime.backends.cpu_bf16_backend import CpuBf16Backend
+from pagedrun.runtime.backends.numpy_backend import NumpyBackend
+from pagedrun.runtime.model_runner import build_attention_inputs
+from pagedrun.runtime.models.llama import LlamaModel
+
+PATHS = ["portable"] + (["avx512bf16"] if cpu_gemm.has_avx512bf16() else [])
+FP32_UNIT_ROUNDOFF = 2.0 ** -24
+
+
+def bf16_values(x: np.ndarray) -> np.ndarray:
+    """The float64 values of x rounded to bf16 (the kernel's inputs)."""
+    bits = cpu_gemm.to_bf16_bits(x).astype(np.uint32) << np.uint32(16)
+    return bits.view(np.float32).astype(np.float64)
+
+
+def check_gemm(y, x, w, bias):
+    """y against float64 bf16(x) @ bf16(w).T + bias. The products of bf16 values are exact in
+    float32, so the error is float32 summation only: |err| <= gamma_(K+1) * sum |x_k w_k| + |b|,
+    gamma_n = n u / (1 - n u) (Higham), doubled for the pairwise adds of vdpbf16ps."""
+    xv, wv = bf16_values(x), bf16_values(w)
+    ref = xv @ wv.T
+    abs_sum = np.abs(xv) @ np.abs(wv).T
+    if bias is not None:
+        ref += bias.astype(np.float64)
+        abs_sum += np.abs(bias.astype(np.float64))
+    n = x.shape[1] + 2
+    bound = 2 * n * FP32_UNIT_ROUNDOFF / (1 - n * FP32_UNIT_ROUNDOFF) * abs_sum + 1e-30
+    assert y.dtype == np.float32 and y.shape == ref.shape
+    err = np.abs(y.astype(np.float64) - ref)
+    assert np.all(err <= bound), f"max err/bound {np.max(err / bound):.3g}"
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(20261129)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("m", [1, 17, 111])
+@pytest.mark.parametrize("n", [1, 17, 1000])
+@pytest.mark.parametrize("k", [1, 64, 576, 1537])
+def test_gemm_shapes(rng, path, m, n, k):
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32) if (m + n + k) % 2 else None
+    packed = cpu_gemm.PackedWeight(w)
+    for threads in (1, 2):
+        check_gemm(cpu_gemm.gemm_bf16(x, packed, bias, path=path, threads=threads), x, w, bias)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_gemm_bias_strided_and_unaligned_inputs(rng, path):
+    k, n = 131, 77
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    packed = cpu_gemm.PackedWeight(w)
+    big = rng.standard_normal((40, 2 * k + 3)).astype(np.float32)
+    strided = big[::3, 1:2 * k + 1:2]                     # both strides non-unit
+    check_gemm(cpu_gemm.gemm_bf16(strided, packed, bias, path=path), strided, w, bias)
+    raw = np.empty(9 * k * 4 + 4, dtype=np.uint8)[4:]    # 4-byte but not 64-byte aligned
+    unaligned = raw.view(np.float32).reshape(9, k)
+    unaligned[:] = rng.standard_normal((9, k))
+    check_gemm(cpu_gemm.gemm_bf16(unaligned, packed, bias, path=path), unaligned, w, bias)
+    transposed_w = np.asfortranarray(w)                   # a weight view like llama.py's w_t.T
+    check_gemm(cpu_gemm.gemm_bf16(strided, cpu_gemm.PackedWeight(transposed_w), None,
+                                  path=path), strided, w, None)
+
+
+def test_gemm_paths_agree_and_rounding_is_rne(rng):
+    # 1 + 2^-8 is a bf16 tie between 1 and 1 + 2^-7: RNE keeps the even 1.0.
+    x = np.array([[1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8]], np.float32)
+    assert cpu_gemm.to_bf16_bits(x).tolist() == [[0x3F80, 0x3F82]]
+    packed = cpu_gemm.PackedWeight(np.array([[1.0, 0.0], [0.0, 1.0]], np.float32))
+    for path in PATHS:
+        y = cpu_gemm.gemm_bf16(x, packed, path=path)
+        assert y.tolist() == [[1.0, 1.0 + 2.0 ** -6]]
+    xr = rng.standard_normal((13, 300)).astype(np.float32)
+    wr = cpu_gemm.PackedWeight(rng.standard_normal((70, 300)).astype(np.float32))
+    ys = [cpu_gemm.gemm_bf16(xr, wr, path=p) for p in PATHS]
+    for y in ys[1:]:
+        np.testing.assert_allclose(y, ys[0], rtol=1e-5, atol=1e-5)
+
+
+def test_gemm_rejects_bad_arguments(rng):
+    packed = cpu_gemm.PackedWeight(rng.standard_normal((8, 6)).astype(np.float32))
+    with pytest.raises(ValueError, match="x must be"):
+        cpu_gemm.gemm_bf16(np.zeros((2, 5), np.float32), packed)
+    with pytest.raises(ValueError, match="bias must be"):
+        cpu_gemm.gemm_bf16(np.zeros((2, 6), np.float32), packed, np.zeros(7, np.float32))
+    with pytest.raises(ValueError, match="path must be"):
+        cpu_gemm.gemm_bf16(np.zeros((2, 6), np.float32), packed, path="avx9")
+
+
+def test_make_backend_cpu_dtypes():
+    assert isinstance(make_backend("cpu", "bfloat16"), CpuBf16Backend)
+    for dtype in ("auto", "float32"):
+        backend = make_backend("cpu", dtype)
+        assert type(backend) is NumpyBackend and backend.dtype_name == "float32"
+
+
+def prefill_logits(model_pair, backend, tokens):
+    """Logits of every position of one prefill through LlamaModel on `backend`."""
+    config, weights = model_pair
+    block_size, num_tokens = 16, len(tokens)
+    num_blocks = -(-num_tokens // block_size)
+    model = LlamaModel(config, weights, backend, max_position=256)
+    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    k_caches = [np.zeros(shape, np.float32) for _ in range(config.num_hidden_layers)]
+    v_caches = [np.zeros(shape, np.float32) for _ in range(config.num_hidden_layers)]
+    attn = build_attention_inputs(np.array([0, num_tokens], np.int32),
+                                  np.array([num_tokens], np.int32),
+                                  np.array([num_tokens], np.int32),
+                                  np.arange(num_blocks, dtype=np.int32)[None, :])
+    positions = np.arange(num_tokens, dtype=np.int32)
+    x, residual = model.forward(np.asarray(tokens, np.int32), positions, positions, attn,
+                                k_caches, v_caches)
+    return model.logits(x, residual)
+
+
+# bf16 rounds each GEMM input to 8 significant bits (relative error 2^-9); through the tiny
+# model's 2 layers and LM head that measured ~2% of the logits' spread. 5% of the spread bounds
+# it with margin and still fails a wrong kernel (a dropped K pair or tile moves logits by ~100%).
+BF16_LOGIT_TOLERANCE = 0.05
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_tiny_model_logits_close_to_float32(tiny_model, rng, path):
+    tokens = rng.integers(3, tiny_model[0].vocab_size, 37).tolist()
+    ref = prefill_logits(tiny_model, NumpyBackend(), tokens)
+    got = prefill_logits(tiny_model, CpuBf16Backend(path=path), tokens)
+    assert got.dtype == np.float32 and got.shape == ref.shape
+    spread = float(ref.std())
+    assert np.max(np.abs(got - ref)) <= BF16_LOGIT_TOLERANCE * spread
+    assert np.max(np.abs(got - ref)) > 0  # the bf16 path really rounds
+
+
+def test_tiny_engine_bfloat16_runs_batched(tiny_model, rng):
+    engine = make_engine(tiny_model, dtype="bfloat16", block_size=8, max_num_batched_tokens=40)
+    assert isinstance(engine.backend, CpuBf16Backend)
+    prompts = [rng.integers(3, tiny_model[0].vocab_size, n).tolist() for n in (5, 23, 61, 2)]
+    requests = [(i, f"r{i}", dict(prompt_token_ids=p, sampling_params=greedy(9))) for i, p in enumerate(prompts)]
+    outputs = run_requests(engine, requests)
+    float32 = make_engine(tiny_model, block_size=8, max_num_batched_tokens=40)
+    ref = run_requests(float32, requests)
+    agree = 0
+    for rid, out in outputs.items():
+        tokens = out.outputs[0].token_ids
+        assert len(tokens) == 9
+        agree += tokens[:3] == ref[rid].outputs[0].token_ids[:3]
+    # The tiny model's logits are spread (engine_helpers): bf16 keeps the first greedy tokens.
+    assert agree >= len(prompts) - 1
+
+
+def test_default_model_bfloat16_greedy_answer():
+    from pagedrun import LLM
+    from pagedrun.runtime.errors import ModelLoadError
+    from pagedrun.runtime.sampling_params import SamplingParams
+
+    try:
+        llm = LLM(device="cpu", dtype="bfloat16", max_model_len=256)
+    except ModelLoadError as exc:  # the default model package is not installed
+        pytest.skip(str(exc))
+    out = llm.chat([[{"role": "user", "content": "What is the capital of France?"}]],
+                   SamplingParams(temperature=0.0, max_tokens=16))
+    assert out[0].outputs[0].text.strip() == "The capital of France is Paris."
+
+
+@pytest.mark.parametrize("context_lens", [[1, 17, 40, 33, 16], [5, 5], [3, 200, 7]])
+def test_batched_decode_attention_matches_numpy_ops(rng, context_lens):
+    from pagedrun.runtime.backends import numpy_ops
+
+    num_seqs, num_heads, num_kv_heads, head_dim, block_size = len(context_lens), 9, 3, 64, 16
+    num_blocks = 64
+    k_cache = rng.standard_normal((num_blocks, block_size, num_kv_heads, head_dim)).astype(
+        np.float32)
+    v_cache = rng.standard_normal(k_cache.shape).astype(np.float32)
+    max_blocks = 15
+    block_tables = np.zeros((num_seqs, max_blocks), np.int32)
+    perm = rng.permutation(num_blocks)
+    used = 0
+    for i, n in enumerate(context_lens):
+        nb = -(-n // block_size)
+        block_tables[i, :nb] = perm[used:used + nb]
+        used += nb
+    q = rng.standard_normal((num_seqs, num_heads, head_dim)).astype(np.float32)
+    lens = np.array(context_lens, np.int32)
+    ref = numpy_ops.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.125)
+    got = CpuBf16Backend.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.125)
+    assert got.dtype == np.float32 and got.shape == ref.shape
+    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-6)
