@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--device", choices=("auto", "cpu", "sim", "cuda"), default="auto",
                           help="where the model runs: cuda when CuPy sees a GPU (auto), the "
                           "numpy backend (cpu), or the CUDA kernels on CPU threads (sim)")
+    generate.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                          default="auto", help="compute dtype (auto: float32 on cpu, bfloat16 "
+                          "on cuda; bfloat16 on cpu: bf16 weights on the compiled GEMM)")
     generate.add_argument("--threads", type=int, default=None, metavar="N",
                           help="CPU threads for the numpy math (default: the BLAS library's "
                           "choice; 1 is steadier on a busy shared machine)")
@@ -209,7 +212,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.ignore_eos:
         eos_ids = set()
     engine = LLMEngine(EngineConfig(
-        model=str(model_dir), device=args.device,
+        model=str(model_dir), device=args.device, dtype=args.dtype,
         max_model_len=min(len(prompt_ids) + args.max_tokens, config.max_position_embeddings),
         max_num_seqs=1))
 

@@ -27,6 +27,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                      help="full ZeroMQ endpoint instead of host/port, e.g. ipc:///tmp/pr.sock")
     eng = p.add_argument_group("engine (vLLM names)")
     eng.add_argument("--device", default="auto", choices=("auto", "cpu", "sim", "cuda"))
+    eng.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                     help="auto: float32 on cpu, bfloat16 on cuda")
     eng.add_argument("--tensor-parallel-size", type=int, default=1)
     eng.add_argument("--nnodes", type=int, default=1,
                      help="tensor parallel over this many nodes (tp/nnodes ranks on each)")
@@ -90,7 +92,7 @@ def build_engine(args):
     from pagedrun.runtime.engine_config import EngineConfig
 
     return LLMEngine(EngineConfig(
-        model=args.model, device=args.device, block_size=args.block_size,
+        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, num_kv_blocks=args.num_kv_blocks,
