@@ -39,26 +39,41 @@ constexpr unsigned kWarpgroupThreads = 128;
 constexpr unsigned kMaxWarpgroups = 1024 / kWarpgroupThreads;
 constexpr unsigned kWgmmaM = 64, kWgmmaK = 16;
 
+// ---- synchronisation for the sanitizers -----------------------------------------------------
+inline bool always_ready(void*) { return true; }
+// A release + acquire point without blocking. Twins call it on entry (to see what other
+// threads' twins did to the side state) and after changing shared state, so ThreadSanitizer
+// orders them as the hardware's barriers do. The barrier word itself is accessed atomically:
+// the scheduler polls it between fiber runs.
+inline void sync_point(const Loc& loc) { wait_until(&always_ready, nullptr, "sync", loc); }
+
 // ---- mbarrier -----------------------------------------------------------------------------
 // Word layout: bits 0..19 pending arrivals, 20..39 expected arrivals, 40 phase parity,
-// 41..62 transaction bytes + kTxBias (signed: a TMA may complete before its expect_tx),
-// 63 zero (the poison byte pattern sets it: "never initialised").
+// 41..61 transaction bytes + kTxBias (signed: a TMA may complete before its expect_tx),
+// 62 "TMA bytes parked on this barrier", 63 zero (the poison byte pattern sets it: "never
+// initialised").
 constexpr uint64_t kArriveMask = (1u << 20) - 1;
-constexpr int64_t kTxBias = int64_t(1) << 21;
-constexpr int64_t kTxLimit = (int64_t(1) << 21) - 1;
+constexpr int64_t kTxBias = int64_t(1) << 20;
+constexpr int64_t kTxLimit = (int64_t(1) << 20) - 1;
+constexpr uint64_t kTxFieldMask = (uint64_t(1) << 21) - 1;
+constexpr uint64_t kParkedBit = uint64_t(1) << 62;
 
 struct Mbarrier {
     uint32_t pending, expected, phase;
     int64_t tx;
+    bool parked;
 };
 
+inline uint64_t mbar_word(const uint64_t* bar) { return __atomic_load_n(bar, __ATOMIC_RELAXED); }
+
 inline bool mbar_load(const uint64_t* bar, Mbarrier& m) {
-    uint64_t w = *bar;
+    uint64_t w = mbar_word(bar);
     if (w >> 63) return false;
     m.pending = uint32_t(w & kArriveMask);
     m.expected = uint32_t((w >> 20) & kArriveMask);
     m.phase = uint32_t((w >> 40) & 1);
-    m.tx = int64_t((w >> 41) & ((uint64_t(1) << 22) - 1)) - kTxBias;
+    m.tx = int64_t((w >> 41) & kTxFieldMask) - kTxBias;
+    m.parked = (w & kParkedBit) != 0;
     return m.expected != 0;
 }
 inline void mbar_store(uint64_t* bar, Mbarrier m) {
@@ -66,8 +81,9 @@ inline void mbar_store(uint64_t* bar, Mbarrier m) {
         m.phase ^= 1;
         m.pending = m.expected;
     }
-    *bar = uint64_t(m.pending) | (uint64_t(m.expected) << 20) | (uint64_t(m.phase) << 40) |
-           (uint64_t(m.tx + kTxBias) << 41);
+    uint64_t w = uint64_t(m.pending) | (uint64_t(m.expected) << 20) | (uint64_t(m.phase) << 40) |
+                 (uint64_t(m.tx + kTxBias) << 41) | (m.parked ? kParkedBit : 0);
+    __atomic_store_n(bar, w, __ATOMIC_RELAXED);
 }
 
 inline Mbarrier mbar_checked(const uint64_t* bar, const char* what, const Loc& loc) {
@@ -93,8 +109,8 @@ inline std::vector<TmaInFlight>& tma_in_flight() {
     return v;
 }
 
-// Lands every TMA parked on bar (and forgets those of earlier blocks). Returns false if the
-// transaction count would leave its range.
+// Lands every TMA parked on bar (and forgets those of earlier blocks), in the calling thread.
+// Returns false if the transaction count would leave its range.
 inline bool tma_land(uint64_t* bar) {
     auto& v = tma_in_flight();
     const uint64_t block = block_serial();
@@ -115,6 +131,11 @@ inline bool tma_land(uint64_t* bar) {
         }
     }
     v.resize(keep);
+    Mbarrier m;
+    if (mbar_load(bar, m) && m.parked) {
+        m.parked = false;
+        mbar_store(bar, m);
+    }
     return ok;
 }
 
@@ -125,17 +146,17 @@ inline void mbarrier_init(uint64_t* bar, int arrive_count, const Loc& loc) {
     if (arrive_count < 1 || uint64_t(arrive_count) > kArriveMask)
         fail(loc, "mbarrier_init: arrive count %d outside 1..%llu", arrive_count,
              static_cast<unsigned long long>(kArriveMask));
+    sync_point(loc);
     auto& v = tma_in_flight();  // a re-initialised barrier owns no earlier transfers
     v.erase(std::remove_if(v.begin(), v.end(), [&](const TmaInFlight& t) { return t.bar == bar; }),
             v.end());
-    *bar = 0;
-    mbar_store(bar, Mbarrier{uint32_t(arrive_count), uint32_t(arrive_count), 0, 0});
-    // mbar_store completes nothing here: pending = count > 0.
+    // (completes nothing: pending = count > 0)
+    mbar_store(bar, Mbarrier{uint32_t(arrive_count), uint32_t(arrive_count), 0, 0, false});
+    sync_point(loc);
 }
 
-inline bool always_ready(void*) { return true; }
-
 inline void mbarrier_arrive_tx(uint64_t* bar, int tx_bytes, const char* what, const Loc& loc) {
+    sync_point(loc);  // the arrival releases what this thread wrote before it
     Mbarrier m = mbar_checked(bar, what, loc);
     if (tx_bytes < 0) fail(loc, "%s: negative transaction bytes %d", what, tx_bytes);
     if (m.pending == 0)
@@ -147,29 +168,35 @@ inline void mbarrier_arrive_tx(uint64_t* bar, int tx_bytes, const char* what, co
              static_cast<long long>(m.tx));
     m.pending -= 1;
     mbar_store(bar, m);
-    wait_until(&always_ready, nullptr, what, loc);  // a release point for the sanitizers
 }
 
 struct PhaseWait {
     uint64_t* bar;
     uint32_t parity;
 };
-// Has the phase of parity w->parity completed (the barrier has moved past it)?
-inline bool phase_done(void* ctx) {
+// Polled by the scheduler (reads the word only): has the phase of parity w->parity completed,
+// or are there TMA bytes to land?
+inline bool phase_done_or_parked(void* ctx) {
     auto* w = static_cast<PhaseWait*>(ctx);
-    tma_land(w->bar);
     Mbarrier m;
-    return mbar_load(w->bar, m) && m.phase != w->parity;
+    return mbar_load(w->bar, m) && (m.phase != w->parity || m.parked);
 }
 
 // try_wait may return false on hardware only after a time limit; the twin blocks instead, so
 // a spin loop on try_wait that can never succeed is reported as a deadlock, not a hang.
 inline bool mbarrier_wait(uint64_t* bar, int phase, const char* what, const Loc& loc) {
     mbar_checked(bar, what, loc);
-    if (!tma_land(bar)) fail(loc, "%s: transaction bytes out of range", what);
     PhaseWait w{bar, uint32_t(phase & 1)};
-    wait_until(&phase_done, &w, what, loc);
-    return true;
+    for (;;) {
+        wait_until(&phase_done_or_parked, &w, what, loc);
+        Mbarrier m = mbar_checked(bar, what, loc);
+        if (m.parked) {  // land the bytes here, in a thread, then publish them
+            if (!tma_land(bar)) fail(loc, "%s: transaction bytes out of range", what);
+            sync_point(loc);
+            m = mbar_checked(bar, what, loc);
+        }
+        if (m.phase != w.parity) return true;
+    }
 }
 
 // ---- TMA ----------------------------------------------------------------------------------
@@ -196,6 +223,7 @@ inline void tma_load_2d(void* smem_dst, const TmaDescriptor* desc, int coord_inn
     if (row_bytes % 16 != 0 || (sw && row_bytes != sw))
         fail(loc, "%s: box row of %zu bytes: needs a multiple of 16%s", what, row_bytes,
              sw ? " equal to the swizzle width" : "");
+    sync_point(loc);
     mbar_checked(bar, what, loc);
     TmaInFlight t{block_serial(), bar, static_cast<unsigned char*>(smem_dst),
                   std::vector<unsigned char>(bytes, 0)};
@@ -213,6 +241,10 @@ inline void tma_load_2d(void* smem_dst, const TmaDescriptor* desc, int coord_inn
     }
     std::memset(smem_dst, 0xFF, bytes);  // NaN until a wait on bar lands the box
     tma_in_flight().push_back(std::move(t));
+    Mbarrier m = mbar_checked(bar, what, loc);
+    m.parked = true;
+    mbar_store(bar, m);
+    sync_point(loc);
 }
 
 // ---- wgmma --------------------------------------------------------------------------------
@@ -277,9 +309,9 @@ struct GenerationWait {
     const WarpgroupSlot* slot;
     uint64_t generation;
 };
-inline bool generation_moved(void* ctx) {
+inline bool generation_moved(void* ctx) {  // polled by the scheduler: atomic read
     auto* w = static_cast<GenerationWait*>(ctx);
-    return w->slot->generation != w->generation;
+    return __atomic_load_n(&w->slot->generation, __ATOMIC_RELAXED) != w->generation;
 }
 
 using WarpgroupFn = void (*)(void* const* lanes, const Loc& loc);
@@ -293,6 +325,7 @@ inline void warpgroup_collective(const char* what, void* lane_data, WarpgroupFn 
     if ((group + 1) * kWarpgroupThreads > nthreads)
         fail(loc, "%s: warpgroup %u is incomplete (block of %u threads; a warpgroup is 128)",
              what, group, nthreads);
+    sync_point(loc);  // see the arrivals of the warpgroup's other threads
     WarpgroupSlot& s = warpgroup_slots()[group];
     if (s.block != block_serial()) s = WarpgroupSlot{block_serial()};
     if (s.arrived && std::strcmp(s.what, what) != 0)
@@ -304,7 +337,7 @@ inline void warpgroup_collective(const char* what, void* lane_data, WarpgroupFn 
     if (++s.arrived == kWarpgroupThreads) {
         fn(s.lanes, loc);
         s.arrived = 0;
-        ++s.generation;
+        __atomic_store_n(&s.generation, s.generation + 1, __ATOMIC_RELAXED);
     }
     wait_until(&generation_moved, &w, what, loc);
 }

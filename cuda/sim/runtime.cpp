@@ -396,6 +396,7 @@ void acquire_all_fibers() {
     tsan_acquire(&L.tsan_block_end);
     tsan_acquire(&L.tsan_barrier_token);
     tsan_acquire(&L.tsan_warp_token);
+    tsan_acquire(&L.tsan_cond_token);
 }
 
 void run_block() {
@@ -417,7 +418,11 @@ void run_block() {
         bool progress = false;
         done = 0;
         for (auto& f : L.fibers) {
-            if (f.state == State::WaitCond && f.ready(f.ready_ctx)) f.state = State::Runnable;
+            if (f.state == State::WaitCond) {
+                tsan_acquire(&L.tsan_cond_token);  // the predicate reads what waiters released
+                if (f.ready(f.ready_ctx)) f.state = State::Runnable;
+                tsan_release(&L.tsan_cond_token);  // ... and before the waiter reuses its stack
+            }
             if (f.state == State::Runnable) {
                 run_fiber(f);
                 progress = true;
@@ -649,8 +654,9 @@ void warp_collective(uint32_t mask, const char* what, void* lane_data, WarpFn fn
 void wait_until(WaitReady ready, void* ctx, const char* what, const Loc& loc) {
     Launch& L = *g_L;
     Fiber& f = *L.cur;
-    tsan_release(&L.tsan_cond_token);
-    if (!ready(ctx)) {
+    const bool now = ready(ctx);  // read before the release: a scheduler that abandons
+    tsan_release(&L.tsan_cond_token);  // this fiber after a deadlock acquires it
+    if (!now) {
         f.state = State::WaitCond;
         f.ready = ready;
         f.ready_ctx = ctx;
