@@ -9,8 +9,8 @@ row-major matrix, in the form each backend reads.
       The CUtensorMap from the driver's cuTensorMapEncodeTiled (libcuda through ctypes) for a
       CuPy matrix; copy it to device memory and pass its pointer as the descriptor.
 
-matrix: 2-D, C-contiguous rows (the row stride may exceed the row, as for a column slice),
-2-byte (bf16/f16 as uint16/float16) or 4-byte elements. box_cols * itemsize must be a
+matrix: 2-D, contiguous rows whose stride is a multiple of 16 bytes (it may exceed the row,
+as for a column slice), base 16-byte aligned, 2-byte (bf16/f16 as uint16/float16) or 4-byte elements. box_cols * itemsize must be a
 multiple of 16 bytes, and equal swizzle_bytes when swizzled (32, 64 or 128).
 """
 
@@ -24,6 +24,7 @@ SIM_TMA_MAGIC = 0x31414D5452444150  # kTmaMagic in cuda/sim/hopper.cuh
 DESCRIPTOR_WORDS = 16               # 128 bytes, like CUtensorMap
 SWIZZLE_BYTES = (0, 32, 64, 128)
 MAX_BOX = 256                       # per dimension, as cuTensorMapEncodeTiled allows
+ROW_STRIDE_ALIGN = 16               # bytes; the base address too
 
 # CUtensorMapSwizzle / CUtensorMapDataType values from the CUDA driver API (cuda.h).
 _CU_SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}
@@ -44,12 +45,21 @@ def _check(shape, itemsize, box_rows, box_cols, swizzle_bytes):
                          + (f" equal to the {swizzle_bytes}-byte swizzle" if swizzle_bytes else ""))
 
 
+def _check_layout(strides, itemsize):
+    # cuTensorMapEncodeTiled's rules, enforced on both paths so the harness refuses what the
+    # GPU refuses.
+    if strides[1] != itemsize or strides[0] % ROW_STRIDE_ALIGN:
+        raise ValueError(f"tma: rows must be contiguous with a row stride multiple of "
+                         f"{ROW_STRIDE_ALIGN} bytes (strides {strides})")
+
+
 def sim_descriptor(matrix: np.ndarray, box_rows: int, box_cols: int,
                    swizzle_bytes: int = 0) -> np.ndarray:
     """matrix: [rows, cols] numpy array (last axis contiguous)."""
     _check(matrix.shape, matrix.itemsize, box_rows, box_cols, swizzle_bytes)
-    if matrix.strides[1] != matrix.itemsize:
-        raise ValueError("tma: the matrix's rows must be contiguous")
+    _check_layout(matrix.strides, matrix.itemsize)
+    if matrix.ctypes.data % ROW_STRIDE_ALIGN:
+        raise ValueError("tma: the matrix must start on a 16-byte boundary")
     rows, cols = matrix.shape
     d = np.zeros(DESCRIPTOR_WORDS, np.uint64)
     d[0] = SIM_TMA_MAGIC
@@ -69,8 +79,7 @@ def cuda_descriptor(matrix, box_rows: int, box_cols: int, swizzle_bytes: int = 0
         dtype = np.dtype(np.uint16)
     if dtype not in _CU_DTYPE:
         raise ValueError(f"tma: element type {matrix.dtype} not supported")
-    if matrix.strides[1] != matrix.itemsize or matrix.strides[0] % 16:
-        raise ValueError("tma: rows must be contiguous with a row stride multiple of 16 bytes")
+    _check_layout(matrix.strides, matrix.itemsize)
     libcuda = ctypes.CDLL("libcuda.so.1")
     fn = libcuda.cuTensorMapEncodeTiled
     fn.restype = ctypes.c_int

@@ -161,7 +161,7 @@ def test_tma_twin_matches_instruction(hopper_modules, swizzle, cols):
     from pagedrun.runtime.kernels.tma import cuda_descriptor, sim_descriptor
 
     rng = np.random.default_rng()
-    matrix = rng.integers(1, 2**16, (45, 100), dtype=np.uint16)
+    matrix = rng.integers(1, 2**16, (45, 104), dtype=np.uint16)  # 208-byte rows: 16 | stride
     dev_matrix = cupy.asarray(matrix)
     rows = 19
     nbytes = rows * cols * 2

@@ -71,7 +71,8 @@ def run_box(hopper, matrix, row0, col0, rows, cols, swizzle):
 
 
 def test_tma_box_plain_with_out_of_bounds_zero_fill(hopper, rng):
-    matrix = rng.integers(1, 2**16, (37, 29), dtype=np.uint16)  # nothing is zero inside
+    # rows of 29 values in a stride of 40 (TMA wants 16-byte row strides); nothing zero inside
+    matrix = rng.integers(1, 2**16, (37, 40), dtype=np.uint16)[:, :29]
     for row0, col0 in [(3, 5), (-4, -3), (30, 24), (36, -7)]:
         raw = run_box(hopper, matrix, row0, col0, 11, 8, 0)
         np.testing.assert_array_equal(raw.view(np.uint16).reshape(11, 8),
@@ -79,7 +80,7 @@ def test_tma_box_plain_with_out_of_bounds_zero_fill(hopper, rng):
 
 
 def test_tma_box_128b_swizzle_round_trip(hopper, rng):
-    matrix = rng.integers(1, 2**16, (45, 100), dtype=np.uint16)
+    matrix = rng.integers(1, 2**16, (45, 104), dtype=np.uint16)[:, :100]
     for row0, col0 in [(0, 0), (13, 36), (-2, 50)]:
         rows = 19
         raw = run_box(hopper, matrix, row0, col0, rows, 64, 128)
@@ -190,3 +191,15 @@ def test_hopper_kernels_pass_the_sm90a_gates_and_unguarded_calls_fail_elsewhere(
         assert verdicts[(gate, "hopper_unguarded.cu", "sm_90a")] == "PASS"
         assert verdicts[(gate, "hopper_unguarded.cu", "sm_80")] == "FAIL"
     assert "Hopper-only instruction (wgmma / TMA / mbarrier): compile for sm_90a" in buf.getvalue()
+
+
+def test_descriptors_the_gpu_would_refuse_are_refused(hopper, rng):
+    with pytest.raises(ValueError, match="row stride multiple of 16"):
+        sim_descriptor(np.zeros((8, 29), np.uint16), 8, 8)
+    with pytest.raises(ValueError, match="equal to the 128-byte swizzle"):
+        sim_descriptor(np.zeros((8, 64), np.uint16), 8, 32, 128)
+    fake = np.zeros(16, np.uint64)  # e.g. a CUtensorMap handed to the harness
+    raw = np.zeros(256, np.uint8)
+    with pytest.raises(SimKernelError, match="was not built by pagedrun.runtime.kernels.tma"):
+        hopper.get_function("tma_box_probe")(1, 32, (fake, np.int32(0), np.int32(0),
+                                                     np.int32(256), raw), shared_mem=256 + 1024)
