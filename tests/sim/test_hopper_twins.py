@@ -203,3 +203,17 @@ def test_descriptors_the_gpu_would_refuse_are_refused(hopper, rng):
     with pytest.raises(SimKernelError, match="was not built by pagedrun.runtime.kernels.tma"):
         hopper.get_function("tma_box_probe")(1, 32, (fake, np.int32(0), np.int32(0),
                                                      np.int32(256), raw), shared_mem=256 + 1024)
+
+
+def test_shipped_kernels_stay_off_the_hopper_target():
+    """cuda/*.cu use no Hopper-only function, so their gates keep compiling for sm_90 (not
+    sm_90a) and their prebuilt cubins run on any sm_90 part."""
+    from pathlib import Path
+
+    gates = _load_gates()
+    shipped = sorted((Path(__file__).resolve().parents[2] / "cuda").glob("*.cu"))
+    assert shipped
+    for path in shipped:
+        assert gates.archs_for(path) == ["sm_80", "sm_90"], path.name
+    kernels = Path(__file__).resolve().parent / "kernels"
+    assert gates.archs_for(kernels / "hopper_probes.cu") == ["sm_80", "sm_90a"]
