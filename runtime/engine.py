@@ -26,6 +26,7 @@ from pagedrun.runtime.backends.base import make_backend
 from pagedrun.runtime.detokenizer import IncrementalDetokenizer
 from pagedrun.runtime.engine_config import EngineConfig
 from pagedrun.runtime.errors import PagedRunError
+from pagedrun.runtime.kernels.kernel_args import array_module
 from pagedrun.runtime.model_config import ModelConfig
 from pagedrun.runtime.model_runner import ModelRunner, kv_bytes_per_block
 from pagedrun.runtime.outputs import Logprob, RequestOutput
@@ -156,7 +157,9 @@ class LLMEngine:
             self.runner = ModelRunner(model_config, weights, block_size=self.block_size,
                                       num_gpu_blocks=self.num_kv_blocks,
                                       num_cpu_blocks=self.num_cpu_blocks,
-                                      max_model_len=self.max_model_len, ops=self.backend)
+                                      max_model_len=self.max_model_len, ops=self.backend,
+                                      # the kernel sampler reads logits where they are
+                                      logits_on_device=self.device != "cpu")
         self.scheduler = Scheduler(SchedulerConfig(
             num_gpu_blocks=self.num_kv_blocks, block_size=self.block_size,
             max_num_seqs=config.max_num_seqs,
@@ -449,8 +452,8 @@ class LLMEngine:
                 logit_rows.append(i)
                 targets.append((row, seq, request))
         logits = runner_out.logits
-        if len(logit_rows) != logits.shape[0]:
-            logits = logits[np.asarray(logit_rows)]
+        if len(logit_rows) != logits.shape[0]:  # numpy, or the backend's array (cupy)
+            logits = logits[array_module(logits).asarray(logit_rows)]
         sampler_out = self.sampler.sample(
             logits, [t[2].params for t in targets], [t[1].generator for t in targets],
             [t[2].prompt_token_ids for t in targets], [t[1].output_token_ids for t in targets])

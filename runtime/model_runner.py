@@ -31,7 +31,8 @@ class RunnerOutput:
     """Logits of one step.
 
     sample_rows: [num_sampled] int64, the batch rows (of SchedulerOutput) that sample a token.
-    logits: [num_sampled, vocab] float32, the logits of each sample row's last query token.
+    logits: [num_sampled, vocab] float32, the logits of each sample row's last query token
+        (numpy; the backend's array -- cupy on cuda -- when the runner keeps logits on device).
     prompt_logits: batch row -> [query_len, vocab] float32 logits of every query token of that
         row (rows asked for in `execute`'s `prompt_logit_rows` only).
     """
@@ -88,12 +89,15 @@ class ModelRunner:
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, *, block_size: int,
                  num_gpu_blocks: int, num_cpu_blocks: int, max_model_len: int, ops,
-                 model=None) -> None:
+                 model=None, logits_on_device: bool = False) -> None:
         """`model`: a prebuilt forward to use instead of LlamaModel(config, weights) (a
         tensor-parallel rank's shard; `config` is then that rank's config, see
-        runtime/distributed/sharding.py, so the KV pools hold only its KV heads)."""
+        runtime/distributed/sharding.py, so the KV pools hold only its KV heads).
+        `logits_on_device`: RunnerOutput.logits stays the backend's float32 array (the kernel
+        sampler reads it where it is; only token ids come back), instead of a numpy copy."""
         self.config = config
         self.ops = ops
+        self.logits_on_device = logits_on_device
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
@@ -133,11 +137,15 @@ class ModelRunner:
             return RunnerOutput(sample_rows, np.empty((0, vocab), np.float32), {})
         attn = build_attention_inputs(out.query_start_loc, out.query_lens, out.context_lens,
                                       out.block_tables)
-        x, residual = self.model.forward(out.input_token_ids, out.positions, out.slot_mapping,
-                                         attn, self.k_caches, self.v_caches)
+        # Uploaded once here, read by every layer (runtime/backends/step_inputs.py).
+        step = self.ops.step_inputs(out.positions, out.slot_mapping, attn)
+        x, residual = self.model.forward(out.input_token_ids, step.positions, step.slot_mapping,
+                                         step.attn, self.k_caches, self.v_caches)
         qsl = out.query_start_loc
         last_token = qsl[sample_rows + 1] - 1
-        logits = self.ops.to_host(self.model.logits(x[last_token], residual[last_token]))
+        logits = self.model.logits(x[last_token], residual[last_token])
+        if not self.logits_on_device:
+            logits = self.ops.to_host(logits)
         prompt_logits = {}
         for row in prompt_logit_rows:
             rows = slice(int(qsl[row]), int(qsl[row + 1]))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import numpy_ops
+from .step_inputs import StepInputs
 
 
 class NumpyBackend:
@@ -30,6 +31,11 @@ class NumpyBackend:
         """numpy_ops.linear; out_dtype is accepted for the interface (the result is float32)."""
         del out_dtype
         return numpy_ops.linear(x, weight, bias)
+
+    @staticmethod
+    def step_inputs(positions, slot_mapping, attn) -> StepInputs:
+        """The host arrays themselves: the reference ops read numpy directly."""
+        return StepInputs(positions, slot_mapping, attn)
 
     @staticmethod
     def zeros(shape, dtype):

@@ -22,6 +22,8 @@ from pagedrun.runtime.kernels.kernel_args import (UnsupportedKernelShape, from_b
                                                   to_bf16_bits)
 from pagedrun.runtime.kernels.loader import load_module
 
+from .step_inputs import DeviceInts, StepInputs, upload_step
+
 _ACTIVATION_DTYPE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
                      "bfloat16": np.dtype(np.uint16)}
 # Kernel sources per op group (one module each, built on first use).
@@ -96,8 +98,25 @@ class KernelBackend:
             return from_bf16_bits(host)
         return np.asarray(host, dtype=np.float32)
 
+    def to_device(self, host: np.ndarray):
+        """A device copy of a host array (numpy under the harness: the array itself if it is
+        already contiguous)."""
+        return self.device(host)
+
+    def step_inputs(self, positions, slot_mapping, attn) -> StepInputs:
+        """The step's metadata uploaded once, for every layer (runtime/backends/step_inputs.py)."""
+        return upload_step(self.to_device, positions, slot_mapping, attn,
+                           upload_rows=self.to_device)
+
     def _ints(self, x):
+        """Device int32 array: a step input's copy made once per step, else uploaded now."""
+        if isinstance(x, DeviceInts):
+            return x.device
         return self.device(np.asarray(x, dtype=np.int32))
+
+    @staticmethod
+    def _host_ints(x) -> np.ndarray:
+        return x.host if isinstance(x, DeviceInts) else np.asarray(x, dtype=np.int32)
 
     # ------------------------------------------------------------------ ops
     def embedding(self, token_ids, table):
@@ -129,19 +148,20 @@ class KernelBackend:
             self._ints(slot_mapping))
 
     def paged_decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale):
-        context_lens = np.asarray(context_lens, dtype=np.int32)
+        host_lens = self._host_ints(context_lens)  # the longest context, without a device read
         return attention.paged_decode_attention(
             self.module("decode"), self.xp.ascontiguousarray(q), k_cache, v_cache,
             self._ints(block_tables), self._ints(context_lens), scale,
-            max_context_len=int(context_lens.max()) if context_lens.size else 1)
+            max_context_len=int(host_lens.max()) if host_lens.size else 1)
 
     def paged_prefill_attention(self, q, k_cache, v_cache, block_tables, query_start_loc,
                                 context_lens, scale):
-        qsl = np.asarray(query_start_loc, dtype=np.int32)
+        qsl = self._host_ints(query_start_loc)
         max_query_len = int(np.diff(qsl).max()) if qsl.size > 1 else 0
         return attention.paged_prefill_attention(
             self.module("prefill"), self.xp.ascontiguousarray(q), k_cache, v_cache,
-            self._ints(block_tables), self._ints(qsl), self._ints(context_lens), scale,
+            self._ints(block_tables), self._ints(query_start_loc), self._ints(context_lens),
+            scale,
             max_query_len=max_query_len)
 
     def copy_blocks(self, k_caches, v_caches, block_copies) -> None:

@@ -148,7 +148,7 @@ class KernelSampler:
         want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw = None
         if want_logprobs:  # raw logprobs, before penalties (host: rows that asked only)
-            rows = logits[np.asarray(want_logprobs)]
+            rows = logits[array_module(logits).asarray(want_logprobs)]
             raw = log_softmax(rows if on_host else rows.get())
         processed = self.xp.array(logits, dtype=np.float32)  # a copy: penalties work in place
         apply_penalties(self.module, processed, params, prompt_token_ids, output_token_ids,
