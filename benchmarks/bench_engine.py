@@ -16,7 +16,8 @@ Subcommands (`all` runs each in turn; `--json PATH` writes every number measured
   prefix       time to first token of a request sharing a 1,000-token prefix, cold (empty
                prefix cache) vs warm (the prefix cached by an earlier request).
   concurrency  output tokens/s with 1, 8 and 32 concurrent requests (32-token prompts,
-               24 new tokens each).
+               24 new tokens each); `--dtype both` runs float32 and bfloat16 (the bf16-weight
+               cpu backend) interleaved, medians of `--repeats`; `--levels 1,8,32,64`.
 
 BLAS threads: `--blas-threads` (default 1) is set before numpy loads. On a shared 2-core
 machine OpenBLAS's spinning threads collapse under contention (mid-size GEMMs measured 100x
@@ -40,6 +41,11 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--blas-threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats (medians)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="float32",
+                        help="concurrency: the cpu engine dtype(s)")
+    parser.add_argument("--gemm-threads", type=int, default=None,
+                        help="concurrency, bfloat16: threads of one GEMM (default: the backend's)")
+    parser.add_argument("--levels", default="1,8,32", help="concurrency: concurrent requests")
     return parser.parse_args()
 
 
@@ -233,22 +239,50 @@ CONC_PROMPT = 32
 CONC_NEW = 24
 
 
-def bench_concurrency() -> dict:
-    llm = _llm(max_model_len=512, num_kv_blocks=512, enable_prefix_caching=False)
-    vocab = llm.engine.model_config.vocab_size
+def _concurrency_run(llm, prompts) -> tuple[float, float]:
+    """(output tok/s including prefill, decode-only tok/s) of one generate over `prompts`."""
+    start = time.perf_counter()
+    outs = llm.generate(prompts, _greedy(CONC_NEW))
+    wall = time.perf_counter() - start
+    # Decode-only rate: tokens after the first, over the time after the last first token.
+    last_first = max(o.first_token_time for o in outs)
+    end = max(o.finished_time for o in outs)
+    num = len(prompts)
+    return num * CONC_NEW / wall, num * (CONC_NEW - 1) / (end - last_first)
+
+
+def bench_concurrency(dtypes=("float32",), levels=(1, 8, 32), repeats: int = 1,
+                      gemm_threads: int | None = None) -> dict:
+    """Each level runs every dtype in turn, `repeats` times interleaved (machine noise hits
+    all alike); medians. Keys without a dtype suffix are float32's (the earlier tables')."""
+    llms = {}
+    for dtype in dtypes:
+        llms[dtype] = _llm(max_model_len=512, num_kv_blocks=512, enable_prefix_caching=False,
+                           dtype=dtype)
+        if dtype == "bfloat16" and gemm_threads is not None:
+            llms[dtype].engine.backend.gemm_threads = gemm_threads
+    vocab = next(iter(llms.values())).engine.model_config.vocab_size
     rng = np.random.default_rng(4)
-    llm.generate(random_prompt_ids(rng, 8, vocab), _greedy(2))
-    result = {"prompt_tokens": CONC_PROMPT, "new_tokens": CONC_NEW}
-    for num in (1, 8, 32):
+    warm = random_prompt_ids(rng, 8, vocab)
+    for llm in llms.values():
+        llm.generate(warm, _greedy(2))
+    result = {"prompt_tokens": CONC_PROMPT, "new_tokens": CONC_NEW, "repeats": repeats,
+              "dtypes": list(dtypes)}
+    if "bfloat16" in llms:
+        result["bf16_gemm_threads"] = llms["bfloat16"].engine.backend.gemm_threads
+    for num in levels:
         prompts = [random_prompt_ids(rng, CONC_PROMPT, vocab) for _ in range(num)]
-        start = time.perf_counter()
-        outs = llm.generate(prompts, _greedy(CONC_NEW))
-        wall = time.perf_counter() - start
-        # Decode-only rate: tokens after the first, over the time after the last first token.
-        last_first = max(o.first_token_time for o in outs)
-        end = max(o.finished_time for o in outs)
-        result[f"tok_s_{num}"] = num * CONC_NEW / wall
-        result[f"decode_tok_s_{num}"] = num * (CONC_NEW - 1) / (end - last_first)
+        runs = {dtype: [] for dtype in dtypes}
+        for _ in range(repeats):
+            for dtype, llm in llms.items():
+                runs[dtype].append(_concurrency_run(llm, prompts))
+        for dtype, values in runs.items():
+            suffix = "" if dtype == "float32" else f"_{dtype}"
+            result[f"tok_s_{num}{suffix}"] = float(np.median([v[0] for v in values]))
+            result[f"decode_tok_s_{num}{suffix}"] = float(np.median([v[1] for v in values]))
+        if len(dtypes) == 2:
+            result[f"bf16_over_fp32_{num}"] = (result[f"tok_s_{num}_bfloat16"]
+                                               / result[f"tok_s_{num}"])
     return result
 
 
@@ -259,7 +293,10 @@ def main() -> int:
         "continuous": lambda: bench_continuous(max(1, args.repeats - 1)),
         "batch1": lambda: bench_batch1(args.repeats),
         "prefix": lambda: bench_prefix(args.repeats),
-        "concurrency": bench_concurrency,
+        "concurrency": lambda: bench_concurrency(
+            ("float32", "bfloat16") if args.dtype == "both" else (args.dtype,),
+            tuple(int(v) for v in args.levels.split(",")), max(1, args.repeats - 2),
+            args.gemm_threads),
     }
     names = list(benches) if args.bench == "all" else [args.bench]
     results = {"blas_threads": args.blas_threads, "load_average_at_start": os.getloadavg()[0]}

@@ -29,9 +29,11 @@ cdef extern from "cpu_gemm_kernels.h" namespace "pagedrun_gemm" nogil:
 
 PATHS = ("portable", "avx512bf16")
 _PATH_CODE = {"portable": 0, "avx512bf16": 1}
-# Tiles per thread below which the second thread costs more (a queue hand-off, ~tens of us)
-# than it saves: 4 tiles = 64 outputs.
+# Below these the second thread costs more (a queue hand-off, ~40 us measured) than it saves:
+# tiles per thread (4 tiles = 64 outputs) and multiply-adds per call (2^22 take ~45 us on one
+# Zen 4 core; a one-token decode GEMM of SmolLM2 is 0.3-1.8 M).
 MIN_TILES_PER_THREAD = 4
+MIN_MACS_PER_THREADED_CALL = 1 << 22
 
 cdef int _HAS_BF16 = cpu_has_avx512bf16()
 _pool = None
@@ -144,7 +146,8 @@ def gemm_bf16(x, packed, bias=None, *, path="auto", threads=2):
     y = np.empty((x.shape[0], packed.n), dtype=np.float32)
     wp = packed.packed.reshape(-1)
     num_tiles = packed.num_tiles
-    if threads < 2 or num_tiles < 2 * MIN_TILES_PER_THREAD:
+    if (threads < 2 or num_tiles < 2 * MIN_TILES_PER_THREAD
+            or x.shape[0] * packed.n * packed.k < MIN_MACS_PER_THREADED_CALL):
         _run_tiles(xb, wp, packed.n, 0, num_tiles, bias, y, code)
         return y
     global _pool

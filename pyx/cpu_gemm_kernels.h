@@ -92,16 +92,25 @@ static inline void gemm_tiles_scalar(const uint16_t* xb, int M, int kp, const ui
 
 // MR_ x rows by NR_ tiles over all of K: MR_ * NR_ accumulators, each weight vector loaded once
 // and used for MR_ rows, each x pair broadcast once and used for NR_ tiles.
+// Pairs [p0, p1) of K only: the first K block starts from zero, later ones from y; the last
+// one adds the bias.
 template <int MR_, int NR_>
-PAGEDRUN_BF16_TARGET static inline void micro_avx512(const uint16_t* xb, int kp,
+PAGEDRUN_BF16_TARGET static inline void micro_avx512(const uint16_t* xb, int kp, int p0, int p1,
                                                      const uint16_t* wt, long tile_elems,
                                                      const float* bias, int n0, int N,
                                                      float* y, long ldy) {
     __m512 acc[MR_][NR_];
+    __mmask16 mask[NR_];
+    for (int c = 0; c < NR_; ++c) {
+        const int width = N - (n0 + c * TILE_N) < TILE_N ? N - (n0 + c * TILE_N) : TILE_N;
+        mask[c] = (__mmask16)((1u << width) - 1u);
+    }
     for (int r = 0; r < MR_; ++r)
-        for (int c = 0; c < NR_; ++c) acc[r][c] = _mm512_setzero_ps();
+        for (int c = 0; c < NR_; ++c)
+            acc[r][c] = p0 == 0 ? _mm512_setzero_ps()
+                                : _mm512_maskz_loadu_ps(mask[c], y + (long)r * ldy + n0 + c * TILE_N);
     const uint32_t* x32 = reinterpret_cast<const uint32_t*>(xb);  // one pair per uint32
-    for (int p = 0; p < kp; ++p) {
+    for (int p = p0; p < p1; ++p) {
         __m512bh w[NR_];
         for (int c = 0; c < NR_; ++c)
             w[c] = (__m512bh)_mm512_loadu_si512(wt + c * tile_elems + (long)p * TILE_N * 2);
@@ -112,49 +121,75 @@ PAGEDRUN_BF16_TARGET static inline void micro_avx512(const uint16_t* xb, int kp,
     }
     for (int c = 0; c < NR_; ++c) {
         const int nc = n0 + c * TILE_N;
-        const int width = N - nc < TILE_N ? N - nc : TILE_N;
-        const __mmask16 mask = (__mmask16)((1u << width) - 1u);
-        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + nc) : _mm512_setzero_ps();
+        const __m512 b = bias && p1 == kp ? _mm512_maskz_loadu_ps(mask[c], bias + nc)
+                                          : _mm512_setzero_ps();
         for (int r = 0; r < MR_; ++r)
-            _mm512_mask_storeu_ps(y + (long)r * ldy + nc, mask, _mm512_add_ps(acc[r][c], b));
+            _mm512_mask_storeu_ps(y + (long)r * ldy + nc, mask[c], _mm512_add_ps(acc[r][c], b));
     }
 }
 
 template <int NR_>
-PAGEDRUN_BF16_TARGET static inline void rows_avx512(const uint16_t* xb, int M, int kp,
+PAGEDRUN_BF16_TARGET static inline void rows_avx512(const uint16_t* xb, int M, int kp, int p0,
+                                                    int p1,
                                                     const uint16_t* wt, long tile_elems,
                                                     const float* bias, int n0, int N, float* y,
                                                     long ldy) {
     const long xrow = (long)kp * 2;
     int m = 0;
     for (; m + MR <= M; m += MR)
-        micro_avx512<MR, NR_>(xb + m * xrow, kp, wt, tile_elems, bias, n0, N, y + m * ldy, ldy);
+        micro_avx512<MR, NR_>(xb + m * xrow, kp, p0, p1, wt, tile_elems, bias, n0, N,
+                              y + m * ldy, ldy);
     const uint16_t* xr = xb + m * xrow;
     float* yr = y + m * ldy;
     switch (M - m) {  // the remainder rows, one instantiation each
-        case 7: micro_avx512<7, NR_>(xr, kp, wt, tile_elems, bias, n0, N, yr, ldy); break;
-        case 6: micro_avx512<6, NR_>(xr, kp, wt, tile_elems, bias, n0, N, yr, ldy); break;
-        case 5: micro_avx512<5, NR_>(xr, kp, wt, tile_elems, bias, n0, N, yr, ldy); break;
-        case 4: micro_avx512<4, NR_>(xr, kp, wt, tile_elems, bias, n0, N, yr, ldy); break;
-        case 3: micro_avx512<3, NR_>(xr, kp, wt, tile_elems, bias, n0, N, yr, ldy); break;
-        case 2: micro_avx512<2, NR_>(xr, kp, wt, tile_elems, bias, n0, N, yr, ldy); break;
-        case 1: micro_avx512<1, NR_>(xr, kp, wt, tile_elems, bias, n0, N, yr, ldy); break;
+        case 7: micro_avx512<7, NR_>(xr, kp, p0, p1, wt, tile_elems, bias, n0, N, yr, ldy); break;
+        case 6: micro_avx512<6, NR_>(xr, kp, p0, p1, wt, tile_elems, bias, n0, N, yr, ldy); break;
+        case 5: micro_avx512<5, NR_>(xr, kp, p0, p1, wt, tile_elems, bias, n0, N, yr, ldy); break;
+        case 4: micro_avx512<4, NR_>(xr, kp, p0, p1, wt, tile_elems, bias, n0, N, yr, ldy); break;
+        case 3: micro_avx512<3, NR_>(xr, kp, p0, p1, wt, tile_elems, bias, n0, N, yr, ldy); break;
+        case 2: micro_avx512<2, NR_>(xr, kp, p0, p1, wt, tile_elems, bias, n0, N, yr, ldy); break;
+        case 1: micro_avx512<1, NR_>(xr, kp, p0, p1, wt, tile_elems, bias, n0, N, yr, ldy); break;
         default: break;
     }
 }
 
+// x rows per pass over the weights: a pass's bf16 rows (rows * K * 2 bytes) stay in L2 while
+// every tile of the weights streams past them. Decode batches (M <= a few hundred) take one
+// pass, so the weights stream from memory once; a long prefill re-streams them per pass.
+constexpr long X_BLOCK_BYTES = 256 * 1024;
+// K pairs per block: a two-tile weight panel of one block (2 * 16 * 2 * 128 * 2 = 16 KB) stays
+// in L1 while all the pass's rows go past it.
+constexpr int K_BLOCK_PAIRS = 128;
+
+static inline int rows_per_pass(int kp) {
+    long rows = X_BLOCK_BYTES / ((long)kp * 4);
+    rows = rows / MR * MR;
+    return rows < MR ? MR : (int)rows;
+}
+
 // Tiles [tile_begin, tile_end) of y, NR tiles at a time: the weights of those tiles (NR * 16 *
-// K * 2 bytes, <= 100 KB at K 1536) stream from memory once and stay in L2 for all M rows.
+// K * 2 bytes, <= 100 KB at K 1536) stay in L1/L2 for all rows of the pass.
 PAGEDRUN_BF16_TARGET static void gemm_tiles_avx512(const uint16_t* xb, int M, int kp,
                                                    const uint16_t* wp, int N, int tile_begin,
                                                    int tile_end, const float* bias, float* y,
                                                    long ldy) {
     const long tile_elems = (long)kp * TILE_N * 2;
-    int t = tile_begin;
-    for (; t + NR <= tile_end; t += NR)
-        rows_avx512<NR>(xb, M, kp, wp + t * tile_elems, tile_elems, bias, t * TILE_N, N, y, ldy);
-    if (t < tile_end)
-        rows_avx512<1>(xb, M, kp, wp + t * tile_elems, tile_elems, bias, t * TILE_N, N, y, ldy);
+    const int pass_rows = rows_per_pass(kp);
+    for (int m0 = 0; m0 < M; m0 += pass_rows) {
+        const int rows = M - m0 < pass_rows ? M - m0 : pass_rows;
+        const uint16_t* xp = xb + (long)m0 * kp * 2;
+        float* yp = y + (long)m0 * ldy;
+        for (int p0 = 0; p0 < kp; p0 += K_BLOCK_PAIRS) {
+            const int p1 = kp - p0 < K_BLOCK_PAIRS ? kp : p0 + K_BLOCK_PAIRS;
+            int t = tile_begin;
+            for (; t + NR <= tile_end; t += NR)
+                rows_avx512<NR>(xp, rows, kp, p0, p1, wp + t * tile_elems, tile_elems, bias,
+                                t * TILE_N, N, yp, ldy);
+            if (t < tile_end)
+                rows_avx512<1>(xp, rows, kp, p0, p1, wp + t * tile_elems, tile_elems, bias,
+                               t * TILE_N, N, yp, ldy);
+        }
+    }
 }
 #endif
 
