@@ -92,6 +92,9 @@ static inline void gemm_tiles_scalar(const uint16_t* xb, int M, int kp, const ui
 
 // MR_ x rows by NR_ tiles over all of K: MR_ * NR_ accumulators, each weight vector loaded once
 // and used for MR_ rows, each x pair broadcast once and used for NR_ tiles.
+// Weight lines requested ahead of use (pairs; one pair of a tile is one 64-byte line).
+constexpr int PREFETCH_PAIRS = 16;
+
 // Pairs [p0, p1) of K only: the first K block starts from zero, later ones from y; the last
 // one adds the bias.
 template <int MR_, int NR_>
@@ -99,30 +102,47 @@ PAGEDRUN_BF16_TARGET static inline void micro_avx512(const uint16_t* xb, int kp,
                                                      const uint16_t* wt, long tile_elems,
                                                      const float* bias, int n0, int N,
                                                      float* y, long ldy) {
+    // Every loop over r and c is unrolled: the accumulators must live in registers (at -O2 gcc
+    // kept them in a stack array, a load and a store around every vdpbf16ps).
     __m512 acc[MR_][NR_];
     __mmask16 mask[NR_];
+    #pragma GCC unroll 16
     for (int c = 0; c < NR_; ++c) {
         const int width = N - (n0 + c * TILE_N) < TILE_N ? N - (n0 + c * TILE_N) : TILE_N;
         mask[c] = (__mmask16)((1u << width) - 1u);
     }
+    #pragma GCC unroll 16
     for (int r = 0; r < MR_; ++r)
+        #pragma GCC unroll 16
         for (int c = 0; c < NR_; ++c)
             acc[r][c] = p0 == 0 ? _mm512_setzero_ps()
                                 : _mm512_maskz_loadu_ps(mask[c], y + (long)r * ldy + n0 + c * TILE_N);
     const uint32_t* x32 = reinterpret_cast<const uint32_t*>(xb);  // one pair per uint32
     for (int p = p0; p < p1; ++p) {
+        // One 64-byte line per tile per pair: ask for the line PREFETCH_PAIRS ahead, so a
+        // weight panel streaming from DRAM overlaps the multiply-adds (small M is bound by it).
+        #pragma GCC unroll 16
+        for (int c = 0; c < NR_; ++c)
+            _mm_prefetch(reinterpret_cast<const char*>(wt + c * tile_elems +
+                                                       (long)(p + PREFETCH_PAIRS) * TILE_N * 2),
+                         _MM_HINT_T0);
         __m512bh w[NR_];
+        #pragma GCC unroll 16
         for (int c = 0; c < NR_; ++c)
             w[c] = (__m512bh)_mm512_loadu_si512(wt + c * tile_elems + (long)p * TILE_N * 2);
+        #pragma GCC unroll 16
         for (int r = 0; r < MR_; ++r) {
             const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x32[(long)r * kp + p]);
+            #pragma GCC unroll 16
             for (int c = 0; c < NR_; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, w[c]);
         }
     }
+    #pragma GCC unroll 16
     for (int c = 0; c < NR_; ++c) {
         const int nc = n0 + c * TILE_N;
         const __m512 b = bias && p1 == kp ? _mm512_maskz_loadu_ps(mask[c], bias + nc)
                                           : _mm512_setzero_ps();
+        #pragma GCC unroll 16
         for (int r = 0; r < MR_; ++r)
             _mm512_mask_storeu_ps(y + (long)r * ldy + nc, mask[c], _mm512_add_ps(acc[r][c], b));
     }
