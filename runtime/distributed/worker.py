@@ -85,7 +85,9 @@ def build_rank(plan: dict, rank: int, comm, ops=None):
     return ModelRunner(local_config, None, block_size=plan["block_size"],
                        num_gpu_blocks=plan["num_gpu_blocks"],
                        num_cpu_blocks=plan["num_cpu_blocks"],
-                       max_model_len=plan["max_model_len"], ops=ops, model=model)
+                       max_model_len=plan["max_model_len"], ops=ops, model=model,
+                       # rank 0 samples; the kernel sampler (sim / cuda) reads logits in place
+                       logits_on_device=(rank == 0 and plan["device"] != "cpu"))
 
 
 def make_communicator(plan: dict, rank: int, context: zmq.Context):
