@@ -9,8 +9,8 @@ call, W once at packing (layout in pyx/cpu_gemm_kernels.h). The kernel runs with
 `threads=2` splits the output tiles in two halves, one on a pooled worker thread and one on
 the calling thread (the pool's thread sleeps on a queue between calls, it never spins).
 
-Paths: "avx512bf16" (vdpbf16ps, picked when the CPU has it), "portable" (scalar C, any CPU);
-"auto" picks the first the CPU runs. Tests force each.
+Paths: "avx512bf16" (vdpbf16ps), "avx2" (bf16 widened to float32, FMA), "portable" (scalar
+C, any CPU); "auto" picks the first of these the CPU runs. Tests force each.
 """
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,13 +22,14 @@ from libc.stdlib cimport free, malloc
 cdef extern from "cpu_gemm_kernels.h" namespace "pagedrun_gemm" nogil:
     const int TILE_N
     int cpu_has_avx512bf16()
+    int cpu_has_avx2_fma()
     void convert_rows(const float* x, long stride_m, long stride_k, int M, int K,
                       uint16_t* xb, int kp2)
     void gemm_tiles(int path, const uint16_t* xb, int M, int kp, const uint16_t* wp, int N,
                     int tile_begin, int tile_end, const float* bias, float* y, long ldy)
 
-PATHS = ("portable", "avx512bf16")
-_PATH_CODE = {"portable": 0, "avx512bf16": 1}
+PATHS = ("portable", "avx512bf16", "avx2")
+_PATH_CODE = {"portable": 0, "avx512bf16": 1, "avx2": 2}
 # Below these the second thread costs more (a queue hand-off, ~40 us measured) than it saves:
 # tiles per thread (4 tiles = 64 outputs) and multiply-adds per call (2^22 take ~45 us on one
 # Zen 4 core; a one-token decode GEMM of SmolLM2 is 0.3-1.8 M).
@@ -36,6 +37,7 @@ MIN_TILES_PER_THREAD = 4
 MIN_MACS_PER_THREADED_CALL = 1 << 22
 
 cdef int _HAS_BF16 = cpu_has_avx512bf16()
+cdef int _HAS_AVX2 = cpu_has_avx2_fma()
 _pool = None
 
 
@@ -44,13 +46,24 @@ def has_avx512bf16():
     return bool(_HAS_BF16)
 
 
+def has_avx2_fma():
+    """True when this CPU runs the AVX2 + FMA path."""
+    return bool(_HAS_AVX2)
+
+
+def available_paths():
+    """The paths this CPU runs, fastest first."""
+    return tuple(p for p, ok in (("avx512bf16", _HAS_BF16), ("avx2", _HAS_AVX2),
+                                 ("portable", True)) if ok)
+
+
 def _resolve_path(path):
     if path == "auto":
-        return 1 if _HAS_BF16 else 0
+        return _PATH_CODE[available_paths()[0]]
     if path not in _PATH_CODE:
         raise ValueError(f"path must be 'auto' or one of {PATHS}, got {path!r}")
-    if path == "avx512bf16" and not _HAS_BF16:
-        raise RuntimeError("this CPU has no AVX512-BF16")
+    if path not in available_paths():
+        raise RuntimeError(f"this CPU cannot run the {path} path")
     return _PATH_CODE[path]
 
 

@@ -8,9 +8,9 @@
 // One 32-bit lane holds the pair (k, k+1) of one output: the operand vdpbf16ps multiplies by a
 // broadcast pair of x. x is bf16 [M][kp * 2] with its pad column zeroed by the caller.
 //
-// Two paths over the same layout: AVX512-BF16 (chosen at run time, compiled with per-function
-// target attributes so the module builds for any x86-64) and a portable scalar one. Both
-// accumulate in float32; the products of two bf16 values are exact in float32.
+// Three paths over the same layout: AVX512-BF16, AVX2 + FMA (chosen at run time, compiled with
+// per-function target attributes so the module builds for any x86-64) and a portable scalar
+// one. All accumulate in float32; the products of two bf16 values are exact in float32.
 #pragma once
 
 #include <stdint.h>
@@ -213,6 +213,83 @@ PAGEDRUN_BF16_TARGET static void gemm_tiles_avx512(const uint16_t* xb, int M, in
 }
 #endif
 
+// ------------------------------------------------------------------------- AVX2 + FMA path
+// For x86-64 CPUs without AVX512-BF16 (same packed layout): a 32-bit lane's pair is widened to
+// two float32 vectors (k even: the low half shifted up; k odd: the high half masked), then two
+// FMAs. MR_ rows by one tile (two ymm halves): 2 * MR_ accumulators + 4 weight registers.
+#if PAGEDRUN_X86
+#define PAGEDRUN_AVX2_TARGET __attribute__((target("avx2,fma")))
+constexpr int MR_AVX2 = 4;
+
+template <int MR_>
+PAGEDRUN_AVX2_TARGET static inline void micro_avx2(const uint16_t* xb, int kp, const uint16_t* wt,
+                                                   const float* bias, int n0, int N, float* y,
+                                                   long ldy) {
+    __m256 acc[MR_][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR_; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const __m256i odd_mask = _mm256_set1_epi32((int)0xFFFF0000u);
+    for (int p = 0; p < kp; ++p) {
+        const uint16_t* w = wt + (long)p * TILE_N * 2;
+        const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+        const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + TILE_N));
+        const __m256 we_lo = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16));
+        const __m256 wo_lo = _mm256_castsi256_ps(_mm256_and_si256(lo, odd_mask));
+        const __m256 we_hi = _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16));
+        const __m256 wo_hi = _mm256_castsi256_ps(_mm256_and_si256(hi, odd_mask));
+#pragma GCC unroll 8
+        for (int r = 0; r < MR_; ++r) {
+            const uint16_t* xr = xb + (long)r * kp * 2 + 2 * p;
+            const __m256 x0 = _mm256_set1_ps(bf16_to_f32(xr[0]));
+            const __m256 x1 = _mm256_set1_ps(bf16_to_f32(xr[1]));
+            acc[r][0] = _mm256_fmadd_ps(x1, wo_lo, _mm256_fmadd_ps(x0, we_lo, acc[r][0]));
+            acc[r][1] = _mm256_fmadd_ps(x1, wo_hi, _mm256_fmadd_ps(x0, we_hi, acc[r][1]));
+        }
+    }
+    const int width = N - n0 < TILE_N ? N - n0 : TILE_N;
+#pragma GCC unroll 8
+    for (int r = 0; r < MR_; ++r) {
+        float tmp[TILE_N];
+        _mm256_storeu_ps(tmp, acc[r][0]);
+        _mm256_storeu_ps(tmp + 8, acc[r][1]);
+        float* yr = y + (long)r * ldy + n0;
+        for (int j = 0; j < width; ++j) yr[j] = tmp[j] + (bias ? bias[n0 + j] : 0.0f);
+    }
+}
+
+PAGEDRUN_AVX2_TARGET static void gemm_tiles_avx2(const uint16_t* xb, int M, int kp,
+                                                 const uint16_t* wp, int N, int tile_begin,
+                                                 int tile_end, const float* bias, float* y,
+                                                 long ldy) {
+    const long tile_elems = (long)kp * TILE_N * 2;
+    const long xrow = (long)kp * 2;
+    for (int t = tile_begin; t < tile_end; ++t) {
+        const uint16_t* wt = wp + t * tile_elems;
+        const int n0 = t * TILE_N;
+        int m = 0;
+        for (; m + MR_AVX2 <= M; m += MR_AVX2)
+            micro_avx2<MR_AVX2>(xb + m * xrow, kp, wt, bias, n0, N, y + m * ldy, ldy);
+        const uint16_t* xr = xb + m * xrow;
+        float* yr = y + m * ldy;
+        switch (M - m) {
+            case 3: micro_avx2<3>(xr, kp, wt, bias, n0, N, yr, ldy); break;
+            case 2: micro_avx2<2>(xr, kp, wt, bias, n0, N, yr, ldy); break;
+            case 1: micro_avx2<1>(xr, kp, wt, bias, n0, N, yr, ldy); break;
+            default: break;
+        }
+    }
+}
+#endif
+
+static inline int cpu_has_avx2_fma() {
+#if PAGEDRUN_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    return 0;
+#endif
+}
+
 static inline int cpu_has_avx512bf16() {
 #if PAGEDRUN_X86
     __builtin_cpu_init();
@@ -223,13 +300,17 @@ static inline int cpu_has_avx512bf16() {
 #endif
 }
 
-// path 1: AVX512-BF16 (the caller checked cpu_has_avx512bf16), 0: portable.
+// path 2: AVX2 + FMA, 1: AVX512-BF16 (the caller checked the CPU has it), 0: portable.
 static inline void gemm_tiles(int path, const uint16_t* xb, int M, int kp, const uint16_t* wp,
                               int N, int tile_begin, int tile_end, const float* bias, float* y,
                               long ldy) {
 #if PAGEDRUN_X86
     if (path == 1) {
         gemm_tiles_avx512(xb, M, kp, wp, N, tile_begin, tile_end, bias, y, ldy);
+        return;
+    }
+    if (path == 2) {
+        gemm_tiles_avx2(xb, M, kp, wp, N, tile_begin, tile_end, bias, y, ldy);
         return;
     }
 #endif

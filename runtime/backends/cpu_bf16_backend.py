@@ -16,12 +16,16 @@ each is packed once and kept keyed by the array's memory, as the sim backend doe
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from pagedrun.pyx import cpu_gemm
 
 from . import numpy_ops
 from .numpy_backend import NumpyBackend
+
+log = logging.getLogger(__name__)
 
 # The GEMM splits its output tiles over this many threads (the calling thread and a pooled one
 # that sleeps between calls). benchmarks/bench_engine.py measures 1 vs 2.
@@ -40,6 +44,9 @@ class CpuBf16Backend(NumpyBackend):
         "portable" (tests force each)."""
         self.gemm_threads = gemm_threads
         self.path = path
+        if path == "auto" and cpu_gemm.available_paths()[0] == "portable":
+            log.warning("dtype bfloat16 on cpu: this CPU has neither AVX512-BF16 nor AVX2+FMA; "
+                        "the portable GEMM is slower than float32 (use --dtype float32)")
         self._packed: dict[tuple, tuple[np.ndarray, cpu_gemm.PackedWeight]] = {}
 
     def packed(self, weight: np.ndarray) -> cpu_gemm.PackedWeight:

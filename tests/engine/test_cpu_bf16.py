@@ -15,7 +15,7 @@ from pagedrun.runtime.backends.numpy_backend import NumpyBackend
 from pagedrun.runtime.model_runner import build_attention_inputs
 from pagedrun.runtime.models.llama import LlamaModel
 
-PATHS = ["portable"] + (["avx512bf16"] if cpu_gemm.has_avx512bf16() else [])
+PATHS = list(cpu_gemm.available_paths())  # every path this CPU runs, portable included
 FP32_UNIT_ROUNDOFF = 2.0 ** -24
 
 
