@@ -38,3 +38,6 @@ typedef unsigned long long uint64_t;
         pagedrun_dynamic_smem_[];                                                  \
     type* name = reinterpret_cast<type*>(pagedrun_dynamic_smem_)
 #endif
+
+// to_f32 / from_f32<T>: the element-type conversions (one copy for every kernel).
+#include "dtype.cuh"

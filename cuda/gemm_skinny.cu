@@ -89,16 +89,6 @@ template <> __device__ __forceinline__ void unpack<__half>(const uint4& v, float
     }
 }
 
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename O> __device__ __forceinline__ O from_f32(float v);
-template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
-    return __float2bfloat16_rn(v);
-}
-
 template <typename T, typename OutT>
 __device__ __forceinline__ void finish(OutT* out, const T* bias, const OutT* residual, int m,
                                        int n, int N, float v) {

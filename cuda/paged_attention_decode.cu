@@ -62,15 +62,6 @@ constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kVecBytes = 16;  // one 128-bit load per lane: the widest global load there is
 
-template <typename T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_float<__half>(float x) {
-    return __float2half_rn(x);
-}
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-    return __float2bfloat16_rn(x);
-}
-
 // Widens the two 16-bit values of a 32-bit word (lower-indexed element in the low half).
 __device__ __forceinline__ float2 unpack2(uint32_t w, __half) {
     return make_float2(__half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu))),
@@ -292,7 +283,7 @@ __device__ __forceinline__ void decode_partition(
         const float o = (l_sum > 0.f) ? o_sum / l_sum : 0.f;
         const long long row = static_cast<long long>(seq) * num_heads + head0 + g;
         if (num_splits == 1) {
-            out[row * HEAD_DIM + d] = from_float<T>(o);
+            out[row * HEAD_DIM + d] = from_f32<T>(o);
         } else {
             partial_out[(row * num_splits + split) * HEAD_DIM + d] = o;
             if (d == 0) partial_lse[row * num_splits + split] = (l_sum > 0.f) ? m_max + log2f(l_sum) : -CUDART_INF_F;
@@ -324,7 +315,7 @@ __device__ __forceinline__ void decode_merge(T* __restrict__ out,
         float o = 0.f;
         for (int z = 0; z < used_splits; ++z)
             o += exp2f(lse[z] - m_base) * partial_out[(row * num_splits + z) * head_dim + d];
-        out[row * head_dim + d] = from_float<T>(o * inv_sum);
+        out[row * head_dim + d] = from_f32<T>(o * inv_sum);
     }
 }
 

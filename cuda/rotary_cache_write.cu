@@ -40,19 +40,6 @@ namespace rotary {
 
 constexpr int kThreads = 128;
 
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_float<__half>(float x) {
-    return __float2half_rn(x);
-}
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-    return __float2bfloat16_rn(x);
-}
-
 // Rotates the (i, i + half) pairs of `num_heads` rows of one token; writes them to `dst` and,
 // when `cache_row` is not null, to the cache row as well.
 template <typename T>
@@ -65,12 +52,12 @@ __device__ __forceinline__ void rotate_heads(T* dst, T* cache_row, const T* src,
         const int i = item % half;
         const int lo = head * head_dim + i;
         const int hi = lo + half;
-        const float x1 = to_float(src[lo]);
-        const float x2 = to_float(src[hi]);
+        const float x1 = to_f32(src[lo]);
+        const float x2 = to_f32(src[hi]);
         const float c = cos_row[i];
         const float s = sin_row[i];
-        const T out_lo = from_float<T>(x1 * c - x2 * s);
-        const T out_hi = from_float<T>(x2 * c + x1 * s);
+        const T out_lo = from_f32<T>(x1 * c - x2 * s);
+        const T out_hi = from_f32<T>(x2 * c + x1 * s);
         dst[lo] = out_lo;
         dst[hi] = out_hi;
         if (cache_row != nullptr) {

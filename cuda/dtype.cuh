@@ -1,0 +1,21 @@
+// dtype.cuh -- the element-type conversions every kernel shares: widen a stored element
+// (float, __half, __nv_bfloat16) to float for arithmetic, and narrow a float result back to
+// the stored type with round-to-nearest-even. Included by common.cuh after the half/bfloat16
+// types exist (toolkit headers under nvcc/NVRTC, cuda/sim/fp16.cuh under the CPU harness),
+// so a kernel file never includes it itself.
+//
+// Global namespace on purpose: kernel files call `to_f32(x)` / `from_f32<T>(v)` unqualified
+// from inside their own namespaces, and several kernel files share one translation unit (the
+// loader #includes them together), which #pragma once keeps to a single definition.
+#pragma once
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename O> __device__ __forceinline__ O from_f32(float v);
+template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
+    return __float2bfloat16_rn(v);
+}
