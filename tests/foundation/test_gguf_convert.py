@@ -7,9 +7,7 @@ embedding identity that says why llama.cpp permutes at all.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,18 +16,8 @@ import pytest
 from pagedrun.runtime.errors import ModelLoadError
 from pagedrun.runtime.gguf_convert import OUTPUT_FILES, convert_gguf, unpermute_rotary_rows
 
+import pagedrun_tests_tiny_gguf as tiny_gguf  # registered by conftest.py
 
-def _load_helper():
-    name = "pagedrun_tests_tiny_gguf"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("tiny_gguf.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-tiny_gguf = _load_helper()
 
 # Worst-case dequantization error relative to a block's largest magnitude (or range, for Q4_1),
 # with slack for the fp16 scale: Q8_0 steps by max/127, Q4_0 by max/8, Q4_1 by range/15.

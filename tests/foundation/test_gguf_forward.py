@@ -8,8 +8,6 @@ row unpermutation, tensor mapping and config are right together.
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,18 +15,7 @@ import pytest
 
 from pagedrun.runtime.gguf_convert import convert_gguf
 
-
-def _load_helper():
-    name = "pagedrun_tests_tiny_gguf"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("tiny_gguf.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-tiny_gguf = _load_helper()
+import pagedrun_tests_tiny_gguf as tiny_gguf  # registered by conftest.py
 
 
 def _gguf_tensors(path: Path) -> dict[str, np.ndarray]:

@@ -5,28 +5,14 @@ The expected token sequences are worked out by hand from the merges tiny_gguf.py
 """
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from pagedrun.runtime.gguf_convert import convert_gguf
 from pagedrun.runtime.tokenizer import Tokenizer
 
-
-def _load_helper():
-    name = "pagedrun_tests_tiny_gguf"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("tiny_gguf.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-tiny_gguf = _load_helper()
+import pagedrun_tests_tiny_gguf as tiny_gguf  # registered by conftest.py
 
 
 @pytest.fixture(scope="module")

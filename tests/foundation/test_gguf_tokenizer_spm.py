@@ -6,10 +6,7 @@ Characters outside the vocabulary fall back to <0xNN> byte tokens.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -17,18 +14,9 @@ from pagedrun.runtime.detokenizer import IncrementalDetokenizer
 from pagedrun.runtime.gguf_convert import convert_gguf, sentencepiece_merges
 from pagedrun.runtime.tokenizer import Tokenizer
 
-
-def _load_helper():
-    name = "pagedrun_tests_tiny_gguf"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("tiny_gguf.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+import pagedrun_tests_tiny_gguf as tiny_gguf  # registered by conftest.py
 
 
-tiny_gguf = _load_helper()
 S = tiny_gguf.SPM_SPACE
 
 
