@@ -116,7 +116,8 @@ PAGEDRUN_BF16_TARGET static inline void micro_avx512(const uint16_t* xb, int kp,
         #pragma GCC unroll 16
         for (int c = 0; c < NR_; ++c)
             acc[r][c] = p0 == 0 ? _mm512_setzero_ps()
-                                : _mm512_maskz_loadu_ps(mask[c], y + (long)r * ldy + n0 + c * TILE_N);
+                                : _mm512_maskz_loadu_ps(mask[c],
+                                                        y + (long)r * ldy + n0 + c * TILE_N);
     const uint32_t* x32 = reinterpret_cast<const uint32_t*>(xb);  // one pair per uint32
     for (int p = p0; p < p1; ++p) {
         // One 64-byte line per tile per pair: ask for the line PREFETCH_PAIRS ahead, so a

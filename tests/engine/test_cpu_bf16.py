@@ -150,7 +150,8 @@ def test_tiny_engine_bfloat16_runs_batched(tiny_model, rng):
     engine = make_engine(tiny_model, dtype="bfloat16", block_size=8, max_num_batched_tokens=40)
     assert isinstance(engine.backend, CpuBf16Backend)
     prompts = [rng.integers(3, tiny_model[0].vocab_size, n).tolist() for n in (5, 23, 61, 2)]
-    requests = [(i, f"r{i}", dict(prompt_token_ids=p, sampling_params=greedy(9))) for i, p in enumerate(prompts)]
+    requests = [(i, f"r{i}", dict(prompt_token_ids=p, sampling_params=greedy(9)))
+                for i, p in enumerate(prompts)]
     outputs = run_requests(engine, requests)
     float32 = make_engine(tiny_model, block_size=8, max_num_batched_tokens=40)
     ref = run_requests(float32, requests)
