@@ -156,19 +156,6 @@ __device__ __forceinline__ void load_tile(T* s_stage, const T* a, const T* b, in
     }
 }
 
-template <typename T>
-__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]);
-template <>
-__device__ __forceinline__ void mma<__half>(float (&d)[4], const uint32_t (&a)[4],
-                                            const uint32_t (&b)[2]) {
-    mma_m16n8k16_f16(d, a, b, d);
-}
-template <>
-__device__ __forceinline__ void mma<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4],
-                                                   const uint32_t (&b)[2]) {
-    mma_m16n8k16_bf16(d, a, b, d);
-}
-
 // Two adjacent outputs in one store, through the pair type (legal aliasing in host C++ too).
 __device__ __forceinline__ void store2(float* dst, float lo, float hi) {
     *reinterpret_cast<float2*>(dst) = make_float2(lo, hi);
@@ -272,7 +259,8 @@ __device__ __forceinline__ void gemm_mma(OutT* out, const T* __restrict__ a,
 #pragma unroll
             for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-                for (int nt = 0; nt < kNTiles; ++nt) mma<T>(acc[mt][nt], a_frag[mt], b_frag[nt]);
+                for (int nt = 0; nt < kNTiles; ++nt)
+                    mma_m16n8k16_acc<T>(acc[mt][nt], a_frag[mt], b_frag[nt]);
         }
     }
     cp_async_wait_all();  // only empty groups remain; leave nothing pending at exit

@@ -83,19 +83,6 @@ __device__ __forceinline__ void store2(__nv_bfloat16* dst, float lo, float hi) {
     *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(lo, hi);
 }
 
-template <typename T>
-__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]);
-template <>
-__device__ __forceinline__ void mma<__half>(float (&d)[4], const uint32_t (&a)[4],
-                                            const uint32_t (&b)[2]) {
-    mma_m16n8k16_f16(d, a, b, d);
-}
-template <>
-__device__ __forceinline__ void mma<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4],
-                                                   const uint32_t (&b)[2]) {
-    mma_m16n8k16_bf16(d, a, b, d);
-}
-
 // Per-CTA coordinates shared by both paths.
 struct TileCoords {
     int q_row0;        // first q row (global token index) of the request
@@ -247,8 +234,8 @@ __device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __rest
                                    ((lane / 8) % 2) * 8);
                 const uint32_t b0[2] = {b[0], b[1]};
                 const uint32_t b1[2] = {b[2], b[3]};
-                mma<T>(s[2 * np], q_frag[kk], b0);
-                mma<T>(s[2 * np + 1], q_frag[kk], b1);
+                mma_m16n8k16_acc<T>(s[2 * np], q_frag[kk], b0);
+                mma_m16n8k16_acc<T>(s[2 * np + 1], q_frag[kk], b1);
             }
         }
 
@@ -302,8 +289,8 @@ __device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __rest
                                          dp * 16 + (lane / 16) * 8);
                 const uint32_t b0[2] = {b[0], b[1]};
                 const uint32_t b1[2] = {b[2], b[3]};
-                mma<T>(o[2 * dp], p_frag, b0);
-                mma<T>(o[2 * dp + 1], p_frag, b1);
+                mma_m16n8k16_acc<T>(o[2 * dp], p_frag, b0);
+                mma_m16n8k16_acc<T>(o[2 * dp + 1], p_frag, b1);
             }
         }
         __syncthreads();  // the next iteration's cp.async overwrites this stage

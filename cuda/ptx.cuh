@@ -15,6 +15,8 @@
 //       b[0] = B[2t..2t+1][g]   b[1] = B[2t+8..2t+9][g]
 //       c/d[0..1] = C[g][2t..2t+1]   c/d[2..3] = C[g+8][2t..2t+1]
 //     (the lower-indexed element is in the low 16 bits of each b32)
+//   mma_m16n8k16_acc<T>(d, a, b): d += A B with the instruction for element type T
+//     (__half or __nv_bfloat16), for kernels templated on T; no PTX of its own.
 //   ldmatrix_x{1,2,4}[_trans](r, smem): m8n8 b16 matrices; matrix i's 8 row addresses come from
 //     lanes 8i..8i+7 (each row 16 bytes, 16-byte aligned, in shared memory); lane l receives
 //     r[i] = M_i[l/4][2(l%4)..+1] (trans: M_i[2(l%4)..+1][l/4]).
@@ -344,3 +346,20 @@ __device__ void wgmma_m64n128k16_f16(float (&)[64], uint64_t, uint64_t, int) { P
 #endif  // sm_90a
 
 #endif  // PAGEDRUN_SIM
+
+// Element-type dispatch over the two m16n8k16 instructions above (their twins under the
+// harness), accumulating in place: what a kernel templated on T calls.
+template <typename T>
+__device__ __forceinline__ void mma_m16n8k16_acc(float (&d)[4], const uint32_t (&a)[4],
+                                                 const uint32_t (&b)[2]);
+template <>
+__device__ __forceinline__ void mma_m16n8k16_acc<__half>(float (&d)[4], const uint32_t (&a)[4],
+                                                         const uint32_t (&b)[2]) {
+    mma_m16n8k16_f16(d, a, b, d);
+}
+template <>
+__device__ __forceinline__ void mma_m16n8k16_acc<__nv_bfloat16>(float (&d)[4],
+                                                                const uint32_t (&a)[4],
+                                                                const uint32_t (&b)[2]) {
+    mma_m16n8k16_bf16(d, a, b, d);
+}
