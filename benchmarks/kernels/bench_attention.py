@@ -24,17 +24,17 @@ numpy_ops so the script cannot rot; its times measure the harness, not a GPU.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import numpy as np
 
 from pagedrun.runtime.backends import numpy_ops
 from pagedrun.runtime.kernels.attention import (paged_decode_attention, paged_prefill_attention,
                                                 plan_decode_split)
-from pagedrun.runtime.kernels.kernel_args import from_bf16_bits, to_bf16_bits
+from pagedrun.runtime.kernels.kernel_args import from_bf16_bits
 from pagedrun.runtime.kernels.loader import load_module
+
+from bench_common import Timer, copy_bandwidth, random_bf16  # this folder (see bench_common)
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16  # Llama-3-8B attention
 BF16_BYTES = 2
@@ -46,49 +46,9 @@ SIM_CONTEXTS = (64, 200)
 SIM_PREFILL = ((40, 0), (33, 70))
 SIM_HEADS = (4, 2)  # (num_heads, num_kv_heads) at toy size
 KV_POOL_BYTES = 8 << 30       # cap of the KV pool on a GPU (both K and V)
-COPY_BYTES = 1 << 30          # device-to-device copy that measures the bandwidth ceiling
-L2_FLUSH_BYTES = 256 << 20    # larger than any current L2 (H100 50 MB, H200 60 MB)
 GPU_REPEATS = 20
 CEILING_GEMM_DIM = 8192       # square fp16 GEMM whose cuBLAS rate is the prefill ceiling
 SIM_TOLERANCE = 3e-2          # bf16 outputs vs the float32 reference
-
-
-class Timer:
-    """Median device time of fn() in seconds; flushes L2 between repeats on a GPU."""
-
-    def __init__(self, device: str):
-        self.device = device
-        if device == "cuda":
-            import cupy
-
-            self.cupy = cupy
-            self.flush_buf = cupy.empty(L2_FLUSH_BYTES, dtype=np.uint8)
-
-    def __call__(self, fn, repeats: int) -> float:
-        if self.device != "cuda":
-            start = time.perf_counter()
-            fn()
-            return time.perf_counter() - start
-        cupy = self.cupy
-        fn()  # warm-up: module load, first-touch
-        times = []
-        for _ in range(repeats):
-            self.flush_buf.fill(1)
-            begin, end = cupy.cuda.Event(), cupy.cuda.Event()
-            begin.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(begin, end) * 1e-3)
-        return statistics.median(times)
-
-
-def copy_bandwidth(xp, timer: Timer) -> float:
-    """Bytes per second of a device-to-device copy (read + write)."""
-    src = xp.ones(COPY_BYTES, dtype=np.uint8)
-    dst = xp.empty_like(src)
-    seconds = timer(lambda: dst.__setitem__(Ellipsis, src), GPU_REPEATS)
-    return 2 * COPY_BYTES / seconds
 
 
 def matmul_tflops(xp, timer: Timer) -> float:
@@ -100,19 +60,11 @@ def matmul_tflops(xp, timer: Timer) -> float:
     return 2 * CEILING_GEMM_DIM ** 3 / seconds / 1e12
 
 
-def _random_bf16(xp, rng, shape):
-    """Random bf16 bits made where they live (an 8 GiB pool is not built on the host)."""
-    if xp is np:
-        return to_bf16_bits(rng.standard_normal(shape, dtype=np.float32))
-    values = xp.random.standard_normal(shape, dtype=np.float32)
-    return (values.view(np.uint32) >> 16).astype(np.uint16)  # truncation: fine for timing
-
-
 def _paged_pool(xp, rng, num_blocks_needed: int, pool_cap_blocks: int, num_kv_heads: int,
                 head_dim: int):
     num_blocks = max(1, min(num_blocks_needed, pool_cap_blocks))
     shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-    return _random_bf16(xp, rng, shape), _random_bf16(xp, rng, shape), num_blocks
+    return random_bf16(xp, rng, shape), random_bf16(xp, rng, shape), num_blocks
 
 
 def _host(x) -> np.ndarray:
@@ -132,7 +84,7 @@ def bench_decode(xp, device: str, timer: Timer, rng, modules) -> list[str]:
                                            num_kv_heads, HEAD_DIM)
             block_tables = rng.integers(0, num_blocks, (num_seqs, blocks_per_seq)).astype(np.int32)
             context_lens = np.full(num_seqs, context_len, np.int32)
-            q = _random_bf16(xp, rng, (num_seqs, num_heads, HEAD_DIM))
+            q = random_bf16(xp, rng, (num_seqs, num_heads, HEAD_DIM))
             d = [xp.asarray(a) for a in (q, k, v, block_tables, context_lens)]
             out = xp.empty_like(d[0])
             num_sms = None if device == "cuda" else 4
@@ -172,7 +124,7 @@ def bench_prefill(xp, device: str, timer: Timer, rng, modules) -> list[tuple]:
         block_tables = rng.permutation(num_blocks)[None, :blocks].astype(np.int32)
         query_start_loc = np.array([0, query_len], np.int32)
         context_lens = np.array([context_len], np.int32)
-        q = _random_bf16(xp, rng, (query_len, num_heads, HEAD_DIM))
+        q = random_bf16(xp, rng, (query_len, num_heads, HEAD_DIM))
         d = [xp.asarray(a) for a in (q, k, v, block_tables, query_start_loc, context_lens)]
         out = xp.empty_like(d[0])
         scale = HEAD_DIM ** -0.5
@@ -211,7 +163,8 @@ def main(argv=None) -> int:
     where = "CPU harness (times are the harness's, not a GPU's)" if args.device == "sim" else \
         xp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print(f"# bench_attention on {where}")
-    copy_gbps = copy_bandwidth(xp, timer) / 1e9 if args.device == "cuda" else float("nan")
+    copy_gbps = (copy_bandwidth(xp, timer, GPU_REPEATS) / 1e9 if args.device == "cuda"
+                 else float("nan"))
     print(f"# device-to-device copy: {copy_gbps:.0f} GB/s (read + write)")
     print("\n## decode, bf16, head_dim 128, block 16")
     print(f"{'batch':>6} {'context':>8} {'splits':>6} {'median us':>10} {'GB/s':>8} "

@@ -19,16 +19,16 @@ a float64 reference so the script cannot rot; its times measure the harness, not
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import numpy as np
 
 from pagedrun.runtime.kernels.gemm import gemm
 from pagedrun.runtime.kernels.gemm_plan import SKINNY, plan_gemm
-from pagedrun.runtime.kernels.kernel_args import from_bf16_bits, to_bf16_bits
+from pagedrun.runtime.kernels.kernel_args import from_bf16_bits
 from pagedrun.runtime.kernels.loader import load_module
+
+from bench_common import Timer, copy_bandwidth, random_bf16  # this folder (see bench_common)
 
 BF16_BYTES = 2
 # (name, N, K) of Llama-3-8B's GEMMs.
@@ -39,56 +39,8 @@ GPU_DECODE_M = (1, 8, 32, 64)
 SIM_LAYERS = (("qkv", 96, 64), ("down", 40, 160))
 SIM_PREFILL_M = (70,)
 SIM_DECODE_M = (1, 9)
-COPY_BYTES = 1 << 30
-L2_FLUSH_BYTES = 256 << 20
 GPU_REPEATS = 20
 SIM_TOLERANCE = 2e-2  # bf16 output rounding vs the float64 reference, relative to max |ref|
-
-
-class Timer:
-    """Median device time of fn() in seconds; flushes L2 between repeats on a GPU."""
-
-    def __init__(self, device: str):
-        self.device = device
-        if device == "cuda":
-            import cupy
-
-            self.cupy = cupy
-            self.flush_buf = cupy.empty(L2_FLUSH_BYTES, dtype=np.uint8)
-
-    def __call__(self, fn, repeats: int) -> float:
-        if self.device != "cuda":
-            start = time.perf_counter()
-            fn()
-            return time.perf_counter() - start
-        cupy = self.cupy
-        fn()  # warm-up: module load (NVRTC or cache), first touch
-        times = []
-        for _ in range(repeats):
-            self.flush_buf.fill(1)
-            begin, end = cupy.cuda.Event(), cupy.cuda.Event()
-            begin.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(begin, end) * 1e-3)
-        return statistics.median(times)
-
-
-def copy_bandwidth(xp, timer: Timer) -> float:
-    """Bytes/s of a device-to-device copy, read + write counted."""
-    src = xp.empty(COPY_BYTES // 2, dtype=np.uint8)
-    dst = xp.empty_like(src)
-    seconds = timer(lambda: dst.__setitem__(Ellipsis, src), GPU_REPEATS)
-    return COPY_BYTES / seconds
-
-
-def _random_bf16(xp, rng, shape):
-    """Random bf16 bits made where they live (the 2 GiB LM head is not built on the host)."""
-    if xp is np:
-        return to_bf16_bits(rng.standard_normal(shape, dtype=np.float32))
-    values = xp.random.standard_normal(shape, dtype=np.float32)
-    return (values.view(np.uint32) >> np.uint32(16)).astype(np.uint16)  # truncation is fine here
 
 
 def _check(out, a, w, what: str) -> None:
@@ -104,9 +56,9 @@ def bench(xp, device: str, timer: Timer, rng, module, m_values, layers, num_sms:
     rows = []
     repeats = GPU_REPEATS if device == "cuda" else 1
     for name, N, K in layers:
-        w = _random_bf16(xp, rng, (N, K))
+        w = random_bf16(xp, rng, (N, K))
         for M in m_values:
-            a = _random_bf16(xp, rng, (M, K))
+            a = random_bf16(xp, rng, (M, K))
             out = xp.empty((M, N), dtype=np.uint16)
             plan = plan_gemm(M, N, K, dtype_name="bf16", b_layout="nk", num_sms=num_sms)
             seconds = timer(lambda: gemm(module, a, w, out=out, plan=plan), repeats)
@@ -138,7 +90,7 @@ def main(argv=None) -> int:
     module = load_module(["gemm.cu", "gemm_skinny.cu"], backend=args.device)
     gpu = args.device == "cuda"
     print(f"# bench_gemm on {where}")
-    copy_gbps = copy_bandwidth(xp, timer) / 1e9 if gpu else float("nan")
+    copy_gbps = copy_bandwidth(xp, timer, GPU_REPEATS) / 1e9 if gpu else float("nan")
     print(f"# device-to-device copy: {copy_gbps:.0f} GB/s (read + write)")
 
     print("\n## prefill (tensor core), bf16, weight [N, K]")

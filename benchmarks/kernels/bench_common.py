@@ -1,0 +1,69 @@
+"""What the kernel benchmarks in this folder share: the median device timer (L2 flushed between
+repeats), the device-to-device copy bandwidth that bandwidth-bound kernels are compared with,
+and random bf16 inputs made where they live.
+
+Not a script. The bench_*.py scripts import it as `bench_common`: running a script puts this
+folder on sys.path; tests that load a script by path prepend the folder themselves.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+from pagedrun.runtime.kernels.kernel_args import to_bf16_bits
+
+COPY_BYTES = 1 << 30          # bytes of the device-to-device copy that measures the ceiling
+L2_FLUSH_BYTES = 256 << 20    # larger than any current L2 (H100 50 MB, H200 60 MB)
+
+
+class Timer:
+    """Median device time of fn() in seconds; flushes L2 between repeats on a GPU.
+
+    device "cuda": one warm-up call (module load, first touch), then `repeats` calls timed
+    with CUDA events. Any other device (the CPU harness): one call, host wall time."""
+
+    def __init__(self, device: str):
+        self.device = device
+        if device == "cuda":
+            import cupy
+
+            self.cupy = cupy
+            self.flush_buf = cupy.empty(L2_FLUSH_BYTES, dtype=np.uint8)
+
+    def __call__(self, fn, repeats: int) -> float:
+        if self.device != "cuda":
+            start = time.perf_counter()
+            fn()
+            return time.perf_counter() - start
+        cupy = self.cupy
+        fn()  # warm-up: module load (NVRTC or cache), first touch
+        times = []
+        for _ in range(repeats):
+            self.flush_buf.fill(1)
+            begin, end = cupy.cuda.Event(), cupy.cuda.Event()
+            begin.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(begin, end) * 1e-3)
+        return statistics.median(times)
+
+
+def copy_bandwidth(xp, timer: Timer, repeats: int) -> float:
+    """Bytes per second of a COPY_BYTES device-to-device copy, read + write counted."""
+    src = xp.ones(COPY_BYTES, dtype=np.uint8)
+    dst = xp.empty_like(src)
+    seconds = timer(lambda: dst.__setitem__(Ellipsis, src), repeats)
+    return 2 * COPY_BYTES / seconds
+
+
+def random_bf16(xp, rng: np.random.Generator, shape: tuple[int, ...]):
+    """Standard-normal bf16 bits (uint16, `shape`) made where they live: numpy from `rng`;
+    on a GPU drawn by CuPy, so multi-GiB pools and weights are never built on the host."""
+    if xp is np:
+        return to_bf16_bits(rng.standard_normal(shape, dtype=np.float32))
+    values = xp.random.standard_normal(shape, dtype=np.float32)
+    # Truncation (not round-to-nearest): fine for timing.
+    return (values.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
