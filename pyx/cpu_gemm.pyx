@@ -12,6 +12,7 @@ the calling thread (the pool's thread sleeps on a queue between calls, it never 
 Paths: "avx512bf16" (vdpbf16ps), "avx2" (bf16 widened to float32, FMA), "portable" (scalar
 C, any CPU); "auto" picks the first of these the CPU runs. Tests force each.
 """
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -39,6 +40,15 @@ MIN_MACS_PER_THREADED_CALL = 1 << 22
 cdef int _HAS_BF16 = cpu_has_avx512bf16()
 cdef int _HAS_AVX2 = cpu_has_avx2_fma()
 _pool = None
+
+
+def _forget_pool():
+    # A forked child has no copy of the worker thread: a job queued there would never run.
+    global _pool
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 def has_avx512bf16():

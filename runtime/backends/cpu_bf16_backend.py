@@ -17,6 +17,7 @@ each is packed once and kept keyed by the array's memory, as the sim backend doe
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 
 # The GEMM splits its output tiles over this many threads (the calling thread and a pooled one
 # that sleeps between calls). benchmarks/bench_engine.py measures 1 vs 2.
-DEFAULT_GEMM_THREADS = 2
+DEFAULT_GEMM_THREADS = min(2, os.cpu_count() or 1)
 # The batched decode pads every context to the longest: past this many padded slots per real
 # one (mixed short and long contexts) the per-sequence loop of numpy_ops does less work.
 MAX_DECODE_PADDING_RATIO = 2.0

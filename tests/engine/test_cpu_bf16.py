@@ -201,3 +201,32 @@ def test_batched_decode_attention_matches_numpy_ops(rng, context_lens):
     got = CpuBf16Backend.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.125)
     assert got.dtype == np.float32 and got.shape == ref.shape
     np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-6)
+
+
+def test_gemm_threaded_after_fork(rng):
+    """A forked child (the pool's worker thread is not copied) still gets its threaded GEMM."""
+    import os
+
+    x = rng.standard_normal((64, 256)).astype(np.float32)
+    w = rng.standard_normal((512, 256)).astype(np.float32)
+    packed = cpu_gemm.PackedWeight(w)
+    expected = cpu_gemm.gemm_bf16(x, packed, threads=2)  # starts the pool in the parent
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: exit code 0 only if the threaded call finished and matched
+        ok = False
+        try:
+            ok = np.array_equal(cpu_gemm.gemm_bf16(x, packed, threads=2), expected)
+        finally:
+            os.write(write_fd, b"1" if ok else b"0")
+            os._exit(0)
+    os.close(write_fd)
+    import select
+
+    ready, _, _ = select.select([read_fd], [], [], 60)
+    result = os.read(read_fd, 1) if ready else b""
+    os.close(read_fd)
+    if not ready:
+        os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    assert result == b"1"
