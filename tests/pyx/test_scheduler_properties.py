@@ -8,10 +8,6 @@ that each row reads exactly its own prefix; an independent model of every reques
 and finish condition is compared with the scheduler's; invariants are checked after every
 operation; at quiescence every block is free again.
 """
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 from hypothesis import HealthCheck, event, settings, strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
@@ -19,18 +15,8 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from pagedrun.pyx.scheduler import Scheduler, SchedulerConfig
 
+from pagedrun_tests_pyx_fake_worker import FakeWorker  # registered by conftest.py
 
-def _load_fake_worker():
-    name = "pagedrun_tests_pyx_fake_worker"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("fake_worker.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-FakeWorker = _load_fake_worker().FakeWorker
 VOCAB = 4  # tiny, so prompts share blocks often
 MAX_QUIESCE_STEPS = 3000
 

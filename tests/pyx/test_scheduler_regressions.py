@@ -1,26 +1,11 @@
 """One test per classic scheduler off-by-one and per API contract corner (docs/scheduler.md)."""
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from pagedrun.pyx.scheduler import (Scheduler, SchedulerConfig, SchedulerInvariantError,
                                     SchedulerOutput)
 
-
-def _load_fake_worker():
-    name = "pagedrun_tests_pyx_fake_worker"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("fake_worker.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-FakeWorker = _load_fake_worker().FakeWorker
+from pagedrun_tests_pyx_fake_worker import FakeWorker  # registered by conftest.py
 
 
 def _make(num_gpu_blocks=64, block_size=8, num_cpu_blocks=0, **kw):
