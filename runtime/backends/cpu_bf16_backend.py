@@ -12,7 +12,9 @@ gather and two batched matmuls per layer instead of numpy_ops' per-sequence loop
 ~20% of a 32-sequence step; same math, float32.
 
 Weights arrive as the model's float32 arrays (llama.py passes views like `w_t.T` each call):
-each is packed once and kept keyed by the array's memory, as the sim backend does.
+each is packed once and kept keyed by the array's memory, as the sim backend does. The model
+keeps its float32 copies (llama.py owns them), so this backend adds the bf16 bytes (~270 MB
+for SmolLM2-135M) rather than halving the weight memory.
 """
 from __future__ import annotations
 
@@ -41,8 +43,8 @@ class CpuBf16Backend(NumpyBackend):
     kv_dtype = np.dtype(np.float32)  # activations and KV stay float32 numpy
 
     def __init__(self, *, gemm_threads: int = DEFAULT_GEMM_THREADS, path: str = "auto") -> None:
-        """gemm_threads: threads of one GEMM; path: cpu_gemm's "auto" | "avx512bf16" |
-        "portable" (tests force each)."""
+        """gemm_threads: threads of one GEMM; path: cpu_gemm's "auto" | "avx512bf16" | "avx2"
+        | "portable" (tests force each)."""
         self.gemm_threads = gemm_threads
         self.path = path
         if path == "auto" and cpu_gemm.available_paths()[0] == "portable":
