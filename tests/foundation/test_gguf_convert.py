@@ -16,7 +16,7 @@ import pytest
 from pagedrun.runtime.errors import ModelLoadError
 from pagedrun.runtime.gguf_convert import OUTPUT_FILES, convert_gguf, unpermute_rotary_rows
 
-import pagedrun_tests_tiny_gguf as tiny_gguf  # registered by conftest.py
+import pagedrun_tests_tiny_gguf as tiny_gguf  # registered by tests/conftest.py
 
 
 # Worst-case dequantization error relative to a block's largest magnitude (or range, for Q4_1),

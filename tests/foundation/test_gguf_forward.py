@@ -15,7 +15,7 @@ import pytest
 
 from pagedrun.runtime.gguf_convert import convert_gguf
 
-import pagedrun_tests_tiny_gguf as tiny_gguf  # registered by conftest.py
+import pagedrun_tests_tiny_gguf as tiny_gguf  # registered by tests/conftest.py
 
 
 def _gguf_tensors(path: Path) -> dict[str, np.ndarray]:

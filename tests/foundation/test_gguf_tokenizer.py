@@ -12,7 +12,7 @@ import pytest
 from pagedrun.runtime.gguf_convert import convert_gguf
 from pagedrun.runtime.tokenizer import Tokenizer
 
-import pagedrun_tests_tiny_gguf as tiny_gguf  # registered by conftest.py
+import pagedrun_tests_tiny_gguf as tiny_gguf  # registered by tests/conftest.py
 
 
 @pytest.fixture(scope="module")

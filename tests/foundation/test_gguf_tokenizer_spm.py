@@ -14,7 +14,7 @@ from pagedrun.runtime.detokenizer import IncrementalDetokenizer
 from pagedrun.runtime.gguf_convert import convert_gguf, sentencepiece_merges
 from pagedrun.runtime.tokenizer import Tokenizer
 
-import pagedrun_tests_tiny_gguf as tiny_gguf  # registered by conftest.py
+import pagedrun_tests_tiny_gguf as tiny_gguf  # registered by tests/conftest.py
 
 
 S = tiny_gguf.SPM_SPACE

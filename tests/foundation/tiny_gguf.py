@@ -1,6 +1,6 @@
 """Writes tiny Llama/Qwen2 GGUF files for the foundation tests, the way llama.cpp stores them.
 
-Not a test module: tests/foundation/conftest.py loads it by path once (pytest runs with
+Not a test module: tests/conftest.py loads it by path once (pytest runs with
 --import-mode=importlib, so the tests folder is not on sys.path) and registers it as
 `pagedrun_tests_tiny_gguf`, which test modules import. `write_tiny_gguf` returns the original Hugging Face weights
 (float32, [out, in]) next to the file, so tests can compare a conversion against them.

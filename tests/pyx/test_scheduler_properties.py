@@ -15,7 +15,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from pagedrun.pyx.scheduler import Scheduler, SchedulerConfig
 
-from pagedrun_tests_pyx_fake_worker import FakeWorker  # registered by conftest.py
+from pagedrun_tests_pyx_fake_worker import FakeWorker  # registered by tests/conftest.py
 
 VOCAB = 4  # tiny, so prompts share blocks often
 MAX_QUIESCE_STEPS = 3000

@@ -5,7 +5,7 @@ import pytest
 from pagedrun.pyx.scheduler import (Scheduler, SchedulerConfig, SchedulerInvariantError,
                                     SchedulerOutput)
 
-from pagedrun_tests_pyx_fake_worker import FakeWorker  # registered by conftest.py
+from pagedrun_tests_pyx_fake_worker import FakeWorker  # registered by tests/conftest.py
 
 
 def _make(num_gpu_blocks=64, block_size=8, num_cpu_blocks=0, **kw):

@@ -1,0 +1,36 @@
+"""Registers the test-only helper modules that live next to the tests using them.
+
+pytest runs with --import-mode=importlib, so test folders are not on sys.path and `import
+tiny_gguf` would fail. pytest imports this conftest before collecting any test module (also
+when a single file is run), so loading each helper here by path, once, under a prefixed name
+lets test modules write e.g. `import pagedrun_tests_tiny_gguf as tiny_gguf`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+# sys.modules name -> helper file under tests/. Prefixed so no name can shadow an installed
+# package; the helpers import only numpy and the standard library at import time.
+HELPER_MODULES = {
+    "pagedrun_tests_tiny_gguf": "foundation/tiny_gguf.py",
+    "pagedrun_tests_pyx_fake_worker": "pyx/fake_worker.py",
+}
+
+
+def _register(name: str, path: Path) -> None:
+    if name in sys.modules:
+        return
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    # Registered before exec_module so dataclasses in it can resolve their own module.
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+
+
+for _name, _relpath in HELPER_MODULES.items():
+    _register(_name, TESTS_DIR / _relpath)
