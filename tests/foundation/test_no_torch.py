@@ -19,6 +19,13 @@ FOUNDATION_MODULES = (
 FORBIDDEN_MODULES = ("torch", "transformers")
 
 
+def _assert_prints_ok(check: str) -> None:
+    """Runs `check` in a fresh interpreter (nothing imported yet) and expects it to print ok."""
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
 def test_importing_pagedrun_does_not_import_torch() -> None:
     check = (
         "import importlib, sys\n"
@@ -28,9 +35,7 @@ def test_importing_pagedrun_does_not_import_torch() -> None:
         "assert not loaded, loaded\n"
         "print('ok')\n"
     )
-    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "ok"
+    _assert_prints_ok(check)
 
 
 def test_loading_and_running_a_model_does_not_import_torch() -> None:
@@ -48,6 +53,4 @@ def test_loading_and_running_a_model_does_not_import_torch() -> None:
         "assert not loaded, loaded\n"
         "print('ok')\n"
     )
-    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "ok"
+    _assert_prints_ok(check)
