@@ -28,6 +28,17 @@ cdef extern from "cpu_gemm_kernels.h" namespace "pagedrun_gemm" nogil:
                       uint16_t* xb, int kp2)
     void gemm_tiles(int path, const uint16_t* xb, int M, int kp, const uint16_t* wp, int N,
                     int tile_begin, int tile_end, const float* bias, float* y, long ldy)
+    cdef struct TileJob:
+        int path
+        const uint16_t* xb
+        int M, kp
+        const uint16_t* wp
+        int N, tile_begin, tile_end
+        const float* bias
+        float* y
+        long ldy
+    void init_helper()
+    void run_split(const TileJob& mine, const TileJob& theirs)
 
 PATHS = ("portable", "avx512bf16", "avx2")
 _PATH_CODE = {"portable": 0, "avx512bf16": 1, "avx2": 2}
@@ -49,6 +60,8 @@ def _forget_pool():
 
 
 os.register_at_fork(after_in_child=_forget_pool)
+init_helper()
+POOLS = ("native", "python")
 
 
 def has_avx512bf16():
@@ -131,6 +144,33 @@ def _run_tiles(const uint16_t[:, ::1] xb, const uint16_t[::1] wp, int n, int til
                    &y[0, 0], y.shape[1])
 
 
+def _run_split(const uint16_t[:, ::1] xb, const uint16_t[::1] wp, int n, int split,
+               int num_tiles, bias, float[:, ::1] y, int path):
+    """Tiles [0, split) on the calling thread, [split, num_tiles) on the native helper."""
+    cdef const float[::1] b
+    cdef const float* bias_ptr = NULL
+    if bias is not None:
+        b = bias
+        bias_ptr = &b[0]
+    cdef TileJob mine, theirs
+    mine.path = path
+    mine.xb = &xb[0, 0]
+    mine.M = xb.shape[0]
+    mine.kp = xb.shape[1] // 2
+    mine.wp = &wp[0]
+    mine.N = n
+    mine.tile_begin = 0
+    mine.tile_end = split
+    mine.bias = bias_ptr
+    mine.y = &y[0, 0]
+    mine.ldy = y.shape[1]
+    theirs = mine
+    theirs.tile_begin = split
+    theirs.tile_end = num_tiles
+    with nogil:
+        run_split(mine, theirs)
+
+
 def _convert(const float[:, :] x, int kp2):
     """x: [M, K] float32, any strides -> [M, kp2] bf16 bits (zero past K)."""
     cdef int m = x.shape[0], k = x.shape[1]
@@ -147,12 +187,16 @@ def _convert(const float[:, :] x, int kp2):
     return out
 
 
-def gemm_bf16(x, packed, bias=None, *, path="auto", threads=2):
+def gemm_bf16(x, packed, bias=None, *, path="auto", threads=2, pool="native"):
     """y = bf16(x) @ W.T (+ bias), float32 accumulation.
 
     x: [M, K] float32 (any strides; other float dtypes are converted); packed: PackedWeight of
-    W [N, K]; bias: [N] float32 or None. Returns a new [M, N] float32 array.
+    W [N, K]; bias: [N] float32 or None. Returns a new [M, N] float32 array. threads 2 splits
+    the tiles with a helper thread: pool "native" (a C++ thread on a condition variable) or
+    "python" (a ThreadPoolExecutor worker); benchmarks measure both.
     """
+    if pool not in POOLS:
+        raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
     cdef int code = _resolve_path(path)
     x = np.asarray(x)
     if x.dtype != np.float32:
@@ -173,11 +217,14 @@ def gemm_bf16(x, packed, bias=None, *, path="auto", threads=2):
             or x.shape[0] * packed.n * packed.k < MIN_MACS_PER_THREADED_CALL):
         _run_tiles(xb, wp, packed.n, 0, num_tiles, bias, y, code)
         return y
+    # An even split point keeps both halves on the two-tile micro-kernel.
+    split = (num_tiles // 2 + 1) & ~1
+    if pool == "native":
+        _run_split(xb, wp, packed.n, split, num_tiles, bias, y, code)
+        return y
     global _pool
     if _pool is None:
         _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedrun-gemm")
-    # An even split point keeps both halves on the two-tile micro-kernel.
-    split = (num_tiles // 2 + 1) & ~1
     job = _pool.submit(_run_tiles, xb, wp, packed.n, split, num_tiles, bias, y, code)
     _run_tiles(xb, wp, packed.n, 0, split, bias, y, code)
     job.result()

@@ -13,8 +13,13 @@
 // one. All accumulate in float32; the products of two bf16 values are exact in float32.
 #pragma once
 
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+
+#include <condition_variable>
+#include <mutex>
+#include <thread>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -316,6 +321,82 @@ static inline void gemm_tiles(int path, const uint16_t* xb, int M, int kp, const
     }
 #endif
     gemm_tiles_scalar(xb, M, kp, wp, N, tile_begin, tile_end, bias, y, ldy);
+}
+
+// ------------------------------------------------------------------------- native helper thread
+// The second GEMM thread without Python: a helper that sleeps on a condition variable (no
+// spinning) and runs one half of the tiles while the caller runs the other. Created on first
+// use and never destroyed (a condvar must not be destroyed under its waiter at exit); a forked
+// child gets a fresh one (pthread_atfork), since the helper thread is not copied by fork.
+struct TileJob {
+    int path;
+    const uint16_t* xb;
+    int M, kp;
+    const uint16_t* wp;
+    int N, tile_begin, tile_end;
+    const float* bias;
+    float* y;
+    long ldy;
+};
+
+static inline void run_job(const TileJob& j) {
+    gemm_tiles(j.path, j.xb, j.M, j.kp, j.wp, j.N, j.tile_begin, j.tile_end, j.bias, j.y, j.ldy);
+}
+
+class HelperThread {
+  public:
+    // Runs `theirs` on the helper while the caller runs `mine`; returns when both are done.
+    void run_pair(const TileJob& mine, const TileJob& theirs) {
+        std::lock_guard<std::mutex> serial(call_mu_);  // one split at a time
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            if (!started_) {
+                std::thread(&HelperThread::loop, this).detach();
+                started_ = true;
+            }
+            job_ = theirs;
+            pending_ = true;
+        }
+        job_cv_.notify_one();
+        run_job(mine);
+        std::unique_lock<std::mutex> lock(mu_);
+        done_cv_.wait(lock, [this] { return !pending_; });
+    }
+
+  private:
+    void loop() {
+        std::unique_lock<std::mutex> lock(mu_);
+        for (;;) {
+            job_cv_.wait(lock, [this] { return pending_; });
+            const TileJob job = job_;
+            lock.unlock();
+            run_job(job);
+            lock.lock();
+            pending_ = false;
+            done_cv_.notify_one();
+        }
+    }
+
+    std::mutex call_mu_, mu_;
+    std::condition_variable job_cv_, done_cv_;
+    TileJob job_{};
+    bool pending_ = false, started_ = false;
+};
+
+static HelperThread* g_helper = nullptr;
+
+// The old helper is leaked, as at exit: its thread did not survive the fork.
+static void fresh_helper_in_child() { g_helper = new HelperThread(); }
+
+// Once, at module import (under the GIL): no two callers race to create the helper.
+static inline void init_helper() {
+    if (g_helper != nullptr) return;
+    g_helper = new HelperThread();
+    pthread_atfork(nullptr, nullptr, fresh_helper_in_child);
+}
+
+static inline void run_split(const TileJob& mine, const TileJob& theirs) {
+    g_helper->run_pair(mine, theirs);
 }
 
 }  // namespace pagedrun_gemm

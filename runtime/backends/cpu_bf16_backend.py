@@ -42,10 +42,12 @@ class CpuBf16Backend(NumpyBackend):
     dtype_name = "bfloat16"
     kv_dtype = np.dtype(np.float32)  # activations and KV stay float32 numpy
 
-    def __init__(self, *, gemm_threads: int = DEFAULT_GEMM_THREADS, path: str = "auto") -> None:
+    def __init__(self, *, gemm_threads: int = DEFAULT_GEMM_THREADS, path: str = "auto",
+                 gemm_pool: str = "native") -> None:
         """gemm_threads: threads of one GEMM; path: cpu_gemm's "auto" | "avx512bf16" | "avx2"
-        | "portable" (tests force each)."""
+        | "portable" (tests force each); gemm_pool: cpu_gemm's "native" | "python" helper."""
         self.gemm_threads = gemm_threads
+        self.gemm_pool = gemm_pool
         self.path = path
         if path == "auto" and cpu_gemm.available_paths()[0] == "portable":
             log.warning("dtype bfloat16 on cpu: this CPU has neither AVX512-BF16 nor AVX2+FMA; "
@@ -66,7 +68,7 @@ class CpuBf16Backend(NumpyBackend):
         Returns [num_tokens, out] float32 (out_dtype is accepted for the interface)."""
         del out_dtype
         return cpu_gemm.gemm_bf16(x, self.packed(weight), bias, path=self.path,
-                                  threads=self.gemm_threads)
+                                  threads=self.gemm_threads, pool=self.gemm_pool)
 
     @staticmethod
     def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):

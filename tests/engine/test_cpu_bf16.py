@@ -56,8 +56,9 @@ def test_gemm_shapes(rng, path, m, n, k):
     w = rng.standard_normal((n, k)).astype(np.float32)
     bias = rng.standard_normal(n).astype(np.float32) if (m + n + k) % 2 else None
     packed = cpu_gemm.PackedWeight(w)
-    for threads in (1, 2):
-        check_gemm(cpu_gemm.gemm_bf16(x, packed, bias, path=path, threads=threads), x, w, bias)
+    for threads, pool in ((1, "native"), (2, "native"), (2, "python")):
+        check_gemm(cpu_gemm.gemm_bf16(x, packed, bias, path=path, threads=threads, pool=pool),
+                   x, w, bias)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -99,6 +100,8 @@ def test_gemm_rejects_bad_arguments(rng):
         cpu_gemm.gemm_bf16(np.zeros((2, 5), np.float32), packed)
     with pytest.raises(ValueError, match="bias must be"):
         cpu_gemm.gemm_bf16(np.zeros((2, 6), np.float32), packed, np.zeros(7, np.float32))
+    with pytest.raises(ValueError, match="pool must be"):
+        cpu_gemm.gemm_bf16(np.zeros((2, 6), np.float32), packed, pool="omp")
     with pytest.raises(ValueError, match="path must be"):
         cpu_gemm.gemm_bf16(np.zeros((2, 6), np.float32), packed, path="avx9")
 
@@ -203,20 +206,21 @@ def test_batched_decode_attention_matches_numpy_ops(rng, context_lens):
     np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-6)
 
 
-def test_gemm_threaded_after_fork(rng):
-    """A forked child (the pool's worker thread is not copied) still gets its threaded GEMM."""
+@pytest.mark.parametrize("pool", cpu_gemm.POOLS)
+def test_gemm_threaded_after_fork(rng, pool):
+    """A forked child (the helper thread is not copied) still gets its threaded GEMM."""
     import os
 
     x = rng.standard_normal((64, 256)).astype(np.float32)
     w = rng.standard_normal((512, 256)).astype(np.float32)
     packed = cpu_gemm.PackedWeight(w)
-    expected = cpu_gemm.gemm_bf16(x, packed, threads=2)  # starts the pool in the parent
+    expected = cpu_gemm.gemm_bf16(x, packed, threads=2, pool=pool)  # helper up in the parent
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: exit code 0 only if the threaded call finished and matched
         ok = False
         try:
-            ok = np.array_equal(cpu_gemm.gemm_bf16(x, packed, threads=2), expected)
+            ok = np.array_equal(cpu_gemm.gemm_bf16(x, packed, threads=2, pool=pool), expected)
         finally:
             os.write(write_fd, b"1" if ok else b"0")
             os._exit(0)
