@@ -139,6 +139,18 @@ def _nvcc() -> str | None:
     return None
 
 
+def _build_env() -> dict:
+    """The environment for cmake/nvcc subprocesses: without a sanitizer runtime that the
+    sanitizer CI tier preloads into Python (it is not meant for the compilers, and breaks them)."""
+    return {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD",)}
+
+
+def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(_nvcc() is None or shutil.which("cmake") is None,
                     reason="needs nvcc and cmake")
@@ -147,12 +159,11 @@ def test_cmake_builds_fatbin_with_manifest(tmp_path):
     loader accepts for the installed source; the installed file is a real fatbin."""
     build = tmp_path / "build"
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    subprocess.run(["cmake", "-S", str(REPO), "-B", str(build), *generator,
-                    f"-DPython_EXECUTABLE={sys.executable}", "-DPAGEDRUN_BUILD_FATBINS=ON",
-                    "-DPAGEDRUN_FATBIN_CUBINS=sm_80", "-DPAGEDRUN_FATBIN_PTX=compute_90"],
-                   check=True, capture_output=True)
-    subprocess.run(["cmake", "--build", str(build), "--target", "pagedrun_fatbin_activation"],
-                   check=True, capture_output=True)
+    _run(["cmake", "-S", str(REPO), "-B", str(build), *generator,
+          f"-DPython_EXECUTABLE={sys.executable}", "-DPAGEDRUN_BUILD_FATBINS=ON",
+          "-DPAGEDRUN_FATBIN_CUBINS=sm_80", "-DPAGEDRUN_FATBIN_PTX=compute_90"], env=_build_env())
+    _run(["cmake", "--build", str(build), "--target", "pagedrun_fatbin_activation"],
+         env=_build_env())
     fatbin = build / "prebuilt" / "activation.fatbin"
     manifest = build / "prebuilt" / "activation.json"
     assert fatbin.stat().st_size > 0
@@ -183,7 +194,7 @@ def test_cmake_without_nvcc_configures(tmp_path, mode):
     if shutil.which("cmake") is None:
         pytest.skip("needs cmake")
     build = tmp_path / "build"
-    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_HOME", "CUDA_PATH")}
+    env = {k: v for k, v in _build_env().items() if k not in ("CUDA_HOME", "CUDA_PATH")}
     env["PATH"] = "/usr/bin:/bin"
     if Path("/usr/bin/nvcc").exists():
         pytest.skip("nvcc in /usr/bin cannot be hidden")
