@@ -235,13 +235,13 @@ class Client:
 
     # requests
     def ping(self) -> dict:
-        return self._call(MsgType.PING, MsgType.PONG)
+        return self._call(MsgType.PING)
 
     def model_info(self) -> dict:
-        return self._call(MsgType.MODEL_INFO, MsgType.MODEL_INFO_REPLY)
+        return self._call(MsgType.MODEL_INFO)
 
     def stats(self) -> dict:
-        return self._call(MsgType.STATS, MsgType.STATS_REPLY)
+        return self._call(MsgType.STATS)
 
     def abort(self, request_id: str) -> bool:
         """True if the server still had the request in flight (its stream then ends with a
@@ -299,7 +299,7 @@ class Client:
                                  "(not connected?)") from None
         self._last_sent = time.monotonic()
 
-    def _call(self, msg_type: MsgType, reply_type: MsgType) -> dict:
+    def _call(self, msg_type: MsgType) -> dict:
         rid = uuid.uuid4().hex
         self._pending[rid] = collections.deque()
         self._send(msg_type, {"request_id": rid})
