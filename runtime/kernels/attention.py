@@ -19,8 +19,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .kernel_args import (UnsupportedKernelShape, array_module, dtype_suffix, log2_exact,
-                          require, require_contiguous, require_int32)
+from .kernel_args import (UnsupportedKernelShape, array_module, device_num_sms, dtype_suffix,
+                          log2_exact, require, require_contiguous, require_int32)
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_BLOCK_SIZES = (16, 32, 64)
@@ -45,8 +45,6 @@ LONG_CONTEXT_TOKENS = 8192
 # SM's loads in flight.
 TARGET_CTAS_PER_SM = 2
 MAX_SPLITS = 64
-# The CPU harness runs blocks one at a time; this only shapes the plan there.
-SIM_NUM_SMS = 4
 
 
 class DecodeSplitPlan(NamedTuple):
@@ -78,13 +76,6 @@ def plan_decode_split(num_seqs: int, num_kv_heads: int, max_context_len: int,
     partition_size = _ceil_div(_ceil_div(max_context_len, num_splits),
                                PARTITION_GRANULE_TOKENS) * PARTITION_GRANULE_TOKENS
     return DecodeSplitPlan(_ceil_div(max_context_len, partition_size), partition_size)
-
-
-def device_num_sms(xp) -> int:
-    """Streaming multiprocessors of the current device (SIM_NUM_SMS under the harness)."""
-    if xp is np:
-        return SIM_NUM_SMS
-    return int(xp.cuda.Device().attributes["MultiProcessorCount"])
 
 
 def decode_group_instantiation(group_size: int) -> int:

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .attention import device_num_sms
 from .gemm_plan import (SKINNY, SKINNY_ROWS_PER_WARP, SKINNY_THREADS, SKINNY_WARPS, TC_BK,
                         TC_STAGES, TC_THREADS, TC_TILE, TENSOR_CORE, GemmPlan, plan_gemm,
                         tc_aligned)
-from .kernel_args import array_module, dtype_suffix, require, require_contiguous
+from .kernel_args import (array_module, device_num_sms, dtype_suffix, require,
+                          require_contiguous)
 
 _OUT_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
                np.dtype(np.uint16): "bf16"}

@@ -7,6 +7,8 @@ convert at the edges.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from pagedrun.runtime.errors import PagedRunError
@@ -17,6 +19,8 @@ _DTYPE_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
 
 # bf16 is the upper half of a float32.
 _BF16_SHIFT = 16
+# The CPU harness runs blocks one at a time; this only shapes the launch plans there.
+SIM_NUM_SMS = 4
 
 
 class UnsupportedKernelShape(PagedRunError, ValueError):
@@ -33,6 +37,23 @@ def array_module(x):
 
         return cupy
     return np
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_num_sms(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+def device_num_sms(xp) -> int:
+    """Streaming multiprocessors of the current device (SIM_NUM_SMS under the harness).
+
+    Cached per device: CuPy's Device.attributes queries every attribute, and the GEMM and
+    decode-attention wrappers ask on each launch they plan."""
+    if xp is np:
+        return SIM_NUM_SMS
+    return _cuda_num_sms(xp.cuda.Device().id)
 
 
 def dtype_suffix(x) -> str:
