@@ -19,8 +19,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .kernel_args import (UnsupportedKernelShape, array_module, device_num_sms, dtype_suffix,
-                          log2_exact, require, require_contiguous, require_int32)
+from .kernel_args import (UnsupportedKernelShape, array_module, ceil_div, device_num_sms,
+                          dtype_suffix, log2_exact, require, require_contiguous, require_int32)
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_BLOCK_SIZES = (16, 32, 64)
@@ -52,10 +52,6 @@ class DecodeSplitPlan(NamedTuple):
     partition_size: int   # tokens per split, a multiple of PARTITION_GRANULE_TOKENS
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def plan_decode_split(num_seqs: int, num_kv_heads: int, max_context_len: int,
                       num_sms: int) -> DecodeSplitPlan:
     """How to split decode attention over the context (pure; the policy lives here only).
@@ -70,12 +66,12 @@ def plan_decode_split(num_seqs: int, num_kv_heads: int, max_context_len: int,
                          f"num_kv_heads={num_kv_heads}, max_context_len={max_context_len}, "
                          f"num_sms={num_sms}")
     num_ctas = num_seqs * num_kv_heads
-    wanted = max(1, _ceil_div(TARGET_CTAS_PER_SM * num_sms, num_ctas))
-    wanted = max(wanted, _ceil_div(max_context_len, LONG_CONTEXT_TOKENS))
-    num_splits = min(wanted, _ceil_div(max_context_len, MIN_PARTITION_TOKENS), MAX_SPLITS)
-    partition_size = _ceil_div(_ceil_div(max_context_len, num_splits),
+    wanted = max(1, ceil_div(TARGET_CTAS_PER_SM * num_sms, num_ctas))
+    wanted = max(wanted, ceil_div(max_context_len, LONG_CONTEXT_TOKENS))
+    num_splits = min(wanted, ceil_div(max_context_len, MIN_PARTITION_TOKENS), MAX_SPLITS)
+    partition_size = ceil_div(ceil_div(max_context_len, num_splits),
                                PARTITION_GRANULE_TOKENS) * PARTITION_GRANULE_TOKENS
-    return DecodeSplitPlan(_ceil_div(max_context_len, partition_size), partition_size)
+    return DecodeSplitPlan(ceil_div(max_context_len, partition_size), partition_size)
 
 
 def decode_group_instantiation(group_size: int) -> int:
@@ -215,7 +211,7 @@ def paged_prefill_attention(module, q, k_cache, v_cache, block_tables, query_sta
     if max_query_len <= 0:
         return out
     kernel = module.get_function(f"paged_attention_prefill_{suffix}_d{head_dim}")
-    num_row_tiles = _ceil_div(max_query_len, PREFILL_BLOCK_M)
+    num_row_tiles = ceil_div(max_query_len, PREFILL_BLOCK_M)
     kernel((num_row_tiles, num_reqs, num_heads), (PREFILL_THREADS,),
            (out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
             np.float32(scale), np.int32(num_heads), np.int32(num_kv_heads),

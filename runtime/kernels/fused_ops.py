@@ -15,16 +15,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kernel_args import (array_module, dtype_suffix, from_bf16_bits, require,
+from .kernel_args import (array_module, ceil_div, dtype_suffix, from_bf16_bits, require,
                           require_contiguous, require_int32)
 
 NORM_THREADS = 256
 ACTIVATION_THREADS = 256
 EMBEDDING_THREADS = 256
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _check_rows(name: str, x) -> tuple[int, int]:
@@ -106,7 +102,7 @@ def silu_and_mul(module, gate_up, out=None):
             "out must be [num_tokens, intermediate] in gate_up's dtype")
     if num_tokens and intermediate:
         module.get_function(f"silu_and_mul_{suffix}")(
-            (num_tokens, _ceil_div(intermediate, ACTIVATION_THREADS)), (ACTIVATION_THREADS,),
+            (num_tokens, ceil_div(intermediate, ACTIVATION_THREADS)), (ACTIVATION_THREADS,),
             (out, gate_up, np.int32(intermediate)))
     return out
 

@@ -17,11 +17,9 @@ import numpy as np
 from .gemm_plan import (SKINNY, SKINNY_ROWS_PER_WARP, SKINNY_THREADS, SKINNY_WARPS, TC_BK,
                         TC_STAGES, TC_THREADS, TC_TILE, TENSOR_CORE, GemmPlan, plan_gemm,
                         tc_aligned)
-from .kernel_args import (array_module, device_num_sms, dtype_suffix, require,
+from .kernel_args import (array_module, ceil_div, device_num_sms, dtype_suffix, require,
                           require_contiguous)
 
-_OUT_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
-               np.dtype(np.uint16): "bf16"}
 SKINNY_SMEM_BYTES_PER_ROW = 512  # one k-tile of a row: 32 lanes x 16 bytes
 VEC16_BYTES = 16
 
@@ -32,10 +30,6 @@ def gemm_smem_bytes(dtype_name: str) -> int:
         return 0
     tile_m, tile_n = TC_TILE[dtype_name]
     return TC_STAGES * (tile_m + tile_n) * TC_BK * 2
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _data_ptr(x) -> int:
@@ -74,7 +68,6 @@ def gemm(module, a, b, *, b_layout: str = "nk", bias=None, residual=None, out=No
     out_dtype = np.dtype(a.dtype if out_dtype is None else out_dtype)
     require(out_dtype in (np.dtype(a.dtype), np.dtype(np.float32)),
             f"out_dtype {out_dtype}: only a's dtype or float32")
-    out_suffix = _OUT_SUFFIX[out_dtype]
     if bias is not None:
         require(bias.shape == (N,) and bias.dtype == a.dtype,
                 f"bias must be [{N}] {a.dtype}, got {bias.shape} {bias.dtype}")
@@ -88,6 +81,7 @@ def gemm(module, a, b, *, b_layout: str = "nk", bias=None, residual=None, out=No
     require(out.shape == (M, N) and out.dtype == out_dtype,
             f"out must be [{M}, {N}] {out_dtype}, got {out.shape} {out.dtype}")
     require_contiguous("out", out)
+    out_suffix = dtype_suffix(out)
     require(K > 0, "K must be >= 1 (an empty reduction has no kernel)")
     if M == 0 or N == 0:
         return out
@@ -109,7 +103,7 @@ def gemm(module, a, b, *, b_layout: str = "nk", bias=None, residual=None, out=No
         require(K % (16 // a.dtype.itemsize) == 0,
                 f"the skinny GEMM needs K % {16 // a.dtype.itemsize} == 0, got K={K}")
         rows_per_cta = SKINNY_WARPS * SKINNY_ROWS_PER_WARP[plan.m_tile]
-        grid = (_ceil_div(N, rows_per_cta), _ceil_div(M, plan.m_tile), plan.num_splits)
+        grid = (ceil_div(N, rows_per_cta), ceil_div(M, plan.m_tile), plan.num_splits)
         smem = plan.m_tile * SKINNY_SMEM_BYTES_PER_ROW
         kernel = module.get_function(f"gemm_skinny_{suffix}_o{out_suffix}_m{plan.m_tile}")
         if plan.num_splits == 1:
@@ -120,7 +114,7 @@ def gemm(module, a, b, *, b_layout: str = "nk", bias=None, residual=None, out=No
         kernel(grid, (SKINNY_THREADS,), (null, partial, a, b, null, null, *scalars,
                                          np.int32(plan.k_split)), shared_mem=smem)
         reduce = module.get_function(f"gemm_splitk_reduce_{suffix}_o{out_suffix}")
-        reduce((_ceil_div(M * N, SKINNY_THREADS),), (SKINNY_THREADS,),
+        reduce((ceil_div(M * N, SKINNY_THREADS),), (SKINNY_THREADS,),
                (out, partial, bias_arg, residual_arg, np.int32(M), np.int32(N),
                 np.int32(plan.num_splits)))
         return out
@@ -132,7 +126,7 @@ def gemm(module, a, b, *, b_layout: str = "nk", bias=None, residual=None, out=No
         require(out_suffix == suffix, "unaligned shapes have no fp32-output instantiation")
         name += "_unaligned"
     tile_m, tile_n = TC_TILE[suffix]
-    module.get_function(name)((_ceil_div(N, tile_n), _ceil_div(M, tile_m)), (TC_THREADS,),
+    module.get_function(name)((ceil_div(N, tile_n), ceil_div(M, tile_m)), (TC_THREADS,),
                               (out, a, b, bias_arg, residual_arg, *scalars),
                               shared_mem=gemm_smem_bytes(suffix))
     return out

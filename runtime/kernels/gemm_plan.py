@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from .kernel_args import ceil_div
+
 TENSOR_CORE = "tensor_core"
 SKINNY = "skinny"
 LAYOUTS = ("nk", "kn")
@@ -52,10 +54,6 @@ class GemmPlan(NamedTuple):
     aligned: bool         # tensor core: 16-byte chunks never straddle the matrix edge
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def skinny_tile_k(dtype_name: str) -> int:
     """K elements one warp consumes per step: 32 lanes x 16 bytes."""
     return LANES * VEC_BYTES // ELEM_BYTES[dtype_name]
@@ -74,15 +72,15 @@ def skinny_plan(M: int, N: int, K: int, dtype_name: str, num_sms: int,
     """The skinny kernel's m-tile and K split for [M, K] x [N, K]^T (num_splits forces one)."""
     m_tile = SKINNY_M_TILES[0] if M <= SKINNY_M_TILES[0] else SKINNY_M_TILES[1]
     tile_k = skinny_tile_k(dtype_name)
-    num_tiles = _ceil_div(K, tile_k)
+    num_tiles = ceil_div(K, tile_k)
     if num_splits is None:
         rows_per_cta = SKINNY_WARPS * SKINNY_ROWS_PER_WARP[m_tile]
-        num_ctas = _ceil_div(N, rows_per_cta) * _ceil_div(M, m_tile)
-        wanted = _ceil_div(SKINNY_TARGET_CTAS_PER_SM * num_sms, num_ctas)
+        num_ctas = ceil_div(N, rows_per_cta) * ceil_div(M, m_tile)
+        wanted = ceil_div(SKINNY_TARGET_CTAS_PER_SM * num_sms, num_ctas)
         num_splits = max(1, min(wanted, MAX_SPLITS, num_tiles // MIN_TILES_PER_SPLIT))
     num_splits = max(1, min(num_splits, num_tiles))
-    k_split = _ceil_div(num_tiles, num_splits) * tile_k
-    return GemmPlan(SKINNY, m_tile, _ceil_div(K, k_split), k_split, True)
+    k_split = ceil_div(num_tiles, num_splits) * tile_k
+    return GemmPlan(SKINNY, m_tile, ceil_div(K, k_split), k_split, True)
 
 
 def skinny_eligible(M: int, K: int, dtype_name: str, b_layout: str) -> bool:

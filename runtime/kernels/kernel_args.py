@@ -80,6 +80,10 @@ def require_int32(name: str, x, ndim: int) -> None:
     require_contiguous(name, x)
 
 
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def log2_exact(value: int, name: str) -> int:
     require(value > 0 and value & (value - 1) == 0, f"{name} {value} is not a power of two")
     return value.bit_length() - 1
