@@ -1,8 +1,8 @@
 """load_module: the one place that builds a kernel module, for either backend.
 
-    module = load_module("paged_attention.cu", backend="sim")      # SimModule (CPU harness)
-    module = load_module("paged_attention.cu", backend="cuda")     # cupy.RawModule
-    fn = module.get_function("paged_attention_decode_bf16_hd128_bs16")
+    module = load_module("paged_attention_decode.cu", backend="sim")   # SimModule (CPU harness)
+    module = load_module("paged_attention_decode.cu", backend="cuda")  # RawModule / fatbins
+    fn = module.get_function("paged_attention_decode_bf16_d128_g1")
     fn(grid, block, (args...), shared_mem=nbytes)
 
 Both return objects with the same get_function / launch surface, so launch wrappers in
