@@ -38,6 +38,15 @@ cdef inline int32_t cdiv(int32_t a, int32_t b) noexcept nogil:
     return (a + b - 1) // b
 
 
+cdef inline int _grow(void** p, size_t num_bytes) noexcept nogil:
+    """realloc *p to num_bytes; -1 (and *p untouched) when out of host memory."""
+    cdef void* grown = realloc(p[0], num_bytes)
+    if grown == NULL:
+        return -1
+    p[0] = grown
+    return 0
+
+
 cdef class KVCacheManager:
 
     def __cinit__(self, int32_t num_gpu_blocks, int32_t block_size, int32_t num_cpu_blocks=0,
@@ -87,22 +96,12 @@ cdef class KVCacheManager:
         cdef int32_t cap = rb.capacity if rb.capacity > 0 else INITIAL_TABLE_CAPACITY
         while cap < n:
             cap *= 2
-        cdef int32_t* ids = <int32_t*>realloc(rb.block_ids, cap * sizeof(int32_t))
-        if ids == NULL:
+        # Each array is grown in place, so a failure leaves every array valid (some larger).
+        if (_grow(<void**>&rb.block_ids, cap * sizeof(int32_t)) < 0
+                or _grow(<void**>&rb.block_hashes, cap * sizeof(uint64_t)) < 0
+                or _grow(<void**>&rb.canonical, cap * sizeof(int32_t)) < 0
+                or _grow(<void**>&rb.canonical_gen, cap * sizeof(uint32_t)) < 0):
             return -1
-        rb.block_ids = ids
-        cdef uint64_t* hashes = <uint64_t*>realloc(rb.block_hashes, cap * sizeof(uint64_t))
-        if hashes == NULL:
-            return -1
-        rb.block_hashes = hashes
-        cdef int32_t* canon = <int32_t*>realloc(rb.canonical, cap * sizeof(int32_t))
-        if canon == NULL:
-            return -1
-        rb.canonical = canon
-        cdef uint32_t* gens = <uint32_t*>realloc(rb.canonical_gen, cap * sizeof(uint32_t))
-        if gens == NULL:
-            return -1
-        rb.canonical_gen = gens
         rb.capacity = cap
         return 0
 
