@@ -123,11 +123,15 @@ class _Accumulator:
         self.token_ids: dict[int, list[int]] = {}
         self.logprobs: dict[int, list] = {}
 
-    def add(self, d: Delta) -> None:
+    def add(self, body: dict) -> Delta:
+        """Record one DELTA reply body; returns it as the Delta the stream yields."""
+        d = Delta(self.request_id, body["index"], body["token_ids"], body["text"],
+                  body.get("logprobs"))
         self.texts.setdefault(d.index, []).append(d.text)
         self.token_ids.setdefault(d.index, []).extend(d.token_ids)
         if d.logprobs is not None:
             self.logprobs.setdefault(d.index, []).extend(d.logprobs)
+        return d
 
     def finish(self, body: dict) -> Completion:
         outputs = [dict(o) for o in body.get("outputs", [])]
@@ -179,10 +183,7 @@ class Stream:
             self.close()
             raise
         if msg_type == MsgType.DELTA:
-            d = Delta(self.request_id, body["index"], body["token_ids"], body["text"],
-                      body.get("logprobs"))
-            self._acc.add(d)
-            return d
+            return self._acc.add(body)
         self._done = True
         self._client._pending.pop(self.request_id, None)
         if msg_type == MsgType.FINAL:
@@ -384,10 +385,7 @@ class AsyncStream:
             await self.aclose()
             raise
         if msg_type == MsgType.DELTA:
-            d = Delta(self.request_id, body["index"], body["token_ids"], body["text"],
-                      body.get("logprobs"))
-            self._acc.add(d)
-            return d
+            return self._acc.add(body)
         self._done = True
         self._client._queues.pop(self.request_id, None)
         if msg_type == MsgType.FINAL:
