@@ -31,7 +31,8 @@ from pagedrun.runtime.model_config import ModelConfig
 from pagedrun.runtime.model_runner import ModelRunner, kv_bytes_per_block
 from pagedrun.runtime.outputs import Logprob, RequestOutput
 from pagedrun.runtime.request import Request, Sequence
-from pagedrun.runtime.sampler import Sampler, log_softmax, make_request_generator
+from pagedrun.runtime.sampler import (Sampler, _top_logprobs, log_softmax,
+                                      make_request_generator)
 from pagedrun.runtime.sampling_params import SamplingParams, SamplingParamsError
 from pagedrun.runtime.stop_checker import FINISH_ABORT, FINISH_LENGTH, check_stop
 from pagedrun.runtime.weights import ModelWeights
@@ -88,15 +89,8 @@ def _cuda_backend_usable() -> bool:
 def make_logprobs(logits: np.ndarray, token_ids: np.ndarray, num_top: int) -> list[Logprob]:
     """Logprob (chosen + top `num_top`) of each row. logits: [rows, vocab]; token_ids: [rows]."""
     lp = log_softmax(logits)
-    out = []
-    for row, token in enumerate(token_ids):
-        top = {}
-        if num_top:
-            idx = np.argpartition(-lp[row], num_top - 1)[:num_top]
-            idx = idx[np.argsort(-lp[row, idx], kind="stable")]
-            top = {int(t): float(lp[row, t]) for t in idx}
-        out.append(Logprob(int(token), float(lp[row, token]), top))
-    return out
+    return [Logprob(int(token), float(lp[row, token]), _top_logprobs(lp[row], num_top))
+            for row, token in enumerate(token_ids)]
 
 
 class LLMEngine:
