@@ -426,10 +426,10 @@ class Server:
         return req
 
     # --- outgoing and liveness ----------------------------------------------------------
-    def _send(self, identity: bytes, msg_type: MsgType, body: dict) -> bool:
+    def _send(self, identity: bytes, msg_type: MsgType, body: dict) -> None:
         try:
             self._router.send_multipart([identity, *encode(msg_type, body)], zmq.NOBLOCK)
-            return True
+            return
         except zmq.Again:
             log.warning("client %s is %d messages behind; dropping it", identity.hex(),
                         SEND_HWM_MESSAGES)
@@ -437,7 +437,6 @@ class Server:
             if exc.errno != errno.EHOSTUNREACH:
                 raise
         self._orphan(identity)
-        return False
 
     def _send_to_request(self, req: _Request, msg_type: MsgType, body: dict) -> None:
         if not req.orphaned:
