@@ -37,13 +37,10 @@ def _check_weight(weight, x, hidden: int) -> None:
 
 def to_float32(x):
     """float32 copy of an activation array (bf16 bits decoded); float32 input is returned as is."""
-    xp = array_module(x)
     if np.dtype(x.dtype) == np.float32:
         return x
     if np.dtype(x.dtype) == np.uint16:
-        if xp is np:
-            return from_bf16_bits(x)
-        return (x.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        return from_bf16_bits(x)
     return x.astype(np.float32)
 
 

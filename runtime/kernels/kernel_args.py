@@ -98,7 +98,8 @@ def to_bf16_bits(x: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(x32), np.uint16(0x7FC0), out).astype(np.uint16)
 
 
-def from_bf16_bits(bits: np.ndarray) -> np.ndarray:
-    """uint16 bf16 bits -> float32 values (exact)."""
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(_BF16_SHIFT)).view(
+def from_bf16_bits(bits):
+    """uint16 bf16 bits -> float32 values (exact); numpy in, numpy out; cupy in, cupy out."""
+    xp = array_module(bits)
+    return (xp.asarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(_BF16_SHIFT)).view(
         np.float32)
