@@ -23,6 +23,7 @@ sanitizers without any switch in the code under test.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import re
@@ -158,7 +159,9 @@ def _atomic_build(target: Path, build) -> None:
             os.unlink(tmp)
 
 
+@functools.lru_cache(maxsize=None)
 def _compiler_id() -> str:
+    """First line of `g++ --version` (part of every build key); one subprocess per process."""
     return _run([CXX, "--version"]).splitlines()[0]
 
 
