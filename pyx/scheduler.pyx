@@ -134,6 +134,15 @@ cdef inline int32_t cdiv(int32_t a, int32_t b) noexcept nogil:
     return (a + b - 1) // b
 
 
+cdef inline int32_t _chunk_len(int32_t remaining, int32_t threshold, int32_t limit) noexcept nogil:
+    """Tokens of a request's chunk this step: its remaining tokens, capped by the per-request
+    threshold (0: no cap) and by `limit` (the budget it may take)."""
+    cdef int32_t n = remaining
+    if threshold > 0 and n > threshold:
+        n = threshold
+    return limit if n > limit else n
+
+
 cdef class Scheduler:
     cdef readonly object config
     cdef readonly KVCacheManager kv
@@ -545,11 +554,7 @@ cdef class Scheduler:
                 num_decodes_left -= 1
                 n = 1
             else:
-                n = remaining
-                if threshold > 0 and n > threshold:
-                    n = threshold
-                if n > budget - num_decodes_left:
-                    n = budget - num_decodes_left
+                n = _chunk_len(remaining, threshold, budget - num_decodes_left)
                 if n <= 0:
                     i += 1
                     continue
@@ -576,22 +581,14 @@ cdef class Scheduler:
             r = &self.reqs[s]
             num_hits = 0
             if r.status == SWAPPED:
-                n = r.num_tokens - r.num_computed_tokens
-                if threshold > 0 and n > threshold:
-                    n = threshold
-                if n > budget:
-                    n = budget
+                n = _chunk_len(r.num_tokens - r.num_computed_tokens, threshold, budget)
                 if not self.kv.can_swap_in(s, r.num_computed_tokens + n):
                     break
                 self.kv.swap_in(s)
                 self.kv.allocate_slots(s, r.num_computed_tokens, n)  # fits: can_swap_in counted it
             else:
                 num_hits = self.kv.find_cached_prefix(s, r.token_ids, r.num_tokens, r.cache_salt)
-                n = r.num_tokens - num_hits * self.block_size
-                if threshold > 0 and n > threshold:
-                    n = threshold
-                if n > budget:
-                    n = budget
+                n = _chunk_len(r.num_tokens - num_hits * self.block_size, threshold, budget)
                 if not self.kv.allocate_slots(s, num_hits * self.block_size, n):
                     break
                 r.num_computed_tokens = num_hits * self.block_size
