@@ -55,12 +55,6 @@ class Sequence:
         self.num_chars_emitted = text_end
         return delta
 
-    def full_output(self) -> CompletionOutput:
-        return CompletionOutput(
-            index=self.index, token_ids=list(self.output_token_ids), text=self.text,
-            logprobs=None if self.logprobs is None else list(self.logprobs),
-            finish_reason=self.finish_reason, stop_reason=self.stop_reason)
-
 
 @dataclass
 class Request:
@@ -84,10 +78,6 @@ class Request:
     prompt_logprobs_emitted: bool = False
     error: str | None = None
 
-    @property
-    def num_prompt_logprobs_done(self) -> int:
-        return 0 if self.prompt_logprobs is None else len(self.prompt_logprobs)
-
     def usage(self) -> Usage:
         return Usage(prompt_tokens=len(self.prompt_token_ids),
                      cached_prompt_tokens=self.num_cached_prompt_tokens,
@@ -110,8 +100,3 @@ class Request:
             prompt_logprobs = list(self.prompt_logprobs)
             self.prompt_logprobs_emitted = True
         return self._output([s.take_delta(holdback) for s in self.seqs], prompt_logprobs)
-
-    def full_output(self) -> RequestOutput:
-        """Everything generated so far (the offline API returns this once finished)."""
-        prompt_logprobs = None if self.prompt_logprobs is None else list(self.prompt_logprobs)
-        return self._output([s.full_output() for s in self.seqs], prompt_logprobs)
