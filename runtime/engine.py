@@ -31,8 +31,7 @@ from pagedrun.runtime.model_config import ModelConfig
 from pagedrun.runtime.model_runner import ModelRunner, kv_bytes_per_block
 from pagedrun.runtime.outputs import Logprob, RequestOutput
 from pagedrun.runtime.request import Request, Sequence
-from pagedrun.runtime.sampler import (Sampler, _top_logprobs, log_softmax,
-                                      make_request_generator)
+from pagedrun.runtime.sampler import _top_logprobs, log_softmax, make_request_generator
 from pagedrun.runtime.sampling_params import SamplingParams, SamplingParamsError
 from pagedrun.runtime.stop_checker import FINISH_ABORT, FINISH_LENGTH, check_stop
 from pagedrun.runtime.weights import ModelWeights
@@ -162,9 +161,7 @@ class LLMEngine:
             num_cpu_blocks=self.num_cpu_blocks, preemption_mode=config.preemption_mode,
             check_invariants=config.check_invariants))
         # cpu: the numpy sampler; sim / cuda: the sampling kernels, same draws per seed.
-        self.sampler = (Sampler(sorted(self.eos_token_ids), seed=config.seed)
-                        if self.device == "cpu" else
-                        self.backend.sampler(sorted(self.eos_token_ids), seed=config.seed))
+        self.sampler = self.backend.sampler(sorted(self.eos_token_ids), seed=config.seed)
         self._seq_ids = itertools.count(1)
         # Salts that keep prompt-logprob requests out of the prefix cache (every prompt position
         # must be computed to have its logits); 0 is everyone else's shared salt.

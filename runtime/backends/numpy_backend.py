@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from pagedrun.runtime.sampler import Sampler
+
 from . import numpy_ops
 from .step_inputs import StepInputs
 
@@ -49,3 +51,8 @@ class NumpyBackend:
     @staticmethod
     def to_host(x) -> np.ndarray:
         return np.asarray(x, dtype=np.float32)
+
+    @staticmethod
+    def sampler(eos_token_ids, seed: int = 0) -> Sampler:
+        """The numpy sampler (the kernel backends return their KernelSampler, same draws)."""
+        return Sampler(eos_token_ids, seed=seed)
