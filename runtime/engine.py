@@ -19,70 +19,31 @@ import itertools
 import logging
 import math
 import time
+from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
-from pagedrun.runtime.backends.base import make_backend
+from pagedrun.runtime.backends import make_backend
 from pagedrun.runtime.detokenizer import IncrementalDetokenizer
 from pagedrun.runtime.engine_config import EngineConfig
-from pagedrun.runtime.errors import PagedRunError
-from pagedrun.runtime.kernels.kernel_args import array_module
+from pagedrun.runtime.errors import (ERR_CAPACITY, ERR_DUPLICATE, ERR_EMPTY,  # noqa: F401
+                                     ERR_INVALID, ERR_TOO_LONG, DeviceNotAvailableError,
+                                     PagedRunError, RequestError)
+from pagedrun.runtime.kv_capacity import (num_swap_blocks, plan_num_kv_blocks,
+                                          resolve_max_model_len)
 from pagedrun.runtime.model_config import ModelConfig
-from pagedrun.runtime.model_runner import ModelRunner, kv_bytes_per_block
+from pagedrun.runtime.model_loader import load_model
+from pagedrun.runtime.model_runner import ModelRunner, RunnerOutput
 from pagedrun.runtime.outputs import Logprob, RequestOutput
 from pagedrun.runtime.request import Request, Sequence
-from pagedrun.runtime.sampler import _top_logprobs, log_softmax, make_request_generator
+from pagedrun.runtime.sampler import (SamplerOutput, _top_logprobs, log_softmax,
+                                      make_request_generator)
 from pagedrun.runtime.sampling_params import SamplingParams, SamplingParamsError
 from pagedrun.runtime.stop_checker import FINISH_ABORT, FINISH_LENGTH, check_stop
 from pagedrun.runtime.weights import ModelWeights
 
 log = logging.getLogger("pagedrun.engine")
-
-# max_model_len when the user names none: the model's max_position_embeddings, capped, because
-# a 128k default would make "one request at max length" (the capacity check) meaningless on CPU.
-DEFAULT_MAX_MODEL_LEN_CAP = 8192
-# KV memory budget of the cpu backend when neither num_kv_blocks nor kv_cache_memory_bytes is
-# given. numpy maps pool pages lazily, so an unused budget costs address space, not memory.
-DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
-# Error codes of RequestError (docs/engine_api.md).
-ERR_INVALID = "invalid_request"
-ERR_TOO_LONG = "prompt_too_long"
-ERR_EMPTY = "empty_prompt"
-ERR_DUPLICATE = "duplicate_request_id"
-ERR_CAPACITY = "capacity"
-
-
-class RequestError(PagedRunError):
-    """A request was refused at admission; nothing of it was admitted."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-class DeviceNotAvailableError(PagedRunError, NotImplementedError):
-    """The asked-for device's backend does not exist (yet) or sees no device."""
-
-
-def resolve_device(device: str) -> str:
-    """"auto": cuda when CuPy sees a GPU, else cpu. "sim" runs the CUDA kernels on the CPU
-    harness; "cuda" without a usable GPU raises DeviceNotAvailableError."""
-    if device in ("cpu", "sim"):
-        return device
-    if device == "auto":
-        return "cuda" if _cuda_backend_usable() else "cpu"
-    if device == "cuda" and _cuda_backend_usable():
-        return "cuda"
-    raise DeviceNotAvailableError(
-        f"device {device!r}: CuPy is not installed or sees no GPU; use device='cpu' (numpy) "
-        "or 'sim' (the CUDA kernels on the CPU harness)")
-
-
-def _cuda_backend_usable() -> bool:
-    from pagedrun.runtime.backends.cuda_backend import cuda_available
-
-    return cuda_available()
 
 
 def make_logprobs(logits: np.ndarray, token_ids: np.ndarray, num_top: int) -> list[Logprob]:
@@ -90,6 +51,23 @@ def make_logprobs(logits: np.ndarray, token_ids: np.ndarray, num_top: int) -> li
     lp = log_softmax(logits)
     return [Logprob(int(token), float(lp[row, token]), _top_logprobs(lp[row], num_top))
             for row, token in enumerate(token_ids)]
+
+
+@dataclass
+class SamplingBatch:
+    """The sampling rows of one step, planned before it executes (LLMEngine._plan_sampling).
+
+    targets: one (batch row, sequence, request) per sampling row, in the sampler's row order;
+    row_index: per sampling row, the logits row it reads (RunnerOutput.logits has one row per
+        sample row of the batch; the n sequences of an n > 1 request's first token share one);
+    forks: (parent, siblings) of each n > 1 request expanded this step;
+    prompt_logit_rows: batch rows whose every query token's logits are wanted (prompt logprobs).
+    """
+
+    targets: list[tuple[int, Sequence, Request]] = field(default_factory=list)
+    row_index: list[int] = field(default_factory=list)
+    forks: list[tuple[Sequence, list[Sequence]]] = field(default_factory=list)
+    prompt_logit_rows: tuple[int, ...] = ()
 
 
 class LLMEngine:
@@ -103,56 +81,25 @@ class LLMEngine:
         from pagedrun.pyx.scheduler import Scheduler, SchedulerConfig
 
         self.config = config
-        self.device = resolve_device(config.device)
-        if self.device == "cpu" and config.dtype == "float16":
-            # numpy's float16 GEMMs are slow: the cpu backend computes float16 in float32
-            # ("bfloat16" selects the bf16-weight backend, runtime/backends/cpu_bf16_backend.py).
-            log.warning("dtype %s: the cpu backend runs float32", config.dtype)
         self.model_name = config.model or "default"
-        if model_config is None:
-            model_config, weights, tokenizer = _load_model(config.model,
-                                                           config.tensor_parallel_size == 1)
-        elif config.tensor_parallel_size > 1:
-            raise PagedRunError("tensor parallel ranks read their shards from a model directory; "
-                                "give EngineConfig.model instead of in-memory weights")
-        if config.tensor_parallel_size > 1:  # refuse what cannot shard before anything starts
-            from pagedrun.runtime.distributed.sharding import check_shardable
-
-            check_shardable(model_config, config.tensor_parallel_size)
-            if self.device == "cuda" and config.num_kv_blocks is None \
-                    and config.kv_cache_memory_bytes is None:
-                # measure_kv_budget runs the whole model on one GPU; per-rank measurement
-                # (each rank's shard, the minimum over ranks) is not wired yet (2026-11-29).
-                raise PagedRunError("tensor parallel on cuda: give num_kv_blocks "
-                                    "(--num-kv-blocks) or kv_cache_memory_bytes, per rank")
+        if model_config is None:  # tensor parallel: each rank reads its own shard
+            model_config, weights, tokenizer = load_model(config.model,
+                                                          config.tensor_parallel_size == 1)
         self.model_config = model_config
-        self.backend = make_backend(self.device, config.dtype)  # the one place that picks ops
-        if self.device != "cpu":  # unsupported kernel shapes fail here, not mid-step
-            self.backend.check_model(model_config.head_dim, config.block_size)
         self.tokenizer = tokenizer
-        self.max_model_len = self._resolve_max_model_len()
+        self.backend = make_backend(config.device, config.dtype)  # the one place that picks ops
+        self.device = self.backend.name
+        self.backend.check_model(model_config, config.block_size)  # not mid-step
         self.block_size = config.block_size
-        self.bytes_per_block = kv_bytes_per_block(_kv_config(model_config, config),
-                                                  config.block_size,
-                                                  self.backend.kv_dtype)
-        self.num_kv_blocks = self._resolve_num_kv_blocks(weights)
-        self.num_cpu_blocks = (config.swap_space_bytes // self.bytes_per_block
-                               if config.preemption_mode == "swap" else 0)
+        self.max_model_len = resolve_max_model_len(model_config, config.max_model_len)
+        self.runner = self._start_runner(weights)
+        self.num_kv_blocks = self.runner.num_gpu_blocks
+        self.num_cpu_blocks = self.runner.num_cpu_blocks
+        self.bytes_per_block = self.runner.kv_bytes_per_block()
         # The model's EOS ids plus the tokenizer's (chat models end turns with the latter).
         tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | (
             frozenset() if tokenizer_eos is None else frozenset([tokenizer_eos]))
-        if config.tensor_parallel_size > 1:
-            from pagedrun.runtime.distributed.executor import start_tensor_parallel
-
-            self.runner = start_tensor_parallel(self, model_config)
-        else:
-            self.runner = ModelRunner(model_config, weights, block_size=self.block_size,
-                                      num_gpu_blocks=self.num_kv_blocks,
-                                      num_cpu_blocks=self.num_cpu_blocks,
-                                      max_model_len=self.max_model_len, ops=self.backend,
-                                      # the kernel sampler reads logits where they are
-                                      logits_on_device=self.device != "cpu")
         self.scheduler = Scheduler(SchedulerConfig(
             num_gpu_blocks=self.num_kv_blocks, block_size=self.block_size,
             max_num_seqs=config.max_num_seqs,
@@ -160,7 +107,7 @@ class LLMEngine:
             max_model_len=self.max_model_len, enable_prefix_caching=config.enable_prefix_caching,
             num_cpu_blocks=self.num_cpu_blocks, preemption_mode=config.preemption_mode,
             check_invariants=config.check_invariants))
-        # cpu: the numpy sampler; sim / cuda: the sampling kernels, same draws per seed.
+        # The backend's sampler: numpy on cpu, the sampling kernels on sim / cuda (same draws).
         self.sampler = self.backend.sampler(sorted(self.eos_token_ids), seed=config.seed)
         self._seq_ids = itertools.count(1)
         # Salts that keep prompt-logprob requests out of the prefix cache (every prompt position
@@ -171,52 +118,40 @@ class LLMEngine:
         self._pending_final: list[Request] = []  # aborted since the last step
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        self._log_capacity()
+
+    # ------------------------------------------------------------------ capacity
+
+    def _start_runner(self, weights):
+        """The runner with its KV pools placed: one device's ModelRunner (the budget measured
+        by profiling the runner's own model where the backend needs it), or the tensor-parallel
+        executor (every rank's KV sized by the rank-0 shard's bytes per block)."""
+        config = self.config
+        if config.tensor_parallel_size > 1:
+            from pagedrun.runtime.distributed.executor import start_tensor_parallel
+
+            if weights is not None:
+                raise PagedRunError("tensor parallel ranks read their shards from a model "
+                                    "directory; give EngineConfig.model instead of in-memory "
+                                    "weights")
+            return start_tensor_parallel(config, self.model_config, self.backend,
+                                         self.max_model_len)
+        runner = ModelRunner(self.model_config, weights, block_size=self.block_size,
+                             max_model_len=self.max_model_len, ops=self.backend)
+        bytes_per_block = runner.kv_bytes_per_block()
+        max_step_tokens = min(config.max_num_batched_tokens, self.max_model_len)
+        num_blocks = plan_num_kv_blocks(config, self.backend, bytes_per_block, self.max_model_len,
+                                        profile=partial(runner.profile_run, max_step_tokens))
+        runner.allocate_kv_cache(num_blocks, num_swap_blocks(config, bytes_per_block))
+        return runner
+
+    def _log_capacity(self) -> None:
         info = self.model_info()
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/block); "
                  "max_model_len %d -> max concurrency at max length %.2f; device %s",
                  self.num_kv_blocks, self.block_size, info["kv_capacity_tokens"],
                  self.num_kv_blocks * self.bytes_per_block / 2**20, self.bytes_per_block,
                  self.max_model_len, info["max_concurrency_at_max_len"], self.device)
-
-    # ------------------------------------------------------------------ capacity
-
-    def _resolve_max_model_len(self) -> int:
-        model_max = self.model_config.max_position_embeddings
-        if self.config.max_model_len is None:
-            max_len = min(model_max, DEFAULT_MAX_MODEL_LEN_CAP)
-        else:
-            max_len = self.config.max_model_len
-            if not 1 <= max_len <= model_max:
-                raise PagedRunError(f"max_model_len: must be in [1, {model_max}] "
-                                    f"(max_position_embeddings), got {max_len}")
-        window = self.model_config.sliding_window
-        if window is not None and max_len > window:
-            # The attention ops have no window: within it, full attention is exact.
-            log.warning("max_model_len %d capped to the sliding window %d", max_len, window)
-            max_len = window
-        return max_len
-
-    def _resolve_num_kv_blocks(self, weights) -> int:
-        if self.config.num_kv_blocks is not None:
-            if self.config.num_kv_blocks < 1:
-                raise PagedRunError(f"num_kv_blocks: must be >= 1, got {self.config.num_kv_blocks}")
-            return self.config.num_kv_blocks
-        budget = self.config.kv_cache_memory_bytes
-        if budget is None and self.device == "cuda":
-            # gpu_memory_utilization x total - weights - the peak of a maximum-size step
-            budget = self.backend.measure_kv_budget(
-                self.model_config, weights, block_size=self.block_size,
-                max_num_batched_tokens=self.config.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                gpu_memory_utilization=self.config.gpu_memory_utilization)
-        elif budget is None:
-            budget = DEFAULT_CPU_KV_CACHE_BYTES
-        # Never more than every sequence at max length could use.
-        useful = self.config.max_num_seqs * math.ceil(self.max_model_len / self.block_size)
-        num = min(budget // self.bytes_per_block, useful)
-        if num < 1:
-            raise PagedRunError(f"KV budget {budget} bytes holds no {self.bytes_per_block}-byte block")
-        return int(num)
 
     def model_info(self) -> dict:
         blocks_per_max_len = math.ceil(self.max_model_len / self.block_size)
@@ -352,37 +287,91 @@ class LLMEngine:
         return bool(self._requests) or bool(self._pending_final)
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule, execute, sample, postprocess. Returns every delta."""
+        """One iteration: schedule -> execute -> sample -> postprocess. Returns every delta
+        (the requests aborted since the last step end here too)."""
         touched: dict[str, Request] = {r.request_id: r for r in self._pending_final}
         self._pending_final = []
         if self._requests:
-            self._run_step(touched)
+            scheduled = self.scheduler.schedule()                    # SchedulerOutput
+            batch = self._plan_sampling(scheduled)                   # SamplingBatch
+            executed = self.runner.execute(scheduled, batch.prompt_logit_rows)  # RunnerOutput
+            sampled = self._sample(batch, executed)                  # SamplerOutput
+            self._postprocess(scheduled, batch, executed, sampled, touched)
         return [r.take_delta() for r in touched.values()]
 
-    def _run_step(self, touched: dict[str, Request]) -> None:
-        out = self.scheduler.schedule()
+    def _plan_sampling(self, out) -> SamplingBatch:
+        """Which sequence samples from which logits row this step: the one place where an
+        n > 1 request expands (its first sample yields n sequences from one logits row; the
+        siblings are made here and forked onto the parent's blocks in _postprocess), and where
+        prompt-logprob rows are picked. Also records prefix-cache hits of new requests."""
         for seq_id, num_cached in zip(out.new_req_ids, out.num_prefix_cached_tokens):
             request, seq = self._seqs[int(seq_id)]
             if seq.index == 0 and not seq.output_token_ids and not request.num_cached_prompt_tokens:
                 request.num_cached_prompt_tokens = int(num_cached)
         req_ids = out.req_ids
-        prompt_rows = tuple(row for row in range(out.num_reqs) if self._wants_prompt_logits(
-            int(req_ids[row]), int(out.num_computed_tokens_before[row]), int(out.query_lens[row])))
-        runner_out = self.runner.execute(out, prompt_rows)
-        for row, logits in runner_out.prompt_logits.items():
+        batch = SamplingBatch(prompt_logit_rows=tuple(
+            row for row in range(out.num_reqs) if self._wants_prompt_logits(
+                int(req_ids[row]), int(out.num_computed_tokens_before[row]),
+                int(out.query_lens[row]))))
+        for i, row in enumerate(np.flatnonzero(out.sample_mask)):  # RunnerOutput.sample_rows
+            request, seq = self._seqs[int(req_ids[row])]
+            sequences = [seq]
+            if request.params.n > 1 and not request.forked:
+                request.forked = True
+                siblings = [self._new_sequence(request, k) for k in range(1, request.params.n)]
+                batch.forks.append((seq, siblings))
+                sequences += siblings
+            for s in sequences:
+                batch.targets.append((int(row), s, request))
+                batch.row_index.append(i)
+        return batch
+
+    def _sample(self, batch: SamplingBatch, executed: RunnerOutput) -> SamplerOutput:
+        """One token per sampling row, by the backend's sampler, where the logits are."""
+        if not batch.targets:
+            return SamplerOutput(np.empty(0, np.int32), [])
+        seqs = [t[1] for t in batch.targets]
+        requests = [t[2] for t in batch.targets]
+        return self.sampler.sample(
+            executed.logits, [r.params for r in requests], [s.generator for s in seqs],
+            [r.prompt_token_ids for r in requests], [s.output_token_ids for s in seqs],
+            row_index=batch.row_index)
+
+    def _postprocess(self, out, batch: SamplingBatch, executed: RunnerOutput,
+                     sampled: SamplerOutput, touched: dict[str, Request]) -> None:
+        """Prompt logprobs; append, detokenize and stop-check every new token; tell the
+        scheduler (finished blocks are freed at once); fork the siblings of n > 1 requests;
+        finish the requests whose every sequence has finished."""
+        req_ids = out.req_ids
+        for row, logits in executed.prompt_logits.items():
             self._add_prompt_logprobs(int(req_ids[row]), int(out.num_computed_tokens_before[row]),
                                       logits)
-
-        sampled = np.zeros(out.num_reqs, dtype=np.int32)
+        now = time.monotonic()
+        for j, (_, seq, request) in enumerate(batch.targets):
+            if seq.logprobs is not None:
+                seq.logprobs.append(sampled.logprobs[j])
+            self._append_token(request, seq, int(sampled.token_ids[j]))
+            if request.first_token_time is None:
+                request.first_token_time = now
+            touched[request.request_id] = request
+        # Scheduler rows: sampled token and stop flag. An n > 1 parent that stops on its first
+        # token while a sibling lives stays running until the siblings are forked from it.
+        token_ids = np.zeros(out.num_reqs, dtype=np.int32)
         stop_mask = np.zeros(out.num_reqs, dtype=bool)
-        forks = self._sample(out, runner_out, sampled, stop_mask, touched)
-        finished_ids = self.scheduler.update_from_output(out, sampled, stop_mask)
-        for parent, siblings, stop_parent in forks:
+        siblings_of = {id(parent): sibs for parent, sibs in batch.forks}
+        for row, seq, _ in batch.targets:
+            if seq.seq_id != int(req_ids[row]):
+                continue  # a sibling: not a scheduler row yet
+            token_ids[row] = seq.output_token_ids[-1]
+            live_sibs = any(not s.finished for s in siblings_of.get(id(seq), ()))
+            stop_mask[row] = seq.finished and not live_sibs
+        finished_ids = self.scheduler.update_from_output(out, token_ids, stop_mask)
+        for parent, siblings in batch.forks:
             for sib in siblings:
                 if not sib.finished:
                     self.scheduler.fork_request(parent.seq_id, sib.seq_id, sib.output_token_ids[-1])
-            if stop_parent:
-                self.scheduler.abort_request(parent.seq_id)
+            if parent.finished and any(not s.finished for s in siblings):
+                self.scheduler.abort_request(parent.seq_id)  # kept alive only to fork from
         for seq_id in finished_ids:
             entry = self._seqs.get(int(seq_id))
             if entry is not None and not entry[1].finished:
@@ -420,59 +409,6 @@ class LLMEngine:
         rows = logits[first - 1 - num_computed_before:last - num_computed_before]
         request.prompt_logprobs.extend(
             make_logprobs(rows, np.asarray(prompt[first:last + 1]), request.params.prompt_logprobs))
-
-    def _sample(self, out, runner_out, sampled: np.ndarray, stop_mask: np.ndarray,
-                touched: dict[str, Request]) -> list:
-        """Sample every sampling row, postprocess each new token; returns the forks to make."""
-        rows = runner_out.sample_rows
-        if rows.size == 0:
-            return []
-        # Expand: the first sample of an n > 1 parent yields n sequences from one logits row.
-        logit_rows, targets = [], []  # targets: (batch row, sequence, request)
-        forks = []
-        for i, row in enumerate(rows):
-            request, seq = self._seqs[int(out.req_ids[row])]
-            if request.params.n > 1 and not request.forked:
-                request.forked = True
-                siblings = [self._new_sequence(request, k) for k in range(1, request.params.n)]
-                forks.append((seq, siblings))
-                for s in [seq, *siblings]:
-                    logit_rows.append(i)
-                    targets.append((row, s, request))
-            else:
-                logit_rows.append(i)
-                targets.append((row, seq, request))
-        logits = runner_out.logits
-        if len(logit_rows) != logits.shape[0]:  # numpy, or the backend's array (cupy)
-            logits = logits[array_module(logits).asarray(logit_rows)]
-        sampler_out = self.sampler.sample(
-            logits, [t[2].params for t in targets], [t[1].generator for t in targets],
-            [t[2].prompt_token_ids for t in targets], [t[1].output_token_ids for t in targets])
-        now = time.monotonic()
-        for j, (row, seq, request) in enumerate(targets):
-            token = int(sampler_out.token_ids[j])
-            if seq.logprobs is not None:
-                seq.logprobs.append(sampler_out.logprobs[j])
-            self._append_token(request, seq, token)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            touched[request.request_id] = request
-        # Scheduler rows: sampled token and stop flag. An n > 1 parent that stops on its first
-        # token while a sibling lives stays running until the siblings are forked from it.
-        result = []
-        fork_parents = {id(p): sibs for p, sibs in forks}
-        for row, seq, request in targets:
-            if seq.seq_id != int(out.req_ids[row]):
-                continue  # a sibling: not a scheduler row yet
-            sampled[row] = seq.output_token_ids[-1]
-            if id(seq) in fork_parents:
-                sibs = fork_parents[id(seq)]
-                live_sibs = any(not s.finished for s in sibs)
-                stop_mask[row] = seq.finished and not live_sibs
-                result.append((seq, sibs, seq.finished and live_sibs))
-            else:
-                stop_mask[row] = seq.finished
-        return result
 
     def _append_token(self, request: Request, seq: Sequence, token: int) -> None:
         seq.output_token_ids.append(token)
@@ -516,40 +452,3 @@ class LLMEngine:
             "prompt_tokens_total": self._prompt_tokens_total,
             "generation_tokens_total": self._generation_tokens_total,
         }
-
-
-def resolve_model_dir(model: str | None) -> str:
-    """The HF directory of `model`: itself, a .gguf's converted cache, or the default model."""
-    from pagedrun.runtime.default_model import default_model_dir, ensure_converted
-    from pagedrun.runtime.paths import models_cache_dir
-
-    if model is None:
-        return default_model_dir()
-    if str(model).endswith(".gguf"):
-        return ensure_converted(model, models_cache_dir())
-    return model
-
-
-def _kv_config(model_config: ModelConfig, config: EngineConfig) -> ModelConfig:
-    """The config whose KV heads one device holds (tensor parallel: a rank's)."""
-    if config.tensor_parallel_size == 1:
-        return model_config
-    from pagedrun.runtime.distributed.sharding import rank_config, shard_spec
-
-    return rank_config(model_config, shard_spec(model_config, config.tensor_parallel_size, 0))
-
-
-def _load_model(model: str | None, load_weights: bool = True):
-    """(ModelConfig, ModelWeights | None, Tokenizer | None) from an HF directory, a .gguf, or
-    None. Tensor parallel: no weights here, each rank reads its own shard."""
-    import os
-
-    from pagedrun.runtime.tokenizer import TOKENIZER_FILE, Tokenizer
-    from pagedrun.runtime.weights import load_model_weights
-
-    model_dir = resolve_model_dir(model)
-    config = ModelConfig.from_model_dir(model_dir)
-    weights = load_model_weights(model_dir, config, np.float32) if load_weights else None
-    tokenizer = (Tokenizer.from_dir(model_dir)
-                 if os.path.isfile(os.path.join(model_dir, TOKENIZER_FILE)) else None)
-    return config, weights, tokenizer

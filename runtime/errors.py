@@ -41,3 +41,25 @@ class ModelLoadError(PagedRunError):
             parts.append(f"field {field!r}")
         parts.append(message)
         super().__init__(": ".join(parts))
+
+
+# Error codes of RequestError (docs/engine_api.md); the server's protocol maps each to its own
+# ErrorCode of the same name (server/protocol.py).
+ERR_INVALID = "invalid_request"
+ERR_TOO_LONG = "prompt_too_long"
+ERR_EMPTY = "empty_prompt"
+ERR_DUPLICATE = "duplicate_request_id"
+ERR_CAPACITY = "capacity"
+
+
+class RequestError(PagedRunError):
+    """A request was refused at admission; nothing of it was admitted."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class DeviceNotAvailableError(PagedRunError, NotImplementedError):
+    """The asked-for device's backend does not exist (yet) or sees no device."""

@@ -85,34 +85,85 @@ def build_attention_inputs(query_start_loc: np.ndarray, query_lens: np.ndarray,
 
 
 class ModelRunner:
-    """Weights, KV pools and the step's forward on one device (the numpy backend for now)."""
+    """Weights, KV pools and the step's forward on one device, through its backend (`ops`).
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights, *, block_size: int,
-                 num_gpu_blocks: int, num_cpu_blocks: int, max_model_len: int, ops,
-                 model=None, logits_on_device: bool = False) -> None:
+    Built in two phases, as the KV budget may depend on what the model needs per step:
+    construct (the forward over the weights), optionally `profile_run` (one maximum-size step,
+    which the backend measures), then `allocate_kv_cache` with the blocks the budget gives.
+    """
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights | None, *, block_size: int,
+                 max_model_len: int, ops, num_gpu_blocks: int | None = None,
+                 num_cpu_blocks: int = 0, model=None,
+                 logits_on_device: bool | None = None) -> None:
         """`model`: a prebuilt forward to use instead of LlamaModel(config, weights) (a
         tensor-parallel rank's shard; `config` is then that rank's config, see
         runtime/distributed/sharding.py, so the KV pools hold only its KV heads).
-        `logits_on_device`: RunnerOutput.logits stays the backend's float32 array (the kernel
-        sampler reads it where it is; only token ids come back), instead of a numpy copy."""
+        `num_gpu_blocks`: allocate the KV pools now (else call `allocate_kv_cache` later).
+        `logits_on_device`: RunnerOutput.logits stays the backend's float32 array (its sampler
+        reads it where it is; only token ids come back) instead of a numpy copy; default: what
+        the backend says (`ops.logits_on_device`)."""
         self.config = config
         self.ops = ops
-        self.logits_on_device = logits_on_device
+        self.logits_on_device = (ops.logits_on_device if logits_on_device is None
+                                 else logits_on_device)
         self.block_size = block_size
-        self.num_gpu_blocks = num_gpu_blocks
-        self.num_cpu_blocks = num_cpu_blocks
+        self.max_model_len = max_model_len
         self.model = model if model is not None else LlamaModel(config, weights, ops,
                                                                 max_position=max_model_len)
-        block_shape = (block_size, config.num_key_value_heads, config.head_dim)
+        self.num_gpu_blocks = self.num_cpu_blocks = 0
+        self.k_caches: list = []
+        self.v_caches: list = []
+        self.cpu_caches: list[np.ndarray] = []
+        if num_gpu_blocks is not None:
+            self.allocate_kv_cache(num_gpu_blocks, num_cpu_blocks)
+
+    def kv_bytes_per_block(self) -> int:
+        """Bytes one block takes on this runner's device, all layers, K and V."""
+        return kv_bytes_per_block(self.config, self.block_size, self.ops.kv_dtype)
+
+    def allocate_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> None:
+        """Place the KV pools: per layer K and V of [num_gpu_blocks, block_size, num_kv_heads,
+        head_dim] on the device, and the host swap pool of num_cpu_blocks blocks."""
+        config = self.config
+        block_shape = (self.block_size, config.num_key_value_heads, config.head_dim)
         # The backend places the pools (np.zeros maps untouched pages lazily on cpu/sim, so a
         # large pool costs memory only as it fills); the swap pool is host memory.
-        kv_dtype = ops.kv_dtype
-        self.k_caches = [ops.zeros((num_gpu_blocks, *block_shape), kv_dtype)
+        kv_dtype = self.ops.kv_dtype
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.k_caches = [self.ops.zeros((num_gpu_blocks, *block_shape), kv_dtype)
                          for _ in range(config.num_hidden_layers)]
-        self.v_caches = [ops.zeros((num_gpu_blocks, *block_shape), kv_dtype)
+        self.v_caches = [self.ops.zeros((num_gpu_blocks, *block_shape), kv_dtype)
                          for _ in range(config.num_hidden_layers)]
         self.cpu_caches = [np.zeros((num_cpu_blocks, *block_shape), kv_dtype)
                            for _ in range(2 * config.num_hidden_layers)] if num_cpu_blocks else []
+
+    def profile_run(self, num_tokens: int) -> int:
+        """One prefill of `num_tokens` tokens (one request, token id 0) on a scratch KV pool just
+        large enough, through the real forward and LM head, so the backend can measure the peak
+        of a maximum-size step. Frees everything it allocated; returns the scratch pool's bytes.
+        Call before `allocate_kv_cache`."""
+        config = self.config
+        num_tokens = max(1, num_tokens)
+        num_blocks = -(-num_tokens // self.block_size)
+        shape = (num_blocks, self.block_size, config.num_key_value_heads, config.head_dim)
+        k_caches = [self.ops.zeros(shape, self.ops.kv_dtype)
+                    for _ in range(config.num_hidden_layers)]
+        v_caches = [self.ops.zeros(shape, self.ops.kv_dtype)
+                    for _ in range(config.num_hidden_layers)]
+        scratch_bytes = sum(int(c.nbytes) for c in k_caches + v_caches)
+        positions = np.arange(num_tokens, dtype=np.int32)
+        attn = build_attention_inputs(np.array([0, num_tokens], np.int32),
+                                      np.array([num_tokens], np.int32),
+                                      np.array([num_tokens], np.int32),
+                                      np.arange(num_blocks, dtype=np.int32)[None, :])
+        step = self.ops.step_inputs(positions, positions, attn)
+        x, residual = self.model.forward(np.zeros(num_tokens, np.int32), step.positions,
+                                         step.slot_mapping, step.attn, k_caches, v_caches)
+        self.ops.to_host(self.model.logits(x[-1:], residual[-1:]))
+        del x, residual, k_caches, v_caches, step
+        return scratch_bytes
 
     @property
     def _gpu_caches(self) -> list[np.ndarray]:

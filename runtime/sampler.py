@@ -232,18 +232,17 @@ class Sampler:
     def sample(self, logits: np.ndarray, params: Sequence[SamplingParams],
                generators: Sequence[np.random.Generator | None],
                prompt_token_ids: Sequence[np.ndarray],
-               output_token_ids: Sequence[Sequence[int]]) -> SamplerOutput:
-        """logits: [num_rows, vocab] float32, one row per sampling sequence, in batch order.
-        params / generators / prompt_token_ids / output_token_ids: one entry per row (the
-        generator from `make_request_generator`, or None for the engine's).
+               output_token_ids: Sequence[Sequence[int]],
+               row_index: Sequence[int] | None = None) -> SamplerOutput:
+        """logits: [num_logits_rows, vocab] float32. params / generators / prompt_token_ids /
+        output_token_ids: one entry per sampling row (the generator from
+        `make_request_generator`, or None for the engine's). row_index: [num_rows], the logits
+        row each sampling row reads (the n sequences of an n > 1 request's first token read
+        one row); None: row i reads logits row i.
         Returns SamplerOutput (token_ids [num_rows] int32, logprobs per row)."""
-        logits = np.asarray(logits, dtype=np.float32)
-        num_rows = logits.shape[0]
-        if not (len(params) == len(generators) == len(prompt_token_ids) == len(output_token_ids)
-                == num_rows):
-            raise ValueError(f"{num_rows} logits rows but {len(params)} params, "
-                             f"{len(generators)} generators, {len(prompt_token_ids)} prompts, "
-                             f"{len(output_token_ids)} outputs")
+        logits = select_rows(np.asarray(logits, dtype=np.float32), row_index)
+        num_rows = check_sample_args(logits, params, generators, prompt_token_ids,
+                                     output_token_ids)
         want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = log_softmax(logits[want_logprobs]) if want_logprobs else None
 
@@ -256,23 +255,67 @@ class Sampler:
         if greedy.any():
             token_ids[greedy] = np.argmax(processed[greedy], axis=1)  # first max: lowest id
         sampled_rows = np.flatnonzero(~greedy)
-        engine_rows = [i for i in sampled_rows if generators[i] is None]
-        uniforms = np.empty(num_rows)
-        uniforms[engine_rows] = self.generator.random(len(engine_rows))
-        for i in sampled_rows:
-            if generators[i] is not None:
-                uniforms[i] = generators[i].random()
+        uniforms = draw_uniforms(self.generator, params, generators)
         for start in range(0, sampled_rows.size, SAMPLE_ROW_CHUNK):
             rows = sampled_rows[start:start + SAMPLE_ROW_CHUNK]
             token_ids[rows] = _sample_rows(processed[rows], [params[i] for i in rows],
                                            uniforms[rows])
 
-        logprobs: list[Logprob | None] = [None] * num_rows
-        for j, i in enumerate(want_logprobs):
-            row = raw_logprobs[j]
-            logprobs[i] = Logprob(token_id=int(token_ids[i]), logprob=float(row[token_ids[i]]),
-                                  top=_top_logprobs(row, params[i].logprobs))
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+        return SamplerOutput(token_ids, sampled_logprobs(raw_logprobs, want_logprobs,
+                                                         token_ids, params))
+
+
+def is_identity(row_index: Sequence[int] | None, num_rows: int) -> bool:
+    """Whether row_index reads logits rows 0 .. num_rows - 1 in order (or is None)."""
+    return row_index is None or (len(row_index) == num_rows
+                                 and all(i == j for j, i in enumerate(row_index)))
+
+
+def select_rows(logits: np.ndarray, row_index: Sequence[int] | None) -> np.ndarray:
+    """logits[row_index] (None or the identity: logits itself). logits: host numpy array."""
+    if is_identity(row_index, logits.shape[0]):
+        return logits
+    return logits[np.asarray(row_index, dtype=np.int64)]
+
+
+def check_sample_args(logits, params, generators, prompt_token_ids, output_token_ids) -> int:
+    """The number of sampling rows, after checking every per-row list has one entry per row."""
+    num_rows = logits.shape[0]
+    if not (len(params) == len(generators) == len(prompt_token_ids) == len(output_token_ids)
+            == num_rows):
+        raise ValueError(f"{num_rows} logits rows but {len(params)} params, "
+                         f"{len(generators)} generators, {len(prompt_token_ids)} prompts, "
+                         f"{len(output_token_ids)} outputs")
+    return num_rows
+
+
+def draw_uniforms(engine_generator: np.random.Generator, params: Sequence[SamplingParams],
+                  generators: Sequence[np.random.Generator | None]) -> np.ndarray:
+    """[rows] float64, one uniform per sampled (non-greedy) row: the engine's generator in row
+    order for unseeded rows first, then each seeded row's own generator. Every sampler draws
+    exactly these, so a seed gives the same tokens on every backend."""
+    uniforms = np.zeros(len(params))
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    engine_rows = [i for i in sampled if generators[i] is None]
+    uniforms[engine_rows] = engine_generator.random(len(engine_rows))
+    for i in sampled:
+        if generators[i] is not None:
+            uniforms[i] = generators[i].random()
+    return uniforms
+
+
+def sampled_logprobs(raw_logprobs: np.ndarray | None, want_logprobs: Sequence[int],
+                     token_ids: np.ndarray, params: Sequence[SamplingParams]
+                     ) -> list[Logprob | None]:
+    """Per row: the chosen token's raw logprob and the top params.logprobs alternatives, for
+    the rows in want_logprobs (raw_logprobs[j] is row want_logprobs[j]); None elsewhere."""
+    logprobs: list[Logprob | None] = [None] * len(token_ids)
+    for j, i in enumerate(want_logprobs):
+        row = raw_logprobs[j]
+        t = int(token_ids[i])
+        logprobs[i] = Logprob(token_id=t, logprob=float(row[t]),
+                              top=_top_logprobs(row, params[i].logprobs))
+    return logprobs
 
 
 def _top_logprobs(row: np.ndarray, n: int) -> dict[int, float]:

@@ -1,7 +1,13 @@
-"""Backends: the ops the model forward is written against.
+"""Backends: the device seam. Everything above it (engine, scheduler, server) talks to a
+`Backend` (runtime/backends/base.py) and never names a device or imports a backend module.
 
-- `numpy_ops`: the CPU backend and the reference every CUDA kernel is tested against. Each op
-  takes exactly the arguments, cache layout, `slot_mapping` and `block_tables` its kernel sees.
-- cuda / sim backends (CuPy arrays + `cuda/*.cu`, or the same sources on CPU threads) expose the
-  same op names and signatures; they live in sibling modules owned by the kernel engineers.
+- `make_backend` / `resolve_device` (base.py): the one place a device string picks a backend.
+- `numpy_backend` (+ `numpy_ops`): the cpu backend and the reference every CUDA kernel is
+  tested against; `cpu_bf16_backend`: bf16 weights on the compiled cpu GEMM.
+- `sim_backend` / `cuda_backend`: the cuda/*.cu kernels on numpy arrays under the CPU harness,
+  or on cupy arrays through RawModule; `kernel_sampler`: their sampler.
+- `step_inputs`: a step's metadata, uploaded once per step.
 """
+from .base import Backend, make_backend, resolve_device, resolve_dtype
+
+__all__ = ["Backend", "make_backend", "resolve_device", "resolve_dtype"]

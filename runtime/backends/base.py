@@ -1,7 +1,13 @@
-"""The backend seam: the ops the model forward calls, as one object per device, and the factory.
+"""The backend seam: everything device-specific, as one object per device, and the factory.
 
-    backend = make_backend("sim", dtype="auto")     # NumpyBackend | SimBackend | CudaBackend
-    runner = ModelRunner(..., ops=backend)
+    backend = make_backend(resolve_device("auto"), dtype="auto")  # NumpyBackend | SimBackend | ...
+    runner = ModelRunner(config, weights, ops=backend, ...)
+
+Above this seam nothing knows which device runs: the engine asks its backend (never a device
+string) whether a model's shapes are served (`check_model`), how many KV bytes the budget gives
+(`kv_cache_budget_bytes`), for the sampler (`sampler`), whether logits stay on the device
+(`logits_on_device`), for the step's uploaded inputs (`step_inputs`) and for the array module
+(`xp`); the tensor-parallel executor asks which communicator the ranks share (`communicator`).
 
 Every backend has the op methods of runtime/backends/numpy_ops.py with the same arguments
 (shapes, cache layout, slot_mapping / block_tables conventions) plus what the runner needs to
@@ -13,9 +19,15 @@ model's float32 numpy arrays and are converted and placed once by the backend. H
 """
 from __future__ import annotations
 
-from typing import Protocol
+import logging
+from typing import Callable, Protocol
 
 import numpy as np
+
+from pagedrun.runtime.engine_config import DEVICES
+from pagedrun.runtime.errors import DeviceNotAvailableError
+
+log = logging.getLogger("pagedrun.backends")
 
 # EngineConfig.dtype -> the activation / weight / KV dtype of the kernel backends.
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
@@ -23,12 +35,29 @@ DTYPE_NAMES = ("float32", "float16", "bfloat16")
 # backend's comparisons against it); the cuda backend in bfloat16. On cpu, "bfloat16" selects
 # CpuBf16Backend (bf16 weights, float32 activations); "float16" runs float32.
 AUTO_DTYPE = {"cpu": "float32", "sim": "float32", "cuda": "bfloat16"}
+# KV memory budget of the host backends (cpu, sim) when neither num_kv_blocks nor
+# kv_cache_memory_bytes is given. numpy maps pool pages lazily, so an unused budget costs
+# address space, not memory.
+DEFAULT_HOST_KV_CACHE_BYTES = 2 << 30
+
+# Runs one maximum-size step of the model on the backend and returns the bytes of the scratch
+# KV pool it used (ModelRunner.profile_run, bound to its arguments).
+ProfileStep = Callable[[], int]
 
 
 class Backend(Protocol):
-    name: str           # "cpu" | "sim" | "cuda"
-    dtype_name: str     # "float32" | "float16" | "bfloat16"
-    kv_dtype: np.dtype  # element dtype of the KV pools (uint16 for bf16 bits)
+    name: str              # "cpu" | "sim" | "cuda": for logs and model info, never for branches
+    dtype_name: str        # "float32" | "float16" | "bfloat16"
+    kv_dtype: np.dtype     # element dtype of the KV pools (uint16 for bf16 bits)
+    xp: object             # the array module of activations and logits (numpy or cupy)
+    logits_on_device: bool  # the sampler reads logits in xp; False: they come back as numpy
+    communicator: str      # "cpu" (ZeroMQ collectives) | "nccl": what tensor-parallel ranks share
+
+    def check_model(self, model_config, block_size: int) -> None: ...  # raise if not served
+    def kv_cache_budget_bytes(self, profile: ProfileStep | None, *,
+                              gpu_memory_utilization: float) -> int: ...
+    def sampler(self, eos_token_ids, seed: int = 0): ...  # Sampler's interface
+    def step_inputs(self, positions, slot_mapping, attn): ...  # StepInputs, uploaded once
 
     def zeros(self, shape, dtype): ...
     def empty_like(self, x): ...
@@ -45,7 +74,6 @@ class Backend(Protocol):
                                 context_lens, scale): ...
     def copy_blocks(self, k_caches, v_caches, block_copies) -> None: ...
     def swap_blocks(self, src_caches, dst_caches, block_pairs) -> None: ...
-    def sampler(self, eos_token_ids, seed: int = 0): ...  # Sampler | KernelSampler
 
 
 def resolve_dtype(device: str, dtype: str) -> str:
@@ -56,13 +84,36 @@ def resolve_dtype(device: str, dtype: str) -> str:
     return dtype
 
 
-def make_backend(device: str, dtype: str = "auto") -> Backend:
-    """The backend of a resolved device ("cpu", "sim" or "cuda")."""
+def resolve_device(device: str) -> str:
+    """"auto": cuda when CuPy sees a GPU, else cpu. "sim" runs the CUDA kernels on the CPU
+    harness; "cuda" without a usable GPU raises DeviceNotAvailableError."""
+    if device in ("cpu", "sim"):
+        return device
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    from .cuda_backend import cuda_available
+
+    if cuda_available():
+        return "cuda"
+    if device == "auto":
+        return "cpu"
+    raise DeviceNotAvailableError(
+        f"device {device!r}: CuPy is not installed or sees no GPU; use device='cpu' (numpy) "
+        "or 'sim' (the CUDA kernels on the CPU harness)")
+
+
+def make_backend(device: str, dtype: str = "auto", *, device_id: int = 0) -> Backend:
+    """The backend of a device ("auto" is resolved first); device_id: the GPU of a cuda rank."""
+    device = resolve_device(device)
     if device == "cpu":
-        if resolve_dtype(device, dtype) == "bfloat16":  # bf16 weights on the compiled GEMM
+        resolved = resolve_dtype(device, dtype)
+        if resolved == "bfloat16":  # bf16 weights on the compiled GEMM
             from .cpu_bf16_backend import CpuBf16Backend
 
             return CpuBf16Backend()
+        if resolved == "float16":
+            # numpy's float16 GEMMs are slow: the cpu backend computes float16 in float32.
+            log.warning("dtype float16: the cpu backend runs float32")
         from .numpy_backend import NumpyBackend
 
         return NumpyBackend()
@@ -70,8 +121,6 @@ def make_backend(device: str, dtype: str = "auto") -> Backend:
         from .sim_backend import SimBackend
 
         return SimBackend(resolve_dtype(device, dtype))
-    if device == "cuda":
-        from .cuda_backend import CudaBackend
+    from .cuda_backend import CudaBackend
 
-        return CudaBackend(resolve_dtype(device, dtype))
-    raise ValueError(f"device must be 'cpu', 'sim' or 'cuda', got {device!r}")
+    return CudaBackend(resolve_dtype(device, dtype), device_id=device_id)

@@ -8,15 +8,16 @@ from `gpu_memory_utilization`:
 
     budget = utilization x total - memory in use before - weights - peak of a max-size step
 
-(`CudaBackend.measure_kv_budget` runs the dummy step, `kv_cache_budget_bytes` is the
-arithmetic; the engine turns the budget into blocks and logs the capacity in tokens).
+(`CudaBackend.kv_cache_budget_bytes` measures around the runner's `profile_run`, the module's
+`kv_cache_budget_bytes` is the arithmetic; the engine turns the budget into blocks and logs
+the capacity in tokens).
 Importing this module never imports cupy; constructing a CudaBackend does.
 """
 from __future__ import annotations
 
 import logging
 
-import numpy as np
+from pagedrun.runtime.errors import PagedRunError
 
 from .sim_backend import KernelBackend
 
@@ -42,6 +43,7 @@ class CudaNotAvailableError(RuntimeError):
 class CudaBackend(KernelBackend):
     name = "cuda"
     loader_backend = "cuda"
+    communicator = "nccl"  # tensor-parallel ranks all-reduce over NCCL on the compute stream
 
     def __init__(self, dtype_name: str = "bfloat16", device_id: int = 0) -> None:
         if not cuda_available():
@@ -62,45 +64,35 @@ class CudaBackend(KernelBackend):
         free, total = self.xp.cuda.runtime.memGetInfo()
         return int(free), int(total)
 
-    def measure_kv_budget(self, model_config, weights, *, block_size: int,
-                          max_num_batched_tokens: int, max_model_len: int,
-                          gpu_memory_utilization: float) -> int:
-        """KV bytes for the engine: run one maximum-size prefill (max_num_batched_tokens tokens,
-        one request) on a minimal KV pool, measure weights and the activation peak, release
-        everything (the runner places weights again on first use), and return
-        kv_cache_budget_bytes(...) of what was measured."""
-        from pagedrun.runtime.model_runner import build_attention_inputs
-        from pagedrun.runtime.models.llama import LlamaModel
+    def kv_cache_budget_bytes(self, profile, *, gpu_memory_utilization: float) -> int:
+        """KV bytes for the engine, measured around `profile` (ModelRunner.profile_run: one
+        maximum-size step of the runner's own model on a scratch KV pool): the weights it
+        placed and the activation peak, then kv_cache_budget_bytes(...) of what was measured.
 
-        xp = self.xp
-        pool = xp.get_default_memory_pool()
+        profile None (a tensor-parallel rank cannot run its shard alone: the collectives need
+        every rank) raises: give num_kv_blocks or kv_cache_memory_bytes per rank."""
+        if profile is None:
+            raise PagedRunError("cuda: the KV budget is measured by running the model on this "
+                                "GPU, which a tensor-parallel shard cannot do alone; give "
+                                "num_kv_blocks (--num-kv-blocks) or kv_cache_memory_bytes, "
+                                "per rank")
+        pool = self.xp.get_default_memory_pool()
         pool.free_all_blocks()
         free_before, total = self.memory_info()
         reserved_before = pool.total_bytes()
-        num_tokens = max(1, min(max_num_batched_tokens, max_model_len))
-        num_blocks = -(-num_tokens // block_size)
-        shape = (num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
-        k_caches = [self.zeros(shape, self.kv_dtype) for _ in range(model_config.num_hidden_layers)]
-        v_caches = [self.zeros(shape, self.kv_dtype) for _ in range(model_config.num_hidden_layers)]
-        dummy_kv_bytes = sum(c.nbytes for c in k_caches + v_caches)
-        model = LlamaModel(model_config, weights, self, max_position=max_model_len)
-        positions = np.arange(num_tokens, dtype=np.int32)
-        qsl = np.array([0, num_tokens], dtype=np.int32)
-        attn = build_attention_inputs(qsl, np.array([num_tokens], np.int32),
-                                      np.array([num_tokens], np.int32),
-                                      np.arange(num_blocks, dtype=np.int32)[None, :])
-        x, residual = model.forward(np.zeros(num_tokens, np.int32), positions, positions, attn,
-                                    k_caches, v_caches)
-        self.to_host(model.logits(x[-1:], residual[-1:]))
+        weights_before = self.placed_weight_bytes()  # already counted in free_before
+        scratch_kv_bytes = profile()
         self.stream.synchronize()
-        weights_bytes = sum(int(dev.nbytes) for _, dev in self._weights.values())
+        new_weights_bytes = self.placed_weight_bytes() - weights_before
         step_bytes = pool.total_bytes() - reserved_before
-        activation_peak = max(0, step_bytes - weights_bytes - dummy_kv_bytes)
-        del x, residual, k_caches, v_caches, model
-        self._weights.clear()
-        pool.free_all_blocks()
-        return kv_cache_budget_bytes(total, total - free_before, weights_bytes, activation_peak,
-                                     gpu_memory_utilization)
+        activation_peak = max(0, step_bytes - new_weights_bytes - scratch_kv_bytes)
+        pool.free_all_blocks()  # the scratch pool and activations; the weights stay placed
+        return kv_cache_budget_bytes(total, total - free_before, new_weights_bytes,
+                                     activation_peak, gpu_memory_utilization)
+
+    def placed_weight_bytes(self) -> int:
+        """Bytes of the weights this backend has placed on the device so far."""
+        return sum(int(dev.nbytes) for _, dev in self._weights.values())
 
 
 def kv_cache_budget_bytes(total_bytes: int, used_before_bytes: int, weights_bytes: int,

@@ -10,6 +10,7 @@ import numpy as np
 from pagedrun.runtime.sampler import Sampler
 
 from . import numpy_ops
+from .base import DEFAULT_HOST_KV_CACHE_BYTES
 from .step_inputs import StepInputs
 
 
@@ -17,6 +18,9 @@ class NumpyBackend:
     name = "cpu"
     dtype_name = "float32"
     kv_dtype = np.dtype(np.float32)
+    xp = np
+    logits_on_device = False  # logits are numpy already
+    communicator = "cpu"
 
     embedding = staticmethod(numpy_ops.embedding)
     rms_norm = staticmethod(numpy_ops.rms_norm)
@@ -33,6 +37,18 @@ class NumpyBackend:
         """numpy_ops.linear; out_dtype is accepted for the interface (the result is float32)."""
         del out_dtype
         return numpy_ops.linear(x, weight, bias)
+
+    @staticmethod
+    def check_model(model_config, block_size: int) -> None:
+        """numpy serves every head_dim and block size."""
+        del model_config, block_size
+
+    @staticmethod
+    def kv_cache_budget_bytes(profile, *, gpu_memory_utilization: float) -> int:
+        """A fixed host budget (base.DEFAULT_HOST_KV_CACHE_BYTES): numpy maps pool pages
+        lazily, so nothing needs measuring and the profiling step is not run."""
+        del profile, gpu_memory_utilization
+        return DEFAULT_HOST_KV_CACHE_BYTES
 
     @staticmethod
     def step_inputs(positions, slot_mapping, attn) -> StepInputs:

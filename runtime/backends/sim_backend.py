@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagedrun.runtime.kernels import attention, cache_ops, fused_ops, gemm, sampling
+from pagedrun.runtime.kernels import attention, cache_ops, fused_ops, gemm
 from pagedrun.runtime.kernels.attention import SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS
 from pagedrun.runtime.kernels.kernel_args import (UnsupportedKernelShape, from_bf16_bits,
                                                   to_bf16_bits)
 from pagedrun.runtime.kernels.loader import load_module
 
+from .base import DEFAULT_HOST_KV_CACHE_BYTES
+from .kernel_sampler import KernelSampler
 from .step_inputs import DeviceInts, StepInputs, upload_step
 
 _ACTIVATION_DTYPE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
@@ -39,6 +41,9 @@ class KernelBackend:
 
     name = "kernels"
     loader_backend = "sim"
+    # The kernel sampler reads logits where they are; only token ids come back.
+    logits_on_device = True
+    communicator = "cpu"
 
     def __init__(self, dtype_name: str, xp) -> None:
         if dtype_name not in _ACTIVATION_DTYPE:
@@ -56,13 +61,20 @@ class KernelBackend:
             self._modules[group] = load_module(list(_SOURCES[group]), backend=self.loader_backend)
         return self._modules[group]
 
-    def check_model(self, head_dim: int, block_size: int) -> None:
+    def check_model(self, model_config, block_size: int) -> None:
+        """Refuse at start-up the shapes the attention kernels do not serve (not mid-step)."""
+        head_dim = model_config.head_dim
         if head_dim not in SUPPORTED_HEAD_DIMS:
             raise UnsupportedKernelShape(f"head_dim {head_dim}: the {self.name} backend's "
                                          f"attention kernels serve {SUPPORTED_HEAD_DIMS}")
         if block_size not in SUPPORTED_BLOCK_SIZES:
             raise UnsupportedKernelShape(f"block_size {block_size}: the {self.name} backend's "
                                          f"attention kernels serve {SUPPORTED_BLOCK_SIZES}")
+
+    def kv_cache_budget_bytes(self, profile, *, gpu_memory_utilization: float) -> int:
+        """Host memory (the harness): the fixed host budget, as the numpy backend's."""
+        del profile, gpu_memory_utilization
+        return DEFAULT_HOST_KV_CACHE_BYTES
 
     def to_kernel_dtype(self, x: np.ndarray) -> np.ndarray:
         """float32 host values -> host array in the backend dtype (bf16: uint16 bits, RNE)."""
@@ -171,8 +183,8 @@ class KernelBackend:
     def swap_blocks(self, src_caches, dst_caches, block_pairs) -> None:
         cache_ops.swap_blocks(self.module("blocks"), src_caches, dst_caches, block_pairs)
 
-    def sampler(self, eos_token_ids, seed: int = 0) -> sampling.KernelSampler:
-        return sampling.KernelSampler(self.module("sampling"), eos_token_ids, seed, xp=self.xp)
+    def sampler(self, eos_token_ids, seed: int = 0) -> KernelSampler:
+        return KernelSampler(self.module("sampling"), eos_token_ids, seed, xp=self.xp)
 
 
 class SimBackend(KernelBackend):

@@ -41,6 +41,7 @@ import time
 import msgpack
 import zmq
 
+from pagedrun.runtime.backends import make_backend
 from pagedrun.runtime.distributed.communicator import (POLL_INTERVAL_S,
                                                        DEFAULT_COLLECTIVE_TIMEOUT_S,
                                                        ConnectionWatch, CpuCommunicator,
@@ -109,16 +110,26 @@ def kill_workers(procs: dict[int, subprocess.Popen], grace_s: float = 0.0) -> No
             proc.wait()
 
 
-def start_tensor_parallel(engine, model_config) -> "TensorParallelExecutor":
-    """The executor of an LLMEngine whose config has tensor_parallel_size > 1 (rank 0 on the
-    engine's backend; KV sizes as the engine computed them per rank)."""
-    config = engine.config
+def start_tensor_parallel(config, model_config, backend, max_model_len: int
+                          ) -> "TensorParallelExecutor":
+    """The executor of an LLMEngine whose config has tensor_parallel_size > 1: rank 0 on the
+    engine's backend, every rank's KV pools sized from rank 0's shard (all shards hold the same
+    number of KV heads). A rank cannot profile its shard alone (the collectives need every
+    rank), so the budget is the backend's without a profiling step (cuda: give num_kv_blocks)."""
+    from pagedrun.runtime.distributed.sharding import rank_config, shard_spec
+    from pagedrun.runtime.kv_capacity import num_swap_blocks, plan_num_kv_blocks
+    from pagedrun.runtime.model_runner import kv_bytes_per_block
+
+    tp_size = config.tensor_parallel_size
+    check_shardable(model_config, tp_size)  # refuse what cannot shard before anything starts
+    rank0 = rank_config(model_config, shard_spec(model_config, tp_size, 0))
+    bytes_per_block = kv_bytes_per_block(rank0, config.block_size, backend.kv_dtype)
+    num_gpu_blocks = plan_num_kv_blocks(config, backend, bytes_per_block, max_model_len)
     return TensorParallelExecutor(
-        config.model, model_config, tp_size=config.tensor_parallel_size,
-        device=engine.device, dtype=config.dtype, block_size=engine.block_size,
-        max_model_len=engine.max_model_len, num_gpu_blocks=engine.num_kv_blocks,
-        num_cpu_blocks=engine.num_cpu_blocks, nnodes=config.nnodes,
-        master_addr=config.master_addr, ops=engine.backend)
+        config.model, model_config, tp_size=tp_size, device=backend.name, dtype=config.dtype,
+        block_size=config.block_size, max_model_len=max_model_len,
+        num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_swap_blocks(config, bytes_per_block),
+        nnodes=config.nnodes, master_addr=config.master_addr, ops=backend)
 
 
 class TensorParallelExecutor:
@@ -168,12 +179,14 @@ class TensorParallelExecutor:
         self._procs = spawn_workers(self.master_addr, range(1, local.stop), len(local),
                                     rendezvous_timeout_s)
         self._identities = self._rendezvous(nnodes, rendezvous_timeout_s)
-        plan = {"model": None if model is None else str(model), "tp_size": self.tp_size, "device": device,
-                "dtype": dtype, "block_size": block_size, "max_model_len": max_model_len,
-                "num_gpu_blocks": num_gpu_blocks, "num_cpu_blocks": num_cpu_blocks,
-                "collective_timeout_s": collective_timeout_s, "nccl_unique_id": None,
-                "local_rank": 0}
-        if device == "cuda":
+        plan = {"model": None if model is None else str(model), "tp_size": self.tp_size,
+                "device": device, "dtype": dtype, "block_size": block_size,
+                "max_model_len": max_model_len, "num_gpu_blocks": num_gpu_blocks,
+                "num_cpu_blocks": num_cpu_blocks, "collective_timeout_s": collective_timeout_s,
+                "nccl_unique_id": None, "local_rank": 0}
+        if ops is None:
+            ops = make_backend(device, dtype, device_id=0)
+        if ops.communicator == "nccl":
             from pagedrun.runtime.distributed.nccl_communicator import NcclCommunicator
 
             plan["nccl_unique_id"] = NcclCommunicator.make_unique_id()
@@ -292,6 +305,21 @@ class TensorParallelExecutor:
                 return
             if msg[1] == b"error":
                 raise PeerLostError(f"rank {msg[2].get('rank')} failed: {msg[2].get('message')}")
+
+    # ------------------------------------------------------------------ capacity
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        """KV blocks of each rank's pools (the same on every rank)."""
+        return self.runner.num_gpu_blocks
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self.runner.num_cpu_blocks
+
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one block on one rank (its KV heads only)."""
+        return self.runner.kv_bytes_per_block()
 
     # ------------------------------------------------------------------ steps
 

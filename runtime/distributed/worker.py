@@ -57,26 +57,18 @@ def zmq_tcp(host: str, port: int) -> str:
 def build_rank(plan: dict, rank: int, comm, ops=None):
     """This rank's ModelRunner over its shard (rank 0 too: executor.py calls this in-process,
     with the engine's backend as `ops`)."""
-    from pagedrun.runtime.backends.base import make_backend
+    from pagedrun.runtime.backends import make_backend
     from pagedrun.runtime.distributed.sharded_model import ShardedLlamaModel
     from pagedrun.runtime.distributed.sharding import load_shard, rank_config, shard_spec
     from pagedrun.runtime.model_config import ModelConfig
+    from pagedrun.runtime.model_loader import resolve_model_dir
     from pagedrun.runtime.model_runner import ModelRunner
-
-    from pagedrun.runtime.engine import resolve_model_dir
 
     model_dir = resolve_model_dir(plan["model"])
     config = ModelConfig.from_model_dir(model_dir)
     spec = shard_spec(config, plan["tp_size"], rank)
-    if ops is not None:
-        pass
-    elif plan["device"] == "cuda":
-        from pagedrun.runtime.backends.base import resolve_dtype
-        from pagedrun.runtime.backends.cuda_backend import CudaBackend
-
-        ops = CudaBackend(resolve_dtype("cuda", plan["dtype"]), device_id=plan["local_rank"])
-    else:
-        ops = make_backend(plan["device"], plan["dtype"])
+    if ops is None:
+        ops = make_backend(plan["device"], plan["dtype"], device_id=plan["local_rank"])
     if hasattr(comm, "use_stream") and hasattr(ops, "stream"):
         comm.use_stream(ops.stream)  # NCCL on the compute stream
     local_config = rank_config(config, spec)
@@ -86,8 +78,8 @@ def build_rank(plan: dict, rank: int, comm, ops=None):
                        num_gpu_blocks=plan["num_gpu_blocks"],
                        num_cpu_blocks=plan["num_cpu_blocks"],
                        max_model_len=plan["max_model_len"], ops=ops, model=model,
-                       # rank 0 samples; the kernel sampler (sim / cuda) reads logits in place
-                       logits_on_device=(rank == 0 and plan["device"] != "cpu"))
+                       # rank 0 samples: where its backend's sampler reads them
+                       logits_on_device=rank == 0 and ops.logits_on_device)
 
 
 def make_communicator(plan: dict, rank: int, context: zmq.Context):

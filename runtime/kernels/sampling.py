@@ -1,9 +1,9 @@
-"""Launch wrappers of cuda/sampling.cu, and KernelSampler: runtime/sampler.py's Sampler on kernels.
+"""Launch wrappers of cuda/sampling.cu (the sampler built on them, KernelSampler, lives with
+the backends that own it: runtime/backends/kernel_sampler.py).
 
     module = load_module("sampling.cu", backend="sim")                  # or "cuda"
     apply_penalties(module, logits, params, prompt_token_ids, output_token_ids, eos_token_ids)
     token_ids = sample(module, logits, params, uniforms)                 # [rows] int32
-    sampler = KernelSampler(module, eos_token_ids, seed)                 # Sampler's interface
 
 logits: [num_rows, vocab] float32, contiguous (numpy under the harness, cupy on a GPU).
 Penalties are sparse: the host sends, per row, the distinct tokens of prompt and output with
@@ -18,8 +18,6 @@ from typing import Sequence
 
 import numpy as np
 
-from pagedrun.runtime.outputs import Logprob
-from pagedrun.runtime.sampler import SamplerOutput, _top_logprobs, log_softmax
 from pagedrun.runtime.sampling_params import SamplingParams
 
 from .kernel_args import array_module, require, require_contiguous
@@ -116,51 +114,4 @@ def sample(module, logits, params: Sequence[SamplingParams], uniforms, out=None)
     return out
 
 
-class KernelSampler:
-    """runtime.sampler.Sampler with penalties and sampling on the kernels (same draws)."""
-
-    def __init__(self, module, eos_token_ids: Sequence[int] = (), seed: int = 0, xp=np) -> None:
-        """xp: the array module the kernels run on (numpy: harness; cupy: GPU). Host logits
-        are copied there; device logits are copied on the device."""
-        self.module = module
-        self.xp = xp
-        self.eos_token_ids = [int(t) for t in eos_token_ids]
-        self.generator = np.random.Generator(np.random.PCG64(seed))
-
-    def draw_uniforms(self, params, generators) -> np.ndarray:
-        """[rows] float64: the numpy Sampler's draws (engine generator in row order first)."""
-        uniforms = np.zeros(len(params))
-        sampled = [i for i, p in enumerate(params) if not p.greedy]
-        engine_rows = [i for i in sampled if generators[i] is None]
-        uniforms[engine_rows] = self.generator.random(len(engine_rows))
-        for i in sampled:
-            if generators[i] is not None:
-                uniforms[i] = generators[i].random()
-        return uniforms
-
-    def sample(self, logits, params, generators, prompt_token_ids,
-               output_token_ids) -> SamplerOutput:
-        num_rows = logits.shape[0]
-        if not (len(params) == len(generators) == len(prompt_token_ids) == len(output_token_ids)
-                == num_rows):
-            raise ValueError(f"{num_rows} logits rows but {len(params)} params")
-        on_host = array_module(logits) is np
-        want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
-        raw = None
-        if want_logprobs:  # raw logprobs, before penalties (host: rows that asked only)
-            rows = logits[array_module(logits).asarray(want_logprobs)]
-            raw = log_softmax(rows if on_host else rows.get())
-        processed = self.xp.array(logits, dtype=np.float32)  # a copy: penalties work in place
-        apply_penalties(self.module, processed, params, prompt_token_ids, output_token_ids,
-                        self.eos_token_ids)
-        tokens = sample(self.module, processed, params, self.draw_uniforms(params, generators))
-        token_ids = np.asarray(tokens if self.xp is np else tokens.get(), dtype=np.int32)
-        logprobs: list[Logprob | None] = [None] * num_rows
-        for j, i in enumerate(want_logprobs):
-            t = int(token_ids[i])
-            logprobs[i] = Logprob(token_id=t, logprob=float(raw[j][t]),
-                                  top=_top_logprobs(raw[j], params[i].logprobs))
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
-
-
-__all__ = ["KernelSampler", "apply_penalties", "penalty_entries", "sample"]
+__all__ = ["apply_penalties", "penalty_entries", "sample"]

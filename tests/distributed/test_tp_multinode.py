@@ -57,7 +57,7 @@ def test_two_nodes_form_one_tp4_group(tmp_path):
 
 
 def _default_model_available() -> bool:
-    from pagedrun.runtime.engine import resolve_model_dir
+    from pagedrun.runtime.model_loader import resolve_model_dir
     from pagedrun.runtime.errors import ModelLoadError
 
     try:

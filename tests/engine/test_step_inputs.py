@@ -61,9 +61,9 @@ def test_sim_logits_reach_the_kernel_sampler_without_host_copies():
     seen = []
     sample = engine.sampler.sample
 
-    def recording_sample(logits, *args):
+    def recording_sample(logits, *args, **kwargs):
         seen.append(logits)
-        return sample(logits, *args)
+        return sample(logits, *args, **kwargs)
 
     engine.sampler.sample = recording_sample
     rng = np.random.default_rng(4)

@@ -15,7 +15,8 @@ import pytest
 
 from paged_kernel_inputs import kernel_module, to_device, to_host
 from pagedrun.runtime.kernels.kernel_args import UnsupportedKernelShape
-from pagedrun.runtime.kernels.sampling import KernelSampler, apply_penalties, sample
+from pagedrun.runtime.backends.kernel_sampler import KernelSampler
+from pagedrun.runtime.kernels.sampling import apply_penalties, sample
 from pagedrun.runtime.sampler import (Sampler, _sample_rows, _top_k_filter, _top_p_filter,
                                       apply_min_tokens, make_request_generator)
 from pagedrun.runtime.sampler import apply_penalties as numpy_penalties
@@ -70,7 +71,8 @@ def test_penalties_and_bans_are_bit_identical(rng):
 
 
 CONFIGS = [dict(temperature=0.7), dict(top_k=1), dict(top_k=7), dict(top_p=0.5),
-           dict(top_p=0.95, temperature=1.5), dict(min_p=0.2), dict(top_k=40, top_p=0.8, min_p=0.02),
+           dict(top_p=0.95, temperature=1.5), dict(min_p=0.2),
+           dict(top_k=40, top_p=0.8, min_p=0.02),
            dict(top_k=2000)]
 
 
@@ -89,7 +91,8 @@ def test_same_uniforms_same_tokens_as_numpy(rng, vocab):
                                      uniforms[sampled])
     # Only a uniform within float32 rounding of a CDF boundary could pick a neighbour.
     mismatches = np.flatnonzero(out != expected)
-    assert mismatches.size <= 1, f"rows {mismatches}: kernel {out[mismatches]}, numpy {expected[mismatches]}"
+    assert mismatches.size <= 1, \
+        f"rows {mismatches}: kernel {out[mismatches]}, numpy {expected[mismatches]}"
 
 
 def _numpy_probabilities(row: np.ndarray, p: SamplingParams) -> np.ndarray:
