@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
+from pagedrun.runtime.outputs import Logprob
 from pagedrun.server.auth import apply_curve_client
 from pagedrun.server.protocol import MsgType, encode, decode_reply
 
@@ -82,6 +83,8 @@ class Delta:
     token_ids: list[int]
     text: str
     logprobs: list | None = None
+    # Set on the one delta that carried them (protocol 1.1; see Completion.prompt_logprobs).
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 @dataclass
@@ -95,6 +98,21 @@ class Completion:
     metrics: dict = field(default_factory=dict)
     outputs: list[dict] = field(default_factory=list)
     logprobs: list | None = None
+    # With sampling_params.prompt_logprobs: as LLM.generate's RequestOutput.prompt_logprobs, one
+    # entry per prompt token, None for token 0, else Logprob(token_id, logprob, top {id: lp}).
+    # None when not asked, when the request ended before its prompt had run, or when the server
+    # predates protocol revision 1.1.
+    prompt_logprobs: list[Logprob | None] | None = None
+
+
+def _prompt_logprobs_from_wire(entries) -> list[Logprob | None] | None:
+    """The wire's prompt_logprobs (nil or {token_id, logprob, top: [[id, lp], ...]} each) as
+    the offline API returns them."""
+    if entries is None:
+        return None
+    return [None if e is None else Logprob(int(e["token_id"]), float(e["logprob"]),
+                                           {int(t): float(v) for t, v in e.get("top", [])})
+            for e in entries]
 
 
 def _generate_body(request_id, prompt, prompt_token_ids, messages, sampling_params,
@@ -122,11 +140,14 @@ class _Accumulator:
         self.texts: dict[int, list[str]] = {}
         self.token_ids: dict[int, list[int]] = {}
         self.logprobs: dict[int, list] = {}
+        self.prompt_logprobs: list[Logprob | None] | None = None
 
     def add(self, body: dict) -> Delta:
         """Record one DELTA reply body; returns it as the Delta the stream yields."""
         d = Delta(self.request_id, body["index"], body["token_ids"], body["text"],
-                  body.get("logprobs"))
+                  body.get("logprobs"), _prompt_logprobs_from_wire(body.get("prompt_logprobs")))
+        if d.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = d.prompt_logprobs
         self.texts.setdefault(d.index, []).append(d.text)
         self.token_ids.setdefault(d.index, []).extend(d.token_ids)
         if d.logprobs is not None:
@@ -143,10 +164,12 @@ class _Accumulator:
                 o.setdefault("logprobs", self.logprobs[i])
         first = outputs[0] if outputs else {"token_ids": self.token_ids.get(0, []),
                                             "text": "".join(self.texts.get(0, []))}
+        prompt_logprobs = _prompt_logprobs_from_wire(body.get("prompt_logprobs"))
         return Completion(self.request_id, first["text"], first["token_ids"],
                           body.get("finish_reason"), body.get("stop_reason"),
                           body.get("usage", {}), body.get("metrics", {}), outputs,
-                          first.get("logprobs"))
+                          first.get("logprobs"),
+                          self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs)
 
 
 def _make_socket(ctx, endpoint: str, server_public_key_file, client_secret_key_file):

@@ -15,6 +15,11 @@ import math
 import msgpack
 
 PROTOCOL_VERSION = 1
+# The revision of docs/protocol.md this code implements ("<version>.<minor>"). Minor revisions
+# only add (optional request fields, reply fields, types, codes) and keep the version byte, so a
+# client of any 1.x revision talks to a server of any other; PONG and MODEL_INFO_REPLY advertise
+# it, for clients that want to know which reply fields to expect (1.1: prompt_logprobs).
+PROTOCOL_REVISION = "1.1"
 HEADER_BYTES = 2
 
 # Default limit on one message body. A 1 MiB body holds a prompt of ~100k tokens as msgpack ints,

@@ -25,8 +25,8 @@ from pagedrun.server.auth import CurveConfig, start_curve_server
 from pagedrun.server.engine_loop import EngineLoop
 from pagedrun.server.metrics import ServerMetrics
 from pagedrun.server.protocol import (DEFAULT_MAX_MESSAGE_BYTES, HARD_LIMIT_FACTOR,
-                                      PROTOCOL_VERSION, ErrorCode, MsgType, ProtocolError, decode,
-                                      encode, error_body)
+                                      PROTOCOL_REVISION, PROTOCOL_VERSION, ErrorCode, MsgType,
+                                      ProtocolError, decode, encode, error_body)
 from pagedrun.server.validation import (GenerateRequest, ModelLimits, check_fields,
                                         check_prompt_len, parse_generate)
 
@@ -71,13 +71,28 @@ class _Request:
     token_ids: dict = field(default_factory=dict)  # index -> list[int] (stream off)
     logprobs: dict = field(default_factory=dict)   # index -> list (stream off, when asked)
     want_logprobs: bool = False
+    want_prompt_logprobs: bool = False
+    # Wire form of the prompt logprobs once the engine has handed them over and until one frame
+    # (the next DELTA, else the FINAL) has carried them; sent once per request.
+    prompt_logprobs: list | None = None
+    prompt_logprobs_taken: bool = False
+
+
+def _logprob_wire(lp) -> dict:
+    """One Logprob as the wire's `{token_id, logprob, top: [[token_id, logprob], ...]}`."""
+    return {"token_id": int(lp.token_id), "logprob": float(lp.logprob),
+            "top": [[int(t), float(v)] for t, v in lp.top.items()]}
 
 
 def _logprobs_wire(logprobs) -> list | None:
     if logprobs is None:
         return None
-    return [{"token_id": lp.token_id, "logprob": float(lp.logprob),
-             "top": [[int(t), float(v)] for t, v in lp.top.items()]} for lp in logprobs]
+    return [_logprob_wire(lp) for lp in logprobs]
+
+
+def _prompt_logprobs_wire(prompt_logprobs) -> list:
+    """Prompt logprobs: one entry per prompt token, nil where there is none (token 0)."""
+    return [None if lp is None else _logprob_wire(lp) for lp in prompt_logprobs]
 
 
 class Server:
@@ -247,7 +262,8 @@ class Server:
             elif msg_type == MsgType.PING:
                 self._send(identity, MsgType.PONG, {
                     "request_id": rid, "status": "draining" if self._draining else "ok",
-                    "protocol_version": PROTOCOL_VERSION, "lease_s": self.config.lease_s,
+                    "protocol_version": PROTOCOL_VERSION,
+                    "protocol_revision": PROTOCOL_REVISION, "lease_s": self.config.lease_s,
                     "server_time": time.time(), "num_requests_in_flight": len(self._requests)})
             elif msg_type == MsgType.MODEL_INFO:
                 self._send(identity, MsgType.MODEL_INFO_REPLY, self._model_info_body(rid))
@@ -301,7 +317,8 @@ class Server:
         self._next_id += 1
         self._requests[engine_id] = _Request(
             engine_id, identity, rid, req.stream, now,
-            want_logprobs=req.sampling_params.logprobs is not None)
+            want_logprobs=req.sampling_params.logprobs is not None,
+            want_prompt_logprobs=req.sampling_params.prompt_logprobs is not None)
         self._by_client[(identity, rid)] = engine_id
         self._by_identity.setdefault(identity, set()).add(engine_id)
         self._loop.add(engine_id, kwargs)
@@ -315,7 +332,8 @@ class Server:
             "name": getattr(tok, "name", None) or info.get("model"),
             "has_chat_template": bool(getattr(tok, "chat_template", None)),
         }
-        info["server"] = {"protocol_version": PROTOCOL_VERSION, "lease_s": self.config.lease_s,
+        info["server"] = {"protocol_version": PROTOCOL_VERSION,
+                          "protocol_revision": PROTOCOL_REVISION, "lease_s": self.config.lease_s,
                           "max_message_bytes": self.config.max_message_bytes,
                           "max_queued_requests": self.config.max_queued_requests}
         info["request_id"] = rid
@@ -358,6 +376,10 @@ class Server:
         if req is None:
             return
         now = time.monotonic()
+        if (req.want_prompt_logprobs and not req.prompt_logprobs_taken
+                and out.prompt_logprobs is not None):
+            req.prompt_logprobs = _prompt_logprobs_wire(out.prompt_logprobs)
+            req.prompt_logprobs_taken = True
         for comp in out.outputs:
             if comp.token_ids or comp.text:
                 if req.first_token_time is None and comp.token_ids:
@@ -370,6 +392,8 @@ class Server:
                             "token_ids": list(comp.token_ids), "text": comp.text}
                     if lps is not None:
                         body["logprobs"] = lps
+                    if req.prompt_logprobs is not None:  # once: the first DELTA that can
+                        body["prompt_logprobs"], req.prompt_logprobs = req.prompt_logprobs, None
                     self._send_to_request(req, MsgType.DELTA, body)
                 else:
                     req.token_ids.setdefault(comp.index, []).extend(comp.token_ids)
@@ -405,14 +429,17 @@ class Server:
         self.metrics.counters[kind] += 1
         if req.orphaned:
             return
-        self._send_to_request(req, MsgType.FINAL, {
+        body = {
             "request_id": req.client_id, "finish_reason": reason,
             "stop_reason": outputs[0]["stop_reason"] if outputs else None, "outputs": outputs,
             "usage": {"prompt_tokens": usage.prompt_tokens,
                       "cached_prompt_tokens": usage.cached_prompt_tokens,
                       "completion_tokens": completion_tokens},
             "metrics": {"time_to_first_token_s": ttft, "time_per_output_token_s": tpot,
-                        "e2e_latency_s": e2e}})
+                        "e2e_latency_s": e2e}}
+        if req.prompt_logprobs is not None:  # stream off, or no DELTA carried them
+            body["prompt_logprobs"] = req.prompt_logprobs
+        self._send_to_request(req, MsgType.FINAL, body)
 
     def _forget(self, engine_id: str) -> _Request | None:
         req = self._requests.pop(engine_id, None)

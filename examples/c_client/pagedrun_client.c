@@ -1,14 +1,18 @@
 /*
- * pagedrun_client.c: a plain-C client of the paged-run server (docs/protocol.md, version 1),
- * with libzmq and msgpack-c. It runs the two things every client needs:
+ * pagedrun_client.c: a plain-C client of the paged-run server (docs/protocol.md, version 1,
+ * any 1.x revision), with libzmq and msgpack-c. It runs the two things every client needs:
  *   1. a streamed generation: GENERATE, then DELTA frames until FINAL;
  *   2. an abort: GENERATE, ABORT after the first DELTA, then ABORTED and FINAL("abort").
+ * Reply fields are looked up by name (map_get), so fields this client does not know (minor
+ * revisions add some) are skipped.
  *
- * usage: pagedrun_client ENDPOINT PROMPT [MAX_TOKENS]
+ * usage: pagedrun_client ENDPOINT PROMPT [MAX_TOKENS [PROMPT_LOGPROBS]]
  * prints (one fact per line, for humans and for tests/server/test_c_client.py):
  *   TEXT <the streamed text>          TOKENS <id> <id> ...
  *   FINISH <finish_reason>            USAGE <prompt_tokens> <completion_tokens>
  *   ABORTED found=<0|1>               ABORT_FINISH <finish_reason>
+ * and with PROMPT_LOGPROBS (k >= 0, asked for in the streamed generation; revision 1.1):
+ *   PROMPT_LOGPROBS <frames that carried them> <entries>: <id or - (nil)> ...
  * exit status 0 when both exchanges went as the protocol says, 1 otherwise.
  */
 #include <msgpack.h>
@@ -42,7 +46,9 @@ static int send_message(void *sock, int type, const msgpack_sbuffer *body) {
     return zmq_send(sock, body->data, body->size, 0) < 0 ? -1 : 0;
 }
 
-static int send_generate(void *sock, const char *request_id, const char *prompt, int max_tokens) {
+/* prompt_logprobs < 0: not asked for. */
+static int send_generate(void *sock, const char *request_id, const char *prompt, int max_tokens,
+                         int prompt_logprobs) {
     msgpack_sbuffer sbuf;
     msgpack_packer pk;
     msgpack_sbuffer_init(&sbuf);
@@ -52,9 +58,12 @@ static int send_generate(void *sock, const char *request_id, const char *prompt,
     pack_str(&pk, "prompt");     pack_str(&pk, prompt);
     pack_str(&pk, "stream");     msgpack_pack_true(&pk);
     pack_str(&pk, "sampling_params");
-    msgpack_pack_map(&pk, 2);
+    msgpack_pack_map(&pk, prompt_logprobs >= 0 ? 3 : 2);
     pack_str(&pk, "max_tokens");  msgpack_pack_int(&pk, max_tokens);
     pack_str(&pk, "temperature"); msgpack_pack_double(&pk, 0.0);
+    if (prompt_logprobs >= 0) {
+        pack_str(&pk, "prompt_logprobs"); msgpack_pack_int(&pk, prompt_logprobs);
+    }
     int rc = send_message(sock, MSG_GENERATE, &sbuf);
     msgpack_sbuffer_destroy(&sbuf);
     return rc;
@@ -142,11 +151,23 @@ static void print_error(const msgpack_object *body) {
             msg && msg->type == MSGPACK_OBJECT_STR ? msg->via.str.ptr : "");
 }
 
+/* Prompt logprobs (revision 1.1): an array of nil or {token_id, logprob, top}; keeps the ids. */
+static int prompt_logprob_ids(const msgpack_object *arr, long *ids, int max_ids) {
+    int n = 0;
+    for (uint32_t i = 0; arr->type == MSGPACK_OBJECT_ARRAY && i < arr->via.array.size &&
+                         n < max_ids; i++) {
+        const msgpack_object *e = &arr->via.array.ptr[i];
+        ids[n++] = e->type == MSGPACK_OBJECT_NIL ? -1 : as_long(map_get(e, "token_id"));
+    }
+    return n;
+}
+
 /* 1. Streamed generation: print the text as it arrives, then the token ids and the usage. */
-static int streamed_generation(void *sock, const char *prompt, int max_tokens) {
-    if (send_generate(sock, "c-stream", prompt, max_tokens) < 0) return -1;
-    static long tokens[MAX_TOKENS_KEPT];
-    int num_tokens = 0, status = -1;
+static int streamed_generation(void *sock, const char *prompt, int max_tokens,
+                               int prompt_logprobs) {
+    if (send_generate(sock, "c-stream", prompt, max_tokens, prompt_logprobs) < 0) return -1;
+    static long tokens[MAX_TOKENS_KEPT], prompt_ids[MAX_TOKENS_KEPT];
+    int num_tokens = 0, num_prompt_ids = 0, prompt_lp_frames = 0, status = -1;
     fputs("TEXT ", stdout);
     for (;;) {
         reply_t r;
@@ -159,6 +180,11 @@ static int streamed_generation(void *sock, const char *prompt, int max_tokens) {
             for (uint32_t i = 0; ids && ids->type == MSGPACK_OBJECT_ARRAY &&
                                  i < ids->via.array.size && num_tokens < MAX_TOKENS_KEPT; i++)
                 tokens[num_tokens++] = as_long(&ids->via.array.ptr[i]);
+            const msgpack_object *plp = map_get(body, "prompt_logprobs");
+            if (plp) {
+                prompt_lp_frames++;
+                num_prompt_ids = prompt_logprob_ids(plp, prompt_ids, MAX_TOKENS_KEPT);
+            }
             fflush(stdout);
             reply_free(&r);
             continue;
@@ -172,6 +198,19 @@ static int streamed_generation(void *sock, const char *prompt, int max_tokens) {
             print_str("FINISH ", map_get(body, "finish_reason"));
             printf("USAGE %ld %ld\n", as_long(map_get(usage, "prompt_tokens")),
                    as_long(map_get(usage, "completion_tokens")));
+            const msgpack_object *plp = map_get(body, "prompt_logprobs");
+            if (plp) {
+                prompt_lp_frames++;
+                num_prompt_ids = prompt_logprob_ids(plp, prompt_ids, MAX_TOKENS_KEPT);
+            }
+            if (prompt_logprobs >= 0) {
+                printf("PROMPT_LOGPROBS %d %d:", prompt_lp_frames, num_prompt_ids);
+                for (int i = 0; i < num_prompt_ids; i++) {
+                    if (prompt_ids[i] < 0) fputs(" -", stdout);
+                    else printf(" %ld", prompt_ids[i]);
+                }
+                putchar('\n');
+            }
             status = 0;
         } else if (r.type == MSG_ERROR) {
             print_error(body);
@@ -183,7 +222,7 @@ static int streamed_generation(void *sock, const char *prompt, int max_tokens) {
 
 /* 2. Abort: a long generation, ABORT after its first DELTA; expect ABORTED and FINAL "abort". */
 static int aborted_generation(void *sock, const char *prompt) {
-    if (send_generate(sock, "c-abort", prompt, ABORT_MAX_TOKENS) < 0) return -1;
+    if (send_generate(sock, "c-abort", prompt, ABORT_MAX_TOKENS, -1) < 0) return -1;
     int sent_abort = 0, got_ack = 0, got_final = 0, status = 0;
     while (!(got_ack && got_final)) {
         reply_t r;
@@ -213,10 +252,11 @@ static int aborted_generation(void *sock, const char *prompt) {
 
 int main(int argc, char **argv) {
     if (argc < 3) {
-        fprintf(stderr, "usage: %s ENDPOINT PROMPT [MAX_TOKENS]\n", argv[0]);
+        fprintf(stderr, "usage: %s ENDPOINT PROMPT [MAX_TOKENS [PROMPT_LOGPROBS]]\n", argv[0]);
         return 2;
     }
     int max_tokens = argc > 3 ? atoi(argv[3]) : 32;
+    int prompt_logprobs = argc > 4 ? atoi(argv[4]) : -1;
     void *ctx = zmq_ctx_new();
     void *sock = zmq_socket(ctx, ZMQ_DEALER);
     int timeout_ms = REPLY_TIMEOUT_MS, linger_ms = 0;
@@ -227,7 +267,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "connect %s: %s\n", argv[1], zmq_strerror(zmq_errno()));
         return 1;
     }
-    int rc = streamed_generation(sock, argv[2], max_tokens);
+    int rc = streamed_generation(sock, argv[2], max_tokens, prompt_logprobs);
     if (rc == 0) rc = aborted_generation(sock, argv[2]);
     zmq_close(sock);
     zmq_ctx_term(ctx);

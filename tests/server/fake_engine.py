@@ -47,6 +47,13 @@ def expected_tokens(prompt_ids: list[int], max_tokens: int) -> list[int]:
             for pos in range(max_tokens)]
 
 
+def expected_prompt_logprobs(prompt_ids: list[int], num_top: int) -> list[Logprob | None]:
+    """The reference prompt logprobs of the fake engine: None for token 0, then per prompt token
+    a logprob of -i/4 (exact in binary) and `num_top` made-up alternatives, best first."""
+    return [None] + [Logprob(t, -i / 4, {(t + j) % VOCAB_SIZE: -i / 4 - j for j in range(num_top)})
+                     for i, t in enumerate(prompt_ids) if i > 0]
+
+
 @dataclass
 class _Req:
     request_id: str
@@ -180,6 +187,10 @@ class FakeEngine:
             logprobs = [Logprob(t, -0.5, {t: -0.5}) for t in new_ids]
         comp = CompletionOutput(0, list(new_ids), self.tokenizer.decode(new_ids), logprobs,
                                 reason, None)
+        prompt_logprobs = None
+        if req.params.prompt_logprobs is not None and len(req.out_ids) == 1 and new_ids:
+            # Like the engine: once, with the first delta after the whole prompt has run.
+            prompt_logprobs = expected_prompt_logprobs(req.prompt_ids, req.params.prompt_logprobs)
         return RequestOutput(req.request_id, req.prompt_ids, [comp], finished=reason is not None,
                              usage=Usage(len(req.prompt_ids), 0, len(req.out_ids)),
-                             arrival_time=req.arrival_time)
+                             prompt_logprobs=prompt_logprobs, arrival_time=req.arrival_time)

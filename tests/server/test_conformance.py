@@ -6,10 +6,12 @@ import time
 
 import msgpack
 import pytest
-from fake_engine import FakeEngine, expected_tokens
+from fake_engine import FakeEngine, expected_prompt_logprobs, expected_tokens
 from wire import assert_error_shape, dealer, recv, recv_until_final, send
 
-from pagedrun.server.protocol import PROTOCOL_VERSION, MsgType
+from pagedrun.server.protocol import PROTOCOL_REVISION, PROTOCOL_VERSION, MsgType
+
+FINAL_FIELDS = {"request_id", "finish_reason", "stop_reason", "outputs", "usage", "metrics"}
 
 
 def test_generate_stream_deltas_then_final(start_server, zmq_ctx):
@@ -46,6 +48,67 @@ def test_generate_token_ids_no_stream_with_logprobs(start_server, zmq_ctx):
     assert out["text"] == bytes(expected_tokens(ids, 5)).decode()
     assert [lp["token_id"] for lp in out["logprobs"]] == out["token_ids"]
     assert all(lp["top"] == [[lp["token_id"], lp["logprob"]]] for lp in out["logprobs"])
+
+
+def prompt_logprobs_wire(prompt_ids: list[int], k: int) -> list:
+    """The fake engine's reference prompt logprobs in the wire shape of docs/protocol.md (1.1)."""
+    return [None if lp is None else
+            {"token_id": lp.token_id, "logprob": lp.logprob,
+             "top": [[t, v] for t, v in lp.top.items()]}
+            for lp in expected_prompt_logprobs(prompt_ids, k)]
+
+
+def test_prompt_logprobs_stream_once_on_first_delta(start_server, zmq_ctx):
+    _, ep = start_server()
+    s = dealer(zmq_ctx, ep)
+    prompt = "prompt logprobs"
+    ids = list(prompt.encode())
+    send(s, MsgType.GENERATE, {"request_id": "pl", "prompt": prompt,
+                               "sampling_params": {"max_tokens": 4, "prompt_logprobs": 2,
+                                                   "logprobs": 1}})
+    deltas, kind, final = recv_until_final(s, "pl")
+    assert kind == MsgType.FINAL and len(deltas) == 4
+    first = deltas[0]
+    assert set(first) == {"request_id", "index", "token_ids", "text", "logprobs",
+                          "prompt_logprobs"}
+    plp = first["prompt_logprobs"]
+    assert len(plp) == len(ids) == final["usage"]["prompt_tokens"]
+    assert plp[0] is None
+    assert [e["token_id"] for e in plp[1:]] == ids[1:]
+    assert all(set(e) == {"token_id", "logprob", "top"} and len(e["top"]) == 2
+               and all(len(pair) == 2 for pair in e["top"]) for e in plp[1:])
+    assert plp == prompt_logprobs_wire(ids, 2)  # values exactly, top best first
+    assert all("prompt_logprobs" not in d for d in deltas[1:])  # sent once
+    assert set(final) == FINAL_FIELDS  # not repeated on the FINAL
+
+
+def test_prompt_logprobs_no_stream_on_final(start_server, zmq_ctx):
+    _, ep = start_server()
+    s = dealer(zmq_ctx, ep)
+    ids = [7, 300, 511, 0, 42]
+    send(s, MsgType.GENERATE, {"request_id": "pn", "prompt_token_ids": ids, "stream": False,
+                               "sampling_params": {"max_tokens": 3, "prompt_logprobs": 0}})
+    deltas, kind, final = recv_until_final(s, "pn")
+    assert deltas == [] and kind == MsgType.FINAL
+    assert set(final) == FINAL_FIELDS | {"prompt_logprobs"}
+    assert final["prompt_logprobs"] == prompt_logprobs_wire(ids, 0)
+    assert final["prompt_logprobs"][0] is None
+    assert all(e["top"] == [] for e in final["prompt_logprobs"][1:])  # k = 0: no alternatives
+    assert "prompt_logprobs" not in final["outputs"][0]  # per request, not per sequence
+
+
+def test_without_prompt_logprobs_nothing_extra_is_sent(start_server, zmq_ctx):
+    _, ep = start_server()
+    s = dealer(zmq_ctx, ep)
+    for stream in (True, False):
+        send(s, MsgType.GENERATE, {"request_id": f"x{stream}", "prompt": "abc",
+                                   "stream": stream,
+                                   "sampling_params": {"max_tokens": 3, "logprobs": 0}})
+        deltas, kind, final = recv_until_final(s, f"x{stream}")
+        assert kind == MsgType.FINAL and set(final) == FINAL_FIELDS
+        assert all(set(d) == {"request_id", "index", "token_ids", "text", "logprobs"}
+                   for d in deltas)
+        assert len(deltas) == (3 if stream else 0)
 
 
 def test_generate_chat_messages(start_server, zmq_ctx):
@@ -97,6 +160,7 @@ def test_ping_model_info_stats(start_server, zmq_ctx):
     kind, pong = recv(s)
     assert kind == MsgType.PONG and pong["status"] == "ok" and pong["request_id"] is None
     assert pong["protocol_version"] == PROTOCOL_VERSION and pong["lease_s"] == 7.5
+    assert pong["protocol_revision"] == PROTOCOL_REVISION == "1.1"
     assert abs(pong["server_time"] - time.time()) < 60
     send(s, MsgType.MODEL_INFO, {"request_id": "mi"})
     kind, info = recv(s)
@@ -107,6 +171,7 @@ def test_ping_model_info_stats(start_server, zmq_ctx):
     assert info["kv_capacity_tokens"] == info["num_kv_blocks"] * info["block_size"]
     assert info["tokenizer"]["vocab_size"] == info["vocab_size"]
     assert info["server"]["lease_s"] == 7.5
+    assert info["server"]["protocol_revision"] == PROTOCOL_REVISION
     send(s, MsgType.STATS, {"request_id": "st"})
     kind, stats = recv(s)
     assert kind == MsgType.STATS_REPLY and stats["request_id"] == "st"

@@ -170,3 +170,73 @@ def test_parallel_sampling_stream_equals_no_stream(start_server):
         assert [lp["token_id"] for lp in a["logprobs"]] == a["token_ids"]
         assert a["logprobs"] == b["logprobs"]
     assert len({tuple(o["token_ids"]) for o in whole.outputs}) > 1  # seeded, not identical
+
+
+def offline_prompt_logprobs(prompt_ids: list[int], params: dict) -> list:
+    """The reference: LLMEngine's own prompt logprobs for the request, served alone; they come
+    exactly once (docs/engine_api.md)."""
+    from pagedrun.runtime.sampling_params import SamplingParams as SP
+    engine = tiny_engine()
+    engine.add_request("ref", prompt_token_ids=prompt_ids, sampling_params=SP.from_dict(params))
+    got = []
+    while engine.has_unfinished_requests():
+        got += [out.prompt_logprobs for out in engine.step() if out.prompt_logprobs is not None]
+    assert len(got) == 1
+    return got[0]
+
+
+def assert_prompt_logprobs_match(got, want, prompt_ids: list[int], k: int) -> None:
+    from pagedrun.runtime.outputs import Logprob
+    assert len(got) == len(want) == len(prompt_ids)
+    assert got[0] is None and want[0] is None
+    for g, w, token in zip(got[1:], want[1:], prompt_ids[1:]):
+        assert isinstance(g, Logprob) and g.token_id == w.token_id == token
+        assert abs(g.logprob - w.logprob) <= 1e-5
+        assert list(g.top) == list(w.top) and len(g.top) == k  # same ids, best first
+        assert all(abs(g.top[t] - w.top[t]) <= 1e-5 for t in w.top)
+
+
+def test_prompt_logprobs_through_the_server_match_the_offline_engine(start_server):
+    rng = random.Random(3)
+    long_prompt = [rng.randrange(3, 257) for _ in range(100)]  # prefilled in two chunks (64)
+    short_prompt = [rng.randrange(3, 257) for _ in range(7)]
+    params = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True, "prompt_logprobs": 3,
+              "logprobs": 2}
+    _, ep = start_server(tiny_engine())
+    with Client(ep, timeout_s=60) as c:
+        for prompt in (long_prompt, short_prompt):
+            want = offline_prompt_logprobs(prompt, params)
+            whole = c.generate(prompt_token_ids=prompt, sampling_params=params)
+            assert_prompt_logprobs_match(whole.prompt_logprobs, want, prompt, 3)
+            assert whole.usage["prompt_tokens"] == len(prompt)
+            s = c.stream(prompt_token_ids=prompt, sampling_params=params)
+            deltas = list(s)
+            carried = [d for d in deltas if d.prompt_logprobs is not None]
+            assert carried == deltas[:1]  # once, on the first token's delta
+            assert_prompt_logprobs_match(deltas[0].prompt_logprobs, want, prompt, 3)
+            assert s.result.prompt_logprobs == deltas[0].prompt_logprobs
+            assert s.result.token_ids == whole.token_ids
+        one = c.generate(prompt_token_ids=[42], sampling_params=params)  # nothing to score
+        assert one.prompt_logprobs == [None]
+        plain = {k: v for k, v in params.items() if k != "prompt_logprobs"}
+        s = c.stream(prompt_token_ids=short_prompt, sampling_params=plain)
+        assert all(d.prompt_logprobs is None for d in s) and s.result.prompt_logprobs is None
+        assert c.generate(prompt_token_ids=short_prompt,
+                          sampling_params=plain).prompt_logprobs is None
+
+
+def test_prompt_logprobs_once_with_parallel_sampling(start_server):
+    prompt = [9, 8, 7, 6, 5]
+    params = {"n": 3, "max_tokens": 5, "temperature": 1.0, "seed": 5, "ignore_eos": True,
+              "prompt_logprobs": 1}
+    want = offline_prompt_logprobs(prompt, params)
+    _, ep = start_server(tiny_engine())
+    with Client(ep, timeout_s=30) as c:
+        s = c.stream(prompt_token_ids=prompt, sampling_params=params)
+        deltas = list(s)
+        whole = c.generate(prompt_token_ids=prompt, sampling_params=params)
+    assert {d.index for d in deltas} == {0, 1, 2}
+    assert sum(d.prompt_logprobs is not None for d in deltas) == 1
+    assert deltas[0].prompt_logprobs is not None
+    assert_prompt_logprobs_match(s.result.prompt_logprobs, want, prompt, 1)
+    assert_prompt_logprobs_match(whole.prompt_logprobs, want, prompt, 1)
