@@ -12,6 +12,8 @@
 // Launch geometry: grid (num_tokens, ceil(intermediate / 256)), block 256; one element per
 // thread (the op is a pure stream; accesses are coalesced along j).
 // Instantiations: silu_and_mul_{f32,f16,bf16}. Scalars: int intermediate.
+// Signature: (out, gate_up, intermediate). Launched by runtime/kernels/fused_ops.py:
+// silu_and_mul.
 //
 // Register budget: 32 per thread; the gate must show 0 spill bytes.
 // Measured: no GPU numbers yet.

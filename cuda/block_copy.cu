@@ -20,6 +20,9 @@
 // Launch geometry: grid (num_pairs), block 128, no shared memory; each thread moves every
 // 128th 16-byte word of its pair's block (consecutive threads, consecutive words).
 // Instantiations: copy_blocks. Scalar: long long num_vec16_per_block.
+// Signature: (dst, src, block_pairs, num_vec16_per_block). Launched by
+// runtime/kernels/cache_ops.py: move_blocks (behind copy_blocks, gather_blocks, scatter_blocks,
+// swap_blocks), one launch per layer and per K / V array.
 // Register budget: 40 per thread at 128 threads; the gate must show 0 spill bytes.
 // Measured: no GPU numbers yet.
 #include "common.cuh"

@@ -9,6 +9,8 @@
 // Launch geometry: grid (num_tokens), block 256; each thread copies a strided slice of the
 // row, element-wise (a pure copy: coalesced along hidden).
 // Instantiations: embedding_{f32,f16,bf16}. Scalars: int hidden, int vocab.
+// Signature: (out, token_ids, table, hidden, vocab). Launched by runtime/kernels/fused_ops.py:
+// embedding.
 //
 // Register budget: 32 per thread; the gate must show 0 spill bytes.
 // Measured: no GPU numbers yet.

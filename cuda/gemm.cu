@@ -28,7 +28,9 @@
 // "aligned" instantiations need K % 8 == 0 (and N % 8 == 0 for "kn") so every 16-byte chunk
 // is either wholly inside the matrix (cp.async) or wholly outside (zero-filled, reads nothing).
 // "unaligned" instantiations load the same tiles element by element with bounds checks
-// (synchronous; awkward K only, e.g. the tests' K = 111).
+// (synchronous): the wrapper picks them for awkward K (e.g. the tests' K = 111) and for a or b
+// not starting on a 16-byte boundary (a row view of a larger matrix); there is no fp32-output
+// unaligned instantiation.
 // Epilogue: fragments straight from registers; 2-element stores where N is even.
 //
 // fp32 path (the test instantiation; no fp32 mma): CTA tile 64 x 64 x 16, 256 threads each
@@ -43,7 +45,9 @@
 // Instantiations (extern "C"; DT in {f16, bf16}, L in {nk, kn}):
 //   gemm_DT_L_oDT, gemm_DT_L_oDT_unaligned, gemm_DT_L_of32 (aligned, fp32 out: logits),
 //   gemm_f32_L_of32.
-// Scalars: int M, N, K.
+// Scalars: int M, N, K. Signature: (out, a, b, bias, residual, M, N, K).
+// Launched by runtime/kernels/gemm.py: gemm / linear, following runtime/kernels/gemm_plan.py
+// (M <= 64 with an "nk" weight and 16-byte-divisible K goes to gemm_skinny.cu instead).
 //
 // Register budget: 168 per thread at 256 threads (64 accumulators, 16 A + 8 B fragment
 // registers per k-step, addresses); the gate must show 0 spill bytes.

@@ -31,6 +31,11 @@
 // Instantiations: gemm_skinny_DT_oODT_mMT for DT in {f16, bf16} with ODT in {DT, f32}, and
 // DT = ODT = f32; MT in {8, 64}. gemm_splitk_reduce_DT_oODT for the same (DT, ODT) pairs.
 // Scalars: int M, N, K, k_split (skinny); int M, N, num_splits (reduce).
+// Signatures: gemm_skinny_*(out, partial, a, w, bias, residual, M, N, K, k_split) -- with
+// num_splits > 1 the wrapper passes out, bias and residual as null and the reduce applies them;
+// gemm_splitk_reduce_*(out, partial, bias, residual, M, N, num_splits).
+// Launched by runtime/kernels/gemm.py: gemm / linear when runtime/kernels/gemm_plan.py picks
+// "skinny" (the m-tile and the split of K are chosen there).
 //
 // Register budget: 128 per thread at 256 threads (m64: 64 accumulators; m8: 32 accumulators
 // plus 4 rows of 8 weights); the gate must show 0 spill bytes.

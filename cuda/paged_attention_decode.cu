@@ -40,8 +40,17 @@
 //
 // Instantiations: dtype in {f32, f16, bf16} x head_dim in {64, 128} x group in {1, 2, 4, 8},
 // merge for each dtype. block_size is a runtime power of two (16, 32, 64 accepted by the
-// wrapper). Scalars: float scale; int num_heads, num_kv_heads, group_size, block_size_log2,
-// max_blocks_per_seq, partition_size, num_splits.
+// wrapper; head_dim and block size are attention.py's SUPPORTED_HEAD_DIMS and
+// SUPPORTED_BLOCK_SIZES). Scalars: float scale; int num_heads, num_kv_heads, group_size,
+// block_size_log2, max_blocks_per_seq, partition_size, num_splits.
+// Signatures: paged_attention_decode_*(out, partial_out, partial_lse, q, k_cache, v_cache,
+// block_tables, context_lens, scale, num_heads, num_kv_heads, group_size, block_size_log2,
+// max_blocks_per_seq, partition_size, num_splits); with num_splits == 1 partial_out and
+// partial_lse are unused (the wrapper passes a 1-element array);
+// paged_attention_decode_merge_*(out, partial_out, partial_lse, context_lens, num_heads,
+// head_dim, partition_size, num_splits).
+// Launched by runtime/kernels/attention.py: paged_decode_attention (its plan_decode_split picks
+// num_splits, at most 64, and partition_size, a multiple of 256 tokens).
 //
 // Register budget: 255 per thread at 128 threads, 2 CTAs per SM (__launch_bounds__(128, 2)):
 // group 8 holds 2 x 8 x VEC fp32 of q and accumulators plus one step of prefetched K/V and

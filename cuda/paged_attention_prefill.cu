@@ -29,8 +29,9 @@
 //     (ldmatrix_x4), K tiles are B fragments (ldmatrix_x4), V tiles B fragments through
 //     ldmatrix_x4_trans; P is re-packed from the S accumulators into A fragments without a trip
 //     through shared memory. Softmax state: 2 rows per thread, reductions over the quad.
-//   f32 (the test instantiation, no fp32 mma): same CTA tile and key loop; two threads per
-//     query row, each holding half of head_dim of q and of the output accumulator.
+//   f32 (the test instantiation, no fp32 mma): same CTA tile and key loop, one stage (each
+//     K/V tile is waited for before it is used); two threads per query row, each holding half
+//     of head_dim of q and of the output accumulator, scoring 8 keys per online-softmax update.
 // Softmax in fp32, base 2, scores scaled by scale * log2 e.
 //
 // Launch geometry: grid (max over requests of ceil(query_len / 64), num_reqs, num_heads),
@@ -40,8 +41,12 @@
 // (prefill_smem_bytes in runtime/kernels/attention.py), under the 48 KiB default limit.
 //
 // Instantiations: paged_attention_prefill_{f32,f16,bf16}_d{64,128}. block_size is a runtime
-// power of two (16, 32, 64 accepted by the wrapper). Scalars: float scale; int num_heads,
-// num_kv_heads, group_size, block_size_log2, max_blocks_per_seq.
+// power of two (16, 32, 64 accepted by the wrapper: attention.py's SUPPORTED_BLOCK_SIZES).
+// Scalars: float scale; int num_heads, num_kv_heads, group_size, block_size_log2,
+// max_blocks_per_seq.
+// Signature: (out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
+// num_heads, num_kv_heads, group_size, block_size_log2, max_blocks_per_seq).
+// Launched by runtime/kernels/attention.py: paged_prefill_attention.
 //
 // Register budget: 192 per thread at 128 threads (d128: 32 registers of Q fragments, 64 of
 // output accumulators); the gate must show 0 spill bytes.

@@ -17,12 +17,16 @@
 //
 // Algorithm: one CTA per row; each thread sums squares over a strided slice of the row,
 // the CTA reduces (warp shuffles, then one value per warp through shared memory), then every
-// thread scales its slice. The row is read twice (second time from L1/L2); rows are at most a
-// few tens of KiB.
+// thread scales its slice. The row is read twice (second time from L1/L2: x for rms_norm, the
+// fp32 residual_out just written for fused_add_rms_norm); rows are at most a few tens of KiB.
 //
-// Launch geometry: grid (num_tokens), block 256, no dynamic shared memory.
+// Launch geometry: grid (num_tokens), block 256, no dynamic shared memory (static: one float
+// per warp for the reduction).
 // Instantiations: rms_norm_{f32,f16,bf16}, fused_add_rms_norm_{f32,f16,bf16}.
 // Scalars: int hidden, float eps.
+// Signatures: rms_norm_*(out, x, weight, hidden, eps);
+// fused_add_rms_norm_*(out, residual_out, residual_in, x, weight, hidden, eps).
+// Launched by runtime/kernels/fused_ops.py: rms_norm, fused_add_rms_norm.
 //
 // Register budget: 64 per thread; the gate must show 0 spill bytes.
 // Measured: no GPU numbers yet.

@@ -9,8 +9,10 @@
 // for x = q (-> q_out) and x = k (-> k_out); then, if slot = slot_mapping[t] >= 0, writes
 // k_out[t] and v[t] to cache slot `slot` (block slot / block_size, offset slot % block_size).
 // A negative slot is padding: q/k are still rotated, nothing is written to the cache.
-// Llama-3 (and linear / NTK) rope scaling lives entirely in the table: the kernel only reads
-// cos/sin (runtime/backends/numpy_ops.py: rope_inv_freq, build_cos_sin_cache).
+// Rope scaling (Llama 3, linear) lives entirely in the table: the kernel only reads cos/sin.
+// The table is runtime/rope.py's build_cos_sin_cache(rope_inv_freq(...), max_position) (float64
+// angles, rounded once to fp32): the model builds it in runtime/models/llama.py, the kernel
+// tests through runtime/backends/numpy_ops.py, which re-exports the same functions.
 //
 // Pointers (T = float | __half | __nv_bfloat16 per instantiation):
 //   q             [num_tokens, num_heads, head_dim]     T, token stride q_token_stride
@@ -31,6 +33,9 @@
 // (any even head_dim). Scalars: int num_heads, num_kv_heads, head_dim; long long
 // q_token_stride, k_token_stride, v_token_stride. No block_size: a slot index already is
 // block * block_size + offset, and NHD makes slot * num_kv_heads * head_dim its row.
+// Signature: (q_out, k_out, k_cache, v_cache, q, k, v, positions, cos_sin_cache, slot_mapping,
+// num_heads, num_kv_heads, head_dim, q_token_stride, k_token_stride, v_token_stride).
+// Launched by runtime/kernels/cache_ops.py: rotary_embedding_and_cache_write.
 //
 // Register budget: 64 per thread at 128 threads; the gate must show 0 spill bytes.
 // Measured: no GPU numbers yet.

@@ -38,6 +38,11 @@
 //
 // Instantiations: apply_penalties_f32, sample_f32 (logits are fp32: the LM head GEMM writes
 // fp32 logits from bf16/fp16 activations). Scalars: int vocab.
+// Signatures: apply_penalties_f32(logits, entry_offsets, entry_tokens, entry_counts,
+// entry_flags, repetition, frequency, presence, vocab); sample_f32(out_tokens, logits,
+// temperature, top_k, top_p, min_p, uniforms, vocab).
+// Launched by runtime/kernels/sampling.py: apply_penalties, sample (which KernelSampler,
+// runtime/backends/kernel_sampler.py, calls for the kernel backends).
 //
 // Register budget: 64 per thread; the gate must show 0 spill bytes.
 // Measured: no GPU numbers yet.

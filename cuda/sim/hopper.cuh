@@ -1,5 +1,6 @@
-// hopper.cuh -- host twins of the Hopper-only functions in cuda/ptx.cuh (mbarrier, TMA,
-// wgmma). They work on the logical tile, at the level the instruction acts on:
+// hopper.cuh -- host twins of the Hopper-only functions in cuda/hopper_groundwork.cuh
+// (mbarrier, TMA, wgmma; groundwork: no shipped kernel uses them yet). They work on the
+// logical tile, at the level the instruction acts on:
 //   * mbarrier: the 64-bit word in shared memory holds the whole barrier state (pending and
 //     expected arrivals, phase, transaction bytes), so it is reset with the block's shared
 //     memory; an uninitialised (poisoned, all-ones) word is reported. A wait blocks the
@@ -10,11 +11,12 @@
 //     A kernel that reads the tile without waiting reads NaN every time.
 //   * wgmma: a warpgroup rendezvous (128 threads); the last to arrive reads A and B from
 //     shared memory through the descriptors, computes the 64xNx16 product in double and
-//     scatters D in the PTX ISA fragment layout (cuda/ptx.cuh). The product is complete at
-//     issue: fence / commit_group / wait_group are ordering no-ops here.
+//     scatters D in the PTX ISA fragment layout (cuda/hopper_groundwork.cuh). The product is
+//     complete at issue: fence / commit_group / wait_group are ordering no-ops here.
 // Swizzling is a function of the shared-memory address (16-byte chunk bits 4.. XOR address
 // bits 7..), as on the hardware, so TMA writes and wgmma reads agree whatever the offsets.
-// Included by twins.cuh; never include directly.
+// Included by cuda/hopper_groundwork.cuh under PAGEDRUN_SIM (after ptx.cuh and twins.cuh);
+// never include directly.
 #pragma once
 #include <vector>
 

@@ -154,5 +154,3 @@ inline void cp_async_wait_all() {
 }
 
 #undef PAGEDRUN_SIM_LOC
-
-#include "hopper.cuh"  // mbarrier, TMA, wgmma (sm_90a) twins

@@ -1,5 +1,9 @@
-"""Host-side TMA descriptors for tma_load_2d (cuda/ptx.cuh): the 2-D tiled tensor map of a
-row-major matrix, in the form each backend reads.
+"""Host-side TMA descriptors for tma_load_2d (cuda/hopper_groundwork.cuh): the 2-D tiled tensor
+map of a row-major matrix, in the form each backend reads.
+
+Groundwork: no shipped kernel uses TMA yet, so nothing on the serving path imports this module.
+It is used by tests/sim/test_hopper_twins.py and tests/gpu/test_ptx_twins.py (the probe kernels
+of tests/sim/kernels/hopper_probes.cu) and is planned for the Hopper (sm_90a) GEMM.
 
   sim_descriptor(matrix, box_rows, box_cols, swizzle_bytes) -> np.ndarray uint64[16]
       The CPU harness's TmaDescriptor (cuda/sim/hopper.cuh): {magic, base address, dims,
@@ -10,8 +14,9 @@ row-major matrix, in the form each backend reads.
       CuPy matrix; copy it to device memory and pass its pointer as the descriptor.
 
 matrix: 2-D, contiguous rows whose stride is a multiple of 16 bytes (it may exceed the row,
-as for a column slice), base 16-byte aligned, 2-byte (bf16/f16 as uint16/float16) or 4-byte elements. box_cols * itemsize must be a
-multiple of 16 bytes, and equal swizzle_bytes when swizzled (32, 64 or 128).
+as for a column slice), base 16-byte aligned, 2-byte (bf16/f16 as uint16/float16) or 4-byte
+elements. box_cols * itemsize must be a multiple of 16 bytes, and equal swizzle_bytes when
+swizzled (32, 64 or 128).
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ PROBES = Path(__file__).resolve().parent / "kernels" / "gates"
 
 
 def _load_gates():
-    spec = importlib.util.spec_from_file_location("compile_gates", REPO / "scripts" / "compile_gates.py")
+    spec = importlib.util.spec_from_file_location("compile_gates",
+                                                  REPO / "scripts" / "compile_gates.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)

@@ -36,7 +36,8 @@ def mma_fragments(A_bits, B_bits, C):
     for lane in range(32):
         g, t = divmod(lane, 4)
         k = 2 * t
-        a[lane] = [pack(A_bits[g, k], A_bits[g, k + 1]), pack(A_bits[g + 8, k], A_bits[g + 8, k + 1]),
+        a[lane] = [pack(A_bits[g, k], A_bits[g, k + 1]),
+                   pack(A_bits[g + 8, k], A_bits[g + 8, k + 1]),
                    pack(A_bits[g, k + 8], A_bits[g, k + 9]),
                    pack(A_bits[g + 8, k + 8], A_bits[g + 8, k + 9])]
         b[lane] = [pack(B_bits[k, g], B_bits[k + 1, g]), pack(B_bits[k + 8, g], B_bits[k + 9, g])]

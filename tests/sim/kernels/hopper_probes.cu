@@ -1,11 +1,11 @@
-// hopper_probes.cu -- drives the Hopper-only functions of cuda/ptx.cuh (mbarrier, TMA, wgmma)
-// for tests/sim/test_hopper_twins.py (harness twins vs numpy) and tests/gpu/test_ptx_twins.py
-// (twins vs the real instructions on a compute capability 9.0 GPU). Kernel bodies exist where
-// PAGEDRUN_HAS_HOPPER (sm_90a, the harness); on other archs they trap, so the file passes the
-// sm_80 compile gate too.
+// hopper_probes.cu -- drives the Hopper-only functions of cuda/hopper_groundwork.cuh
+// (mbarrier, TMA, wgmma) for tests/sim/test_hopper_twins.py (harness twins vs numpy) and
+// tests/gpu/test_ptx_twins.py (twins vs the real instructions on a compute capability 9.0 GPU).
+// Kernel bodies exist where PAGEDRUN_HAS_HOPPER (sm_90a, the harness); on other archs they
+// trap, so the file passes the sm_80 compile gate too.
 // Register budget: 168
 #include "common.cuh"
-#include "ptx.cuh"
+#include "hopper_groundwork.cuh"
 
 constexpr int kWgmmaM = 64;
 constexpr int kWgmmaK = 16;
@@ -41,7 +41,7 @@ extern "C" __global__ void tma_box_probe(const TmaDescriptor* desc, int coord_in
 }
 
 #if PAGEDRUN_HAS_HOPPER
-// Thread t of the warpgroup holds D[16w+g (+8)][8i+2q (+1)] (cuda/ptx.cuh).
+// Thread t of the warpgroup holds D[16w+g (+8)][8i+2q (+1)] (cuda/hopper_groundwork.cuh).
 template <int N>
 __device__ __forceinline__ void store_accumulators(const float* d, float* D) {
     int t = threadIdx.x % 128, w = t / 32, g = (t % 32) / 4, q = t % 4;
