@@ -91,13 +91,13 @@ def _resolve_path(path):
 
 
 def to_bf16_bits(x):
-    """float32 array -> uint16 bf16 bits, round to nearest even (NaN stays NaN)."""
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
-    out = (rounded >> np.uint32(16)).astype(np.uint16)
-    nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-    out[nan] = ((bits[nan] >> np.uint32(16)) | np.uint32(0x40)).astype(np.uint16)
-    return out
+    """float32 array -> uint16 bf16 bits (same shape) through the kernel's own f32_to_bf16
+    (cpu_gemm_kernels.h): round to nearest even, NaN kept quiet with its sign. The rules of
+    runtime/weights.py's to_bf16_bits (pyx/ may not import runtime/);
+    tests/foundation/test_bf16_rounding.py checks the two agree bit for bit."""
+    a = np.ascontiguousarray(x, dtype=np.float32)
+    flat = a.reshape(1, -1)
+    return _convert(flat, flat.shape[1]).reshape(a.shape)
 
 
 class PackedWeight:

@@ -34,7 +34,10 @@ constexpr int TILE_N = 16;   // outputs per tile: one zmm of float32 accumulator
 constexpr int MR = 8;        // x rows per micro-kernel (8 x 2 tiles = 16 accumulators)
 constexpr int NR = 2;        // tiles per micro-kernel
 
-// float32 -> bf16 bits, round to nearest even; NaN stays a (quiet) NaN.
+// float32 -> bf16 bits, round to nearest even; NaN stays a quiet NaN with its sign (top 16
+// bits, quiet bit 0x40 set). The cpu GEMM's only bf16 rounding (activations, and weights
+// through cpu_gemm.to_bf16_bits); the same rules as runtime/weights.py's to_bf16_bits, and
+// tests/foundation/test_bf16_rounding.py checks the two agree bit for bit.
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t bits;
     memcpy(&bits, &f, 4);

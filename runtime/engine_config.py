@@ -1,13 +1,17 @@
 """EngineConfig: the one typed configuration of an engine instance (the CLI flags map onto it).
 
 No feature flags elsewhere: every knob the engine, the scheduler or a backend honours is a field
-here, with vLLM's names where vLLM has one.
+here, with vLLM's names where vLLM has one. The CLI's engine flags (server/cli.py, serve_cmd.py,
+chat_cmd.py) take their defaults and choices from here (`EngineConfig()`, DEVICES, DTYPES,
+BLOCK_SIZES), so a default is changed in one place.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 DEVICES = ("auto", "cpu", "sim", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+BLOCK_SIZES = (8, 16, 32, 64)
 PREEMPTION_MODES = ("recompute", "swap")
 
 
@@ -26,7 +30,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None  # explicit KV capacity; None: derived from the memory budget
-    kv_cache_memory_bytes: int | None = None  # cpu/sim memory budget for KV when num_kv_blocks is None
+    # cpu/sim memory budget for KV when num_kv_blocks is None
+    kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.90
     swap_space_bytes: int = 0  # host blocks for swap preemption; 0 disables swap
     preemption_mode: str = "recompute"
@@ -41,7 +46,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise EngineConfigError(f"device: must be one of {DEVICES}, got {self.device!r}")
-        if self.block_size not in (8, 16, 32, 64):
+        if self.block_size not in BLOCK_SIZES:
             raise EngineConfigError(f"block_size: must be 8, 16, 32 or 64, got {self.block_size}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise EngineConfigError(

@@ -11,19 +11,30 @@ import os
 
 import numpy as np
 
+from pagedrun.runtime.errors import ModelLoadError
 from pagedrun.runtime.model_config import ModelConfig
 
 
-def resolve_model_dir(model: str | os.PathLike | None) -> str:
-    """The HF directory of `model`: itself, a .gguf's converted cache, or the default model."""
+GGUF_SUFFIX = ".gguf"
+
+
+def resolve_model_dir(model: str | os.PathLike | None, progress: bool = True) -> str:
+    """The HF directory of `model`: a directory as is, a .gguf converted once into the cache
+    (runtime/paths.py), or the default model when None. `progress`: a bar while converting.
+    Raises ModelLoadError when `model` is neither a directory nor a .gguf file."""
+    from pathlib import Path
+
     from pagedrun.runtime.default_model import default_model_dir, ensure_converted
     from pagedrun.runtime.paths import models_cache_dir
 
     if model is None:
-        return str(default_model_dir())
-    if str(model).endswith(".gguf"):
-        return str(ensure_converted(model, models_cache_dir()))
-    return str(model)
+        return str(default_model_dir(progress=progress))
+    path = Path(model)
+    if path.is_file() and path.name.lower().endswith(GGUF_SUFFIX):
+        return str(ensure_converted(path, models_cache_dir(), progress=progress))
+    if not path.is_dir():
+        raise ModelLoadError(path, "no such model directory or .gguf file")
+    return str(path)
 
 
 def load_model(model: str | os.PathLike | None, load_weights: bool = True):

@@ -1,4 +1,5 @@
-"""Where paged-run keeps files between runs: the cache root and the converted-model cache.
+"""Where paged-run keeps files between runs: the cache root, the converted-model cache and the
+CPU kernel harness's build cache. Every path under the cache root is made here, nowhere else.
 
 The root follows the XDG base-directory convention every Linux tool uses:
 `$XDG_CACHE_HOME/pagedrun`, or `~/.cache/pagedrun` when XDG_CACHE_HOME is unset or empty.
@@ -11,6 +12,7 @@ from pathlib import Path
 
 CACHE_DIR_NAME = "pagedrun"
 MODELS_DIR_NAME = "models"
+SIM_DIR_NAME = "sim"
 
 
 def cache_root() -> Path:
@@ -24,3 +26,9 @@ def cache_root() -> Path:
 def models_cache_dir() -> Path:
     """Directory holding models converted from GGUF, one sub-directory each (not created)."""
     return cache_root() / MODELS_DIR_NAME
+
+
+def sim_cache_dir() -> Path:
+    """Directory of the CPU kernel harness's compiled modules (runtime/kernels/sim_module.py;
+    not created)."""
+    return cache_root() / SIM_DIR_NAME

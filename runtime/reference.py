@@ -12,16 +12,18 @@ cache, each step of the decoder spelled out in the order transformers applies it
     logits = rms_norm(x) @ lm_head.T
 
 The small helpers (`rope_inv_freq`, `rope_cos_sin`, `apply_rotary`, `rms_norm`, `silu`) are
-public so that kernel tests can reuse the exact same math.
+public so that kernel tests can reuse the exact same math. The rotary ones are runtime/rope.py's
+(the one RoPE implementation, shared with the paged model and numpy_ops), taken per ModelConfig.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
 
-from .model_config import ModelConfig, RopeScaling
+from .model_config import ModelConfig
+from .rope import apply_rotary, model_inv_freq
+from .rope import rope_cos_sin as _angles_cos_sin
 from .weights import LayerWeights, ModelWeights
 
 # Capacity of a fresh DenseKVCache; it doubles whenever a forward needs more.
@@ -29,51 +31,14 @@ INITIAL_KV_CACHE_TOKENS = 64
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Rotary inverse frequencies, [head_dim // 2] float64, Llama 3 scaling applied if any.
-
-    Pair i of a head (dims i and i + head_dim/2, the rotate_half convention) turns by
-    `position * inv_freq[i]` radians, with inv_freq[i] = rope_theta ** (-2i / head_dim).
-    """
-    exponents = np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** exponents)
-    if config.rope_scaling is not None:
-        inv_freq = _llama3_scaled_inv_freq(inv_freq, config.rope_scaling)
-    return inv_freq
-
-
-def _llama3_scaled_inv_freq(inv_freq: np.ndarray, scaling: RopeScaling) -> np.ndarray:
-    """Llama 3's frequency-dependent stretch: short wavelengths kept, long ones divided by
-    `factor`, a linear blend (in 1/wavelength) across the band between."""
-    old_context = scaling.original_max_position_embeddings
-    wavelen = 2.0 * math.pi / inv_freq
-    short_wavelen = old_context / scaling.high_freq_factor  # below: unchanged
-    long_wavelen = old_context / scaling.low_freq_factor    # above: divided by factor
-    # 0 at wavelen == long_wavelen, 1 at wavelen == short_wavelen.
-    blend = (old_context / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor)
-    blended = (1.0 - blend) * inv_freq / scaling.factor + blend * inv_freq
-    return np.where(wavelen < short_wavelen, inv_freq,
-                    np.where(wavelen > long_wavelen, inv_freq / scaling.factor, blended))
+    """Rotary inverse frequencies, [head_dim // 2] float64, Llama 3 scaling applied if any
+    (runtime/rope.py: the one RoPE implementation, which this forward checks against HF)."""
+    return model_inv_freq(config)
 
 
 def rope_cos_sin(config: ModelConfig, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin of the rotary angles, each [len(positions), head_dim // 2] float64."""
-    angles = np.asarray(positions, dtype=np.float64)[:, None] * rope_inv_freq(config)[None, :]
-    return np.cos(angles), np.sin(angles)
-
-
-def apply_rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotate x: [T, num_heads, head_dim] by cos, sin: [T, head_dim // 2]; returns x's dtype.
-
-    rotate_half convention (as transformers): dim i pairs with dim i + head_dim/2, i.e.
-    out_lo = x_lo*cos - x_hi*sin, out_hi = x_hi*cos + x_lo*sin.
-    """
-    half = x.shape[-1] // 2
-    x_lo, x_hi = x[..., :half], x[..., half:]
-    cos = cos[:, None, :]
-    sin = sin[:, None, :]
-    out = np.concatenate([x_lo * cos - x_hi * sin, x_hi * cos + x_lo * sin], axis=-1)
-    return out.astype(x.dtype, copy=False)
+    return _angles_cos_sin(model_inv_freq(config), positions)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -124,7 +89,8 @@ class ReferenceModel:
     def __init__(self, config: ModelConfig, weights: ModelWeights) -> None:
         # The oracle computes in float32 only; narrower weights would silently change its numbers.
         if weights.embed_tokens.dtype != np.float32:
-            raise ValueError(f"ReferenceModel needs float32 weights, got {weights.embed_tokens.dtype}")
+            raise ValueError("ReferenceModel needs float32 weights, got "
+                             f"{weights.embed_tokens.dtype}")
         self.config = config
         self.weights = weights
 
@@ -149,16 +115,19 @@ class ReferenceModel:
         start_pos: int = 0,
         kv_cache: DenseKVCache | None = None,
     ) -> np.ndarray:
-        """Final-norm hidden states [T, hidden_size] float32 (what `forward` multiplies by lm_head)."""
+        """Final-norm hidden states [T, hidden_size] float32 (what `forward` multiplies by
+        lm_head)."""
         config = self.config
         token_ids = np.asarray(token_ids)
-        if token_ids.ndim != 1 or token_ids.size == 0 or not np.issubdtype(token_ids.dtype, np.integer):
+        if (token_ids.ndim != 1 or token_ids.size == 0
+                or not np.issubdtype(token_ids.dtype, np.integer)):
             raise ValueError(f"token_ids must be a non-empty 1-D integer array, got {token_ids!r}")
         if token_ids.min() < 0 or token_ids.max() >= config.vocab_size:
             raise ValueError(f"token ids must lie in [0, {config.vocab_size})")
         if start_pos < 0 or (kv_cache is not None and start_pos > kv_cache.num_tokens):
             cached = None if kv_cache is None else kv_cache.num_tokens
-            raise ValueError(f"start_pos {start_pos} is negative or past the cache's {cached} tokens")
+            raise ValueError(
+                f"start_pos {start_pos} is negative or past the cache's {cached} tokens")
 
         num_tokens = token_ids.shape[0]
         positions = np.arange(start_pos, start_pos + num_tokens)
@@ -188,7 +157,8 @@ class ReferenceModel:
     ) -> np.ndarray:              # [T, hidden_size] float32, after o_proj
         config = self.config
         num_tokens = h.shape[0]
-        num_heads, num_kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        head_dim = config.head_dim
         q = _linear(h, layer.q_proj, layer.q_bias).reshape(num_tokens, num_heads, head_dim)
         k = _linear(h, layer.k_proj, layer.k_bias).reshape(num_tokens, num_kv_heads, head_dim)
         v = _linear(h, layer.v_proj, layer.v_bias).reshape(num_tokens, num_kv_heads, head_dim)

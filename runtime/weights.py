@@ -2,7 +2,8 @@
 
 Owns: reading safetensors files (one `model.safetensors`, or shards listed by
 `model.safetensors.index.json`) through a memory map, widening bf16/fp16 to the requested numpy
-dtype, and checking every tensor's presence and shape against `ModelConfig`.
+dtype, and checking every tensor's presence and shape against `ModelConfig`; and the one
+float32 <-> bf16 conversion (`to_bf16_bits` / `from_bf16_bits`) every layer uses.
 
 The safetensors format is small enough to read directly: an 8-byte little-endian header length,
 a JSON header mapping each tensor name to {dtype, shape, data_offsets}, then the raw bytes. We
@@ -43,9 +44,52 @@ _DISK_DTYPES = {
     "F16": np.dtype("<f2"),
     _BF16: np.dtype("<u2"),
 }
-# bfloat16 is the top half of a float32: shift its 16 bits up and reinterpret.
-_BF16_SHIFT_BITS = 16
 _FLOAT_DTYPES = (np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16))
+
+# bfloat16 is the upper half of a float32.
+_BF16_SHIFT = 16
+_BF16_ROUND_BIAS = 0x7FFF         # plus the kept lsb: round half to even
+_BF16_QUIET_NAN_BIT = 0x0040      # the top mantissa bit of a bf16
+_F32_ABS_MASK = 0x7FFFFFFF
+_F32_INF_BITS = 0x7F800000        # |bits| above this: NaN
+
+
+# -- bfloat16 <-> float32 -----------------------------------------------------------------------
+# Neither numpy nor cupy has a bfloat16 dtype: bf16 tensors are uint16 arrays of raw bits. These
+# two functions are the one float32 <-> bf16 conversion of the Python code (the loader here;
+# numpy_ops.round_to_bf16, the kernel wrappers and backends through kernel_args' re-export; the
+# communicator). They live in this foundation-layer module so that every layer may use them.
+
+
+def to_bf16_bits(x) -> np.ndarray:
+    """float32 values -> uint16 bf16 bits: round to nearest, ties to even (RNE).
+
+    Its C++ twin is f32_to_bf16 in pyx/cpu_gemm_kernels.h (the cpu GEMM's activations and
+    weights; pyx/ may not import runtime/), and the CPU kernel harness's __float2bfloat16_rn
+    (cuda/sim/fp16.cuh) follows the same rules; tests/foundation/test_bf16_rounding.py checks
+    all of them bit for bit. Rules:
+      - finite values round RNE; a value past the largest bf16 rounds to +-inf, as a bf16
+        store does; subnormals round like any other value (no flush to zero); -0 stays -0;
+      - +-inf stay +-inf;
+      - NaN stays a quiet NaN with its sign: the top 16 bits with the quiet bit (0x0040) set,
+        so the canonical NaN 0x7FC00000 becomes 0x7FC0 (the rounding bias must not be added:
+        it could carry a NaN's payload into the exponent and turn it into inf).
+    """
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    upper = bits >> np.uint32(_BF16_SHIFT)
+    rounded = (bits + np.uint32(_BF16_ROUND_BIAS) + (upper & np.uint32(1))) >> np.uint32(
+        _BF16_SHIFT)
+    is_nan = (bits & np.uint32(_F32_ABS_MASK)) > np.uint32(_F32_INF_BITS)
+    return np.where(is_nan, upper | np.uint32(_BF16_QUIET_NAN_BIT), rounded).astype(np.uint16)
+
+
+def from_bf16_bits(bits):
+    """uint16 bf16 bits -> float32 values (exact). numpy in, numpy out; a cupy array in, cupy
+    out (only array methods are used)."""
+    if not hasattr(bits, "astype"):
+        bits = np.asarray(bits, dtype=np.uint16)
+    widened = bits.astype(np.uint16, copy=False).astype(np.uint32) << np.uint32(_BF16_SHIFT)
+    return widened.view(np.float32)
 
 
 @dataclass(frozen=True)
@@ -69,7 +113,8 @@ class SafetensorsFile:
         except FileNotFoundError:
             raise ModelLoadError(self.path, "file not found") from None
         if file_bytes < HEADER_LENGTH_BYTES:
-            raise ModelLoadError(self.path, f"truncated: {file_bytes} bytes, too short for a safetensors header")
+            raise ModelLoadError(
+                self.path, f"truncated: {file_bytes} bytes, too short for a safetensors header")
         self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
         header_bytes = int.from_bytes(self._map[:HEADER_LENGTH_BYTES].tobytes(), "little")
         if header_bytes > MAX_HEADER_BYTES or HEADER_LENGTH_BYTES + header_bytes > file_bytes:
@@ -110,14 +155,15 @@ class SafetensorsFile:
             raise bad(f"dtype {dtype!r}")
         if not isinstance(shape, list) or not all(_is_index(d) for d in shape):
             raise bad(f"shape {shape!r}")
-        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_index(o) for o in offsets)
-                or offsets[0] > offsets[1]):
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(_is_index(o) for o in offsets) or offsets[0] > offsets[1]):
             raise bad(f"data_offsets {offsets!r}")
         begin, end = offsets
         if dtype in _DISK_DTYPES:
             expected_bytes = math.prod(shape) * _DISK_DTYPES[dtype].itemsize
             if end - begin != expected_bytes:
-                raise bad(f"{end - begin} bytes for shape {shape} of {dtype} (expected {expected_bytes})")
+                raise bad(f"{end - begin} bytes for shape {shape} of {dtype} "
+                          f"(expected {expected_bytes})")
         return TensorInfo(self.path, dtype, tuple(shape), begin, end)
 
     def read(self, name: str, dtype: np.dtype, index=None) -> np.ndarray:
@@ -130,12 +176,12 @@ class SafetensorsFile:
                 tensor=name,
             )
         start = self._data_start + info.begin
-        raw = self._map[start:self._data_start + info.end].view(_DISK_DTYPES[info.dtype]).reshape(info.shape)
+        raw = (self._map[start:self._data_start + info.end]
+               .view(_DISK_DTYPES[info.dtype]).reshape(info.shape))
         if index is not None:
             raw = raw[index]
         if info.dtype == _BF16:
-            widened = (raw.astype(np.uint32) << _BF16_SHIFT_BITS).view(np.float32)
-            return np.ascontiguousarray(widened, dtype=dtype)
+            return np.ascontiguousarray(from_bf16_bits(raw), dtype=dtype)
         return np.array(raw, dtype=dtype, order="C", copy=True)
 
 
@@ -174,11 +220,14 @@ class SafetensorsCheckpoint:
             if file_name not in self._files:
                 shard_path = self.model_dir / file_name
                 if not shard_path.is_file():
-                    raise ModelLoadError(shard_path, f"shard listed in {index_path.name} not found", tensor=name)
+                    raise ModelLoadError(shard_path, f"shard listed in {index_path.name} not found",
+                                         tensor=name)
                 self._files[file_name] = SafetensorsFile(shard_path)
             shard = self._files[file_name]
             if name not in shard.tensors:
-                raise ModelLoadError(shard.path, f"listed in {index_path.name} but not in this shard", tensor=name)
+                raise ModelLoadError(shard.path,
+                                     f"listed in {index_path.name} but not in this shard",
+                                     tensor=name)
             self._file_by_tensor[name] = shard
 
     def names(self) -> list[str]:
@@ -206,7 +255,9 @@ class SafetensorsCheckpoint:
         shape = shard.tensors[name].shape
         if expected_shape is not None and shape != tuple(expected_shape):
             raise ModelLoadError(
-                shard.path, f"shape {list(shape)} does not match the config's {list(expected_shape)}", tensor=name
+                shard.path,
+                f"shape {list(shape)} does not match the config's {list(expected_shape)}",
+                tensor=name,
             )
         return shard.read(name, np.dtype(dtype), index)
 
@@ -225,9 +276,10 @@ class LayerWeights:
     k_proj: np.ndarray                    # [num_key_value_heads * head_dim, hidden_size]
     v_proj: np.ndarray                    # [num_key_value_heads * head_dim, hidden_size]
     o_proj: np.ndarray                    # [hidden_size, num_attention_heads * head_dim]
-    q_bias: np.ndarray | None             # [num_attention_heads * head_dim] if config.attention_bias
-    k_bias: np.ndarray | None             # [num_key_value_heads * head_dim] if config.attention_bias
-    v_bias: np.ndarray | None             # [num_key_value_heads * head_dim] if config.attention_bias
+    # The biases are present if config.attention_bias, else None.
+    q_bias: np.ndarray | None             # [num_attention_heads * head_dim]
+    k_bias: np.ndarray | None             # [num_key_value_heads * head_dim]
+    v_bias: np.ndarray | None             # [num_key_value_heads * head_dim]
     o_bias: np.ndarray | None             # [hidden_size] if config.o_proj_bias
     post_attention_layernorm: np.ndarray  # [hidden_size]
     gate_proj: np.ndarray                 # [intermediate_size, hidden_size]

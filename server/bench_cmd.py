@@ -19,10 +19,12 @@ FIRST_PLAIN_TOKEN_ID = 3
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
+    from pagedrun.server.protocol import DEFAULT_HOST, DEFAULT_PORT
+
     p = subparsers.add_parser("bench", help="load-test a running server",
                               description=__doc__.split("\n\n")[1].replace("\n", " "))
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=5555)
+    p.add_argument("--host", default=DEFAULT_HOST)
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--endpoint", default=None, help="full ZeroMQ endpoint (overrides host/port)")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--request-rate", type=float, default=float("inf"),

@@ -13,19 +13,24 @@ import sys
 EXIT_COMMANDS = ("/exit", "/quit")
 RESET_COMMAND = "/reset"
 PROMPT = "> "
+# --in-process sizes its engine for a chat session, not EngineConfig's model-wide default.
+IN_PROCESS_MAX_MODEL_LEN = 2048
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
+    from pagedrun.runtime.engine_config import DEVICES, EngineConfig
+    from pagedrun.server.protocol import DEFAULT_HOST, DEFAULT_PORT
+
     p = subparsers.add_parser("chat", help="interactive streaming chat (server or in-process)",
                               description=__doc__.split("\n\n")[1].replace("\n", " "))
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=5555)
+    p.add_argument("--host", default=DEFAULT_HOST)
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--endpoint", default=None, help="full ZeroMQ endpoint (overrides host/port)")
     p.add_argument("--in-process", action="store_true",
                    help="load the model here instead of connecting to a server")
     p.add_argument("--model", default=None, help="with --in-process: model dir or .gguf")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "sim", "cuda"))
-    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--device", default=EngineConfig().device, choices=DEVICES)
+    p.add_argument("--max-model-len", type=int, default=IN_PROCESS_MAX_MODEL_LEN)
     p.add_argument("-p", "--prompt", default=None, help="ask one question and exit")
     p.add_argument("--system", default=None, help="system message")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -38,11 +43,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def _start_in_process(args):
     from pagedrun.runtime.engine import LLMEngine
     from pagedrun.runtime.engine_config import EngineConfig
+    from pagedrun.server.protocol import DEFAULT_HOST
     from pagedrun.server.server import Server, ServerConfig
 
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device,
                                     max_model_len=args.max_model_len))
-    server = Server(engine, ServerConfig(endpoint="tcp://127.0.0.1:*"))
+    server = Server(engine, ServerConfig(endpoint=f"tcp://{DEFAULT_HOST}:*"))  # any free port
     return server, server.start()
 
 

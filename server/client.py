@@ -20,7 +20,7 @@ from pagedrun.runtime.outputs import Logprob
 from pagedrun.server.auth import apply_curve_client
 from pagedrun.server.protocol import MsgType, encode, decode_reply
 
-DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
+from pagedrun.server.protocol import DEFAULT_ENDPOINT  # re-exported: the one default
 # Well under the server's default 30 s lease, so two lost PINGs in a row are still fine.
 DEFAULT_HEARTBEAT_S = 5.0
 HEARTBEAT_PREFIX = "_hb"

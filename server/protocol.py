@@ -22,6 +22,12 @@ PROTOCOL_VERSION = 1
 PROTOCOL_REVISION = "1.1"
 HEADER_BYTES = 2
 
+# Where a server listens and a client connects when told nothing else (docs/protocol.md:
+# loopback only). The CLI's --host/--port defaults (serve, chat, bench) are these too.
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 5555
+DEFAULT_ENDPOINT = f"tcp://{DEFAULT_HOST}:{DEFAULT_PORT}"
+
 # Default limit on one message body. A 1 MiB body holds a prompt of ~100k tokens as msgpack ints,
 # well past any max_model_len we serve on CPU; larger bodies are answered `message_too_large`.
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20

@@ -9,11 +9,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 5555
-
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
+    # Defaults come from their one definition: the engine's from EngineConfig, the address from
+    # the protocol module (both light: dataclasses; msgpack).
+    from pagedrun.runtime.engine_config import BLOCK_SIZES, DEVICES, DTYPES, EngineConfig
+    from pagedrun.server.protocol import DEFAULT_HOST, DEFAULT_PORT
+
+    engine = EngineConfig()
     p = subparsers.add_parser(
         "serve", help="serve a model over ZeroMQ (docs/protocol.md)",
         description="Load MODEL (a Hugging Face directory or .gguf; default: the embedded "
@@ -26,33 +29,36 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     net.add_argument("--endpoint", default=None,
                      help="full ZeroMQ endpoint instead of host/port, e.g. ipc:///tmp/pr.sock")
     eng = p.add_argument_group("engine (vLLM names)")
-    eng.add_argument("--device", default="auto", choices=("auto", "cpu", "sim", "cuda"))
-    eng.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+    eng.add_argument("--device", default=engine.device, choices=DEVICES)
+    eng.add_argument("--dtype", default=engine.dtype, choices=DTYPES,
                      help="auto: float32 on cpu, bfloat16 on cuda")
-    eng.add_argument("--tensor-parallel-size", type=int, default=1)
-    eng.add_argument("--nnodes", type=int, default=1,
+    eng.add_argument("--tensor-parallel-size", type=int, default=engine.tensor_parallel_size)
+    eng.add_argument("--nnodes", type=int, default=engine.nnodes,
                      help="tensor parallel over this many nodes (tp/nnodes ranks on each)")
     eng.add_argument("--node-rank", type=int, default=0,
                      help="this node's index; > 0 runs headless workers that join node 0")
-    eng.add_argument("--master-addr", default=None, metavar="HOST:PORT",
+    eng.add_argument("--master-addr", default=engine.master_addr, metavar="HOST:PORT",
                      help="node 0's tensor-parallel control address (all nodes give the same)")
-    eng.add_argument("--max-model-len", type=int, default=None)
-    eng.add_argument("--gpu-memory-utilization", type=float, default=0.90)
-    eng.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32, 64))
-    eng.add_argument("--max-num-seqs", type=int, default=256)
-    eng.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    eng.add_argument("--enable-prefix-caching", default=True,
+    eng.add_argument("--max-model-len", type=int, default=engine.max_model_len)
+    eng.add_argument("--gpu-memory-utilization", type=float,
+                     default=engine.gpu_memory_utilization)
+    eng.add_argument("--block-size", type=int, default=engine.block_size, choices=BLOCK_SIZES)
+    eng.add_argument("--max-num-seqs", type=int, default=engine.max_num_seqs)
+    eng.add_argument("--max-num-batched-tokens", type=int,
+                     default=engine.max_num_batched_tokens)
+    eng.add_argument("--enable-prefix-caching", default=engine.enable_prefix_caching,
                      action=argparse.BooleanOptionalAction)
-    eng.add_argument("--num-kv-blocks", type=int, default=None,
+    eng.add_argument("--num-kv-blocks", type=int, default=engine.num_kv_blocks,
                      help="explicit KV capacity in blocks (default: from the memory budget)")
-    eng.add_argument("--seed", type=int, default=0)
+    eng.add_argument("--seed", type=int, default=engine.seed)
+    # None: ServerConfig's default (server/server.py imports zmq, too slow for `--help`).
     srv = p.add_argument_group("server")
-    srv.add_argument("--max-queued-requests", type=int, default=1024,
+    srv.add_argument("--max-queued-requests", type=int, default=None,
                      help="requests in flight before new ones get `overloaded`")
-    srv.add_argument("--max-message-bytes", type=int, default=1 << 20)
-    srv.add_argument("--lease-s", type=float, default=30.0,
+    srv.add_argument("--max-message-bytes", type=int, default=None)
+    srv.add_argument("--lease-s", type=float, default=None,
                      help="a client with requests in flight must send something this often")
-    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+    srv.add_argument("--shutdown-timeout", type=float, default=None,
                      help="on SIGINT/SIGTERM, let in-flight requests finish this long, "
                      "then abort them")
     srv.add_argument("--curve-secret-key", default=None, metavar="FILE",
@@ -81,10 +87,11 @@ def server_config_from_args(args):
             raise SystemExit("paged-run serve: --curve-secret-key and --curve-allowed-clients "
                              "go together")
         curve = CurveConfig(args.curve_secret_key, args.curve_allowed_clients)
-    return ServerConfig(endpoint=endpoint_from_args(args),
-                        max_message_bytes=args.max_message_bytes,
-                        max_queued_requests=args.max_queued_requests, lease_s=args.lease_s,
-                        shutdown_timeout_s=args.shutdown_timeout, curve=curve)
+    given = {"max_message_bytes": args.max_message_bytes,
+             "max_queued_requests": args.max_queued_requests, "lease_s": args.lease_s,
+             "shutdown_timeout_s": args.shutdown_timeout}
+    return ServerConfig(endpoint=endpoint_from_args(args), curve=curve,
+                        **{name: value for name, value in given.items() if value is not None})
 
 
 def build_engine(args):

@@ -32,7 +32,7 @@ from pagedrun.server.validation import (GenerateRequest, ModelLimits, check_fiel
 
 log = logging.getLogger("pagedrun.server")
 
-DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
+from pagedrun.server.protocol import DEFAULT_ENDPOINT  # re-exported: the one default
 # Poll timeout: bounds how late a lease sweep or a shutdown request is noticed.
 POLL_INTERVAL_S = 0.1
 # Messages read per loop turn before engine events get a turn, so a flood cannot starve replies.

@@ -1,4 +1,5 @@
-"""numpy backend: the CPU ops of the paged forward, and the reference every CUDA kernel is tested against.
+"""numpy backend: the CPU ops of the paged forward, and the reference every CUDA kernel is tested
+against.
 
 Each op takes exactly what its kernel takes: the same arguments, the same KV cache layout, the
 same `slot_mapping` / `block_tables` conventions as the scheduler's `SchedulerOutput`.
@@ -20,15 +21,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from pagedrun.runtime.rope import apply_rotary, build_cos_sin_cache, rope_inv_freq  # noqa: F401
+from pagedrun.runtime.weights import from_bf16_bits, to_bf16_bits
+
 # Query rows handled per matmul in the attention ops: bounds the score matrix to
 # num_heads * QUERY_CHUNK_TOKENS * context_len floats, so a long prefill does not allocate
 # gigabytes for scores at once.
 QUERY_CHUNK_TOKENS = 256
-
-# bfloat16 is the upper half of a float32: 16 low mantissa bits are dropped.
-_BF16_DROPPED_BITS = 16
-_BF16_ROUND_BIAS = 0x7FFF  # plus the kept lsb gives round-half-to-even
-_BF16_KEEP_MASK = np.uint32(0xFFFF0000)
 
 
 # --------------------------------------------------------------------------------- dtypes
@@ -45,74 +44,18 @@ def _out_dtype(x: np.ndarray) -> np.dtype:
 def round_to_bf16(x: np.ndarray) -> np.ndarray:
     """Round float32 values to the nearest bfloat16 (round half to even); returns float32.
 
-    NaN stays NaN, +-inf stays inf, finite values past the bf16 max overflow to inf as a bf16
-    store does.
+    NaN stays a quiet NaN (sign kept), +-inf stays inf, finite values past the bf16 max overflow
+    to inf as a bf16 store does: weights.to_bf16_bits' rules, the one bf16 rounding.
     """
-    x32 = np.ascontiguousarray(x, dtype=np.float32)
-    bits = x32.view(np.uint32)
-    lsb = (bits >> np.uint32(_BF16_DROPPED_BITS)) & np.uint32(1)
-    rounded = ((bits + np.uint32(_BF16_ROUND_BIAS) + lsb) & _BF16_KEEP_MASK).view(np.float32)
-    # The bias can carry a NaN's mantissa into the exponent and yield inf: keep NaN explicitly.
-    return np.where(np.isnan(x32), np.float32(np.nan), rounded).astype(np.float32)
+    return from_bf16_bits(to_bf16_bits(x))
 
 
 # --------------------------------------------------------------------------------- rotary
 
-def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None = None) -> np.ndarray:
-    """Rotary inverse frequencies [head_dim // 2] float32, with HF `rope_scaling` applied.
-
-    Base: inv_freq[i] = 1 / theta ** (2i / head_dim), computed in float32 as HF does.
-    Supported `rope_scaling` types ("rope_type" or legacy "type"): None/"default", "linear"
-    (divide by factor), "llama3" (Llama 3.1 wavelength-banded scaling). Others raise
-    NotImplementedError rather than silently serving a wrong model.
-    """
-    if head_dim % 2:
-        raise ValueError(f"head_dim must be even, got {head_dim}")
-    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
-    inv_freq = (np.float32(1.0) / (np.float32(rope_theta) ** exponents)).astype(np.float32)
-    if not rope_scaling:
-        return inv_freq
-    kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-    if kind == "default":
-        return inv_freq
-    factor = float(rope_scaling["factor"])
-    if kind == "linear":
-        return (inv_freq / np.float32(factor)).astype(np.float32)
-    if kind == "llama3":
-        low_freq_factor = float(rope_scaling["low_freq_factor"])
-        high_freq_factor = float(rope_scaling["high_freq_factor"])
-        original_len = float(rope_scaling["original_max_position_embeddings"])
-        wavelen = 2.0 * np.pi / inv_freq.astype(np.float64)
-        low_freq_wavelen = original_len / low_freq_factor  # longer waves than this: divide by factor
-        high_freq_wavelen = original_len / high_freq_factor  # shorter waves: unchanged
-        smooth = (original_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-        base = inv_freq.astype(np.float64)
-        scaled = np.where(wavelen > low_freq_wavelen, base / factor, base)
-        in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-        blended = (1.0 - smooth) * scaled / factor + smooth * scaled
-        return np.where(in_band, blended, scaled).astype(np.float32)
-    raise NotImplementedError(f"rope_scaling type {kind!r} is not supported")
-
-
-def build_cos_sin_cache(inv_freq: np.ndarray, max_position: int) -> np.ndarray:
-    """cos/sin table [max_position, head_dim] float32: row p = [cos(p*f_0..), sin(p*f_0..)].
-
-    inv_freq: [head_dim // 2] float32 (scaling already applied, see `rope_inv_freq`).
-    The angle p * f is formed in float32 (one correctly rounded multiply, as HF forms it), then
-    cos/sin are evaluated in float64 and rounded once to float32.
-    """
-    inv_freq32 = _f32(inv_freq).reshape(-1)
-    angles = np.arange(max_position, dtype=np.float32)[:, None] * inv_freq32[None, :]
-    angles64 = angles.astype(np.float64)
-    return np.concatenate([np.cos(angles64), np.sin(angles64)], axis=1).astype(np.float32)
-
-
-def _rotate_neox(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """HF rotate_half convention: pairs (i, i + d/2). x: [T, heads, d] f32; cos/sin: [T, d/2]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+# The frequencies, the cos/sin table and the rotation are runtime/rope.py's (one implementation,
+# shared with the reference forward and the paged model); re-exported here for the kernel tests.
+# rope_inv_freq(head_dim, theta, rope_scaling) -> [head_dim // 2]; build_cos_sin_cache(inv_freq,
+# max_position) -> [max_position, head_dim] float32 rows [cos | sin].
 
 
 def rotary_embedding_and_cache_write(
@@ -150,8 +93,8 @@ def rotary_embedding_and_cache_write(
     half = head_dim // 2
     table = _f32(cos_sin_cache)[positions]
     cos, sin = table[:, :half], table[:, half:]
-    q_rot = _rotate_neox(_f32(q), cos, sin).astype(_out_dtype(q))
-    k_rot = _rotate_neox(_f32(k), cos, sin).astype(_out_dtype(k))
+    q_rot = apply_rotary(_f32(q), cos, sin).astype(_out_dtype(q))
+    k_rot = apply_rotary(_f32(k), cos, sin).astype(_out_dtype(k))
 
     num_blocks, block_size = k_cache.shape[:2]
     valid = slot_mapping >= 0
@@ -176,7 +119,8 @@ def _check_block_ids(block_ids: np.ndarray, num_blocks: int, what: str) -> None:
 
 
 def _gather_context(cache: np.ndarray, block_table_row: np.ndarray, context_len: int) -> np.ndarray:
-    """K or V of the first context_len tokens of one request, [context_len, num_kv_heads, head_dim] f32.
+    """K or V of the first context_len tokens of one request, [context_len, num_kv_heads, head_dim]
+    f32.
 
     Only slots < context_len are touched: the padding of the block table and the tail of the
     last block are never read.
@@ -195,9 +139,9 @@ def _attend(q_rows: np.ndarray, k_ctx: np.ndarray, v_ctx: np.ndarray, first_quer
             scale: float) -> np.ndarray:
     """Causal attention of one request's query rows over its gathered context.
 
-    q_rows: [query_len, num_heads, head_dim] f32; k_ctx, v_ctx: [context_len, num_kv_heads, head_dim]
-    f32. Query row j sits at position first_query_pos + j and sees context positions <= it.
-    Returns [query_len, num_heads, head_dim] f32.
+    q_rows: [query_len, num_heads, head_dim] f32; k_ctx, v_ctx: [context_len, num_kv_heads,
+    head_dim] f32. Query row j sits at position first_query_pos + j and sees context positions
+    <= it. Returns [query_len, num_heads, head_dim] f32.
     """
     query_len, num_heads, head_dim = q_rows.shape
     context_len, num_kv_heads = k_ctx.shape[:2]
@@ -222,8 +166,9 @@ def _attend(q_rows: np.ndarray, k_ctx: np.ndarray, v_ctx: np.ndarray, first_quer
         scores -= scores.max(axis=-1, keepdims=True)
         probs = np.exp(scores)
         probs /= probs.sum(axis=-1, keepdims=True)
-        out[:, :, start:stop] = (probs.reshape(num_kv_heads, group * rows, num_visible)
-                                 @ v_g[:, :num_visible]).reshape(num_kv_heads, group, rows, head_dim)
+        out[:, :, start:stop] = (
+            probs.reshape(num_kv_heads, group * rows, num_visible) @ v_g[:, :num_visible]
+        ).reshape(num_kv_heads, group, rows, head_dim)
     return out.transpose(2, 0, 1, 3).reshape(query_len, num_heads, head_dim)
 
 

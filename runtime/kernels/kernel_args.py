@@ -3,7 +3,7 @@
 The wrappers receive numpy arrays under the CPU harness and cupy arrays on a GPU; nothing here
 branches on the backend except `array_module`. bf16 tensors travel as uint16 arrays of raw
 bf16 bits (neither numpy nor cupy has a bfloat16 dtype); `to_bf16_bits` / `from_bf16_bits`
-convert at the edges.
+(runtime/weights.py's, the one float32 <-> bf16 conversion) convert at the edges.
 """
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import functools
 import numpy as np
 
 from pagedrun.runtime.errors import PagedRunError
+# The one float32 <-> bf16 conversion (runtime/weights.py), re-exported for the kernel wrappers.
+from pagedrun.runtime.weights import from_bf16_bits, to_bf16_bits  # noqa: F401
 
 # Kernel dtype suffix per array dtype (the `_<dtype>` part of the extern "C" names).
 _DTYPE_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
                  np.dtype(np.uint16): "bf16"}
 
-# bf16 is the upper half of a float32.
-_BF16_SHIFT = 16
 # The CPU harness runs blocks one at a time; this only shapes the launch plans there.
 SIM_NUM_SMS = 4
 
@@ -87,19 +87,3 @@ def ceil_div(a: int, b: int) -> int:
 def log2_exact(value: int, name: str) -> int:
     require(value > 0 and value & (value - 1) == 0, f"{name} {value} is not a power of two")
     return value.bit_length() - 1
-
-
-def to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 values -> uint16 bf16 bits, round half to even (NaN stays NaN)."""
-    x32 = np.ascontiguousarray(x, dtype=np.float32)
-    bits = x32.view(np.uint32)
-    rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(_BF16_SHIFT)) & np.uint32(1))
-    out = (rounded >> np.uint32(_BF16_SHIFT)).astype(np.uint16)
-    return np.where(np.isnan(x32), np.uint16(0x7FC0), out).astype(np.uint16)
-
-
-def from_bf16_bits(bits):
-    """uint16 bf16 bits -> float32 values (exact); numpy in, numpy out; cupy in, cupy out."""
-    xp = array_module(bits)
-    return (xp.asarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(_BF16_SHIFT)).view(
-        np.float32)

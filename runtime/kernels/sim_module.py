@@ -13,11 +13,11 @@ exact dtype (np.int32 for `int`, np.float32 for `float`, ...). A wrong count or 
 TypeError before anything runs. A kernel-side error (deadlock, mask violation, misaligned
 ldmatrix, shared-memory overflow, ...) raises SimKernelError naming kernel, block and thread.
 
-Builds are cached in $XDG_CACHE_HOME/pagedrun/sim (default ~/.cache/pagedrun/sim), keyed by
-the hash of the preprocessed source, the flags and the compiler. If the process runs under
-AddressSanitizer or ThreadSanitizer (libasan / libtsan preloaded, as scripts/ci_sanitizers.sh
-does), modules are built with the matching -fsanitize flags, so the same tests exercise the
-sanitizers without any switch in the code under test.
+Builds are cached in runtime/paths.sim_cache_dir() ($XDG_CACHE_HOME/pagedrun/sim, default
+~/.cache/pagedrun/sim), keyed by the hash of the preprocessed source, the flags and the
+compiler. If the process runs under AddressSanitizer or ThreadSanitizer (libasan / libtsan
+preloaded, as scripts/ci_sanitizers.sh does), modules are built with the matching -fsanitize
+flags, so the same tests exercise the sanitizers without any switch in the code under test.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
+
+from pagedrun.runtime.paths import sim_cache_dir
 
 CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
 SIM_DIR = CUDA_DIR / "sim"
@@ -84,8 +86,8 @@ def sanitizer_mode() -> str:
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    path = Path(base) / "pagedrun" / "sim"
+    """The harness's build cache (runtime/paths.sim_cache_dir), created if missing."""
+    path = sim_cache_dir()
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedrun.runtime.model_config import ModelConfig
-from pagedrun.runtime.reference import rope_cos_sin
+from pagedrun.runtime.rope import build_cos_sin_cache, model_inv_freq
 from pagedrun.runtime.weights import ModelWeights
 
 
@@ -61,15 +61,9 @@ def _f32(x: np.ndarray | None) -> np.ndarray | None:
     return None if x is None else np.ascontiguousarray(x, dtype=np.float32)
 
 
-def build_cos_sin_cache(config: ModelConfig, max_position: int) -> np.ndarray:
-    """[max_position, head_dim] float32 rows [cos | sin], from the reference's float64 angles
-    (so the paged forward rotates by exactly the reference's angles, Llama 3 scaling included)."""
-    cos, sin = rope_cos_sin(config, np.arange(max_position))
-    return np.concatenate([cos, sin], axis=1).astype(np.float32)
-
-
 class LlamaModel:
-    """The decoder stack and the LM head; stateless apart from weights (the KV cache is passed in)."""
+    """The decoder stack and the LM head; stateless apart from weights (the KV cache is passed
+    in)."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, ops, max_position: int) -> None:
         self.config = config
@@ -92,7 +86,9 @@ class LlamaModel:
             ))
         self.norm = _f32(weights.norm)
         self.lm_head_t = _t(weights.lm_head)  # [hidden, vocab]
-        self.cos_sin_cache = build_cos_sin_cache(config, max_position)
+        # [max_position, head_dim] float32 rows [cos | sin]: the reference's float64 angles
+        # (runtime/rope.py), so the paged forward rotates exactly as the reference does.
+        self.cos_sin_cache = build_cos_sin_cache(model_inv_freq(config), max_position)
         self.scale = float(config.head_dim) ** -0.5
 
     def forward(self, token_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
@@ -115,7 +111,8 @@ class LlamaModel:
                 residual = x
                 h = ops.rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             else:
-                h, residual = ops.fused_add_rms_norm(x, residual, layer.input_norm, cfg.rms_norm_eps)
+                h, residual = ops.fused_add_rms_norm(x, residual, layer.input_norm,
+                                                     cfg.rms_norm_eps)
             qkv = ops.linear(h, layer.qkv_t.T, layer.qkv_bias)
             q = qkv[:, :q_size].reshape(num_tokens, cfg.num_attention_heads, cfg.head_dim)
             k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, cfg.num_key_value_heads,

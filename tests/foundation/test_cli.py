@@ -21,7 +21,8 @@ needs_default_model = pytest.mark.skipif(
 GENERATE_TIMEOUT_S = 300   # the first run converts the default model (about 10 s on 2 cores)
 
 
-def run_cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_cli(*args: str, env: dict | None = None,
+            timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "pagedrun", *args], capture_output=True, text=True,
         timeout=timeout, env=None if env is None else {**os.environ, **env},
@@ -60,9 +61,11 @@ def test_no_command_is_a_usage_error():
 def test_importing_the_cli_imports_no_heavy_module():
     # Start-up stays fast only if parsing arguments needs nothing heavy.
     code = ("import sys, pagedrun.server.cli as c; c.build_parser(); "
-            "print(sorted(m for m in ('numpy', 'tokenizers', 'jinja2', 'gguf', 'safetensors', 'cupy') "
+            "print(sorted(m for m in "
+            "('numpy', 'tokenizers', 'jinja2', 'gguf', 'safetensors', 'cupy') "
             "if m in sys.modules))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
 
@@ -70,7 +73,8 @@ def test_importing_the_cli_imports_no_heavy_module():
 def test_env_reports_versions_and_cache_dir(tmp_path):
     result = run_cli("env", env={"XDG_CACHE_HOME": str(tmp_path)})
     assert result.returncode == 0, result.stderr
-    for word in ("python", "numpy", "tokenizers", "gguf", "cupy", "devices" if "not importable" in result.stdout else "nvrtc"):
+    device_word = "devices" if "not importable" in result.stdout else "nvrtc"
+    for word in ("python", "numpy", "tokenizers", "gguf", "cupy", device_word):
         assert word in result.stdout
     assert str(tmp_path / "pagedrun") in result.stdout
 
@@ -80,13 +84,13 @@ def test_convert_then_generate_from_the_directory(tmp_path):
     result = run_cli("convert", str(tiny.path), str(tmp_path / "hf"), "--quiet")
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "hf" / "model.safetensors").is_file()
-    result = run_cli("generate", "hello world", "--model", str(tmp_path / "hf"), "--max-tokens", "6",
-                     "--ignore-eos")
+    result = run_cli("generate", "hello world", "--model", str(tmp_path / "hf"),
+                     "--max-tokens", "6", "--ignore-eos")
     assert result.returncode == 0, result.stderr
     assert result.stdout.endswith("\n")
     # Chat template applied (the tiny model has one) and --no-chat both run.
-    result = run_cli("generate", "hello", "--model", str(tmp_path / "hf"), "--max-tokens", "3", "--no-chat",
-                     "--temperature", "0.8", "--seed", "1")
+    result = run_cli("generate", "hello", "--model", str(tmp_path / "hf"), "--max-tokens", "3",
+                     "--no-chat", "--temperature", "0.8", "--seed", "1")
     assert result.returncode == 0, result.stderr
 
 
@@ -119,11 +123,13 @@ def test_threads_option_reaches_blas(tmp_path):
     assert run_cli("convert", str(tiny.path), str(model_dir), "--quiet").returncode == 0
     # In-process check of the mechanism: set before numpy, visible to the BLAS library.
     check = subprocess.run([sys.executable, "-c",
-                            "import os, sys; from pagedrun.server import cli; cli.limit_blas_threads(1); "
+                            "import os, sys; from pagedrun.server import cli; "
+                            "cli.limit_blas_threads(1); "
                             "import numpy; print(os.environ['OPENBLAS_NUM_THREADS'])"],
                            capture_output=True, text=True, timeout=60)
     assert check.stdout.strip() == "1", check.stderr
-    result = run_cli("generate", "hello", "--model", str(model_dir), "--max-tokens", "3", "--threads", "1")
+    result = run_cli("generate", "hello", "--model", str(model_dir), "--max-tokens", "3",
+                     "--threads", "1")
     assert result.returncode == 0, result.stderr
 
 
@@ -135,7 +141,8 @@ def test_headline_capital_of_france():
 
 
 def test_streaming_loop_picks_what_greedy_generate_picks(tmp_path):
-    # The CLI streams through the paged engine; greedy it must equal the reference's greedy_generate.
+    # The CLI streams through the paged engine; greedy it must equal the reference's
+    # greedy_generate.
     from pagedrun.runtime.gguf_convert import convert_gguf
     from pagedrun.runtime.model_config import ModelConfig
     from pagedrun.runtime.reference import ReferenceModel
