@@ -165,7 +165,8 @@ def bench_continuous(repeats: int) -> dict:
     continuous_s, static_s = min(continuous), min(static)
     return {
         "requests": CB_REQUESTS, "output_tokens": total_out,
-        "mean_prompt_tokens": float(prompt_lens.mean()), "mean_output_tokens": float(output_lens.mean()),
+        "mean_prompt_tokens": float(prompt_lens.mean()),
+        "mean_output_tokens": float(output_lens.mean()),
         "max_output_tokens": int(output_lens.max()),
         "kv_blocks": num_blocks, "kv_tokens": num_blocks * BLOCK_SIZE,
         "static_batch_size": CB_STATIC_BATCH, "max_model_len": CB_MAX_MODEL_LEN,

@@ -170,7 +170,8 @@ def main() -> None:
                  "mixed_stat": f"mean over the trace, best of {REPEATS} runs",
                  "mixed_steps": mixed_steps,
                  "mixed_budget": MIXED_BUDGET, "mixed_num_blocks": MIXED_NUM_BLOCKS,
-                 "python": platform.python_version(), "machine": platform.processor() or platform.machine()},
+                 "python": platform.python_version(),
+                 "machine": platform.processor() or platform.machine()},
     }
     if not args.json:
         for case in us:

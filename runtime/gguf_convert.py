@@ -182,8 +182,10 @@ def _rope_scaling(meta: GGUFMetadata) -> dict | None:
     if kind in (None, "none"):
         return None
     if kind == "linear":
-        return {"type": "linear", "rope_type": "linear", "factor": float(meta.require_arch("rope.scaling.factor"))}
-    raise ModelLoadError(meta.path, f"rope scaling {kind!r} is not supported", field="rope.scaling.type")
+        return {"type": "linear", "rope_type": "linear",
+                "factor": float(meta.require_arch("rope.scaling.factor"))}
+    raise ModelLoadError(meta.path, f"rope scaling {kind!r} is not supported",
+                         field="rope.scaling.type")
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
@@ -275,10 +277,12 @@ def build_tokenizer(meta: GGUFMetadata) -> Any:
             "SentencePiece BPE 'llama')", field="tokenizer.ggml.model",
         )
     tokens = _token_strings(meta)
-    token_types = [int(t) for t in meta.get("tokenizer.ggml.token_type", [TOKEN_TYPE_NORMAL] * len(tokens))]
+    token_types = [int(t) for t in meta.get("tokenizer.ggml.token_type",
+                                            [TOKEN_TYPE_NORMAL] * len(tokens))]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if len(vocab) != len(tokens):
-        raise ModelLoadError(meta.path, "duplicate tokens in vocabulary", field="tokenizer.ggml.tokens")
+        raise ModelLoadError(meta.path, "duplicate tokens in vocabulary",
+                             field="tokenizer.ggml.tokens")
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
     unk_token = None if unk_id is None else tokens[int(unk_id)]
     if kind == "gpt2":
@@ -293,7 +297,8 @@ def build_tokenizer(meta: GGUFMetadata) -> Any:
         if scores is None:
             raise ModelLoadError(meta.path, "missing GGUF metadata", field="tokenizer.ggml.scores")
         tokenizer = Tokenizer(models.BPE(
-            vocab=vocab, merges=sentencepiece_merges(tokens, [float(x) for x in scores], token_types),
+            vocab=vocab,
+            merges=sentencepiece_merges(tokens, [float(x) for x in scores], token_types),
             unk_token=unk_token, fuse_unk=True, byte_fallback=True,
         ))
         # SentencePiece marks spaces with U+2581 and (add_space_prefix) puts one before the text;
@@ -332,7 +337,8 @@ def build_tokenizer(meta: GGUFMetadata) -> Any:
     return tokenizer
 
 
-def sentencepiece_merges(tokens: list[str], scores: list[float], token_types: list[int]) -> list[tuple[str, str]]:
+def sentencepiece_merges(tokens: list[str], scores: list[float],
+                         token_types: list[int]) -> list[tuple[str, str]]:
     """BPE merges equivalent to SentencePiece BPE's scores.
 
     SentencePiece BPE repeatedly joins the adjacent pair whose joined piece has the highest
@@ -370,7 +376,8 @@ def _pre_tokenizer(meta: GGUFMetadata, pre_tokenizers: Any, Regex: Any) -> Any:
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
     raise ModelLoadError(
-        meta.path, f"pre-tokenizer {name!r} is not supported (supported: {SUPPORTED_PRE_TOKENIZERS})",
+        meta.path,
+        f"pre-tokenizer {name!r} is not supported (supported: {SUPPORTED_PRE_TOKENIZERS})",
         field="tokenizer.ggml.pre",
     )
 
@@ -378,7 +385,8 @@ def _pre_tokenizer(meta: GGUFMetadata, pre_tokenizers: Any, Regex: Any) -> Any:
 def tokenizer_config(meta: GGUFMetadata, context_length: int) -> dict:
     """tokenizer_config.json: special tokens, chat template, BOS/EOS behaviour."""
     tokens = _token_strings(meta)
-    token_types = [int(t) for t in meta.get("tokenizer.ggml.token_type", [TOKEN_TYPE_NORMAL] * len(tokens))]
+    token_types = [int(t) for t in meta.get("tokenizer.ggml.token_type",
+                                            [TOKEN_TYPE_NORMAL] * len(tokens))]
     is_spm = meta.get("tokenizer.ggml.model") == "llama"
 
     def token(key: str) -> str | None:
@@ -436,7 +444,8 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, progress: bool = False) -> Path:
+def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *,
+                 progress: bool = False) -> Path:
     """Convert a GGUF file into a Hugging Face directory at `out_dir` (created if missing).
 
     Writes OUTPUT_FILES; existing files of those names are replaced. Raises ModelLoadError for an
@@ -472,5 +481,6 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, pr
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", generation_config(meta))
     tokenizer.save(str(out_dir / "tokenizer.json"))
-    _write_json(out_dir / "tokenizer_config.json", tokenizer_config(meta, config["max_position_embeddings"]))
+    _write_json(out_dir / "tokenizer_config.json",
+                tokenizer_config(meta, config["max_position_embeddings"]))
     return out_dir

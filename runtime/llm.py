@@ -1,4 +1,5 @@
-"""The offline API with vLLM's names: `LLM(...).generate(prompts, sampling_params)` and `.chat(...)`.
+"""The offline API with vLLM's names: `LLM(...).generate(prompts, sampling_params)` and
+`.chat(...)`.
 
 A thin loop over LLMEngine: add every request, step until all have finished, return one final
 RequestOutput per prompt in input order. Outputs are assembled from the engine's streaming deltas

@@ -129,7 +129,8 @@ class ModelConfig:
         architecture = _architecture(reader)
 
         if reader.optional("hidden_act", str, "silu") != "silu":
-            raise reader.error("hidden_act", f"only 'silu' is supported, got {config['hidden_act']!r}")
+            raise reader.error("hidden_act",
+                               f"only 'silu' is supported, got {config['hidden_act']!r}")
         if reader.optional("mlp_bias", bool, False):
             raise reader.error("mlp_bias", "MLP biases are not supported")
 
@@ -158,7 +159,8 @@ class ModelConfig:
         if architecture == "Qwen2ForCausalLM":
             attention_bias, o_proj_bias = True, False
             if reader.optional("use_sliding_window", bool, False):
-                raise reader.error("use_sliding_window", "Qwen2 sliding-window layers are not supported")
+                raise reader.error("use_sliding_window",
+                                   "Qwen2 sliding-window layers are not supported")
             sliding_window = None
         else:
             attention_bias = reader.optional("attention_bias", bool, False)
@@ -272,7 +274,8 @@ def _architecture(reader: _FieldReader) -> str:
     if len(architectures) != 1 or architectures[0] not in SUPPORTED_ARCHITECTURES:
         raise reader.error(
             "architectures",
-            f"unsupported architecture {architectures!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}",
+            f"unsupported architecture {architectures!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}",
         )
     return architectures[0]
 
@@ -296,9 +299,11 @@ def _rope(reader: _FieldReader) -> tuple[float, RopeScaling | None]:
     if rope_type in _UNSCALED_ROPE_TYPES:
         return float(theta), None
     if rope_type != LLAMA3_ROPE_TYPE:
-        raise reader.error(field, f"unsupported rope type {rope_type!r}; supported: default, llama3")
+        raise reader.error(field,
+                           f"unsupported rope type {rope_type!r}; supported: default, llama3")
     values = {}
-    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+    for key in ("factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings"):
         value = params.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise reader.error(f"{field}.{key}", f"must be a positive number, got {value!r}")

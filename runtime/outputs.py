@@ -14,7 +14,8 @@ class Logprob:
 
     token_id: int
     logprob: float
-    top: dict[int, float] = field(default_factory=dict)  # token id -> logprob (top-k, k = params.logprobs)
+    # token id -> logprob (top-k, k = params.logprobs)
+    top: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -44,7 +44,8 @@ TOP_P_GROWTH = 4
 CANDIDATE_CHUNK = 64
 # Tokens per chunk of the two-level inverse CDF (see _inverse_cdf).
 CDF_CHUNK = 1024
-# Rows sampled together: bounds the [rows, vocab] float32 temporaries (32 x 128k x 4 B = 16 MiB each).
+# Rows sampled together: bounds the [rows, vocab] float32 temporaries
+# (32 x 128k x 4 B = 16 MiB each).
 SAMPLE_ROW_CHUNK = 32
 
 
@@ -127,7 +128,9 @@ def _heaviest(row: np.ndarray, count: int) -> np.ndarray:
         return np.arange(vocab_size)
     num_chunks = vocab_size // CANDIDATE_CHUNK
     if num_chunks >= count:
-        chunk_max = row[:num_chunks * CANDIDATE_CHUNK].reshape(num_chunks, CANDIDATE_CHUNK).max(axis=1)
+        chunk_max = (
+            row[:num_chunks * CANDIDATE_CHUNK].reshape(num_chunks, CANDIDATE_CHUNK).max(axis=1)
+        )
         bound = np.partition(chunk_max, num_chunks - count)[num_chunks - count]
         pool = np.flatnonzero(row >= bound)
     else:
@@ -138,7 +141,10 @@ def _heaviest(row: np.ndarray, count: int) -> np.ndarray:
 
 
 def _top_k_filter(scaled_row: np.ndarray, top_k: int) -> None:
-    """Keep logits >= the k-th largest (ties kept), -inf elsewhere, in place. scaled_row: [vocab]."""
+    """Keep logits >= the k-th largest (ties kept), -inf elsewhere, in place.
+
+    scaled_row: [vocab].
+    """
     if top_k <= 0 or top_k >= scaled_row.shape[0]:
         return
     kth_largest = scaled_row[_heaviest(scaled_row, top_k)].min()
@@ -186,8 +192,9 @@ def _inverse_cdf(weights: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
     if num_chunks * CDF_CHUNK != vocab_size:
         padded = np.zeros((num_rows, num_chunks * CDF_CHUNK), dtype=weights.dtype)
         padded[:, :vocab_size] = weights
-    chunk_cdf = np.cumsum(padded.reshape(num_rows, num_chunks, CDF_CHUNK).sum(axis=2, dtype=np.float64),
-                          axis=1)
+    chunk_cdf = np.cumsum(
+        padded.reshape(num_rows, num_chunks, CDF_CHUNK).sum(axis=2, dtype=np.float64), axis=1
+    )
     targets = uniforms * chunk_cdf[:, -1]
     # The chosen chunk is the first whose cumulative mass exceeds the target.
     chunks = np.minimum((chunk_cdf <= targets[:, None]).sum(axis=1), num_chunks - 1)

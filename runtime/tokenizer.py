@@ -1,4 +1,5 @@
-"""`Tokenizer`: a model directory's tokenizer.json plus its chat template, as transformers uses them.
+"""`Tokenizer`: a model directory's tokenizer.json plus its chat template, as transformers uses
+them.
 
 Owns text <-> token ids for one model: `encode`/`decode` delegate to the `tokenizers` library
 (the post-processor in tokenizer.json decides which special tokens `add_special_tokens=True`
@@ -38,11 +39,13 @@ class ChatTemplateError(PagedRunError, ValueError):
 class Tokenizer:
     """Text <-> token ids and chat formatting for one model directory."""
 
-    def __init__(self, backend: Any, config: dict[str, Any], chat_template: str | None = None) -> None:
+    def __init__(self, backend: Any, config: dict[str, Any],
+                 chat_template: str | None = None) -> None:
         """backend: a `tokenizers.Tokenizer`; config: tokenizer_config.json's contents."""
         self.backend = backend
         self.config = config
-        self.chat_template = chat_template if chat_template is not None else _config_template(config)
+        self.chat_template = (chat_template if chat_template is not None
+                              else _config_template(config))
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> "Tokenizer":

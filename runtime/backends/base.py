@@ -1,6 +1,6 @@
 """The backend seam: everything device-specific, as one object per device, and the factory.
 
-    backend = make_backend(resolve_device("auto"), dtype="auto")  # NumpyBackend | SimBackend | ...
+    backend = make_backend("auto", dtype="auto")   # factory.py: NumpyBackend | SimBackend | ...
     runner = ModelRunner(config, weights, ops=backend, ...)
 
 Above this seam nothing knows which device runs: the engine asks its backend (never a device
@@ -19,15 +19,9 @@ model's float32 numpy arrays and are converted and placed once by the backend. H
 """
 from __future__ import annotations
 
-import logging
 from typing import Callable, Protocol
 
 import numpy as np
-
-from pagedrun.runtime.engine_config import DEVICES
-from pagedrun.runtime.errors import DeviceNotAvailableError
-
-log = logging.getLogger("pagedrun.backends")
 
 # EngineConfig.dtype -> the activation / weight / KV dtype of the kernel backends.
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
@@ -74,53 +68,3 @@ class Backend(Protocol):
                                 context_lens, scale): ...
     def copy_blocks(self, k_caches, v_caches, block_copies) -> None: ...
     def swap_blocks(self, src_caches, dst_caches, block_pairs) -> None: ...
-
-
-def resolve_dtype(device: str, dtype: str) -> str:
-    if dtype == "auto":
-        return AUTO_DTYPE[device]
-    if dtype not in DTYPE_NAMES:
-        raise ValueError(f"dtype must be 'auto' or one of {DTYPE_NAMES}, got {dtype!r}")
-    return dtype
-
-
-def resolve_device(device: str) -> str:
-    """"auto": cuda when CuPy sees a GPU, else cpu. "sim" runs the CUDA kernels on the CPU
-    harness; "cuda" without a usable GPU raises DeviceNotAvailableError."""
-    if device in ("cpu", "sim"):
-        return device
-    if device not in DEVICES:
-        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
-    from .cuda_backend import cuda_available
-
-    if cuda_available():
-        return "cuda"
-    if device == "auto":
-        return "cpu"
-    raise DeviceNotAvailableError(
-        f"device {device!r}: CuPy is not installed or sees no GPU; use device='cpu' (numpy) "
-        "or 'sim' (the CUDA kernels on the CPU harness)")
-
-
-def make_backend(device: str, dtype: str = "auto", *, device_id: int = 0) -> Backend:
-    """The backend of a device ("auto" is resolved first); device_id: the GPU of a cuda rank."""
-    device = resolve_device(device)
-    if device == "cpu":
-        resolved = resolve_dtype(device, dtype)
-        if resolved == "bfloat16":  # bf16 weights on the compiled GEMM
-            from .cpu_bf16_backend import CpuBf16Backend
-
-            return CpuBf16Backend()
-        if resolved == "float16":
-            # numpy's float16 GEMMs are slow: the cpu backend computes float16 in float32.
-            log.warning("dtype float16: the cpu backend runs float32")
-        from .numpy_backend import NumpyBackend
-
-        return NumpyBackend()
-    if device == "sim":
-        from .sim_backend import SimBackend
-
-        return SimBackend(resolve_dtype(device, dtype))
-    from .cuda_backend import CudaBackend
-
-    return CudaBackend(resolve_dtype(device, dtype), device_id=device_id)

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tp_helpers import write_model_dir  # noqa: E402
 
 from pagedrun.pyx.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from pagedrun.runtime.backends.base import make_backend  # noqa: E402
+from pagedrun.runtime.backends import make_backend  # noqa: E402
 from pagedrun.runtime.distributed.executor import TensorParallelExecutor  # noqa: E402
 from pagedrun.runtime.model_config import ModelConfig  # noqa: E402
 from pagedrun.runtime.model_runner import ModelRunner  # noqa: E402

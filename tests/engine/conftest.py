@@ -9,11 +9,22 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from engine_helpers import random_weights, tiny_config  # noqa: E402
+from engine_helpers import ENGINE_BACKENDS, EngineModel, random_weights, tiny_config  # noqa: E402
+
+
+@pytest.fixture(scope="session", params=list(ENGINE_BACKENDS))
+def tiny_model(request):
+    """(ModelConfig, ModelWeights) of the tiny random Llama, once per engine backend: every
+    engine test runs unchanged on the numpy, bf16-cpu and sim backends (make_engine picks the
+    backend the model carries). The sim backend's attention kernels serve head_dim 64 / 128,
+    so its tiny model has head_dim 64 (2 query heads, 1 KV head) instead of 16."""
+    spec = ENGINE_BACKENDS[request.param]
+    config = tiny_config(**spec.model_overrides)
+    return EngineModel(config, random_weights(config), spec)
 
 
 @pytest.fixture(scope="session")
-def tiny_model():
-    """(ModelConfig, ModelWeights) of the tiny random Llama."""
+def tiny_cpu_model():
+    """The tiny random Llama (head_dim 16) for tests about one backend or device resolution."""
     config = tiny_config()
     return config, random_weights(config)

@@ -7,7 +7,10 @@ its argmax constantly, and a greedy comparison would then test float rounding, n
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
+import pytest
 
 from pagedrun.runtime.engine import LLMEngine
 from pagedrun.runtime.model_config import ModelConfig
@@ -73,22 +76,118 @@ def random_weights(config: ModelConfig, seed: int = 0) -> ModelWeights:
 
 
 
+@dataclass(frozen=True)
+class EngineBackend:
+    """One backend the engine tests run on: EngineConfig fields and tiny-model overrides."""
+
+    name: str
+    engine_kwargs: dict = field(default_factory=dict)
+    model_overrides: dict = field(default_factory=dict)
+    # Whether greedy tokens must equal the float32 dense reference (ReferenceModel). bf16 GEMM
+    # inputs move the logits by ~1e-2 relative, so there the oracle is the same backend serving
+    # each request alone: one prefill chunk, no prefix sharing, no preemption -- paging, batch
+    # mixes and chunking must not change a token.
+    exact_reference: bool = True
+    # Logprobs against the float32 reference's log-softmax. bf16 GEMM inputs (relative error
+    # 2^-9) on logits of magnitude ~20 move a logprob by up to ~0.04 (measured 0.038); 0.1 keeps
+    # a real error (a wrong row, a missed penalty: whole units) far outside.
+    logprob_atol: float = 1e-4
+
+
+ENGINE_BACKENDS = {b.name: b for b in (
+    EngineBackend("cpu", {"device": "cpu", "dtype": "float32"}),
+    EngineBackend("cpu-bf16", {"device": "cpu", "dtype": "bfloat16"}, exact_reference=False,
+                  logprob_atol=0.1),
+    EngineBackend("sim", {"device": "sim", "dtype": "float32"},
+                  {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
+                   "intermediate_size": 160}),
+)}
+
+
+class EngineModel(tuple):
+    """(ModelConfig, ModelWeights) that also names the backend its engines run on."""
+
+    def __new__(cls, config, weights, backend: EngineBackend):
+        self = super().__new__(cls, (config, weights))
+        self.backend = backend
+        return self
+
+    def with_config(self, **overrides) -> "EngineModel":
+        """The same weights under a tiny_config with these overrides (and the backend's)."""
+        return EngineModel(tiny_config(**{**self.backend.model_overrides, **overrides}),
+                           self[1], self.backend)
+
+
+def backend_of(model) -> EngineBackend:
+    """The backend a tiny model's engines run on (plain (config, weights) tuples: numpy)."""
+    return getattr(model, "backend", ENGINE_BACKENDS["cpu"])
+
+
+def assert_top_logprobs(top: dict, ref_row: np.ndarray, backend: EngineBackend) -> None:
+    """`top` (token -> logprob, best first) against the reference row's log-softmax: the same
+    tokens in the same order on exact backends; on the others each rank's value within the
+    backend's tolerance of the reference's value at that rank, and each token's reference
+    logprob within tolerance of what was reported (near-ties may swap)."""
+    k = len(top)
+    ref_top = np.argsort(-ref_row, kind="stable")[:k]
+    atol = backend.logprob_atol
+    if backend.exact_reference:
+        assert list(top) == ref_top.tolist()
+    else:
+        assert np.allclose(list(top.values()), ref_row[ref_top], atol=atol)
+    assert np.allclose(list(top.values()), ref_row[list(top)], atol=atol)
+
+
 _REFERENCE_CACHE: dict[tuple, list[int]] = {}
 
 
 def make_engine(model, tokenizer=None, **config) -> LLMEngine:
+    """An engine over an in-memory model, on the model's backend (EngineModel) unless the
+    test names a device. A block size the backend's kernels do not serve skips the test (the
+    refusal itself is tested in test_engine_admission.py)."""
+    from pagedrun.runtime.kernels.kernel_args import UnsupportedKernelShape
+
     model_config, weights = model
+    backend = getattr(model, "backend", None)
+    if backend is not None and "device" not in config:
+        for key, value in backend.engine_kwargs.items():
+            config.setdefault(key, value)
     config.setdefault("device", "cpu")
     config.setdefault("check_invariants", True)
-    return LLMEngine(EngineConfig(**config), model_config=model_config, weights=weights,
-                     tokenizer=tokenizer)
+    try:
+        return LLMEngine(EngineConfig(**config), model_config=model_config, weights=weights,
+                         tokenizer=tokenizer)
+    except UnsupportedKernelShape as exc:
+        if backend is None or "device" in config and backend.engine_kwargs.get(
+                "device") != config["device"]:
+            raise
+        pytest.skip(f"backend {backend.name}: {exc}")
 
 
 def reference_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """The oracle's greedy tokens for `prompt` (see EngineBackend.exact_reference)."""
+    backend = getattr(model, "backend", None)
     key = (id(model[1]), tuple(prompt), max_tokens)
     if key not in _REFERENCE_CACHE:
-        _REFERENCE_CACHE[key] = ReferenceModel(*model).greedy_generate(prompt, max_tokens)
+        if backend is None or backend.exact_reference:
+            _REFERENCE_CACHE[key] = ReferenceModel(*model).greedy_generate(prompt, max_tokens)
+        else:
+            _REFERENCE_CACHE[key] = _solo_greedy(model, prompt, max_tokens)
     return _REFERENCE_CACHE[key]
+
+
+def _solo_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy tokens of `prompt` served alone on the model's backend, the prompt in one chunk."""
+    longest = len(prompt) + max_tokens
+    engine = make_engine(model, block_size=16, max_model_len=max(longest, 16),
+                         num_kv_blocks=-(-longest // 16) + 1, enable_prefix_caching=False,
+                         max_num_batched_tokens=max(longest, 16), max_num_seqs=1)
+    engine.add_request("solo", prompt_token_ids=prompt, sampling_params=greedy(max_tokens))
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            tokens += delta.outputs[0].token_ids
+    return tokens
 
 
 def random_prompts(rng: np.random.Generator, vocab: int, num: int, max_len: int,

@@ -9,7 +9,7 @@ import pytest
 from engine_helpers import greedy, make_engine, run_requests
 
 from pagedrun.pyx import cpu_gemm
-from pagedrun.runtime.backends.base import make_backend
+from pagedrun.runtime.backends import make_backend
 from pagedrun.runtime.backends.cpu_bf16_backend import CpuBf16Backend
 from pagedrun.runtime.backends.numpy_backend import NumpyBackend
 from pagedrun.runtime.model_runner import build_attention_inputs
@@ -139,24 +139,24 @@ BF16_LOGIT_TOLERANCE = 0.05
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_tiny_model_logits_close_to_float32(tiny_model, rng, path):
-    tokens = rng.integers(3, tiny_model[0].vocab_size, 37).tolist()
-    ref = prefill_logits(tiny_model, NumpyBackend(), tokens)
-    got = prefill_logits(tiny_model, CpuBf16Backend(path=path), tokens)
+def test_tiny_model_logits_close_to_float32(tiny_cpu_model, rng, path):
+    tokens = rng.integers(3, tiny_cpu_model[0].vocab_size, 37).tolist()
+    ref = prefill_logits(tiny_cpu_model, NumpyBackend(), tokens)
+    got = prefill_logits(tiny_cpu_model, CpuBf16Backend(path=path), tokens)
     assert got.dtype == np.float32 and got.shape == ref.shape
     spread = float(ref.std())
     assert np.max(np.abs(got - ref)) <= BF16_LOGIT_TOLERANCE * spread
     assert np.max(np.abs(got - ref)) > 0  # the bf16 path really rounds
 
 
-def test_tiny_engine_bfloat16_runs_batched(tiny_model, rng):
-    engine = make_engine(tiny_model, dtype="bfloat16", block_size=8, max_num_batched_tokens=40)
+def test_tiny_engine_bfloat16_runs_batched(tiny_cpu_model, rng):
+    engine = make_engine(tiny_cpu_model, dtype="bfloat16", block_size=8, max_num_batched_tokens=40)
     assert isinstance(engine.backend, CpuBf16Backend)
-    prompts = [rng.integers(3, tiny_model[0].vocab_size, n).tolist() for n in (5, 23, 61, 2)]
+    prompts = [rng.integers(3, tiny_cpu_model[0].vocab_size, n).tolist() for n in (5, 23, 61, 2)]
     requests = [(i, f"r{i}", dict(prompt_token_ids=p, sampling_params=greedy(9)))
                 for i, p in enumerate(prompts)]
     outputs = run_requests(engine, requests)
-    float32 = make_engine(tiny_model, block_size=8, max_num_batched_tokens=40)
+    float32 = make_engine(tiny_cpu_model, block_size=8, max_num_batched_tokens=40)
     ref = run_requests(float32, requests)
     agree = 0
     for rid, out in outputs.items():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engine_helpers import TINY_VOCAB, greedy, make_engine, reference_greedy
-from pagedrun.runtime.engine import DeviceNotAvailableError, RequestError
+from pagedrun.runtime.engine import RequestError
 from pagedrun.runtime.kernels.kernel_args import UnsupportedKernelShape
 from pagedrun.runtime.engine_config import EngineConfig
 from pagedrun.runtime.errors import PagedRunError
@@ -67,17 +67,17 @@ def test_rejections(tiny_model):
         engine.step()
 
 
-def test_devices(tiny_model):
+def test_devices(tiny_cpu_model):
     # "sim" runs the CUDA kernels on the CPU harness (tests/engine/test_sim_backend.py);
-    # tiny_model's head_dim 16 has no attention kernel, refused at construction.
+    # tiny_cpu_model's head_dim 16 has no attention kernel, refused at construction.
     with pytest.raises(UnsupportedKernelShape, match="head_dim"):
-        make_engine(tiny_model, device="sim", num_kv_blocks=8)
+        make_engine(tiny_cpu_model, device="sim", num_kv_blocks=8)
     with pytest.raises(NotImplementedError):
-        make_engine(tiny_model, device="cuda", num_kv_blocks=8)
-    assert make_engine(tiny_model, device="auto", num_kv_blocks=8).device == "cpu"
+        make_engine(tiny_cpu_model, device="cuda", num_kv_blocks=8)
+    assert make_engine(tiny_cpu_model, device="auto", num_kv_blocks=8).device == "cpu"
     # Tensor parallel ranks load their shards from a directory (tests/distributed cover TP).
     with pytest.raises(PagedRunError, match="model directory"):
-        make_engine(tiny_model, num_kv_blocks=8, tensor_parallel_size=2)
+        make_engine(tiny_cpu_model, num_kv_blocks=8, tensor_parallel_size=2)
 
 
 def _save_hf_dir(path, config, weights) -> None:
@@ -105,10 +105,10 @@ def _save_hf_dir(path, config, weights) -> None:
         "tie_word_embeddings": False, "eos_token_id": 2, "bos_token_id": 1}))
 
 
-def test_offline_llm_from_model_dir(tiny_model, tmp_path):
+def test_offline_llm_from_model_dir(tiny_cpu_model, tmp_path):
     from pagedrun import LLM
 
-    _save_hf_dir(tmp_path, *tiny_model)
+    _save_hf_dir(tmp_path, *tiny_cpu_model)
     llm = LLM(model=str(tmp_path), device="cpu", block_size=8, max_model_len=256,
               num_kv_blocks=64, max_num_batched_tokens=32)
     prompts = [[5, 6, 7], list(range(10, 80)), [300] * 3]
@@ -116,13 +116,13 @@ def test_offline_llm_from_model_dir(tiny_model, tmp_path):
                                                     ignore_eos=True)]
     outs = llm.generate(prompts, params)
     assert [o.prompt_token_ids for o in outs] == prompts
-    assert outs[0].outputs[0].token_ids == reference_greedy(tiny_model, prompts[0], 6)
-    assert outs[1].outputs[0].token_ids == reference_greedy(tiny_model, prompts[1], 3)
+    assert outs[0].outputs[0].token_ids == reference_greedy(tiny_cpu_model, prompts[0], 6)
+    assert outs[1].outputs[0].token_ids == reference_greedy(tiny_cpu_model, prompts[1], 3)
     assert [c.index for c in outs[2].outputs] == [0, 1]
     assert all(o.finished for o in outs)
     # One prompt as a flat token list is one request.
     (single,) = llm.generate(prompts[0], greedy(2))
-    assert single.outputs[0].token_ids == reference_greedy(tiny_model, prompts[0], 2)
+    assert single.outputs[0].token_ids == reference_greedy(tiny_cpu_model, prompts[0], 2)
     stats = llm.engine.get_stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"] == 64
     assert math.isclose(llm.engine.model_info()["max_concurrency_at_max_len"], 64 / 32)

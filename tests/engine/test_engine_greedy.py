@@ -10,7 +10,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine_helpers import TINY_VOCAB, greedy, make_engine, random_prompts, reference_greedy, run_requests
+from engine_helpers import (
+    TINY_VOCAB,
+    greedy,
+    make_engine,
+    random_prompts,
+    reference_greedy,
+    run_requests,
+)
 
 MAX_PROMPT_LEN = 300
 

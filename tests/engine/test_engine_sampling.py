@@ -1,18 +1,18 @@
-"""Sampling through the engine: seeds, n > 1 on shared blocks, logprobs, stop ids, EOS, min_tokens."""
+"""Sampling through the engine: seeds, n > 1 on shared blocks, logprobs, stop ids, EOS,
+min_tokens."""
 from __future__ import annotations
 
 import math
 
 import numpy as np
 
-from engine_helpers import (TINY_VOCAB, greedy, make_engine, random_prompts, reference_greedy,
-                            run_requests, tiny_config)
+from engine_helpers import (TINY_VOCAB, assert_top_logprobs, backend_of, greedy, make_engine,
+                            random_prompts, reference_greedy, run_requests)
 from pagedrun.runtime.llm import _merge
 from pagedrun.runtime.reference import ReferenceModel
 from pagedrun.runtime.sampler import log_softmax
 from pagedrun.runtime.sampling_params import SamplingParams
 
-LOGPROB_ATOL = 1e-4
 
 
 def _random_params(seed: int) -> SamplingParams:
@@ -96,15 +96,17 @@ def test_logprobs_equal_reference_log_softmax(tiny_model):
         for k, logprob in enumerate(completion.logprobs):
             row = lp[len(prompt) - 1 + k]
             assert logprob.token_id == full[len(prompt) + k]
-            assert abs(logprob.logprob - row[logprob.token_id]) < LOGPROB_ATOL
-            top = np.argsort(-row, kind="stable")[:5]
-            assert list(logprob.top) == top.tolist()
-            assert np.allclose(list(logprob.top.values()), row[top], atol=LOGPROB_ATOL)
+            assert (
+                abs(logprob.logprob - row[logprob.token_id]) < backend_of(tiny_model).logprob_atol
+            )
+            assert len(logprob.top) == 5
+            assert_top_logprobs(logprob.top, row, backend_of(tiny_model))
         prompt_lp = out[f"r{i}"].prompt_logprobs
         assert len(prompt_lp) == len(prompt) and prompt_lp[0] is None
         for j in range(1, len(prompt)):
             assert prompt_lp[j].token_id == prompt[j]
-            assert abs(prompt_lp[j].logprob - lp[j - 1][prompt[j]]) < LOGPROB_ATOL
+            assert abs(prompt_lp[j].logprob - lp[j - 1][prompt[j]]) < \
+                backend_of(tiny_model).logprob_atol
             assert len(prompt_lp[j].top) == 3
 
 
@@ -116,14 +118,14 @@ def test_stop_token_ids_eos_and_min_tokens(tiny_model):
     stop_id = expected[stop_at]
     first = expected.index(stop_id)
     engine = make_engine(tiny_model, num_kv_blocks=64, max_model_len=512)
-    out = run_requests(engine, [(0, "s", dict(prompt_token_ids=prompt,
-                                              sampling_params=greedy(16, stop_token_ids=[stop_id])))])
+    out = run_requests(engine, [(0, "s", dict(
+        prompt_token_ids=prompt, sampling_params=greedy(16, stop_token_ids=[stop_id])))])
     c = out["s"].outputs[0]
     assert c.token_ids == expected[:first + 1]
     assert (c.finish_reason, c.stop_reason) == ("stop", stop_id)
 
     # The same token as the model's EOS: stops unless ignore_eos; min_tokens holds it back.
-    eos_model = (tiny_config(eos_token_id=stop_id), weights)
+    eos_model = tiny_model.with_config(eos_token_id=stop_id)
     engine = make_engine(eos_model, num_kv_blocks=64, max_model_len=512)
     out = run_requests(engine, [
         (0, "eos", dict(prompt_token_ids=prompt, sampling_params=SamplingParams(
@@ -133,7 +135,9 @@ def test_stop_token_ids_eos_and_min_tokens(tiny_model):
             temperature=0.0, max_tokens=16, min_tokens=first + 3))),
     ])
     assert out["eos"].outputs[0].token_ids == expected[:first + 1]
-    assert (out["eos"].outputs[0].finish_reason, out["eos"].outputs[0].stop_reason) == ("stop", None)
+    assert (
+        (out["eos"].outputs[0].finish_reason, out["eos"].outputs[0].stop_reason) == ("stop", None)
+    )
     assert out["ign"].outputs[0].token_ids == expected
     min_out = out["min"].outputs[0].token_ids
     assert len(min_out) >= first + 3 and stop_id not in min_out[:first + 3]
@@ -169,5 +173,6 @@ def test_prompt_logprobs_survive_recompute_preemption(tiny_model):
         got = out[f"r{i}"].prompt_logprobs
         assert len(got) == len(prompt)
         assert np.allclose([g.logprob for g in got[1:]],
-                           [lp[j - 1][prompt[j]] for j in range(1, len(prompt))], atol=LOGPROB_ATOL)
+                           [lp[j - 1][prompt[j]] for j in range(1, len(prompt))],
+                           atol=backend_of(tiny_model).logprob_atol)
         assert out[f"r{i}"].outputs[0].token_ids == reference_greedy(tiny_model, prompt, 8)

@@ -100,7 +100,8 @@ ATTN_CONFIGS = [
 
 def make_step(rng, block_size, num_heads, num_kv_heads, head_dim, reqs, max_len, dtype=np.float32,
               num_padding_tokens=0):
-    """A prefill/mixed step: reqs = [(context_len, query_len)], random pool/tables, NaN elsewhere."""
+    """A prefill/mixed step: reqs = [(context_len, query_len)], random pool/tables, NaN
+    elsewhere."""
     context_lens = np.array([c for c, _ in reqs], dtype=np.int32)
     query_lens = np.array([q for _, q in reqs], dtype=np.int32)
     max_blocks = max_len // block_size
@@ -189,7 +190,7 @@ def test_attention_rejects_bad_shapes(rng):
         ops.paged_prefill_attention(q, kc, vc, tables, qsl, np.array([5], np.int32), 0.25)
 
 
-# ------------------------------------------------------------------------------ rotary + cache write
+# ----------------------------------------------------------------------------- rotary + cache write
 
 def ref_rotate(x, pos, cos_sin_cache):
     """Float64, explicit loop over heads and dimension pairs (i, i + d/2)."""
@@ -408,7 +409,8 @@ def test_swap_blocks(rng):
 
 def test_round_to_bf16(rng):
     x = np.concatenate([
-        rng.standard_normal(2000).astype(np.float32) * np.float32(10.0) ** rng.integers(-30, 30, 2000),
+        rng.standard_normal(2000).astype(np.float32)
+        * np.float32(10.0) ** rng.integers(-30, 30, 2000),
         # exact halfway cases: low 16 bits 0x8000, with even and odd kept lsb
         (np.array([0x3F808000, 0x3F818000, 0xBF808000, 0xBF818000], np.uint32)).view(np.float32),
         np.array([0.0, -0.0, np.inf, -np.inf], np.float32),
@@ -480,7 +482,10 @@ def test_chunked_prefill_with_prefix_hit_equals_dense(rng, block_size):
     table["b"][2:blocks_b] = perm[blocks_a:blocks_a + blocks_b - 2]
 
     computed = {"a": 0, "b": None}  # b joins once a's shared prefix is in the cache
-    outputs = {"a": np.zeros((len_a, num_heads, head_dim)), "b": np.zeros((len_b, num_heads, head_dim))}
+    outputs = {
+        "a": np.zeros((len_a, num_heads, head_dim)),
+        "b": np.zeros((len_b, num_heads, head_dim)),
+    }
     seq_len = {"a": len_a, "b": len_b}
     while computed["a"] < len_a or computed["b"] is None or computed["b"] < len_b:
         if computed["b"] is None and computed["a"] >= shared:
@@ -490,13 +495,21 @@ def test_chunked_prefill_with_prefix_hit_equals_dense(rng, block_size):
         q_rows, k_rows, v_rows, positions, slots, tables, qsl, ctx = [], [], [], [], [], [], [0], []
         for r in active:
             pos = np.arange(computed[r], computed[r] + chunks[r])
-            q_rows.append(seq_q[r][pos]); k_rows.append(seq_k[r][pos]); v_rows.append(seq_v[r][pos])
+            q_rows.append(seq_q[r][pos])
+            k_rows.append(seq_k[r][pos])
+            v_rows.append(seq_v[r][pos])
             positions.append(pos)
             slots.append([slot_of(table[r], p, block_size) for p in pos])
-            tables.append(table[r]); qsl.append(qsl[-1] + chunks[r]); ctx.append(pos[-1] + 1)
+            tables.append(table[r])
+            qsl.append(qsl[-1] + chunks[r])
+            ctx.append(pos[-1] + 1)
         num_padding = int(rng.integers(0, 4))
-        pad = lambda rows: np.concatenate(rows + [np.zeros((num_padding,) + rows[0].shape[1:],
-                                                           np.float32)])
+
+        def pad(rows):
+            return np.concatenate(
+                rows + [np.zeros((num_padding,) + rows[0].shape[1:], np.float32)]
+            )
+
         q, k, v = pad(q_rows), pad(k_rows), pad(v_rows)
         pos_all = np.concatenate(positions + [np.zeros(num_padding, int)]).astype(np.int32)
         slot_all = np.concatenate(slots + [np.full(num_padding, -1)]).astype(np.int32)

@@ -208,7 +208,7 @@ def test_heaviest_finds_the_largest_entries(rng):
         np.testing.assert_array_equal(np.sort(row[got]), np.sort(row)[vocab - got.size:])
 
 
-# ------------------------------------------------------------------------------ penalties, min_tokens
+# --------------------------------------------------------------------------- penalties, min_tokens
 
 def penalized_reference(logits, p: SamplingParams, prompt, output):
     out = logits.astype(np.float64).copy()

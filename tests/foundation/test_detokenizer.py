@@ -40,7 +40,8 @@ def token_pools(smollm):
     byte_ids = [i for i in map(smollm.token_to_id, tiny_gguf.byte_symbols()) if i is not None]
     assert len(byte_ids) >= 200
     text_ids = sorted({i for text in MULTIBYTE_TEXTS for i in smollm.encode(text)})
-    return {"bytes": byte_ids, "text": text_ids, "special": [0, 1, 2], "any": list(range(smollm.vocab_size))}
+    return {"bytes": byte_ids, "text": text_ids, "special": [0, 1, 2],
+            "any": list(range(smollm.vocab_size))}
 
 
 def _random_stream(rng, pools, length):
@@ -67,7 +68,8 @@ def _check_stream(tokenizer, ids, skip_special_tokens):
 def test_random_streams_match_full_decode_at_every_prefix(smollm, token_pools, skip_special_tokens):
     rng = np.random.default_rng(1234 + skip_special_tokens)
     for _ in range(60):
-        _check_stream(smollm, _random_stream(rng, token_pools, int(rng.integers(1, 41))), skip_special_tokens)
+        stream = _random_stream(rng, token_pools, int(rng.integers(1, 41)))
+        _check_stream(smollm, stream, skip_special_tokens)
 
 
 @pytest.mark.parametrize("text", MULTIBYTE_TEXTS)

@@ -56,7 +56,8 @@ def test_float_tensors_equal_the_originals_exactly(converted):
             np.testing.assert_array_equal(weights[name], original, err_msg=name)
             checked += 1
     # Every float type appears on q and k (permuted rows), so the unpermutation is checked exactly.
-    permuted_types = {model.gguf_types[n] for n in model.hf_weights if "q_proj" in n or "k_proj" in n}
+    permuted_types = {model.gguf_types[n] for n in model.hf_weights
+                      if "q_proj" in n or "k_proj" in n}
     assert {"F32", "F16", "BF16"} <= permuted_types
     assert checked > 10
 
@@ -141,10 +142,12 @@ def test_qwen2_is_not_unpermuted_and_keeps_biases(tmp_path):
     from pagedrun.runtime.weights import load_model_weights
 
     loaded = load_model_weights(out, ModelConfig.from_model_dir(out))
-    np.testing.assert_array_equal(loaded.layers[2].k_bias, model.hf_weights["model.layers.2.self_attn.k_proj.bias"])
+    np.testing.assert_array_equal(loaded.layers[2].k_bias,
+                                  model.hf_weights["model.layers.2.self_attn.k_proj.bias"])
 
 
-@pytest.mark.parametrize("num_heads,head_dim,num_cols", [(1, 2, 1), (3, 10, 7), (9, 64, 5), (2, 38, 0)])
+@pytest.mark.parametrize("num_heads,head_dim,num_cols",
+                         [(1, 2, 1), (3, 10, 7), (9, 64, 5), (2, 38, 0)])
 def test_unpermute_inverts_llama_cpp_permutation(num_heads, head_dim, num_cols):
     rng = np.random.default_rng(num_heads * 100 + head_dim)
     shape = (num_heads * head_dim,) + ((num_cols,) if num_cols else ())  # 0 columns: a bias

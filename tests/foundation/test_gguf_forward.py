@@ -23,13 +23,15 @@ def _gguf_tensors(path: Path) -> dict[str, np.ndarray]:
 
     reader = gguf.GGUFReader(path)
     return {
-        t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape))).astype(np.float64)
+        t.name: (gguf.quants.dequantize(t.data, t.tensor_type)
+                 .reshape(tuple(reversed(t.shape))).astype(np.float64))
         for t in reader.tensors
     }
 
 
-def _llama_cpp_forward(t: dict[str, np.ndarray], token_ids: list[int], num_layers: int, num_heads: int,
-                       num_kv_heads: int, eps: float, theta: float, interleaved: bool) -> np.ndarray:
+def _llama_cpp_forward(t: dict[str, np.ndarray], token_ids: list[int], num_layers: int,
+                       num_heads: int, num_kv_heads: int, eps: float, theta: float,
+                       interleaved: bool) -> np.ndarray:
     """Logits [T, vocab] float64 of llama.cpp's graph on GGUF tensors."""
     x = t["token_embd.weight"][token_ids]
     num_tokens = len(token_ids)
@@ -70,7 +72,8 @@ def _llama_cpp_forward(t: dict[str, np.ndarray], token_ids: list[int], num_layer
         x = x + linear(attn, p + "attn_output.weight")
         h = norm(x, t[p + "ffn_norm.weight"])
         gate = linear(h, p + "ffn_gate.weight")
-        x = x + linear(gate / (1 + np.exp(-gate)) * linear(h, p + "ffn_up.weight"), p + "ffn_down.weight")
+        x = x + linear(gate / (1 + np.exp(-gate)) * linear(h, p + "ffn_up.weight"),
+                       p + "ffn_down.weight")
     head = t.get("output.weight", t["token_embd.weight"])
     return norm(x, t["output_norm.weight"]) @ head.T
 
@@ -81,8 +84,8 @@ def test_converted_model_matches_llama_cpp_graph(tmp_path, arch, tied):
     from pagedrun.runtime.reference import ReferenceModel
     from pagedrun.runtime.weights import load_model_weights
 
-    tiny = tiny_gguf.write_tiny_gguf(tmp_path / "m.gguf", arch=arch, tied=tied, num_layers=3, seed=21,
-                                     hidden_size=64, num_heads=4, num_kv_heads=2)
+    tiny = tiny_gguf.write_tiny_gguf(tmp_path / "m.gguf", arch=arch, tied=tied, num_layers=3,
+                                     seed=21, hidden_size=64, num_heads=4, num_kv_heads=2)
     out = convert_gguf(tiny.path, tmp_path / "hf")
     config = ModelConfig.from_model_dir(out)
     model = ReferenceModel(config, load_model_weights(out, config))
@@ -90,7 +93,8 @@ def test_converted_model_matches_llama_cpp_graph(tmp_path, arch, tied):
     c = tiny.config
     expected = _llama_cpp_forward(
         _gguf_tensors(tiny.path), token_ids, c["num_layers"], c["num_heads"], c["num_kv_heads"],
-        eps=1e-5, theta=10000.0, interleaved=(arch == "llama"),  # llama.cpp runs Qwen2 with NeoX rope
+        # llama.cpp runs Qwen2 with NeoX rope.
+        eps=1e-5, theta=10000.0, interleaved=(arch == "llama"),
     )
     logits = model.forward(token_ids)
     np.testing.assert_allclose(logits, expected, rtol=2e-4, atol=2e-4 * np.abs(expected).max())

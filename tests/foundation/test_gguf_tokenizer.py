@@ -65,7 +65,8 @@ def test_user_defined_token_is_added_but_not_special(tiny):
 
 def test_no_bos_added_when_gguf_says_so(tiny):
     _, tokenizer, _ = tiny
-    assert tokenizer.encode("hello", add_special_tokens=True) == tokenizer.encode("hello", add_special_tokens=False)
+    assert (tokenizer.encode("hello", add_special_tokens=True)
+            == tokenizer.encode("hello", add_special_tokens=False))
 
 
 def test_tokenizer_config_carries_template_and_special_tokens(tiny):

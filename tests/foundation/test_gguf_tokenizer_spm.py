@@ -43,7 +43,8 @@ def test_merges_follow_scores():
 def test_encode_adds_bos_and_space_prefix(spm):
     model, tokenizer, _ = spm
     assert tokenizer.encode("hello world") == _ids(model, ["<s>", S + "hello", S + "world"])
-    assert tokenizer.encode("hello world", add_special_tokens=False) == _ids(model, [S + "hello", S + "world"])
+    assert (tokenizer.encode("hello world", add_special_tokens=False)
+            == _ids(model, [S + "hello", S + "world"]))
 
 
 def test_unknown_characters_fall_back_to_bytes(spm):
@@ -62,7 +63,8 @@ def test_round_trip(spm, text):
 def test_config_files(spm):
     _, tokenizer, out = spm
     config = json.loads((out / "tokenizer_config.json").read_text())
-    assert config["add_bos_token"] is True and config["bos_token"] == "<s>" and config["unk_token"] == "<unk>"
+    assert config["add_bos_token"] is True
+    assert config["bos_token"] == "<s>" and config["unk_token"] == "<unk>"
     assert tokenizer.all_special_ids == frozenset({0, 1, 2})
 
 

@@ -65,7 +65,8 @@ def rewrite_single_file(model_dir: pathlib.Path, tensors: dict[str, np.ndarray])
 
 
 def bf16_exact(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
-    """Random float32 values that bf16 and fp16 both hold exactly (8 significant bits, small range)."""
+    """Random float32 values that bf16 and fp16 both hold exactly (8 significant bits, small
+    range)."""
     return (rng.integers(-128, 128, size=shape) / 64.0).astype(np.float32)
 
 
@@ -74,7 +75,8 @@ def bf16_exact(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
 def test_config_transformers5_layout_from_fixture() -> None:
     config = ModelConfig.from_model_dir(TINY_DIR / "llama3_sharded")
     assert config.architecture == "LlamaForCausalLM"
-    assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (72, 6, 2, 12)
+    assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+            config.head_dim) == (72, 6, 2, 12)
     assert config.num_queries_per_kv == 3 and config.q_size == 72 and config.kv_size == 24
     assert config.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 8.0, 64)
     assert config.torch_dtype == "float32" and not config.tie_word_embeddings
@@ -93,7 +95,8 @@ def test_config_qwen2_and_mistral_specifics() -> None:
 
 def test_config_older_layout_and_generation_eos_merge(tmp_path: pathlib.Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(LLAMA32_STYLE))
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [128001, 128008, 128009]}))
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [128001, 128008, 128009]}))
     config = ModelConfig.from_model_dir(tmp_path)
     assert config.head_dim == 64 and config.rope_theta == 500000.0
     assert config.rope_scaling == RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)
@@ -121,7 +124,8 @@ def test_config_older_layout_and_generation_eos_merge(tmp_path: pathlib.Path) ->
         ({"eos_token_id": "</s>"}, "eos_token_id"),
     ],
 )
-def test_config_errors_name_file_and_field(tmp_path: pathlib.Path, change: dict, field: str) -> None:
+def test_config_errors_name_file_and_field(tmp_path: pathlib.Path, change: dict,
+                                           field: str) -> None:
     bad = {k: v for k, v in {**LLAMA32_STYLE, **change}.items() if v is not None}
     (tmp_path / "config.json").write_text(json.dumps(bad))
     with pytest.raises(ModelLoadError) as excinfo:
@@ -154,7 +158,8 @@ def test_sharded_checkpoint_equals_single_file(tmp_path: pathlib.Path) -> None:
     safetensors.numpy.save_file(originals, str(single_dir / "model.safetensors"))
 
     sharded, single = load_model_weights(sharded_dir), load_model_weights(single_dir)
-    np.testing.assert_array_equal(sharded.layers[2].k_proj, originals["model.layers.2.self_attn.k_proj.weight"])
+    np.testing.assert_array_equal(sharded.layers[2].k_proj,
+                                  originals["model.layers.2.self_attn.k_proj.weight"])
     for name in ("embed_tokens", "norm", "lm_head"):
         np.testing.assert_array_equal(getattr(sharded, name), getattr(single, name))
     for a, b in zip(sharded.layers, single.layers):
@@ -165,7 +170,8 @@ def test_sharded_checkpoint_equals_single_file(tmp_path: pathlib.Path) -> None:
 
 
 @pytest.mark.parametrize("disk_dtype", ["fp32", "fp16", "bf16"])
-def test_disk_dtypes_load_to_the_same_float32_values(tmp_path: pathlib.Path, disk_dtype: str) -> None:
+def test_disk_dtypes_load_to_the_same_float32_values(tmp_path: pathlib.Path,
+                                                     disk_dtype: str) -> None:
     model_dir = copy_model("qwen2_tied", tmp_path)
     rng = np.random.default_rng(3)
     originals = {name: bf16_exact(a.shape, rng) for name, a in tensors_of(model_dir).items()}
@@ -173,14 +179,17 @@ def test_disk_dtypes_load_to_the_same_float32_values(tmp_path: pathlib.Path, dis
     if disk_dtype == "fp32":
         safetensors.numpy.save_file(originals, str(path))
     elif disk_dtype == "fp16":
-        safetensors.numpy.save_file({n: a.astype(np.float16) for n, a in originals.items()}, str(path))
+        safetensors.numpy.save_file({n: a.astype(np.float16) for n, a in originals.items()},
+                                    str(path))
     else:
         write_bf16(path, originals)
     weights = load_model_weights(model_dir)
     assert weights.embed_tokens.dtype == np.float32 and weights.embed_tokens.flags.c_contiguous
     np.testing.assert_array_equal(weights.embed_tokens, originals["model.embed_tokens.weight"])
-    np.testing.assert_array_equal(weights.layers[1].q_bias, originals["model.layers.1.self_attn.q_proj.bias"])
-    np.testing.assert_array_equal(weights.layers[0].down_proj, originals["model.layers.0.mlp.down_proj.weight"])
+    np.testing.assert_array_equal(weights.layers[1].q_bias,
+                                  originals["model.layers.1.self_attn.q_proj.bias"])
+    np.testing.assert_array_equal(weights.layers[0].down_proj,
+                                  originals["model.layers.0.mlp.down_proj.weight"])
     assert weights.lm_head is weights.embed_tokens
 
 
@@ -189,7 +198,8 @@ def test_bf16_widening_of_inexact_values(tmp_path: pathlib.Path) -> None:
     values = np.random.default_rng(5).standard_normal((3, 17)).astype(np.float32)
     write_bf16(tmp_path / "x.safetensors", {"x": values})
     loaded = SafetensorsFile(tmp_path / "x.safetensors").read("x", np.dtype(np.float32))
-    np.testing.assert_array_equal(loaded.view(np.uint32), values.view(np.uint32) & np.uint32(0xFFFF0000))
+    np.testing.assert_array_equal(loaded.view(np.uint32),
+                                  values.view(np.uint32) & np.uint32(0xFFFF0000))
     assert np.abs(loaded - values).max() <= np.abs(values).max() * 2.0 ** -7
 
 
@@ -198,14 +208,16 @@ def test_bf16_fixture_and_requested_dtypes() -> None:
     assert not np.any(weights.layers[0].q_proj.view(np.uint32) & np.uint32(0xFFFF))
     assert weights.layers[0].o_bias is not None and weights.layers[0].o_bias.shape == (64,)
     half = load_model_weights(TINY_DIR / "mistral_fp16", dtype=np.float16)
-    assert half.layers[1].gate_proj.dtype == np.float16 and half.layers[1].gate_proj.shape == (116, 84)
+    assert half.layers[1].gate_proj.dtype == np.float16
+    assert half.layers[1].gate_proj.shape == (116, 84)
     with pytest.raises(ValueError):
         load_model_weights(TINY_DIR / "mistral_fp16", dtype=np.int8)
 
 
 # -- weights: named errors -------------------------------------------------------------------
 
-def assert_load_error(model_dir: pathlib.Path, file: pathlib.Path, tensor: str | None, match: str) -> None:
+def assert_load_error(model_dir: pathlib.Path, file: pathlib.Path, tensor: str | None,
+                      match: str) -> None:
     with pytest.raises(ModelLoadError) as excinfo:
         load_model_weights(model_dir)
     message = str(excinfo.value)
@@ -246,7 +258,8 @@ def test_truncated_file_names_the_cut_tensor(tmp_path: pathlib.Path) -> None:
     path = model_dir / "model.safetensors"
     header_bytes = int.from_bytes(path.read_bytes()[:8], "little")
     header = json.loads(path.read_bytes()[8:8 + header_bytes])
-    last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
+    last = max((k for k in header if k != "__metadata__"),
+               key=lambda k: header[k]["data_offsets"][1])
     with open(path, "r+b") as f:
         f.truncate(path.stat().st_size - 10)
     assert_load_error(model_dir, path, last, "truncated")

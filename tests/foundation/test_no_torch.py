@@ -21,7 +21,8 @@ FORBIDDEN_MODULES = ("torch", "transformers")
 
 def _assert_prints_ok(check: str) -> None:
     """Runs `check` in a fresh interpreter (nothing imported yet) and expects it to print ok."""
-    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
 

@@ -120,7 +120,8 @@ def test_fixtures_exercise_attention_biases() -> None:
     prompt, generated, hf_logits = expected("llama_tied_bf16", PROMPT_LENGTHS[-1])
     without_o_bias = dataclasses.replace(model.weights, layers=[
         dataclasses.replace(layer, o_bias=None) for layer in model.weights.layers])
-    logits = ReferenceModel(model.config, without_o_bias).forward(np.concatenate([prompt, generated[:-1]]))
+    logits = ReferenceModel(model.config, without_o_bias).forward(
+        np.concatenate([prompt, generated[:-1]]))
     assert relative_error(logits, hf_logits) > FEATURE_EFFECT_MIN
 
 
@@ -129,7 +130,8 @@ def test_greedy_stops_after_eos_and_includes_it() -> None:
     model = tiny_model("llama3_sharded")
     stop_at = int(generated[3])
     first = generated.tolist().index(stop_at)
-    assert model.greedy_generate(prompt, len(generated), eos_token_ids=[stop_at]) == generated[:first + 1].tolist()
+    assert (model.greedy_generate(prompt, len(generated), eos_token_ids=[stop_at])
+            == generated[:first + 1].tolist())
     assert model.greedy_generate(prompt, 0) == []
 
 

@@ -43,7 +43,8 @@ def test_default_model_shape(reference: ReferenceModel) -> None:
     assert config.architecture == "LlamaForCausalLM"
     assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
             config.num_key_value_heads, config.vocab_size) == (30, 576, 9, 3, 49152)
-    assert config.tie_word_embeddings and reference.weights.lm_head is reference.weights.embed_tokens
+    assert config.tie_word_embeddings
+    assert reference.weights.lm_head is reference.weights.embed_tokens
     assert tuple(RECORD["eos_token_ids"]) == config.eos_token_ids
 
 
@@ -56,7 +57,8 @@ def test_greedy_tokens_match_transformers(reference: ReferenceModel, case: dict)
 
 def test_capital_of_france_answer() -> None:
     """The chat case the mission names, spelled out so a broken fixture cannot hide it."""
-    case = next(c for c in CASES if c["messages"] == [{"role": "user", "content": "What is the capital of France?"}])
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    case = next(c for c in CASES if c["messages"] == question)
     assert "Paris" in case["output_text"]
 
 
@@ -81,4 +83,5 @@ def test_tokenizer_matches_transformers(model_dir: pathlib.Path, case: dict) -> 
     else:
         prompt_ids = tokenizer.encode(case["prompt"])
     assert prompt_ids == case["prompt_token_ids"]
-    assert tokenizer.decode(case["output_token_ids"], skip_special_tokens=True) == case["output_text"]
+    assert (tokenizer.decode(case["output_token_ids"], skip_special_tokens=True)
+            == case["output_text"])

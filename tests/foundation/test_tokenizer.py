@@ -64,7 +64,8 @@ def test_emoji_is_split_into_partial_byte_tokens(smollm):
 
 @needs_default_model
 def test_chat_template_default_system_prompt(smollm):
-    text = smollm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    text = smollm.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}])
     assert text == (
         SMOLLM_SYSTEM + "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
         "<|im_start|>assistant\n"
@@ -110,7 +111,8 @@ def test_trim_and_lstrip_blocks_like_transformers():
         "{% endfor %}"
     )
     tok = _with_template(template)
-    assert tok.apply_chat_template([{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]) == "U:a;\n"
+    messages = [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]
+    assert tok.apply_chat_template(messages) == "U:a;\n"
 
 
 def test_special_tokens_and_generation_flag_are_template_variables():
@@ -123,11 +125,13 @@ def test_special_tokens_and_generation_flag_are_template_variables():
 
 def test_tojson_keeps_unicode_and_key_order():
     tok = _with_template("{{ messages[0] | tojson }}")
-    assert tok.apply_chat_template([{"role": "user", "content": "世界"}]) == '{"role": "user", "content": "世界"}'
+    assert (tok.apply_chat_template([{"role": "user", "content": "世界"}])
+            == '{"role": "user", "content": "世界"}')
 
 
 def test_raise_exception_reaches_the_caller():
-    tok = _with_template("{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}")
+    tok = _with_template("{% if messages[0]['role'] != 'user' %}"
+                         "{{ raise_exception('user first') }}{% endif %}")
     with pytest.raises(ChatTemplateError, match="user first"):
         tok.apply_chat_template([{"role": "assistant", "content": "x"}])
 
@@ -143,8 +147,10 @@ def test_template_cannot_mutate_its_inputs():
 
 
 def test_loop_controls_are_enabled():
-    tok = _with_template("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m['content'] }}{% endfor %}")
-    assert tok.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == "a"
+    tok = _with_template("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
+                         "{{ m['content'] }}{% endfor %}")
+    messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    assert tok.apply_chat_template(messages) == "a"
 
 
 def test_no_template_is_a_clear_error():

@@ -2,8 +2,9 @@
 
 Not a test module: tests/conftest.py loads it by path once (pytest runs with
 --import-mode=importlib, so the tests folder is not on sys.path) and registers it as
-`pagedrun_tests_tiny_gguf`, which test modules import. `write_tiny_gguf` returns the original Hugging Face weights
-(float32, [out, in]) next to the file, so tests can compare a conversion against them.
+`pagedrun_tests_tiny_gguf`, which test modules import. `write_tiny_gguf` returns the original
+Hugging Face weights (float32, [out, in]) next to the file, so tests can compare a conversion
+against them.
 
 What it reproduces of llama.cpp's converter, written from its documented behaviour:
 - tensor names (token_embd, blk.N.attn_q, ..., output_norm, output) and GGML's reversed shape
@@ -42,10 +43,13 @@ def spm_vocab() -> tuple[list[str], list[float], list[int]]:
     """(tokens, scores, token types) of a tiny SentencePiece BPE vocabulary with byte fallback."""
     import gguf
 
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + SPM_SINGLES + SPM_MERGED
-    scores = [0.0] * (3 + 256) + [-100.0] * len(SPM_SINGLES) + [-1.0 - i for i in range(len(SPM_MERGED))]
+    tokens = (["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+              + SPM_SINGLES + SPM_MERGED)
+    scores = ([0.0] * (3 + 256) + [-100.0] * len(SPM_SINGLES)
+              + [-1.0 - i for i in range(len(SPM_MERGED))])
     types = ([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
-             + [gguf.TokenType.BYTE] * 256 + [gguf.TokenType.NORMAL] * (len(SPM_SINGLES) + len(SPM_MERGED)))
+             + [gguf.TokenType.BYTE] * 256
+             + [gguf.TokenType.NORMAL] * (len(SPM_SINGLES) + len(SPM_MERGED)))
     return tokens, scores, [int(t) for t in types]
 
 
@@ -132,10 +136,12 @@ def write_tiny_gguf(
     rng = np.random.default_rng(seed)
     head_dim = hidden_size // num_heads
     if tokenizer == "gpt2":
-        tokens = SPECIAL_TOKENS + byte_symbols() + [m.replace(" ", "") for m in MERGES] + USER_DEFINED_TOKENS
+        tokens = (SPECIAL_TOKENS + byte_symbols() + [m.replace(" ", "") for m in MERGES]
+                  + USER_DEFINED_TOKENS)
         token_types = (
             [gguf.TokenType.CONTROL] * len(SPECIAL_TOKENS)
-            + [gguf.TokenType.NORMAL] * (len(tokens) - len(SPECIAL_TOKENS) - len(USER_DEFINED_TOKENS))
+            + [gguf.TokenType.NORMAL]
+            * (len(tokens) - len(SPECIAL_TOKENS) - len(USER_DEFINED_TOKENS))
             + [gguf.TokenType.USER_DEFINED] * len(USER_DEFINED_TOKENS)
         )
     else:
@@ -172,7 +178,8 @@ def write_tiny_gguf(
     hf: dict[str, np.ndarray] = {}
     types: dict[str, str] = {}
 
-    def add(gguf_name: str, hf_name: str, values: np.ndarray, type_name: str, permute_heads: int = 0) -> None:
+    def add(gguf_name: str, hf_name: str, values: np.ndarray, type_name: str,
+            permute_heads: int = 0) -> None:
         values = _representable(values.astype(np.float32), type_name)
         hf[hf_name] = values
         types[hf_name] = type_name
@@ -189,24 +196,31 @@ def write_tiny_gguf(
     def randn(*shape: int) -> np.ndarray:
         return rng.standard_normal(shape).astype(np.float32) * 0.5
 
-    add("token_embd.weight", "model.embed_tokens.weight", randn(vocab_size, hidden_size), embed_type)
+    add("token_embd.weight", "model.embed_tokens.weight", randn(vocab_size, hidden_size),
+        embed_type)
     shapes = {
-        "attn_q": (num_heads * head_dim, hidden_size), "attn_k": (num_kv_heads * head_dim, hidden_size),
-        "attn_v": (num_kv_heads * head_dim, hidden_size), "attn_output": (hidden_size, num_heads * head_dim),
+        "attn_q": (num_heads * head_dim, hidden_size),
+        "attn_k": (num_kv_heads * head_dim, hidden_size),
+        "attn_v": (num_kv_heads * head_dim, hidden_size),
+        "attn_output": (hidden_size, num_heads * head_dim),
         "ffn_gate": (intermediate_size, hidden_size), "ffn_up": (intermediate_size, hidden_size),
         "ffn_down": (hidden_size, intermediate_size),
     }
     permuted = arch == "llama"
     for layer in range(num_layers):
         prefix, hf_prefix = f"blk.{layer}.", f"model.layers.{layer}."
-        add(prefix + "attn_norm.weight", hf_prefix + "input_layernorm.weight", 1 + randn(hidden_size) * 0.1, "F32")
-        add(prefix + "ffn_norm.weight", hf_prefix + "post_attention_layernorm.weight", 1 + randn(hidden_size) * 0.1, "F32")
+        add(prefix + "attn_norm.weight", hf_prefix + "input_layernorm.weight",
+            1 + randn(hidden_size) * 0.1, "F32")
+        add(prefix + "ffn_norm.weight", hf_prefix + "post_attention_layernorm.weight",
+            1 + randn(hidden_size) * 0.1, "F32")
         for role, type_name in LAYER_TYPES[layer % len(LAYER_TYPES)].items():
             heads = {"attn_q": num_heads, "attn_k": num_kv_heads}.get(role, 0) if permuted else 0
-            add(prefix + role + ".weight", hf_prefix + HF_ROLE[role] + ".weight", randn(*shapes[role]), type_name, heads)
+            add(prefix + role + ".weight", hf_prefix + HF_ROLE[role] + ".weight",
+                randn(*shapes[role]), type_name, heads)
         if arch == "qwen2":
             for role in ("attn_q", "attn_k", "attn_v"):
-                add(prefix + role + ".bias", hf_prefix + HF_ROLE[role] + ".bias", randn(shapes[role][0]), "F32")
+                add(prefix + role + ".bias", hf_prefix + HF_ROLE[role] + ".bias",
+                    randn(shapes[role][0]), "F32")
     add("output_norm.weight", "model.norm.weight", 1 + randn(hidden_size) * 0.1, "F32")
     if not tied:
         add("output.weight", "lm_head.weight", randn(vocab_size, hidden_size), "F16")

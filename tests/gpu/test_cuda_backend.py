@@ -24,7 +24,7 @@ from engine_helpers import greedy, make_engine, run_requests  # noqa: E402
 from test_sim_backend import (BF16_LOGIT_ATOL, BF16_LOGIT_RTOL, _bf16_weights,  # noqa: E402
                               _run_two_steps, sim_model)
 
-from pagedrun.runtime.backends.base import make_backend  # noqa: E402
+from pagedrun.runtime.backends import make_backend  # noqa: E402
 from pagedrun.runtime.backends.numpy_backend import NumpyBackend  # noqa: E402
 from pagedrun.runtime.models.llama import LlamaModel  # noqa: E402
 

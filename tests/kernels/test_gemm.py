@@ -149,7 +149,8 @@ def test_plan_picks_kernels():
                      num_sms=132).kind == SKINNY
     assert plan_gemm(SKINNY_MAX_M + 1, 4096, 4096, dtype_name="bf16", b_layout="nk",
                      num_sms=132).kind == TENSOR_CORE
-    assert plan_gemm(1, 4096, 4096, dtype_name="bf16", b_layout="kn", num_sms=132).kind == TENSOR_CORE
+    assert plan_gemm(1, 4096, 4096, dtype_name="bf16", b_layout="kn",
+                     num_sms=132).kind == TENSOR_CORE
     unaligned = plan_gemm(1, 17, 111, dtype_name="bf16", b_layout="nk", num_sms=132)
     assert unaligned.kind == TENSOR_CORE and not unaligned.aligned
     assert not plan_gemm(100, 17, 64, dtype_name="bf16", b_layout="kn", num_sms=132).aligned

@@ -41,7 +41,8 @@ def test_python_baseline_matches_cython_step_by_step(seed, monkeypatch):
         bench.run_mixed(impl, trace, lambda step, out, fin, impl=impl: recorded[impl].append(
             ({f: np.asarray(getattr(out, f)).copy() for f in FIELDS}, list(fin))))
     num_preempted = num_hit_tokens = 0
-    for step, ((cy, cy_fin), (py, py_fin)) in enumerate(zip(recorded["cython"], recorded["python"])):
+    steps = zip(recorded["cython"], recorded["python"])
+    for step, ((cy, cy_fin), (py, py_fin)) in enumerate(steps):
         for f in FIELDS:
             assert cy[f].shape == py[f].shape and np.array_equal(cy[f], py[f]), (step, f)
         assert cy_fin == py_fin, step

@@ -233,7 +233,8 @@ def test_running_decodes_are_not_starved_by_a_long_prefill():
     for rid in shorts:
         sched.add_request(rid, _prompt(1, seed=rid), max_tokens=50)
     out, _ = _step(sched, worker)
-    assert dict(zip(out.req_ids.tolist(), out.query_lens.tolist())) == {1: 24, **{r: 1 for r in shorts}}
+    assert (dict(zip(out.req_ids.tolist(), out.query_lens.tolist()))
+            == {1: 24, **{r: 1 for r in shorts}})
     for rid in shorts:
         sched.fork_request(rid, rid + 100)
     for _ in range(4):

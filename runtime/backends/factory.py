@@ -1,0 +1,64 @@
+"""The one place a device string becomes a Backend: `make_backend` (and the device / dtype
+resolution it applies). Concrete backend modules are imported here, lazily, and nowhere above
+the seam; importing this module never imports cupy.
+"""
+from __future__ import annotations
+
+import logging
+
+from pagedrun.runtime.engine_config import DEVICES
+from pagedrun.runtime.errors import DeviceNotAvailableError
+
+from .base import AUTO_DTYPE, DTYPE_NAMES, Backend
+
+log = logging.getLogger("pagedrun.backends")
+
+
+def resolve_dtype(device: str, dtype: str) -> str:
+    if dtype == "auto":
+        return AUTO_DTYPE[device]
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be 'auto' or one of {DTYPE_NAMES}, got {dtype!r}")
+    return dtype
+
+
+def resolve_device(device: str) -> str:
+    """"auto": cuda when CuPy sees a GPU, else cpu. "sim" runs the CUDA kernels on the CPU
+    harness; "cuda" without a usable GPU raises DeviceNotAvailableError."""
+    if device in ("cpu", "sim"):
+        return device
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    from .cuda_backend import cuda_available
+
+    if cuda_available():
+        return "cuda"
+    if device == "auto":
+        return "cpu"
+    raise DeviceNotAvailableError(
+        f"device {device!r}: CuPy is not installed or sees no GPU; use device='cpu' (numpy) "
+        "or 'sim' (the CUDA kernels on the CPU harness)")
+
+
+def make_backend(device: str, dtype: str = "auto", *, device_id: int = 0) -> Backend:
+    """The backend of a device ("auto" is resolved first); device_id: the GPU of a cuda rank."""
+    device = resolve_device(device)
+    if device == "cpu":
+        resolved = resolve_dtype(device, dtype)
+        if resolved == "bfloat16":  # bf16 weights on the compiled GEMM
+            from .cpu_bf16_backend import CpuBf16Backend
+
+            return CpuBf16Backend()
+        if resolved == "float16":
+            # numpy's float16 GEMMs are slow: the cpu backend computes float16 in float32.
+            log.warning("dtype float16: the cpu backend runs float32")
+        from .numpy_backend import NumpyBackend
+
+        return NumpyBackend()
+    if device == "sim":
+        from .sim_backend import SimBackend
+
+        return SimBackend(resolve_dtype(device, dtype))
+    from .cuda_backend import CudaBackend
+
+    return CudaBackend(resolve_dtype(device, dtype), device_id=device_id)
