@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The README's first command: start `paged-run serve` with the default model (SmolLM2-135M,
-# numpy backend) in the background, wait until it answers PING, ask it a question through the
-# Python client (pagedrun.client), print the answer, and stop the server with SIGTERM (it drains
-# and exits 0).
+# The README's first command: start `paged-run serve` with the default model (SmolLM2-135M;
+# --device auto: the GPU when CuPy sees one, else numpy on the CPU) in the background, wait
+# until it answers PING, ask it a question through the Python client (pagedrun.client), print
+# the answer, and stop the server with SIGTERM (it drains and exits 0). It runs the interpreter
+# that scripts/install.sh installed into (scripts/python), and prints the server's startup
+# summary, whose first line names the device it serves on.
 #   bash scripts/demo.sh                       # asks "What is the capital of France?"
 #   bash scripts/demo.sh "Why is the sky blue?" [PORT]
 set -euo pipefail
@@ -11,7 +13,7 @@ cd "$(dirname "$0")/.."
 QUESTION="${1:-What is the capital of France?}"
 PORT="${2:-5555}"
 ENDPOINT="tcp://127.0.0.1:${PORT}"
-PY="${PYTHON:-python3}"
+PY=scripts/python   # the interpreter install.sh installed into (see scripts/install.sh)
 READY_TIMEOUT_S=300
 LOG="$(mktemp -t paged-run-demo.XXXXXX.log)"
 
@@ -39,7 +41,13 @@ while True:
         if time.monotonic() > deadline:
             sys.exit(f"paged-run serve not ready after {timeout_s} s")
 PYEOF
-grep -A3 '^paged-run serve:' "$LOG" || true
+# The startup summary: "paged-run serve: model ... on DEVICE (DTYPE)", KV cache, endpoint. The
+# server prints it from a thread once bound, so it may trail the first PING answer a little.
+for _ in $(seq 50); do grep -q '^paged-run serve:' "$LOG" && break; sleep 0.1; done
+if ! grep -A3 '^paged-run serve:' "$LOG"; then
+  echo "demo: the server printed no startup summary (so no device line); its log so far:" >&2
+  cat "$LOG" >&2
+fi
 
 "$PY" - "$ENDPOINT" "$QUESTION" <<'PYEOF'
 import sys

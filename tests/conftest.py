@@ -34,3 +34,10 @@ def _register(name: str, path: Path) -> None:
 
 for _name, _relpath in HELPER_MODULES.items():
     _register(_name, TESTS_DIR / _relpath)
+
+
+def pytest_addoption(parser) -> None:
+    # tests/engine/conftest.py: which backends the engine tests' `tiny_model` runs on.
+    parser.addoption("--engine-backends", default="all", metavar="NAMES",
+                     help="comma-separated engine test backends (cpu, cpu-bf16, sim) or 'all'; "
+                          "CI's later tiers re-run the engine tests on cpu only")

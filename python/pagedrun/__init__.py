@@ -10,6 +10,30 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+
+def _source_checkout_root() -> str | None:
+    """The repository root when this file is python/pagedrun/__init__.py of a source checkout
+    rather than an installed wheel. There the subpackages live in the root's runtime/,
+    server/, pyx/ and cuda/ folders (the wheel maps them under pagedrun/), so the root goes on
+    this package's __path__, as the editable install's finder does too. Then importing a
+    Cython module of a checkout that was never built reaches pyx/__init__.py, whose ImportError
+    says how to build it, instead of "No module named 'pagedrun.pyx'"."""
+    import os
+
+    python_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(python_dir)
+    if (os.path.basename(python_dir) == "python"
+            and os.path.isfile(os.path.join(root, "pyproject.toml"))
+            and os.path.isfile(os.path.join(root, "pyx", "__init__.py"))):
+        return root
+    return None
+
+
+_root = _source_checkout_root()
+if _root is not None and _root not in __path__:
+    __path__.append(_root)
+del _root
+
 _LAZY = {
     "LLM": ("pagedrun.runtime.llm", "LLM"),
     "SamplingParams": ("pagedrun.runtime.sampling_params", "SamplingParams"),

@@ -28,3 +28,24 @@ def tiny_cpu_model():
     """The tiny random Llama (head_dim 16) for tests about one backend or device resolution."""
     config = tiny_config()
     return config, random_weights(config)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """--engine-backends: deselect the tiny_model parametrizations of other backends (tier 1
+    of CI runs all three; the Cython debug and system-interpreter tiers only cpu)."""
+    wanted = config.getoption("--engine-backends")
+    if wanted == "all":
+        return
+    names = set(wanted.split(","))
+    unknown = names - set(ENGINE_BACKENDS)
+    if unknown:
+        raise pytest.UsageError(f"--engine-backends: unknown {sorted(unknown)}; "
+                                f"choose from {sorted(ENGINE_BACKENDS)}")
+    keep, drop = [], []
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        backend = spec.params.get("tiny_model") if spec is not None else None
+        (drop if backend is not None and backend not in names else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
