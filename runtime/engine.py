@@ -40,10 +40,32 @@ from pagedrun.runtime.request import Request, Sequence
 from pagedrun.runtime.sampler import (SamplerOutput, _top_logprobs, log_softmax,
                                       make_request_generator)
 from pagedrun.runtime.sampling_params import SamplingParams, SamplingParamsError
-from pagedrun.runtime.stop_checker import FINISH_ABORT, FINISH_LENGTH, check_stop
+from pagedrun.runtime.stop_checker import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, check_stop
 from pagedrun.runtime.weights import ModelWeights
 
 log = logging.getLogger("pagedrun.engine")
+
+# Steps in a row that fail outside any one request before the engine calls itself dead (a
+# broken device fails every step: better an exit with every client answered than a server
+# that accepts work it can never do).
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+# Longest exception text carried into RequestOutput.error (and so onto the wire).
+MAX_ERROR_CHARS = 500
+
+
+class EngineDeadError(PagedRunError):
+    """The engine cannot take another step; every request in it has been failed."""
+
+    engine_dead = True
+
+
+def _describe(where: str, exc: BaseException) -> str:
+    """A short, safe message for RequestOutput.error: where it happened and the exception."""
+    try:
+        text = f"{type(exc).__name__}: {exc}"
+    except Exception:  # noqa: BLE001 -- an exception whose str() raises
+        text = type(exc).__name__
+    return f"{where} failed: {text}"[:MAX_ERROR_CHARS]
 
 
 def make_logprobs(logits: np.ndarray, token_ids: np.ndarray, num_top: int) -> list[Logprob]:
@@ -118,6 +140,7 @@ class LLMEngine:
         self._pending_final: list[Request] = []  # aborted since the last step
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        self._num_failed_steps = 0  # in a row, outside any one request
         self._log_capacity()
 
     # ------------------------------------------------------------------ capacity
@@ -239,6 +262,9 @@ class LLMEngine:
                                              f"max_model_len {self.max_model_len}")
         if params.stop and self.tokenizer is None:
             raise RequestError(ERR_INVALID, "stop strings need a tokenizer; use stop_token_ids")
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise RequestError(ERR_INVALID, f"stop_token_ids must lie in [0, {vocab})")
         # The KV a sequence may need at its longest (the scheduler's rule: prompt + max_tokens,
         # counting the last token's slot, so both refuse exactly the same requests).
         max_new = params.max_tokens if params.max_tokens is not None else self.max_model_len
@@ -290,18 +316,37 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule -> execute -> sample -> postprocess. Returns every delta
-        (the requests aborted since the last step end here too)."""
+        (the requests aborted since the last step end here too).
+
+        Faults are contained (docs/engine_api.md, "Failures"): an exception in one request's
+        part of the step (its sampling, logprobs, detokenization, stop checks, fork) fails that
+        request alone -- finish_reason "error", `RequestOutput.error` set, its blocks freed --
+        and the rest of the batch goes on. One that belongs to no request (the forward, the
+        scheduler) fails the step's requests, leaves the scheduler clean and returns; after
+        MAX_CONSECUTIVE_STEP_FAILURES such steps in a row, or a failure whose exception says
+        `engine_dead` (a lost tensor-parallel rank), the engine raises EngineDeadError.
+        """
         touched: dict[str, Request] = {r.request_id: r for r in self._pending_final}
         self._pending_final = []
         if self._requests:
-            scheduled = self.scheduler.schedule()                    # SchedulerOutput
-            batch = self._plan_sampling(scheduled)                   # SamplingBatch
-            executed = self.runner.execute(scheduled, batch.prompt_logit_rows)  # RunnerOutput
-            sampled = self._sample(batch, executed)                  # SamplerOutput
-            self._postprocess(scheduled, batch, executed, sampled, touched)
+            try:
+                scheduled = self.scheduler.schedule()                # SchedulerOutput
+            except Exception as exc:  # noqa: BLE001 -- the scheduler's state is unknown now
+                self._reset(exc, touched)
+                return [r.take_delta() for r in touched.values()]
+            failed: dict[str, str] = {}  # request id -> why, for faults of one request
+            try:
+                batch = self._plan_sampling(scheduled, failed)       # SamplingBatch
+                executed = self.runner.execute(scheduled, batch.prompt_logit_rows)
+                sampled = self._sample(batch, executed, failed)      # SamplerOutput
+            except Exception as exc:  # noqa: BLE001 -- belongs to no single request
+                self._fail_step(scheduled, exc, touched)
+            else:
+                self._postprocess(scheduled, batch, executed, sampled, failed, touched)
+                self._num_failed_steps = 0
         return [r.take_delta() for r in touched.values()]
 
-    def _plan_sampling(self, out) -> SamplingBatch:
+    def _plan_sampling(self, out, failed: dict[str, str]) -> SamplingBatch:
         """Which sequence samples from which logits row this step: the one place where an
         n > 1 request expands (its first sample yields n sequences from one logits row; the
         siblings are made here and forked onto the parent's blocks in _postprocess), and where
@@ -320,7 +365,12 @@ class LLMEngine:
             sequences = [seq]
             if request.params.n > 1 and not request.forked:
                 request.forked = True
-                siblings = [self._new_sequence(request, k) for k in range(1, request.params.n)]
+                try:
+                    siblings = [self._new_sequence(request, k)
+                                for k in range(1, request.params.n)]
+                except Exception as exc:  # noqa: BLE001 -- this request's fault only
+                    failed[request.request_id] = _describe("expanding n > 1", exc)
+                    continue
                 batch.forks.append((seq, siblings))
                 sequences += siblings
             for s in sequences:
@@ -328,52 +378,109 @@ class LLMEngine:
                 batch.row_index.append(i)
         return batch
 
-    def _sample(self, batch: SamplingBatch, executed: RunnerOutput) -> SamplerOutput:
-        """One token per sampling row, by the backend's sampler, where the logits are."""
-        if not batch.targets:
-            return SamplerOutput(np.empty(0, np.int32), [])
-        seqs = [t[1] for t in batch.targets]
-        requests = [t[2] for t in batch.targets]
+    def _sample(self, batch: SamplingBatch, executed: RunnerOutput,
+                failed: dict[str, str]) -> SamplerOutput:
+        """One token per sampling row, by the backend's sampler, where the logits are. If the
+        batch fails, each request's rows are sampled alone so the one at fault is found (and
+        failed); the others get their tokens. Failed rows get token -1 and no logprobs."""
+        targets = [t for t in batch.targets if t[2].request_id not in failed]
+        if not targets:
+            return SamplerOutput(np.full(len(batch.targets), -1, np.int32),
+                                 [None] * len(batch.targets))
+        rows = [j for j, t in enumerate(batch.targets) if t[2].request_id not in failed]
+        try:
+            part = self._sample_rows(batch, executed, rows)
+        except Exception:  # noqa: BLE001 -- find the request it belongs to
+            part = None
+        token_ids = np.full(len(batch.targets), -1, np.int32)
+        logprobs: list = [None] * len(batch.targets)
+        if part is not None:
+            token_ids[rows] = part.token_ids
+            for j, lp in zip(rows, part.logprobs):
+                logprobs[j] = lp
+            return SamplerOutput(token_ids, logprobs)
+        by_request: dict[str, list[int]] = {}
+        for j in rows:
+            by_request.setdefault(batch.targets[j][2].request_id, []).append(j)
+        for request_id, own in by_request.items():
+            try:
+                part = self._sample_rows(batch, executed, own)
+            except Exception as exc:  # noqa: BLE001 -- this request's fault only
+                failed[request_id] = _describe("sampling", exc)
+                continue
+            token_ids[own] = part.token_ids
+            for j, lp in zip(own, part.logprobs):
+                logprobs[j] = lp
+        return SamplerOutput(token_ids, logprobs)
+
+    def _sample_rows(self, batch: SamplingBatch, executed: RunnerOutput,
+                     rows: list[int]) -> SamplerOutput:
+        """The sampler over the sampling rows `rows` (indices into batch.targets)."""
+        targets = [batch.targets[j] for j in rows]
         return self.sampler.sample(
-            executed.logits, [r.params for r in requests], [s.generator for s in seqs],
-            [r.prompt_token_ids for r in requests], [s.output_token_ids for s in seqs],
-            row_index=batch.row_index)
+            executed.logits, [t[2].params for t in targets], [t[1].generator for t in targets],
+            [t[2].prompt_token_ids for t in targets], [t[1].output_token_ids for t in targets],
+            row_index=[batch.row_index[j] for j in rows])
 
     def _postprocess(self, out, batch: SamplingBatch, executed: RunnerOutput,
-                     sampled: SamplerOutput, touched: dict[str, Request]) -> None:
-        """Prompt logprobs; append, detokenize and stop-check every new token; tell the
-        scheduler (finished blocks are freed at once); fork the siblings of n > 1 requests;
-        finish the requests whose every sequence has finished."""
+                     sampled: SamplerOutput, failed: dict[str, str],
+                     touched: dict[str, Request]) -> None:
+        """Prompt logprobs; append, detokenize and stop-check every new token; fail the
+        requests at fault; tell the scheduler (finished blocks are freed at once); fork the
+        siblings of n > 1 requests; finish the requests whose every sequence has finished."""
         req_ids = out.req_ids
         for row, logits in executed.prompt_logits.items():
-            self._add_prompt_logprobs(int(req_ids[row]), int(out.num_computed_tokens_before[row]),
-                                      logits)
+            seq_id = int(req_ids[row])
+            request = self._seqs[seq_id][0]
+            try:
+                self._add_prompt_logprobs(seq_id, int(out.num_computed_tokens_before[row]),
+                                          logits)
+            except Exception as exc:  # noqa: BLE001 -- this request's fault only
+                failed.setdefault(request.request_id, _describe("prompt logprobs", exc))
         now = time.monotonic()
         for j, (_, seq, request) in enumerate(batch.targets):
-            if seq.logprobs is not None:
-                seq.logprobs.append(sampled.logprobs[j])
-            self._append_token(request, seq, int(sampled.token_ids[j]))
+            if request.request_id in failed:
+                continue
+            try:
+                if seq.logprobs is not None:
+                    seq.logprobs.append(sampled.logprobs[j])
+                self._append_token(request, seq, int(sampled.token_ids[j]))
+            except Exception as exc:  # noqa: BLE001 -- this request's fault only
+                failed[request.request_id] = _describe("postprocessing a token", exc)
+                continue
             if request.first_token_time is None:
                 request.first_token_time = now
             touched[request.request_id] = request
+        self._fail_requests(failed, touched)  # aborted now: update_from_output skips their rows
         # Scheduler rows: sampled token and stop flag. An n > 1 parent that stops on its first
         # token while a sibling lives stays running until the siblings are forked from it.
         token_ids = np.zeros(out.num_reqs, dtype=np.int32)
         stop_mask = np.zeros(out.num_reqs, dtype=bool)
         siblings_of = {id(parent): sibs for parent, sibs in batch.forks}
-        for row, seq, _ in batch.targets:
-            if seq.seq_id != int(req_ids[row]):
-                continue  # a sibling: not a scheduler row yet
+        for row, seq, request in batch.targets:
+            if seq.seq_id != int(req_ids[row]) or request.finished:
+                continue  # a sibling (not a scheduler row yet), or failed
             token_ids[row] = seq.output_token_ids[-1]
             live_sibs = any(not s.finished for s in siblings_of.get(id(seq), ()))
             stop_mask[row] = seq.finished and not live_sibs
-        finished_ids = self.scheduler.update_from_output(out, token_ids, stop_mask)
+        try:
+            finished_ids = self.scheduler.update_from_output(out, token_ids, stop_mask)
+        except Exception as exc:  # noqa: BLE001 -- the scheduler's state is unknown now
+            self._reset(exc, touched)
+            return
         for parent, siblings in batch.forks:
-            for sib in siblings:
-                if not sib.finished:
-                    self.scheduler.fork_request(parent.seq_id, sib.seq_id, sib.output_token_ids[-1])
-            if parent.finished and any(not s.finished for s in siblings):
-                self.scheduler.abort_request(parent.seq_id)  # kept alive only to fork from
+            request = self._seqs.get(parent.seq_id, (None,))[0]
+            if request is None or request.finished:
+                continue
+            try:
+                for sib in siblings:
+                    if not sib.finished:
+                        self.scheduler.fork_request(parent.seq_id, sib.seq_id,
+                                                    sib.output_token_ids[-1])
+                if parent.finished and any(not s.finished for s in siblings):
+                    self.scheduler.abort_request(parent.seq_id)  # kept only to fork from
+            except Exception as exc:  # noqa: BLE001 -- this request's fault only
+                self._fail_requests({request.request_id: _describe("forking", exc)}, touched)
         for seq_id in finished_ids:
             entry = self._seqs.get(int(seq_id))
             if entry is not None and not entry[1].finished:
@@ -385,6 +492,65 @@ class LLMEngine:
             if not request.finished and all(s.finished for s in request.seqs) and (
                     len(request.seqs) == request.params.n):
                 self._finish_request(request)
+
+    # ------------------------------------------------------------------ failures
+
+    def _fail_requests(self, failed: dict[str, str], touched: dict[str, Request]) -> None:
+        """End each request in `failed` with finish_reason "error" and its message; every
+        block it holds returns to the pool now (the scheduler skips its rows from here on)."""
+        for request_id, message in failed.items():
+            request = self._requests.get(request_id)
+            if request is None or request.finished:
+                continue
+            log.error("request %s failed: %s", request_id, message)
+            for seq in request.seqs:
+                self.scheduler.abort_request(seq.seq_id)  # False for unforked siblings: fine
+                if not seq.finished:
+                    seq.finish_reason = FINISH_ERROR
+            request.error = message
+            self._finish_request(request)
+            touched[request_id] = request
+
+    def _fail_step(self, out, exc: BaseException, touched: dict[str, Request]) -> None:
+        """A step failed outside any one request (the forward, a kernel, memory): fail every
+        request it scheduled -- and those it swapped out, whose host copy may not have been
+        written -- then close the step in the scheduler with no row left to advance."""
+        message = _describe("step", exc)
+        log.error("engine step failed: %s", message, exc_info=exc)
+        seq_ids = [int(i) for i in out.req_ids]
+        if len(out.swap_out):
+            seq_ids += [int(i) for i in out.preempted_ids]
+        failed = {self._seqs[i][0].request_id: message for i in seq_ids if i in self._seqs}
+        self._fail_requests(failed, touched)
+        try:  # every row is aborted: this only ends the scheduler's step
+            self.scheduler.update_from_output(out, np.zeros(out.num_reqs, np.int32),
+                                              np.ones(out.num_reqs, bool))
+        except Exception as reset_exc:  # noqa: BLE001
+            self._reset(reset_exc, touched)
+        self._num_failed_steps += 1
+        if getattr(exc, "engine_dead", False):
+            raise exc
+        if self._num_failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise EngineDeadError(f"{self._num_failed_steps} steps in a row failed; last: "
+                                  f"{message}") from exc
+
+    def _reset(self, exc: BaseException, touched: dict[str, Request]) -> None:
+        """The scheduler failed: fail every live request and start a fresh scheduler (empty
+        pool and prefix cache; the runner and its KV memory are kept)."""
+        from pagedrun.pyx.scheduler import Scheduler
+
+        message = _describe("scheduler", exc)
+        log.error("engine reset: %s", message, exc_info=exc)
+        self.scheduler = Scheduler(self.scheduler.config)
+        failed = {rid: message for rid in list(self._requests)}
+        for request_id in failed:  # the new scheduler knows none of their sequences
+            request = self._requests[request_id]
+            for seq in request.seqs:
+                if not seq.finished:
+                    seq.finish_reason = FINISH_ERROR
+            request.error = message
+            self._finish_request(request)
+            touched[request_id] = request
 
     def _wants_prompt_logits(self, seq_id: int, num_computed_before: int, query_len: int) -> bool:
         """Whether this row's chunk holds the next prompt position still missing a logprob.

@@ -94,8 +94,11 @@ def apply_penalties(logits: np.ndarray, params: Sequence[SamplingParams],
                                               return_counts=True)
         if has_rep:
             seen = np.union1d(output_ids, np.asarray(prompt_token_ids[i], dtype=np.int64))
-            penalty = np.float32(p.repetition_penalty)
-            row[seen] = np.where(row[seen] > 0, row[seen] / penalty, row[seen] * penalty)
+            # A penalty below float32's smallest normal (valid: any value > 0) would divide by
+            # zero; the smallest normal gives the same answer, +inf, which sampling handles.
+            penalty = np.float32(max(p.repetition_penalty, np.finfo(np.float32).tiny))
+            with np.errstate(over="ignore"):
+                row[seen] = np.where(row[seen] > 0, row[seen] / penalty, row[seen] * penalty)
         if p.frequency_penalty:
             row[output_ids] -= np.float32(p.frequency_penalty) * output_counts.astype(np.float32)
         if p.presence_penalty:
@@ -112,6 +115,8 @@ def apply_min_tokens(logits: np.ndarray, params: Sequence[SamplingParams],
         banned = list(p.stop_token_ids)
         if not p.ignore_eos:
             banned.extend(eos_token_ids)
+        # The engine refuses stop ids outside the vocabulary at admission; never index past it.
+        banned = [t for t in banned if 0 <= t < logits.shape[1]]
         if banned:
             logits[i, banned] = -np.inf
 
@@ -217,11 +222,17 @@ def _sample_rows(logits: np.ndarray, params: Sequence[SamplingParams],
     (processed); uniforms: [rows] in [0, 1). Returns [rows] int32 token ids."""
     temperature = np.array([p.temperature for p in params], dtype=np.float32)
     min_p = np.array([p.min_p for p in params], dtype=np.float32)
-    scaled = logits / temperature[:, None]
+    with np.errstate(over="ignore"):  # huge penalized logits: inf, made finite below
+        scaled = logits / temperature[:, None]
+    # Extreme but valid penalties (repetition_penalty near 0 divides positive logits into inf)
+    # must not turn the row into NaNs: +inf becomes the largest float (those tokens share the
+    # mass), NaN a masked token.
+    np.nan_to_num(scaled, copy=False, nan=-np.inf, posinf=np.finfo(np.float32).max)
     for i, p in enumerate(params):
         _top_k_filter(scaled[i], p.top_k)
     # Unnormalized probabilities; the largest is exactly 1 (the max logit survives every filter).
-    weights = np.exp(scaled - scaled.max(axis=1, keepdims=True))
+    with np.errstate(over="ignore"):  # -huge minus the largest float: -inf, weight 0
+        weights = np.exp(scaled - scaled.max(axis=1, keepdims=True))
     for i, p in enumerate(params):
         if p.top_p < 1.0:
             _top_p_filter(weights[i], p.top_p)

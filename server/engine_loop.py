@@ -6,8 +6,9 @@ back to `events`, then calls `notify()` so the I/O thread wakes. Socket I/O, mes
 validation and reply encoding therefore run while the model computes (numpy and CuPy release
 the GIL in their kernels), and a slow client never delays a step.
 
-Events posted (tuples): ("outputs", list[RequestOutput]), ("rejected", engine_request_id, code,
-message), ("failed", message, engine_dead: the server must fail everything and exit). After
+Events posted (tuples): ("outputs", list[RequestOutput]) -- a request that failed alone is an
+output with `error` set --, ("rejected", engine_request_id, code, message), ("failed", message,
+engine_dead: True, the server must fail everything and exit). After
 each step a fresh `engine.get_stats()` snapshot is stored in `latest_stats` *before* the step's
 outputs are posted, so a client that saw its final frame and then asks for stats sees the blocks
 of its request already freed.
@@ -84,12 +85,15 @@ class EngineLoop:
             try:
                 outputs = engine.step()
                 self.latest_stats = dict(engine.get_stats())
-            except Exception as exc:
+            except Exception:  # noqa: BLE001 -- reported, then the server exits
+                # LLMEngine.step contains every fault of one request or one step (those come
+                # back as outputs with `error` set); what escapes it -- EngineDeadError, a lost
+                # tensor-parallel rank -- means no later step can be trusted: the server fails
+                # every in-flight request and exits non-zero rather than accept work it cannot
+                # do.
                 message = traceback.format_exc(limit=3)
                 log.error("engine step failed:\n%s", message)
-                # engine_dead (a lost tensor-parallel rank): no later step can succeed.
-                self.events.put(("failed", message.strip().splitlines()[-1],
-                                 bool(getattr(exc, "engine_dead", False))))
+                self.events.put(("failed", message.strip().splitlines()[-1], True))
                 self.notify()
                 continue
             if outputs:
