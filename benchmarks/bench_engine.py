@@ -17,7 +17,8 @@ Subcommands (`all` runs each in turn; `--json PATH` writes every number measured
                prefix cache) vs warm (the prefix cached by an earlier request).
   concurrency  output tokens/s with 1, 8 and 32 concurrent requests (32-token prompts,
                24 new tokens each); `--dtype both` runs float32 and bfloat16 (the bf16-weight
-               cpu backend) interleaved, medians of `--repeats`; `--levels 1,8,32,64`.
+               cpu backend) interleaved, medians of `--repeats` - 2 runs (at least 1);
+               `--levels 1,8,32,64`.
 
 BLAS threads: `--blas-threads` (default 1) is set before numpy loads. On a shared 2-core
 machine OpenBLAS's spinning threads collapse under contention (mid-size GEMMs measured 100x

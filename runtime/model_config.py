@@ -47,7 +47,7 @@ class RopeScaling:
 
     Wavelengths shorter than `original_max_position_embeddings / high_freq_factor` are kept,
     those longer than `original_max_position_embeddings / low_freq_factor` are divided by
-    `factor`, and the band between is interpolated (see `reference.rope_inv_freq`).
+    `factor`, and the band between is interpolated (see `runtime/rope.py: rope_inv_freq`).
     """
 
     rope_type: str

@@ -4,7 +4,7 @@ Owns the host build of kernel sources (g++ -std=c++20 with -DPAGEDRUN_SIM, see
 cuda/sim/sim.cuh and docs/kernels.md), its content-hash cache, and the launch path:
 
     mod = SimModule(code='#include "paged_attention.cu"', options=("-DHEAD_DIM=128",))
-    fn = mod.get_function("paged_attention_decode_bf16_hd128_bs16")
+    fn = mod.get_function("paged_attention_decode_bf16_d128_g1")
     fn(grid, block, (q, k_cache, np.int32(n)), shared_mem=nbytes)
 
 Arguments mirror a CuPy launch: numpy arrays stand for device pointers (C-contiguous; the
