@@ -1,7 +1,7 @@
-"""Each host twin of cuda/ptx.cuh and cuda/hopper_groundwork.cuh against the real instruction:
-the probe kernels of tests/sim/kernels/twin_probes.cu run on the GPU (CuPy, NVRTC) and on the
-CPU harness with the same random inputs; ldmatrix and cp.async must agree bit for bit, mma to fp32 accumulation
-error. Runs the first time a GPU is available; skips with the reason otherwise."""
+"""Each host twin of cuda/ptx.cuh and cuda/hopper_groundwork.cuh against the real instruction: the
+probe kernels of tests/sim/kernels/twin_probes.cu run on the GPU (CuPy, NVRTC) and on the CPU
+harness with the same random inputs; ldmatrix and cp.async must agree bit for bit, mma to fp32
+accumulation error. Runs the first time a GPU is available; skips with the reason otherwise."""
 
 from __future__ import annotations
 
