@@ -1,0 +1,454 @@
+"""The C client library (clients/c): built with CMake into a temp dir, installed, and its test
+program (clients/c/tests/test_client.c) built through pkg-config against the installed library,
+then run against real servers: run_fake_server.py processes (streaming, abort, timeouts, a
+killed-and-restarted server, a hung server, CURVE), an in-process server with a short lease, and
+a tiny ROUTER here that answers garbage frames. A -fsanitize=address,undefined build of the
+same program runs the API and malformed-reply scenarios once more."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+
+import msgpack
+import pytest
+import zmq
+from fake_engine import FakeEngine, expected_tokens
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+LIB_SRC = os.path.join(REPO, "clients", "c")
+TEST_SRC = os.path.join(LIB_SRC, "tests", "test_client.c")
+BUILD_TIMEOUT_S = 240
+RUN_TIMEOUT_S = 60
+FAST_S = 1.5  # "quickly": well under every timeout the scenarios set
+
+
+def _run(cmd, **kw):
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, **kw)
+    assert proc.returncode == 0, f"{cmd}\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def _pkg_config(prefix, *args):
+    env = dict(os.environ, PKG_CONFIG_PATH=os.path.join(prefix, "lib", "pkgconfig"))
+    return _run(["pkg-config", *args, "pagedrun_client"], env=env).split()
+
+
+@pytest.fixture(scope="module")
+def c_lib(tmp_path_factory):
+    """(prefix, test program) of an installed library."""
+    for tool in ("cmake", "cc", "pkg-config"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"no {tool} (scripts/install.sh installs the build deps)")
+    tmp = tmp_path_factory.mktemp("c_lib")
+    build, prefix = str(tmp / "build"), str(tmp / "prefix")
+    _run(["cmake", "-S", LIB_SRC, "-B", build, "-DCMAKE_BUILD_TYPE=RelWithDebInfo",
+          "-DCMAKE_INSTALL_LIBDIR=lib"])
+    _run(["cmake", "--build", build])
+    _run(["cmake", "--install", build, "--prefix", prefix])
+    exe = str(tmp / "test_client")
+    libdir = _pkg_config(prefix, "--variable=libdir")[0]
+    _run(["cc", "-std=c99", "-O1", "-g", "-Wall", "-Wextra", "-Werror",
+          *_pkg_config(prefix, "--cflags"), "-o", exe, TEST_SRC,
+          *_pkg_config(prefix, "--libs"), f"-Wl,-rpath,{libdir}"])
+    return prefix, exe
+
+
+def _lines(out: str) -> dict:
+    return dict(line.split(" ", 1) if " " in line else (line, "") for line in out.splitlines())
+
+
+def run_c(exe, *args, check=True, env=None):
+    proc = subprocess.run([exe, *map(str, args)], capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S, env=env)
+    if check:
+        assert proc.returncode == 0 and "DONE failures=0" in proc.stdout, \
+            proc.stdout + proc.stderr
+    return _lines(proc.stdout), proc
+
+
+def _ints(s: str) -> list[int]:
+    return [int(t) for t in s.split()]
+
+
+# --- build and install ---------------------------------------------------------------------
+def test_install_layout(c_lib):
+    prefix, _ = c_lib
+    lib = os.path.join(prefix, "lib")
+    assert os.path.isfile(os.path.join(prefix, "include", "pagedrun_client.h"))
+    assert os.path.isfile(os.path.join(lib, "libpagedrun_client.a"))
+    assert os.path.islink(os.path.join(lib, "libpagedrun_client.so"))
+    assert _pkg_config(prefix, "--modversion") == ["1.0.0"]
+    if shutil.which("nm"):  # only the API is exported
+        syms = _run(["nm", "-D", "--defined-only", os.path.join(lib, "libpagedrun_client.so")])
+        names = [ln.split()[-1] for ln in syms.splitlines() if " T " in ln]
+        assert names and all(n.startswith("pagedrun_") for n in names), names
+
+
+def test_static_link(c_lib, tmp_path):
+    """The static library links on its own (with libzmq and msgpack-c)."""
+    prefix, _ = c_lib
+    deps = (subprocess.run(["pkg-config", "--libs", "libzmq", "msgpack-c"], capture_output=True,
+                           text=True).stdout.split()
+            or _run(["pkg-config", "--libs", "libzmq", "msgpack"]).split())
+    exe = str(tmp_path / "test_client_static")
+    _run(["cc", "-std=c99", "-O1", *_pkg_config(prefix, "--cflags"), "-o", exe, TEST_SRC,
+          os.path.join(prefix, "lib", "libpagedrun_client.a"), *deps])
+    out, _ = run_c(exe, "tcp://127.0.0.1:1", "down")
+    assert out["CONNECT"].split()[0] == "server_unavailable"
+
+
+# --- against run_fake_server.py ------------------------------------------------------------
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_api_stream_generate_concurrency_errors(c_lib, server_process, tmp_path, transport):
+    _, exe = c_lib
+    ep0 = "tcp://127.0.0.1:0" if transport == "tcp" else f"ipc://{tmp_path}/s.sock"
+    _, ep = server_process(ep0, "--step-delay-s", "0.002")
+    prompt, max_tokens = "Bonjour from C", 9
+    out, _ = run_c(exe, ep, "api", prompt, max_tokens)
+    want = expected_tokens(list(prompt.encode()), max_tokens)
+    info = dict(kv.split("=", 1) for kv in out["INFO"].split())
+    assert info["model"] == "fake-byte-model" and info["max_model_len"] == "256"
+    assert float(info["lease"]) == 30.0 and info["revision"] == "1.2"
+    assert len(info["server_id"]) == 16
+    assert _ints(out["STREAM_TOKENS"]) == want and out["STREAM_TEXT"] == bytes(want).decode()
+    assert out["STREAM_FINISH"] == "length" and out["STREAM_DELTAS"] == str(max_tokens)
+    assert out["STREAM_USAGE"] == f"{len(prompt)} {max_tokens}"
+    assert out["STREAM_LOGPROBS"] == f"{len(prompt)} {max_tokens}"  # prompt entries, tokens
+    assert _ints(out["GEN_TOKENS"]) == want and out["GEN_TEXT"] == bytes(want).decode()
+    assert out["GEN_FINISH"] == "length"
+    for i, p in enumerate(["alpha", "bravo charlie", "delta echo foxtrot", "g"]):
+        assert _ints(out[f"CONC_{i}"]) == expected_tokens(list(p.encode()), 7)
+    assert _ints(out["IDS_TOKENS"]) == expected_tokens([72, 105, 33], 5)
+    assert len(_ints(out["CHAT_TOKENS"])) == 5
+    assert out["EXTRA_FINISH"] == "length 4"
+    assert out["ERR_INVALID"].startswith("invalid_request [invalid_request] ")
+    assert "temperature" in out["ERR_INVALID"]
+    assert out["ERR_EMPTY"] == "empty_prompt" and out["ERR_TOO_LONG"] == "prompt_too_long"
+    assert out["PONG"] == "status=ok lease=30 rtt_ok=1"
+    assert out["NAMES"] == "capacity timeout server_unavailable malformed_reply connection"
+
+
+def test_abort(c_lib, server_process):
+    _, exe = c_lib
+    _, ep = server_process("tcp://127.0.0.1:0", "--step-delay-s", "0.01")
+    out, _ = run_c(exe, ep, "abort", "please stop")
+    assert out["ABORT_ID"] == "found=1 finish=abort finals=1 deltas_lt_200=1"
+    assert out["ABORT_RETURN"] == "finish=abort finals=1"
+    assert out["ABORT_CALL"] == "finish=abort finals=1"
+    assert out["ABORT_UNKNOWN"] == "found=0"
+
+
+def test_timeout_and_deadline(c_lib, server_process):
+    _, exe = c_lib
+    _, ep = server_process("tcp://127.0.0.1:0", "--step-delay-s", "1.0")
+    out, _ = run_c(exe, ep, "timeout")
+    status, elapsed, errors = out["TIMEOUT"].split()
+    assert status == "timeout" and 0.25 <= float(elapsed) < FAST_S and errors == "errors=1"
+    status, elapsed = out["DEADLINE"].split()
+    assert status == "timeout" and 0.45 <= float(elapsed) < FAST_S
+
+
+def test_server_killed_then_restarted(c_lib, server_process, tmp_path):
+    """SIGKILL mid-stream: server_unavailable at once (the connection drops); while nothing
+    listens a new request fails within ping_timeout_s; once a new server is up on the same
+    endpoint the same client works again (and after an explicit reconnect)."""
+    _, exe = c_lib
+    proc, ep = server_process("tcp://127.0.0.1:0", "--step-delay-s", "0.02")
+    c = subprocess.Popen([exe, ep, "restart", "restart me"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert c.stdout.readline().strip() == "STREAMING"
+        proc.kill()
+        proc.wait(10)
+        c.stdin.write("killed\n")
+        c.stdin.flush()
+        seen = []
+        while (line := c.stdout.readline()) and line.strip() != "DOWN_READY":
+            seen.append(line)
+        server_process(ep, "--step-delay-s", "0.001")  # same endpoint
+        c.stdin.write("restarted\n")
+        c.stdin.flush()
+        rest, err = c.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if c.poll() is None:
+            c.kill()
+    out = _lines("".join(seen) + rest)
+    assert c.returncode == 0 and "DONE failures=0" in rest, "".join(seen) + rest + err
+    status, elapsed = out["LOST"].split()
+    assert status == "server_unavailable" and float(elapsed) < FAST_S, out
+    assert "lost" in out["LOST_MESSAGE"]
+    status, elapsed = out["WHILE_DOWN"].split()
+    assert status == "server_unavailable" and float(elapsed) < 1.0 + FAST_S  # ping_timeout 1 s
+    assert out["AFTER"] == "ok 3 length"
+    first, second, changed = out["INSTANCES"].split()
+    assert len(first) == 16 and len(second) == 16 and changed == "changed=1"
+    assert out["RECONNECTED"] == "ok 3"
+
+
+def test_hung_server_detected_by_ping(c_lib, server_process):
+    """SIGSTOP: the connection stays up, so only the PINGs tell (heartbeat 0.2 s, ping timeout
+    0.5 s in the scenario): server_unavailable within about 0.7 s, not the 30 s timeout."""
+    _, exe = c_lib
+    proc, ep = server_process("tcp://127.0.0.1:0", "--step-delay-s", "0.02")
+    c = subprocess.Popen([exe, ep, "hung", "hang on"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert c.stdout.readline().strip() == "STREAMING"
+        proc.send_signal(signal.SIGSTOP)
+        c.stdin.write("stopped\n")
+        c.stdin.flush()
+        rest, err = c.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        if c.poll() is None:
+            c.kill()
+    out = _lines(rest)
+    assert c.returncode == 0, rest + err
+    status, elapsed = out["HUNG"].split()
+    assert status == "server_unavailable" and float(elapsed) < FAST_S, out
+    assert "PING" in out["HUNG_MESSAGE"]
+
+
+def test_no_server(c_lib):
+    _, exe = c_lib
+    out, _ = run_c(exe, "tcp://127.0.0.1:1", "down")  # ping_timeout 0.5 s in the scenario
+    for key in ("CONNECT", "GENERATE"):
+        status, elapsed = out[key].split()
+        assert status == "server_unavailable" and float(elapsed) < FAST_S, out
+    assert out["BAD_ENDPOINT"] == "connection"
+
+
+def _curve_keys(tmp_path):
+    import zmq.auth
+
+    from pagedrun.server.auth import create_key_pair
+    server_pub, server_secret = create_key_pair(str(tmp_path / "server"), "server")
+    _, alice_secret = create_key_pair(str(tmp_path / "pairs"), "alice")
+    os.makedirs(tmp_path / "allowed")
+    os.replace(tmp_path / "pairs" / "alice.key", tmp_path / "allowed" / "alice.key")
+    _, mallory_secret = create_key_pair(str(tmp_path / "stranger"), "mallory")
+    spub, _ = zmq.auth.load_certificate(server_pub)
+    return (server_secret, str(tmp_path / "allowed"), spub.decode(),
+            [k.decode() for k in zmq.auth.load_certificate(alice_secret)],
+            [k.decode() for k in zmq.auth.load_certificate(mallory_secret)])
+
+
+def test_curve(c_lib, server_process, tmp_path):
+    if not zmq.has("curve"):
+        pytest.skip("libzmq without CURVE")
+    _, exe = c_lib
+    secret, allowed, spub, alice, mallory = _curve_keys(tmp_path)
+    _, ep = server_process("tcp://127.0.0.1:0", "--curve-secret-key", secret,
+                           "--curve-allowed-clients", allowed)
+    out, _ = run_c(exe, ep, "curve", spub, *alice)
+    assert out["CURVE_CONNECT"].split()[0] == "ok" and out["CURVE_GENERATE"] == "ok 16"
+    # a key the server does not allow: the handshake fails, reported as `connection` at once
+    out, _ = run_c(exe, ep, "curve", spub, *mallory)
+    status, elapsed = out["CURVE_CONNECT"].split()
+    assert status == "connection" and float(elapsed) < FAST_S, out
+    assert "CURVE" in out["CURVE_MESSAGE"]
+
+
+# --- lease ---------------------------------------------------------------------------------
+def test_lease_kept_alive_by_heartbeats(c_lib, start_server):
+    """A 1 s lease and a non-streamed generation of ~3 s (no DELTA frames): the C client
+    learns the lease at connect and PINGs at lease/3, so the request completes; a raw client
+    that stays silent loses the same request to `lease_expired`."""
+    _, exe = c_lib
+    _, ep = start_server(FakeEngine(step_delay_s=0.1), lease_s=1.0)
+    out, _ = run_c(exe, ep, "lease", "keep me alive", 30, 0)
+    assert out["LEASE"] == "1"
+    status, n, elapsed = out["RESULT"].split()
+    assert status == "ok" and n == "30" and float(elapsed) > 2.0, out
+    # control: the same request without heartbeats
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    try:
+        s.connect(ep)
+        s.send_multipart([bytes([1, 0x01]), msgpack.packb(
+            {"request_id": "silent", "prompt": "keep me alive", "stream": False,
+             "sampling_params": {"max_tokens": 30}})])
+        assert s.poll(10_000)
+        header, body = s.recv_multipart()
+        assert header[1] == 0xFF and msgpack.unpackb(body)["code"] == "lease_expired"
+    finally:
+        s.close(0)
+        ctx.term()
+
+
+# --- malformed replies ---------------------------------------------------------------------
+SID = "00112233aabbccdd"
+
+
+def _deep(n):
+    v = 0
+    for _ in range(n):
+        v = [v]
+    return v
+
+
+def _garbage(variant: str, rid: str) -> list[list[bytes]]:
+    """The frames the garbage server answers to GENERATE `rid` (= the variant's name)."""
+    P = msgpack.packb
+    h = lambda t: bytes([1, t])  # noqa: E731
+    delta = {"request_id": rid, "index": 0, "token_ids": [65], "text": "A", "server_id": SID}
+    final = {"request_id": rid, "finish_reason": "length", "stop_reason": None,
+             "outputs": [{"index": 0, "finish_reason": "length", "stop_reason": None}],
+             "usage": {"prompt_tokens": 1, "cached_prompt_tokens": 0, "completion_tokens": 1},
+             "metrics": {"time_to_first_token_s": 0.1, "time_per_output_token_s": None,
+                         "e2e_latency_s": 0.1}, "server_id": SID}
+    return {
+        "one_frame": [[h(0x81)]],
+        "three_frames": [[h(0x81), P(delta), b"x"]],
+        "bad_version": [[bytes([2, 0x81]), P(delta)]],
+        "long_header": [[bytes([1, 0x81, 0]), P(delta)]],
+        "empty_header": [[b"", P(delta)]],
+        "not_msgpack": [[h(0x81), b"\xc1"]],
+        "empty_body": [[h(0x81), b""]],
+        "not_map": [[h(0x81), P([1, 2, 3])]],
+        "trailing": [[h(0x81), P(delta) + b"\x00"]],
+        "truncated": [[h(0x81), P(delta)[:-3]]],
+        "deep_nesting": [[h(0x81), P({"request_id": rid, "x": _deep(500)})]],
+        "huge_array": [[h(0x81), b"\x81\xa1x\xdd\xff\xff\xff\xff"]],
+        "huge_map": [[h(0x81), b"\xdf\xff\xff\xff\xff"]],
+        "huge_str": [[h(0x81), b"\x81\xa1x\xdb\xff\xff\xff\xf0abc"]],
+        "delta_text_int": [[h(0x81), P({**delta, "text": 5})]],
+        "delta_text_missing": [[h(0x81), P({k: v for k, v in delta.items() if k != "text"})]],
+        "delta_ids_str": [[h(0x81), P({**delta, "token_ids": "abc"})]],
+        "delta_ids_float": [[h(0x81), P({**delta, "token_ids": [1.5]})]],
+        "delta_ids_negative": [[h(0x81), P({**delta, "token_ids": [-1]})]],
+        "delta_text_bin": [[h(0x81), P({**delta, "text": b"A"}, use_bin_type=True)]],
+        "delta_logprobs_bad": [[h(0x81), P({**delta, "logprobs": [{"token_id": "x"}]})]],
+        "delta_prompt_logprobs_bad": [[h(0x81), P({**delta, "prompt_logprobs": [None, 3]})]],
+        "final_reason_int": [[h(0x82), P({**final, "finish_reason": 3})]],
+        "final_usage_str": [[h(0x82), P({**final, "usage": "x"})]],
+        "final_metrics_bad": [[h(0x82), P({**final, "metrics": {"e2e_latency_s": "x"}})]],
+        "final_outputs_bad": [[h(0x82), P({**final, "outputs": [1]})]],
+        "error_code_int": [[h(0xFF), P({"code": 7, "message": "x", "request_id": rid})]],
+        "rid_int": [[h(0x81), P({**delta, "request_id": 42})]],
+        "server_id_int": [[h(0x81), P({**delta, "server_id": 5})]],
+        "lease_str": [[h(0x81), P({**delta, "lease_s": "soon"})]],
+        "ext_type": [[h(0x81), P({**delta, "text": msgpack.ExtType(1, b"A")})]],
+        # well-formed: the client keeps working after all of the above
+        "ok": [[h(0x81), P(delta)], [h(0x82), P(final)]],
+        "stale_then_ok": [[h(0x81), P({**delta, "request_id": "gone"})], [h(0x81), P(delta)],
+                          [h(0x82), P(final)]],
+        "unknown_type": [[h(0x87), P({"request_id": rid})], [h(0x82), P(final)]],
+        "unknown_error_code": [[h(0xFF), P({"code": "brand_new", "message": "?",
+                                            "request_id": rid, "server_id": SID})]],
+        "error_nil_rid": [[h(0xFF), P({"code": "invalid_message", "message": "?",
+                                       "request_id": None, "server_id": SID})]],
+    }[variant]
+
+
+MALFORMED = ["one_frame", "three_frames", "bad_version", "long_header", "empty_header",
+             "not_msgpack", "empty_body", "not_map", "trailing", "truncated", "deep_nesting",
+             "huge_array", "huge_map", "huge_str", "delta_text_int", "delta_text_missing",
+             "delta_ids_str", "delta_ids_float", "delta_ids_negative", "delta_text_bin",
+             "delta_logprobs_bad", "delta_prompt_logprobs_bad", "final_reason_int",
+             "final_usage_str", "final_metrics_bad", "final_outputs_bad", "error_code_int",
+             "rid_int", "server_id_int", "lease_str", "ext_type"]
+WELL_FORMED = {"ok": "ok", "stale_then_ok": "ok", "unknown_type": "ok",
+               "unknown_error_code": "server_error", "error_nil_rid": "invalid_message"}
+
+
+@pytest.fixture
+def garbage_server():
+    """A ROUTER that answers MODEL_INFO and PING properly and each GENERATE with the frames of
+    the variant named by its request id."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            if not sock.poll(50):
+                continue
+            ident, *frames = sock.recv_multipart()
+            kind, body = frames[0][1], msgpack.unpackb(frames[1])
+            rid = body.get("request_id")
+            if kind == 0x04:
+                replies = [[bytes([1, 0x85]), msgpack.packb(
+                    {"request_id": rid, "model": "garbage", "max_model_len": 64,
+                     "vocab_size": 256, "server": {"protocol_revision": "1.2", "lease_s": 30.0,
+                                                   "max_message_bytes": 1 << 20},
+                     "server_id": SID})]]
+            elif kind == 0x03:
+                replies = [[bytes([1, 0x84]), msgpack.packb(
+                    {"request_id": rid, "status": "ok", "lease_s": 30.0, "server_time": 0.0,
+                     "num_requests_in_flight": 0, "server_id": SID})]]
+            elif kind == 0x01:
+                replies = _garbage(rid, rid)
+            else:  # ABORT after a malformed reply: ignored
+                replies = []
+            for r in replies:
+                sock.send_multipart([ident, *r])
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    yield f"tcp://127.0.0.1:{port}"
+    stop.set()
+    t.join(5)
+    sock.close(0)
+    ctx.term()
+
+
+def _check_variants(stdout: str) -> None:
+    got = {}
+    for line in stdout.splitlines():
+        if line.startswith("VARIANT "):
+            _, name, status, elapsed = line.split()
+            got[name] = status
+            assert float(elapsed) < FAST_S, line  # never the 5 s timeout
+    want = {**{v: "malformed_reply" for v in MALFORMED}, **WELL_FORMED}
+    assert got == want
+
+
+def test_malformed_replies(c_lib, garbage_server):
+    _, exe = c_lib
+    _, proc = run_c(exe, garbage_server, "malformed", *MALFORMED, *WELL_FORMED)
+    _check_variants(proc.stdout)
+
+
+# --- sanitizers ----------------------------------------------------------------------------
+def test_asan_ubsan_build(server_process, garbage_server, tmp_path):
+    """The library and the test program built with -fsanitize=address,undefined: the API and
+    the malformed-reply scenarios run clean (no leak, no UB, no overflow)."""
+    if shutil.which("cc") is None or shutil.which("pkg-config") is None:
+        pytest.skip("no C compiler / pkg-config")
+    deps = (subprocess.run(["pkg-config", "--cflags", "--libs", "libzmq", "msgpack-c"],
+                           capture_output=True, text=True).stdout.split()
+            or _run(["pkg-config", "--cflags", "--libs", "libzmq", "msgpack"]).split())
+    exe = str(tmp_path / "test_client_asan")
+    try:
+        _run(["cc", "-std=c99", "-O1", "-g", "-fno-omit-frame-pointer",
+              "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+              "-I", os.path.join(LIB_SRC, "include"), "-o", exe,
+              os.path.join(LIB_SRC, "src", "pagedrun_client.c"), TEST_SRC, *deps])
+    except AssertionError as exc:
+        if "sanitize" in str(exc) or "asan" in str(exc):
+            pytest.skip(f"no sanitizer runtime: {exc}")
+        raise
+    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:exitcode=86",
+               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:exitcode=87")
+    env.pop("LD_PRELOAD", None)
+    probe = subprocess.run([exe, "tcp://127.0.0.1:1", "down"], capture_output=True, text=True,
+                           timeout=RUN_TIMEOUT_S, env=env)
+    if "LeakSanitizer has encountered a fatal error" in probe.stderr:  # e.g. under ptrace
+        env["ASAN_OPTIONS"] = env["ASAN_OPTIONS"].replace("detect_leaks=1", "detect_leaks=0")
+    _, ep = server_process("tcp://127.0.0.1:0", "--step-delay-s", "0.002")
+    for args in (["api", "Bonjour", 5], ["abort", "stop it"]):
+        _, proc = run_c(exe, ep, *args, env=env)
+        assert "Sanitizer" not in proc.stderr and "runtime error" not in proc.stderr, proc.stderr
+    _, proc = run_c(exe, garbage_server, "malformed", *MALFORMED, *WELL_FORMED, env=env)
+    assert "Sanitizer" not in proc.stderr and "runtime error" not in proc.stderr, proc.stderr
+    _check_variants(proc.stdout)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
