@@ -14,6 +14,10 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 
 # Upper bound on top-logprobs per token: beyond this the cost is a full sort per token.
 MAX_LOGPROBS = 20
+# Lower bound of repetition_penalty: a penalty near 0 divides positive logits past float32's
+# range (inf), which every sampler would then have to survive; 0.01 already multiplies a seen
+# token's logit by 100.
+MIN_REPETITION_PENALTY = 0.01
 
 
 class SamplingParamsError(ValueError):
@@ -71,8 +75,9 @@ class SamplingParams:
         need(is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
         need(is_int(self.top_k) and self.top_k >= 0, "top_k", "must be an integer >= 0 (or -1)")
         need(is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
-        need(is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
-             "repetition_penalty", "must be in (0, 10]")
+        need(is_num(self.repetition_penalty)
+             and MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10.0,
+             "repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY}, 10]")
         need(is_num(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
              "presence_penalty", "must be in [-2, 2]")
         need(is_num(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,

@@ -3,6 +3,14 @@
 Both speak docs/protocol.md over a DEALER socket, keep the server's lease alive with PINGs while
 they wait, turn ERROR replies into `ServerError` subclasses carrying the server's `code`, and
 abort a request whose stream is closed early, times out, or (async) whose task is cancelled.
+
+Liveness (protocol 1.2, docs/protocol.md "Liveness"): while a request waits, the client PINGs
+at least every min(heartbeat_s, lease_s / 3) (the lease the server announces in PONG and
+MODEL_INFO_REPLY; the first wait PINGs at once to learn it), and also after
+max(2 s, that interval) without any frame from the server. A PING unanswered for
+`ping_timeout_s` (no frame at all since it was sent), or a reply whose `server_id` differs from
+the one seen before (the server restarted and forgot the request), raises `ServerUnavailable`
+for every request that was waiting, instead of waiting out `timeout_s`.
 """
 from __future__ import annotations
 
@@ -21,9 +29,20 @@ from pagedrun.server.auth import apply_curve_client
 from pagedrun.server.protocol import MsgType, encode, decode_reply
 
 from pagedrun.server.protocol import DEFAULT_ENDPOINT  # re-exported: the one default
-# Well under the server's default 30 s lease, so two lost PINGs in a row are still fine.
+# Upper bound on the PING interval while waiting; the interval is min(this, lease_s / 3), so a
+# server's short lease is always honoured and a 30 s lease still sees a PING every 5 s.
 DEFAULT_HEARTBEAT_S = 5.0
+# Fraction of the server's lease between two heartbeats: two may be lost in a row.
+LEASE_FRACTION = 1 / 3
+# After this long (at least) without any frame from the server while waiting, PING it.
+MIN_SILENCE_S = 2.0
+# A PING unanswered this long (no frame at all since it was sent): the server is gone.
+DEFAULT_PING_TIMEOUT_S = 4.0
+# How often a waiting client looks at the clock (liveness checks) at the least.
+POLL_TICK_S = 0.25
 HEARTBEAT_PREFIX = "_hb"
+# Queue item kind (in place of a MsgType) that carries a ServerUnavailable to a waiting reader.
+_LOST = "lost"
 # On close, how long queued frames (an ABORT sent just before) may take to leave; with 0 an
 # abort-then-close would silently drop the ABORT and leave the server to notice the disconnect.
 CLOSE_LINGER_MS = 500
@@ -71,8 +90,119 @@ def error_from_body(body: dict) -> ServerError:
                                                 body.get("request_id"))
 
 
+class ServerUnavailable(ServerError):
+    """The server stopped answering (a PING went unanswered for `ping_timeout_s`) or restarted
+    (its `server_id` changed, so it no longer knows the request). Raised by every request that
+    was waiting; the request is not retried (it may or may not have run)."""
+
+    code = "server_unavailable"
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__("server_unavailable", message, request_id)
+
+
 class RequestTimeout(TimeoutError):
     """No reply frame arrived within the client's timeout; the request was aborted."""
+
+
+class _Liveness:
+    """The client's view of the server: its lease, its instance id, when it last spoke, the
+    PING (if any) still waiting for an answer, and which requests are waiting (and on which
+    server instance). Shared by Client and AsyncClient; clock: time.monotonic() seconds.
+
+    A request is lost when the server is found dead (a PING unanswered for `ping_timeout_s`:
+    every waiting request) or restarted (a frame with a new `server_id`: the requests the old
+    instance answered, or that were sent before the old instance last spoke -- a request sent
+    later, after an idle spell, reached the new instance and goes on)."""
+
+    def __init__(self, heartbeat_s: float | None, ping_timeout_s: float) -> None:
+        self.heartbeat_s = heartbeat_s
+        self.ping_timeout_s = ping_timeout_s
+        self.lease_s: float | None = None
+        self.server_id: str | None = None
+        self.last_recv = float("-inf")  # never heard: the first wait PINGs at once
+        self.last_sent = float("-inf")
+        self.probe_sent: float | None = None  # oldest PING sent since the last frame received
+        self.asked_lease = False  # a PING went out since the lease was last unknown
+        self.requests: dict[str, list] = {}  # request id -> [sent at, server id that answered]
+        self.lost: dict[str, str] = {}       # request id -> why it is lost
+
+    def keepalive_s(self) -> float:
+        """Longest gap between two messages to the server while a request waits."""
+        interval = self.heartbeat_s if self.heartbeat_s is not None else DEFAULT_HEARTBEAT_S
+        if self.lease_s is not None:
+            interval = min(interval, self.lease_s * LEASE_FRACTION)
+        return interval
+
+    def silence_s(self) -> float:
+        """Silence from the server after which a waiting client PINGs it."""
+        return max(MIN_SILENCE_S, self.keepalive_s())
+
+    def track(self, request_id: str) -> None:
+        self.requests[request_id] = [time.monotonic(), None]
+        self.lost.pop(request_id, None)
+
+    def untrack(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self.lost.pop(request_id, None)
+
+    def need_ping(self, now: float) -> bool:
+        return ((self.lease_s is None and not self.asked_lease)  # learn it at once
+                or now - self.last_sent >= self.keepalive_s()
+                or (self.probe_sent is None and now - self.last_recv >= self.silence_s()))
+
+    def sent(self, msg_type: MsgType, now: float) -> None:
+        self.last_sent = now
+        if msg_type == MsgType.PING:
+            self.asked_lease = True
+            if self.probe_sent is None:
+                self.probe_sent = now
+
+    def check_dead(self, now: float) -> list[str] | None:
+        """None while the server counts as alive; once the outstanding PING is overdue, every
+        waiting request is lost, and those not already lost are returned."""
+        if self.probe_sent is None or now - self.probe_sent <= self.ping_timeout_s:
+            return None
+        self.probe_sent = None
+        return self._lose(list(self.requests),
+                          f"the server did not answer a PING within {self.ping_timeout_s:g} s "
+                          "(it died, hangs, or is unreachable)")
+
+    def received(self, msg_type: MsgType, body: dict, now: float) -> list[str]:
+        """Note a frame from the server; returns the requests it shows lost (a restart)."""
+        previous, self.last_recv = self.last_recv, now
+        self.probe_sent = None
+        if msg_type == MsgType.PONG:
+            self._learn_lease(body.get("lease_s"))
+        elif msg_type == MsgType.MODEL_INFO_REPLY and isinstance(body.get("server"), dict):
+            self._learn_lease(body["server"].get("lease_s"))
+        sid = body.get("server_id")
+        if not isinstance(sid, str):
+            return []
+        rid = body.get("request_id")
+        info = self.requests.get(rid) if isinstance(rid, str) else None
+        if info is not None and info[1] is None:
+            info[1] = sid
+        old, self.server_id = self.server_id, sid
+        if old is None or old == sid:
+            return []
+        if msg_type not in (MsgType.PONG, MsgType.MODEL_INFO_REPLY):  # the new instance
+            # may have another lease, and this frame did not tell it: ask
+            self.lease_s, self.asked_lease = None, False
+        return self._lose([r for r, (sent_at, by) in self.requests.items()
+                           if by == old or (by is None and sent_at <= previous)],
+                          f"the server restarted (instance {old} is now {sid}); a request "
+                          "sent to the old instance is lost")
+
+    def _lose(self, request_ids: list[str], reason: str) -> list[str]:
+        newly = [r for r in request_ids if r not in self.lost]
+        for r in newly:
+            self.lost[r] = reason
+        return newly
+
+    def _learn_lease(self, value) -> None:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            self.lease_s = float(value)
 
 
 # --- results ----------------------------------------------------------------------------
@@ -208,7 +338,7 @@ class Stream:
         if msg_type == MsgType.DELTA:
             return self._acc.add(body)
         self._done = True
-        self._client._pending.pop(self.request_id, None)
+        self._client._unregister(self.request_id)
         if msg_type == MsgType.FINAL:
             self.result = self._acc.finish(body)
             raise StopIteration
@@ -233,18 +363,40 @@ class Stream:
 
 
 class Client:
+    """Blocking client. `timeout_s` bounds the wait for each reply frame; `heartbeat_s` is the
+    longest PING interval while waiting (min'd with the server's lease_s / 3); a server that
+    leaves a PING unanswered for `ping_timeout_s`, or restarts, raises `ServerUnavailable`."""
+
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *, timeout_s: float = 60.0,
                  heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+                 ping_timeout_s: float = DEFAULT_PING_TIMEOUT_S,
                  server_public_key_file: str | None = None,
                  client_secret_key_file: str | None = None) -> None:
         self.timeout_s = timeout_s
-        self.heartbeat_s = heartbeat_s
+        self._live = _Liveness(heartbeat_s, ping_timeout_s)
         self._ctx = zmq.Context()
         self._sock = _make_socket(self._ctx, endpoint, server_public_key_file,
                                   client_secret_key_file)
         self._pending: dict[str, collections.deque] = {}
         self._hb_ids = itertools.count()
-        self._last_sent = time.monotonic()
+
+    @property
+    def heartbeat_s(self) -> float | None:
+        return self._live.heartbeat_s
+
+    @heartbeat_s.setter
+    def heartbeat_s(self, value: float | None) -> None:
+        self._live.heartbeat_s = value
+
+    @property
+    def server_id(self) -> str | None:
+        """The instance id of the server as last seen (protocol 1.2), None before any reply."""
+        return self._live.server_id
+
+    @property
+    def lease_s(self) -> float | None:
+        """The server's lease as last announced (PONG / MODEL_INFO_REPLY), None before."""
+        return self._live.lease_s
 
     def close(self) -> None:
         if not self._sock.closed:
@@ -271,18 +423,20 @@ class Client:
         """True if the server still had the request in flight (its stream then ends with a
         FINAL whose finish_reason is "abort")."""
         created = request_id not in self._pending
+        if created:
+            self._register(request_id)
         self._send(MsgType.ABORT, {"request_id": request_id})
         try:
             _, body = self._recv_for(request_id, accept={MsgType.ABORTED})
         finally:
             if created:
-                self._pending.pop(request_id, None)
+                self._unregister(request_id)
         return bool(body["found"])
 
     def stream(self, prompt: str | None = None, *, prompt_token_ids=None, messages=None,
                sampling_params=None, request_id: str | None = None) -> Stream:
         rid = request_id or uuid.uuid4().hex
-        self._pending[rid] = collections.deque()
+        self._register(rid)
         self._send(MsgType.GENERATE, _generate_body(rid, prompt, prompt_token_ids, messages,
                                                     sampling_params, True))
         return Stream(self, rid)
@@ -298,7 +452,7 @@ class Client:
             for _ in s:
                 pass
             return s.result
-        self._pending[rid] = collections.deque()
+        self._register(rid)
         self._send(MsgType.GENERATE, _generate_body(rid, prompt, prompt_token_ids, messages,
                                                     sampling_params, False))
         try:
@@ -306,12 +460,20 @@ class Client:
         except BaseException:
             self._abort_quietly(rid)
             raise
-        self._pending.pop(rid, None)
+        self._unregister(rid)
         if msg_type == MsgType.ERROR:
             raise error_from_body(body)
         return _Accumulator(rid).finish(body)
 
     # plumbing
+    def _register(self, request_id: str) -> None:
+        self._pending[request_id] = collections.deque()
+        self._live.track(request_id)
+
+    def _unregister(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+        self._live.untrack(request_id)
+
     def _send(self, msg_type: MsgType, body: dict, flags: int = 0) -> None:
         # A DEALER with no connected server (down, or CURVE refused us) blocks on send;
         # SNDTIMEO turns that into zmq.Again after timeout_s.
@@ -321,52 +483,77 @@ class Client:
         except zmq.Again:
             raise RequestTimeout(f"could not send to the server within {self.timeout_s} s "
                                  "(not connected?)") from None
-        self._last_sent = time.monotonic()
+        self._live.sent(msg_type, time.monotonic())
 
     def _call(self, msg_type: MsgType) -> dict:
         rid = uuid.uuid4().hex
-        self._pending[rid] = collections.deque()
-        self._send(msg_type, {"request_id": rid})
-        got, body = self._recv_for(rid)
-        self._pending.pop(rid, None)
+        self._register(rid)
+        try:
+            self._send(msg_type, {"request_id": rid})
+            got, body = self._recv_for(rid)
+        finally:
+            self._unregister(rid)
         if got == MsgType.ERROR:
             raise error_from_body(body)
         return body
 
     def _abort_quietly(self, request_id: str) -> None:
         if request_id in self._pending and not self._sock.closed:
-            self._pending.pop(request_id, None)
+            self._unregister(request_id)
             try:
                 self._send(MsgType.ABORT, {"request_id": request_id}, zmq.NOBLOCK)
             except RequestTimeout:
                 pass  # not connected: the server's lease/disconnect handling aborts it
 
     def _recv_for(self, request_id: str, accept=None) -> tuple[MsgType, dict]:
-        """Next message for `request_id` (others are queued for their own readers)."""
-        queue = self._pending.setdefault(request_id, collections.deque())
+        """Next message for `request_id` (others are queued for their own readers). PINGs the
+        server while waiting (lease and liveness); raises ServerUnavailable once the server is
+        found dead or restarted, RequestTimeout after timeout_s without a reply for this
+        request."""
+        live = self._live
+        if request_id not in self._pending:
+            self._register(request_id)
+        queue = self._pending[request_id]
         deadline = time.monotonic() + self.timeout_s
-        while True:
-            for i, (msg_type, body) in enumerate(queue):
-                if accept is None or msg_type in accept:
-                    del queue[i]
-                    return msg_type, body
-            now = time.monotonic()
-            if now >= deadline:
-                self._abort_quietly(request_id)
-                raise RequestTimeout(f"no reply for {request_id!r} within {self.timeout_s} s")
-            if now - self._last_sent >= self.heartbeat_s:
-                self._send(MsgType.PING, {"request_id": f"{HEARTBEAT_PREFIX}{next(self._hb_ids)}"})
-            wait_s = min(deadline - now, self.heartbeat_s)
-            if not self._sock.poll(max(1, int(wait_s * 1000))):
-                continue
-            msg_type, body = decode_reply(self._sock.recv_multipart())
-            rid = body.get("request_id")
-            if msg_type == MsgType.PONG and isinstance(rid, str) and \
-                    rid.startswith(HEARTBEAT_PREFIX):
-                continue
-            if rid in self._pending:
-                self._pending[rid].append((msg_type, body))
-            # replies for requests nobody waits for any more (aborted streams) are dropped
+        try:
+            while True:
+                for i, (msg_type, body) in enumerate(queue):
+                    if accept is None or msg_type in accept:
+                        del queue[i]
+                        return msg_type, body
+                if request_id in live.lost:
+                    reason = live.lost[request_id]
+                    self._unregister(request_id)
+                    raise ServerUnavailable(reason, request_id)
+                now = time.monotonic()
+                if now >= deadline:
+                    self._abort_quietly(request_id)
+                    raise RequestTimeout(f"no reply for {request_id!r} within {self.timeout_s} s")
+                if live.check_dead(now) is not None:
+                    continue
+                if live.need_ping(now):
+                    try:
+                        self._send(MsgType.PING,
+                                   {"request_id": f"{HEARTBEAT_PREFIX}{next(self._hb_ids)}"},
+                                   zmq.NOBLOCK)
+                    except RequestTimeout:  # not even queued: as good as unanswered
+                        live.sent(MsgType.PING, now)
+                wait_s = min(deadline - now, live.keepalive_s(), POLL_TICK_S)
+                if not self._sock.poll(max(1, int(wait_s * 1000))):
+                    continue
+                msg_type, body = decode_reply(self._sock.recv_multipart())
+                live.received(msg_type, body, time.monotonic())
+                rid = body.get("request_id")
+                if msg_type == MsgType.PONG and isinstance(rid, str) and \
+                        rid.startswith(HEARTBEAT_PREFIX):
+                    continue
+                if rid in self._pending and rid not in live.lost:
+                    self._pending[rid].append((msg_type, body))
+                # replies for requests nobody waits for any more (aborted streams, requests of
+                # a server instance that is gone) are dropped
+        finally:
+            # A PING of this wait answered after it ended proves nothing about the next wait.
+            live.probe_sent = None
 
 
 # --- asyncio client ---------------------------------------------------------------------
@@ -410,7 +597,9 @@ class AsyncStream:
         if msg_type == MsgType.DELTA:
             return self._acc.add(body)
         self._done = True
-        self._client._queues.pop(self.request_id, None)
+        self._client._forget(self.request_id)
+        if msg_type is _LOST:
+            raise body
         if msg_type == MsgType.FINAL:
             self.result = self._acc.finish(body)
             raise StopAsyncIteration
@@ -419,7 +608,7 @@ class AsyncStream:
     async def aclose(self) -> None:
         if not self._done:
             self._done = True
-            self._client._queues.pop(self.request_id, None)
+            self._client._forget(self.request_id)
             try:
                 await self._client._send(MsgType.ABORT, {"request_id": self.request_id})
             except RequestTimeout:
@@ -433,12 +622,17 @@ class AsyncStream:
 
 
 class AsyncClient:
+    """asyncio client; same options and liveness rules as `Client` (a background task PINGs
+    while any request waits and fails every waiting request with `ServerUnavailable` once the
+    server is found dead or restarted)."""
+
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *, timeout_s: float = 60.0,
                  heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+                 ping_timeout_s: float = DEFAULT_PING_TIMEOUT_S,
                  server_public_key_file: str | None = None,
                  client_secret_key_file: str | None = None) -> None:
         self.timeout_s = timeout_s
-        self.heartbeat_s = heartbeat_s
+        self._live = _Liveness(heartbeat_s, ping_timeout_s)
         self._ctx = zmq.asyncio.Context()
         self._sock = _make_socket(self._ctx, endpoint, server_public_key_file,
                                   client_secret_key_file)
@@ -447,6 +641,24 @@ class AsyncClient:
         self._reader: asyncio.Task | None = None
         self._heartbeat: asyncio.Task | None = None
         self._send_lock: asyncio.Lock | None = None
+
+    @property
+    def heartbeat_s(self) -> float | None:
+        return self._live.heartbeat_s
+
+    @heartbeat_s.setter
+    def heartbeat_s(self, value: float | None) -> None:
+        self._live.heartbeat_s = value
+
+    @property
+    def server_id(self) -> str | None:
+        """The instance id of the server as last seen (protocol 1.2), None before any reply."""
+        return self._live.server_id
+
+    @property
+    def lease_s(self) -> float | None:
+        """The server's lease as last announced (PONG / MODEL_INFO_REPLY), None before."""
+        return self._live.lease_s
 
     async def __aenter__(self):
         return self
@@ -467,18 +679,48 @@ class AsyncClient:
             self._reader = asyncio.get_running_loop().create_task(self._read_loop())
             self._heartbeat = asyncio.get_running_loop().create_task(self._heartbeat_loop())
 
-    async def _send(self, msg_type: MsgType, body: dict) -> None:
+    async def _send(self, msg_type: MsgType, body: dict,
+                    timeout_s: float | None = None) -> None:
         self._start()
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         async with self._send_lock:
             try:  # with no connected server a send waits forever; bound it
-                await _within(self._sock.send_multipart(encode(msg_type, body)), self.timeout_s)
+                await _within(self._sock.send_multipart(encode(msg_type, body)), timeout_s)
             except asyncio.TimeoutError:
-                raise RequestTimeout(f"could not send to the server within {self.timeout_s} s "
+                raise RequestTimeout(f"could not send to the server within {timeout_s} s "
                                      "(not connected?)") from None
+        self._live.sent(msg_type, time.monotonic())
+
+    def _track(self, request_id: str) -> asyncio.Queue:
+        queue = self._queues[request_id] = asyncio.Queue()
+        self._live.track(request_id)
+        return queue
+
+    def _forget(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+        self._live.untrack(request_id)
+
+    def _fail_lost(self, request_ids: list[str], dead: bool) -> None:
+        """Wake every lost request's reader with ServerUnavailable (and, when the server is
+        dead, every ABORT still waiting for its ABORTED)."""
+        for rid in request_ids:
+            queue = self._queues.pop(rid, None)
+            reason = self._live.lost.get(rid, "the server is unavailable")
+            self._live.untrack(rid)
+            if queue is not None:
+                queue.put_nowait((_LOST, ServerUnavailable(reason, rid)))
+        if dead:
+            for rid, fut in list(self._aborts.items()):
+                if not fut.done():
+                    fut.set_exception(ServerUnavailable("the server did not answer a PING", rid))
+            self._aborts.clear()
 
     async def _read_loop(self) -> None:
         while True:
             msg_type, body = decode_reply(await self._sock.recv_multipart())
+            lost = self._live.received(msg_type, body, time.monotonic())
+            if lost:
+                self._fail_lost(lost, dead=False)
             rid = body.get("request_id")
             if msg_type == MsgType.ABORTED:
                 fut = self._aborts.pop(rid, None)
@@ -490,21 +732,43 @@ class AsyncClient:
                 queue.put_nowait((msg_type, body))
 
     async def _heartbeat_loop(self) -> None:
+        """While anything waits: PING for the lease and for liveness; fail the waiting
+        requests once a PING goes unanswered for ping_timeout_s."""
+        live = self._live
         for n in itertools.count():
-            await asyncio.sleep(self.heartbeat_s)
-            if self._queues:
-                await self._send(MsgType.PING, {"request_id": f"{HEARTBEAT_PREFIX}{n}"})
+            await asyncio.sleep(min(POLL_TICK_S, live.keepalive_s()))
+            if not self._queues and not self._aborts:
+                live.probe_sent = None  # nothing waits: no verdict to reach
+                continue
+            now = time.monotonic()
+            # A frame already queued in the socket (the reader task not yet run) is an answer.
+            if live.probe_sent is not None and self._sock.get(zmq.EVENTS) & zmq.POLLIN:
+                continue
+            lost = live.check_dead(now)
+            if lost is not None:
+                self._fail_lost(lost, dead=True)
+                continue
+            if live.need_ping(now):
+                try:
+                    await self._send(MsgType.PING, {"request_id": f"{HEARTBEAT_PREFIX}{n}"},
+                                     timeout_s=POLL_TICK_S)
+                except RequestTimeout:  # not even queued: as good as unanswered
+                    live.sent(MsgType.PING, now)
+                except Exception:  # noqa: BLE001 -- the socket is closing: the next tick judges
+                    pass
 
     async def _call(self, msg_type: MsgType) -> dict:
         rid = uuid.uuid4().hex
-        queue = self._queues[rid] = asyncio.Queue()
+        queue = self._track(rid)
         try:
             await self._send(msg_type, {"request_id": rid})
             got, body = await _within(queue.get(), self.timeout_s)
         except asyncio.TimeoutError:
             raise RequestTimeout(f"no reply within {self.timeout_s} s") from None
         finally:
-            self._queues.pop(rid, None)
+            self._forget(rid)
+        if got is _LOST:
+            raise body
         if got == MsgType.ERROR:
             raise error_from_body(body)
         return body
@@ -526,9 +790,13 @@ class AsyncClient:
     async def stream(self, prompt: str | None = None, *, prompt_token_ids=None, messages=None,
                      sampling_params=None, request_id: str | None = None) -> AsyncStream:
         rid = request_id or uuid.uuid4().hex
-        queue = self._queues[rid] = asyncio.Queue()
-        await self._send(MsgType.GENERATE, _generate_body(rid, prompt, prompt_token_ids,
-                                                          messages, sampling_params, True))
+        queue = self._track(rid)
+        try:
+            await self._send(MsgType.GENERATE, _generate_body(rid, prompt, prompt_token_ids,
+                                                              messages, sampling_params, True))
+        except BaseException:
+            self._forget(rid)
+            raise
         return AsyncStream(self, rid, queue)
 
     async def generate(self, prompt: str | None = None, *, prompt_token_ids=None,

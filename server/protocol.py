@@ -10,7 +10,10 @@ both the server and the Python client take their constants from. A message is tw
 from __future__ import annotations
 
 import enum
+import ipaddress
 import math
+import reprlib
+import secrets
 
 import msgpack
 
@@ -18,8 +21,9 @@ PROTOCOL_VERSION = 1
 # The revision of docs/protocol.md this code implements ("<version>.<minor>"). Minor revisions
 # only add (optional request fields, reply fields, types, codes) and keep the version byte, so a
 # client of any 1.x revision talks to a server of any other; PONG and MODEL_INFO_REPLY advertise
-# it, for clients that want to know which reply fields to expect (1.1: prompt_logprobs).
-PROTOCOL_REVISION = "1.1"
+# it, for clients that want to know which reply fields to expect (1.1: prompt_logprobs; 1.2:
+# server_id in replies, documented ranges enforced, heartbeats that follow lease_s).
+PROTOCOL_REVISION = "1.2"
 HEADER_BYTES = 2
 
 # Where a server listens and a client connects when told nothing else (docs/protocol.md:
@@ -42,9 +46,21 @@ MAX_ROLE_CHARS = 32
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 # msgpack decode limits: bound the work a hostile body can cause before validation sees it.
+# (msgpack's own C unpacker stops at 1024 levels of nesting; MAX_NESTING_DEPTH is checked after
+# decoding, without recursion.)
 _UNPACK_LIMITS = dict(max_str_len=DEFAULT_MAX_MESSAGE_BYTES * HARD_LIMIT_FACTOR,
                       max_bin_len=DEFAULT_MAX_MESSAGE_BYTES * HARD_LIMIT_FACTOR,
                       max_array_len=1 << 20, max_map_len=1 << 12, max_ext_len=0)
+# Deepest nesting of maps and arrays a request body may have (the body map is level 1). The
+# deepest valid request is 3 levels (body -> messages -> one message; body -> sampling_params
+# -> stop); anything past this is `invalid_message`.
+MAX_NESTING_DEPTH = 16
+# Longest `message` of an ERROR reply; longer ones (a repr of a hostile value) are cut.
+MAX_ERROR_MESSAGE_CHARS = 1000
+# Characters of a client's value quoted in an error message (safe_repr).
+MAX_QUOTED_VALUE_CHARS = 80
+# A server instance id (random per server start) is this many hex characters (protocol 1.2).
+SERVER_ID_HEX_CHARS = 16
 
 
 class MsgType(enum.IntEnum):
@@ -94,6 +110,88 @@ class ProtocolError(Exception):
         self.request_id = request_id
 
 
+def new_server_id() -> str:
+    """A fresh server instance id: random per server start, so a client can tell a restart."""
+    return secrets.token_hex(SERVER_ID_HEX_CHARS // 2)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 3
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = MAX_QUOTED_VALUE_CHARS // 2
+for _name in ("maxlist", "maxdict", "maxtuple", "maxset", "maxfrozenset", "maxdeque",
+              "maxarray"):
+    setattr(_REPR, _name, 6)
+
+
+def safe_repr(value) -> str:
+    """A short repr of a client's value for an error message; never raises, never recurses
+    deeper than a few levels, never longer than MAX_QUOTED_VALUE_CHARS."""
+    try:
+        text = _REPR.repr(value)
+    except Exception:  # noqa: BLE001 -- a hostile value: say what it is, not what it holds
+        try:
+            text = f"<{type(value).__name__}>"
+        except Exception:  # noqa: BLE001
+            text = "<value>"
+    if len(text) > MAX_QUOTED_VALUE_CHARS:
+        text = text[:MAX_QUOTED_VALUE_CHARS - 3] + "..."
+    return text
+
+
+def valid_request_id(value) -> str | None:
+    """`value` if it is a request id the server may echo back (a str of 1..128 chars)."""
+    if isinstance(value, str) and 1 <= len(value) <= MAX_REQUEST_ID_CHARS:
+        return value
+    return None
+
+
+def check_structure(data, max_depth: int = MAX_NESTING_DEPTH) -> None:
+    """Every map key a string and at most `max_depth` levels of maps/arrays, anywhere in a
+    decoded body; iterative (no recursion, so no depth can overflow a stack), and it stops at
+    the first level past the limit, so a deep body costs no more than a shallow one."""
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > max_depth:
+            raise ProtocolError(ErrorCode.INVALID_MESSAGE,
+                                f"body nests maps/arrays deeper than {max_depth} levels")
+        if type(value) is dict:
+            for key, item in value.items():
+                if type(key) is not str:
+                    raise ProtocolError(ErrorCode.INVALID_MESSAGE,
+                                        "map keys must be strings, found a "
+                                        f"{type(key).__name__} key")
+                if type(item) is dict or type(item) is list:
+                    stack.append((item, depth + 1))
+        else:  # list
+            for item in value:
+                if type(item) is dict or type(item) is list:
+                    stack.append((item, depth + 1))
+
+
+def is_loopback_endpoint(endpoint: str) -> bool:
+    """Whether a ZeroMQ endpoint only listens locally: ipc/inproc, or tcp on 127.0.0.0/8, ::1,
+    'localhost' or the loopback interface 'lo'. '*', 0.0.0.0, ::, other addresses, hostnames
+    and interface names are not."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep:
+        return False
+    if scheme in ("ipc", "inproc"):
+        return True
+    if scheme != "tcp":
+        return False
+    host = rest.rsplit(":", 1)[0] if ":" in rest else rest
+    host = host.split(";")[-1]  # tcp://source;dest form
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host in ("localhost", "lo"):
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
 def encode(msg_type: MsgType, body: dict) -> list[bytes]:
     """The two frames of one message (without a routing id)."""
     return [bytes((PROTOCOL_VERSION, int(msg_type))), msgpack.packb(body, use_bin_type=True)]
@@ -118,13 +216,22 @@ def decode(frames: list[bytes], max_message_bytes: int) -> tuple[MsgType, dict]:
     try:
         data = msgpack.unpackb(body, raw=False, strict_map_key=True, **_UNPACK_LIMITS)
     except Exception as exc:  # msgpack raises several unrelated types for bad input
+        what = type(exc).__name__
+        if isinstance(exc, ValueError) and "map key" in str(exc):
+            what = "map keys must be strings"
+        elif what == "StackError":
+            what = "nested too deeply"
         raise ProtocolError(ErrorCode.INVALID_MESSAGE,
-                            f"body is not valid msgpack: {type(exc).__name__}") from None
+                            f"body is not valid msgpack: {what}") from None
     if not isinstance(data, dict):
         raise ProtocolError(ErrorCode.INVALID_MESSAGE,
                             f"body must be a msgpack map, got {type(data).__name__}")
-    rid = data.get("request_id")
-    rid = rid if isinstance(rid, str) else None
+    rid = valid_request_id(data.get("request_id"))
+    try:
+        check_structure(data)
+    except ProtocolError as exc:
+        exc.request_id = rid
+        raise
     try:
         msg_type = MsgType(header[1])
     except ValueError:
@@ -144,7 +251,18 @@ def decode_reply(frames: list[bytes]) -> tuple[MsgType, dict]:
 
 
 def error_body(code: ErrorCode, message: str, request_id: str | None) -> dict:
-    return {"code": ErrorCode(code).value, "message": message, "request_id": request_id}
+    """The fixed shape of an ERROR body; total: any message is cut to MAX_ERROR_MESSAGE_CHARS
+    (and made valid UTF-8), a request id that is not a valid one becomes nil."""
+    try:
+        code = ErrorCode(code).value
+    except Exception:  # noqa: BLE001
+        code = ErrorCode.INTERNAL_ERROR.value
+    if not isinstance(message, str):
+        message = safe_repr(message)
+    if len(message) > MAX_ERROR_MESSAGE_CHARS:
+        message = message[:MAX_ERROR_MESSAGE_CHARS - 3] + "..."
+    message = message.encode("utf-8", "replace").decode("utf-8")
+    return {"code": code, "message": message, "request_id": valid_request_id(request_id)}
 
 
 def is_int(v) -> bool:

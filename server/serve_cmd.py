@@ -1,7 +1,9 @@
 """`paged-run serve [MODEL]`: load an engine, print its capacity, serve it on a ROUTER socket.
 
 vLLM's flag names map onto EngineConfig; the server's own knobs (endpoint, limits, leases,
-CURVE) onto ServerConfig. SIGINT/SIGTERM drain and exit 0 (docs/protocol.md, "Shutdown").
+CURVE) onto ServerConfig. SIGINT/SIGTERM drain and exit 0; a second one stops at once, every
+in-flight request answered `shutting_down`, exit status 128 + the signal's number
+(docs/protocol.md, "Shutdown"). Binding beyond loopback without CURVE is logged as a warning.
 Only argparse is imported at module load so `paged-run --help` stays instant.
 """
 from __future__ import annotations
@@ -122,12 +124,31 @@ def startup_summary(info: dict, endpoint: str, curve: bool) -> str:
     ])
 
 
+# After a second signal, the process ends by os._exit this long later if the forced shutdown
+# has not returned by then (an engine step that never ends, a close that hangs).
+FORCE_EXIT_WATCHDOG_S = 5.0
+
+
 def serve_until_signalled(server) -> int:
-    """Run `server.serve()` in this (main) thread; SIGINT/SIGTERM start a graceful drain."""
+    """Run `server.serve()` in this (main) thread. The first SIGINT/SIGTERM starts a graceful
+    drain (exit status 0); a second forces the exit: in-flight requests are answered
+    `shutting_down` and the status is 128 + that signal's number."""
+    import os
     import signal
+    import threading
+
+    signals: list[int] = []
 
     def on_signal(signum, frame):
-        server.request_shutdown()
+        signals.append(signum)
+        if len(signals) == 1:
+            server.request_shutdown()
+            return
+        server.force_shutdown()
+        if len(signals) == 2:
+            watchdog = threading.Timer(FORCE_EXIT_WATCHDOG_S, os._exit, (128 + signum,))
+            watchdog.daemon = True
+            watchdog.start()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -135,6 +156,8 @@ def serve_until_signalled(server) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+    if getattr(server, "forced", False) and len(signals) >= 2:
+        return 128 + signals[1]
     return 0
 
 

@@ -10,6 +10,13 @@ gets a reply.
 Lost clients (docs/protocol.md, "Liveness"): ROUTER_MANDATORY turns a send to a disconnected
 peer into EHOSTUNREACH, which orphans and aborts that peer's requests at once; a peer that stays
 connected but silent longer than `lease_s` while it has requests in flight is treated the same.
+
+Hostile input: the per-message handler is total -- decoding and validation raise only
+ProtocolError (an ERROR with its code), and anything else a message causes is logged and
+answered `internal_error`; no message ends the server. Every DELTA, FINAL, ERROR, PONG and
+MODEL_INFO_REPLY carries `server_id`, random per server start, so clients can tell a restart.
+Shutdown: the first request_shutdown() drains; force_shutdown() (a second signal) answers every
+in-flight request `shutting_down` and returns at once.
 """
 from __future__ import annotations
 
@@ -26,7 +33,8 @@ from pagedrun.server.engine_loop import EngineLoop
 from pagedrun.server.metrics import ServerMetrics
 from pagedrun.server.protocol import (DEFAULT_MAX_MESSAGE_BYTES, HARD_LIMIT_FACTOR,
                                       PROTOCOL_REVISION, PROTOCOL_VERSION, ErrorCode, MsgType,
-                                      ProtocolError, decode, encode, error_body)
+                                      ProtocolError, decode, encode, error_body,
+                                      is_loopback_endpoint, new_server_id, valid_request_id)
 from pagedrun.server.validation import (GenerateRequest, ModelLimits, check_fields,
                                         check_prompt_len, parse_generate)
 
@@ -43,6 +51,13 @@ SEND_HWM_MESSAGES = 10_000
 ABORT_FLUSH_S = 5.0
 # How long close() lets queued replies (finals of a shutdown) drain to their clients.
 CLOSE_LINGER_MS = 2000
+# A forced shutdown (second signal): how long the `shutting_down` errors may take to leave, and
+# how long to wait for the engine thread (a daemon; a step in progress is not waited for).
+FORCED_LINGER_MS = 500
+FORCED_ENGINE_JOIN_S = 0.5
+# Replies that carry the server instance id (protocol 1.2).
+TAGGED_REPLIES = frozenset({MsgType.DELTA, MsgType.FINAL, MsgType.ERROR, MsgType.PONG,
+                            MsgType.MODEL_INFO_REPLY})
 
 
 @dataclass
@@ -117,7 +132,11 @@ class Server:
         self._by_identity: dict[bytes, set[str]] = {}
         self._last_seen: dict[bytes, float] = {}
         self._next_id = 0
+        # Random per server start (protocol 1.2): clients compare it to tell a restarted server.
+        self.server_id = new_server_id()
         self._shutdown = threading.Event()
+        self._force = threading.Event()
+        self.forced = False  # set once a forced shutdown has ended serve()
         self.engine_dead: str | None = None  # why, once a step failed for good (lost TP rank)
         self._bound = threading.Event()
         self._draining = False
@@ -127,6 +146,12 @@ class Server:
     # --- life cycle ---------------------------------------------------------------------
     def request_shutdown(self) -> None:
         """Thread- and signal-safe: stop accepting, finish or abort in-flight work, return."""
+        self._shutdown.set()
+
+    def force_shutdown(self) -> None:
+        """Thread- and signal-safe: stop now; every in-flight request is answered
+        `shutting_down` (best effort) and serve() returns without waiting for the engine."""
+        self._force.set()
         self._shutdown.set()
 
     def start(self) -> str:
@@ -183,19 +208,33 @@ class Server:
         self._router = router
         self._loop = EngineLoop(self.engine, notify)
         self._loop.start()
+        self._warn_if_exposed()  # before _bound: start() returns with the warning logged
         self._bound.set()
-        log.info("serving on %s", self.endpoint)
+        log.info("serving on %s (server id %s)", self.endpoint, self.server_id)
         try:
             self._run(router, wake_rx)
         finally:
-            self._loop.stop()
+            self._loop.stop(FORCED_ENGINE_JOIN_S if self.forced else 10.0)
             wake_tx.close(linger=0)
             wake_rx.close(linger=0)
+            if self.forced:
+                router.setsockopt(zmq.LINGER, FORCED_LINGER_MS)
             router.close()  # LINGER lets the last finals reach their clients
             if auth is not None:
                 auth.stop()
             ctx.term()
             log.info("server stopped")
+
+    def _warn_if_exposed(self) -> None:
+        """Bound beyond loopback without CURVE: anyone who reaches the address is a client."""
+        if self.config.curve is not None:
+            return
+        if is_loopback_endpoint(self.config.endpoint) and is_loopback_endpoint(self.endpoint):
+            return
+        log.warning("the client socket is bound to %s, beyond loopback, without CURVE: anyone "
+                    "who can reach it can use the model and read its replies. Enable CURVE "
+                    "with --curve-secret-key FILE --curve-allowed-clients DIR (ServerConfig."
+                    "curve; docs/protocol.md, 'Security'), or bind 127.0.0.1.", self.endpoint)
 
     def _run(self, router, wake_rx) -> None:
         poller = zmq.Poller()
@@ -205,6 +244,9 @@ class Server:
         drain_deadline = abort_deadline = None
         while True:
             ready = dict(poller.poll(POLL_INTERVAL_S * 1000))
+            if self._force.is_set():
+                self._stop_now()
+                return
             if router in ready:
                 for _ in range(MAX_RECV_PER_TURN):
                     try:
@@ -241,13 +283,29 @@ class Server:
                                          req.client_id)
                     return
 
+    def _stop_now(self) -> None:
+        """A forced shutdown: answer every in-flight request `shutting_down`, best effort."""
+        self.forced = True
+        log.warning("forced shutdown: %d request(s) in flight answered shutting_down",
+                    sum(not r.orphaned for r in self._requests.values()))
+        for req in list(self._requests.values()):
+            if not req.orphaned:
+                self._send_error(req.identity, ErrorCode.SHUTTING_DOWN,
+                                 "server forced to stop (second signal); request not finished",
+                                 req.client_id)
+                req.orphaned = True
+
     # --- incoming -----------------------------------------------------------------------
     def _on_message(self, frames: list[bytes]) -> None:
+        """Handle one client message; total: whatever the frames hold, the sender gets exactly
+        one reply (or, for an accepted GENERATE, its stream), and nothing is raised."""
         identity = frames[0]
-        self.metrics.counters["messages_received_total"] += 1
-        self._last_seen[identity] = time.monotonic()
+        rid = None
         try:
+            self.metrics.counters["messages_received_total"] += 1
+            self._last_seen[identity] = time.monotonic()
             msg_type, body = decode(frames[1:], self.config.max_message_bytes)
+            rid = valid_request_id(body.get("request_id"))
             if msg_type == MsgType.GENERATE:
                 self._on_generate(identity, parse_generate(body, self.limits))
                 return
@@ -273,8 +331,21 @@ class Server:
                 body["request_id"] = rid
                 self._send(identity, MsgType.STATS_REPLY, body)
         except ProtocolError as exc:
+            self._reject(identity, exc.code, exc.message, exc.request_id)
+        except Exception as exc:  # noqa: BLE001 -- a bug or a hostile corner: answer, go on
+            log.exception("failed to handle a message from client %s", identity.hex())
+            self._reject(identity, ErrorCode.INTERNAL_ERROR,
+                         f"the server failed to handle this message ({type(exc).__name__}); "
+                         "it was dropped", rid)
+
+    def _reject(self, identity: bytes, code: ErrorCode, message: str,
+                request_id: str | None) -> None:
+        """Answer a message with an ERROR; never raises (a failure here is only logged)."""
+        try:
             self.metrics.counters["request_rejected_total"] += 1
-            self._send_error(identity, exc.code, exc.message, exc.request_id)
+            self._send_error(identity, code, message, request_id)
+        except Exception:  # noqa: BLE001
+            log.exception("could not send an error reply to client %s", identity.hex())
 
     def _on_generate(self, identity: bytes, req: GenerateRequest) -> None:
         rid = req.request_id
@@ -346,7 +417,12 @@ class Server:
             event = events.get()
             if event[0] == "outputs":
                 for out in event[1]:
-                    self._on_output(out)
+                    try:
+                        self._on_output(out)
+                    except Exception:  # noqa: BLE001 -- fail that request, not the server
+                        log.exception("failed to forward the output of request %s",
+                                      getattr(out, "request_id", "?"))
+                        self._fail_request(getattr(out, "request_id", None))
             elif event[0] == "rejected":
                 _, engine_id, code, message = event
                 req = self._forget(engine_id)
@@ -376,6 +452,14 @@ class Server:
         if req is None:
             return
         now = time.monotonic()
+        if out.finished and getattr(out, "error", None):
+            # The engine failed this request alone (docs/engine_api.md, "Failures"): its
+            # blocks are freed; the client gets internal_error, the other requests go on.
+            self._forget(req.engine_id)
+            if not req.orphaned:
+                self._send_error(req.identity, ErrorCode.INTERNAL_ERROR,
+                                 f"the engine failed this request: {out.error}", req.client_id)
+            return
         if (req.want_prompt_logprobs and not req.prompt_logprobs_taken
                 and out.prompt_logprobs is not None):
             req.prompt_logprobs = _prompt_logprobs_wire(out.prompt_logprobs)
@@ -441,6 +525,20 @@ class Server:
             body["prompt_logprobs"] = req.prompt_logprobs
         self._send_to_request(req, MsgType.FINAL, body)
 
+    def _fail_request(self, engine_id) -> None:
+        """Answer a request `internal_error`, forget it and abort it in the engine."""
+        req = self._forget(engine_id) if isinstance(engine_id, str) else None
+        if req is None:
+            return
+        self._loop.abort(req.engine_id)
+        if not req.orphaned:
+            try:
+                self._send_error(req.identity, ErrorCode.INTERNAL_ERROR,
+                                 "the server failed to forward this request's output",
+                                 req.client_id)
+            except Exception:  # noqa: BLE001
+                log.exception("could not send an error reply for request %s", engine_id)
+
     def _forget(self, engine_id: str) -> _Request | None:
         req = self._requests.pop(engine_id, None)
         if req is not None:
@@ -454,6 +552,8 @@ class Server:
 
     # --- outgoing and liveness ----------------------------------------------------------
     def _send(self, identity: bytes, msg_type: MsgType, body: dict) -> None:
+        if msg_type in TAGGED_REPLIES:
+            body["server_id"] = self.server_id
         try:
             self._router.send_multipart([identity, *encode(msg_type, body)], zmq.NOBLOCK)
             return

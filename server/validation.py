@@ -3,6 +3,13 @@
 Turns a decoded body into a typed request or raises ProtocolError naming the field, so a bad
 message is answered with an error and never reaches the engine. Limits that depend on the model
 (vocab size, max_model_len) come from `ModelLimits`.
+
+Total: whatever a decoded body holds (protocol.decode has already bounded its nesting and made
+every map key a string), the outcome is a request or a ProtocolError; an error message quotes a
+client's value only through `safe_repr` (short, never raises). Beyond SamplingParams' own
+ranges the server enforces the limits of docs/protocol.md ("sampling_params"): token ids in
+the vocabulary, bounded stop lists, and no repetition_penalty small enough to overflow the
+logits (those are requests the engine cannot serve safely).
 """
 from __future__ import annotations
 
@@ -10,7 +17,15 @@ from dataclasses import dataclass
 
 from pagedrun.runtime.sampling_params import SamplingParams, SamplingParamsError
 from pagedrun.server.protocol import (CHAT_ROLES, MAX_CHAT_MESSAGES, MAX_REQUEST_ID_CHARS,
-                                      MAX_ROLE_CHARS, ErrorCode, MsgType, ProtocolError, is_int)
+                                      MAX_ROLE_CHARS, ErrorCode, MsgType, ProtocolError, is_int,
+                                      safe_repr)
+
+# Server limits on sampling_params beyond SamplingParams.validate (docs/protocol.md, 1.2).
+# Stop conditions are checked for every generated token in the engine thread: bounded lists
+# keep that check cheap whatever a client sends.
+MAX_STOP_STRINGS = 128
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass(frozen=True)
@@ -60,9 +75,11 @@ def check_fields(msg_type: MsgType, body: dict) -> str | None:
     """Common checks: unknown fields and the request id. Returns the request id (or None)."""
     rid = check_request_id(body.get("request_id"), required=msg_type in (MsgType.GENERATE,
                                                                          MsgType.ABORT))
-    unknown = sorted(set(body) - FIELDS[msg_type])
+    unknown = sorted(str(k) for k in set(body) - FIELDS[msg_type])
     if unknown:
-        _bad(f"unknown field(s) for {msg_type.name}: {', '.join(unknown)}", rid)
+        _bad(f"unknown field(s) for {msg_type.name}: "
+             f"{', '.join(safe_repr(k) for k in unknown[:8])}"
+             f"{' ...' if len(unknown) > 8 else ''}", rid)
     return rid
 
 
@@ -93,15 +110,7 @@ def parse_generate(body: dict, limits: ModelLimits) -> GenerateRequest:
     stream = body.get("stream", True)
     if not isinstance(stream, bool):
         _bad("stream: must be a boolean", rid)
-    raw_params = body.get("sampling_params", {})
-    if not isinstance(raw_params, dict) or not all(isinstance(k, str) for k in raw_params):
-        _bad("sampling_params: must be a map with string keys", rid)
-    try:
-        params = SamplingParams.from_dict(raw_params)
-    except SamplingParamsError as exc:
-        _bad(f"sampling_params.{exc}", rid)
-    except TypeError as exc:  # e.g. stop given as a number
-        _bad(f"sampling_params: {exc}", rid)
+    params = parse_sampling_params(body.get("sampling_params", {}), limits, rid)
     req = GenerateRequest(request_id=rid, sampling_params=params, stream=stream)
     if "prompt" in body:
         prompt = body["prompt"]
@@ -123,6 +132,41 @@ def parse_generate(body: dict, limits: ModelLimits) -> GenerateRequest:
     else:
         req.messages = _check_messages(body["messages"], rid)
     return req
+
+
+def parse_sampling_params(raw, limits: ModelLimits, rid: str | None) -> SamplingParams:
+    """SamplingParams.from_dict plus the server's limits; any failure is invalid_request."""
+    if not isinstance(raw, dict) or not all(isinstance(k, str) for k in raw):
+        _bad("sampling_params: must be a map with string keys", rid)
+    try:
+        params = SamplingParams.from_dict(raw)
+    except SamplingParamsError as exc:
+        _bad(f"sampling_params.{_exception_text(exc)}", rid)
+    except Exception as exc:  # noqa: BLE001 -- e.g. TypeError: stop given as a number
+        _bad(f"sampling_params: {_exception_text(exc)}", rid)
+    stop_ids = params.stop_token_ids
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        _bad(f"sampling_params.stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, "
+             f"got {len(stop_ids)}", rid)
+    for t in stop_ids:
+        if not 0 <= t < limits.vocab_size:  # validate() made each an int >= 0
+            _bad(f"sampling_params.stop_token_ids: every id must be an integer in "
+                 f"[0, {limits.vocab_size}), got {safe_repr(t)}", rid)
+    if len(params.stop) > MAX_STOP_STRINGS:
+        _bad(f"sampling_params.stop: at most {MAX_STOP_STRINGS} strings, "
+             f"got {len(params.stop)}", rid)
+    if any(len(s) > MAX_STOP_STRING_CHARS for s in params.stop):
+        _bad(f"sampling_params.stop: each string at most {MAX_STOP_STRING_CHARS} characters",
+             rid)
+    return params
+
+
+def _exception_text(exc: BaseException) -> str:
+    """str(exc), or its type's name when str() itself fails; cut by error_body anyway."""
+    try:
+        return str(exc)
+    except Exception:  # noqa: BLE001
+        return type(exc).__name__
 
 
 def check_prompt_len(num_prompt_tokens: int, limits: ModelLimits, rid: str) -> None:

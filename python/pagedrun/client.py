@@ -9,9 +9,11 @@ from pagedrun.server.client import (AsyncClient, AsyncStream, CapacityError, Cli
                                     Delta, DuplicateRequestIdError, EmptyPromptError,
                                     InternalServerError, InvalidRequestError, LeaseExpiredError,
                                     OverloadedError, PromptTooLongError, ProtocolMismatchError,
-                                    RequestTimeout, ServerError, ShuttingDownError, Stream)
+                                    RequestTimeout, ServerError, ServerUnavailable,
+                                    ShuttingDownError, Stream)
 
 __all__ = ["AsyncClient", "AsyncStream", "CapacityError", "Client", "Completion", "Delta",
            "DuplicateRequestIdError", "EmptyPromptError", "InternalServerError",
            "InvalidRequestError", "LeaseExpiredError", "OverloadedError", "PromptTooLongError",
-           "ProtocolMismatchError", "RequestTimeout", "ServerError", "ShuttingDownError", "Stream"]
+           "ProtocolMismatchError", "RequestTimeout", "ServerError", "ServerUnavailable",
+           "ShuttingDownError", "Stream"]

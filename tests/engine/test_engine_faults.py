@@ -257,12 +257,17 @@ def test_out_of_vocab_stop_token_refused_at_admission(tiny_model):
                                                           min_tokens=2, max_tokens=4))
 
 
+def test_near_zero_repetition_penalty_refused(tiny_cpu_model):
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=1e-300)
+
+
 EXTREME_PARAMS = [
-    SamplingParams(repetition_penalty=1e-300, top_p=0.5, temperature=1.0, max_tokens=5),
+    SamplingParams(repetition_penalty=0.01, top_p=0.5, temperature=1.0, max_tokens=5),
     SamplingParams(repetition_penalty=10.0, top_p=1e-300, temperature=1.0, max_tokens=5),
     SamplingParams(temperature=100.0, top_k=10**30, min_p=1.0, max_tokens=5),
     SamplingParams(temperature=1e-300, top_p=0.5, max_tokens=5),
-    SamplingParams(frequency_penalty=2.0, presence_penalty=-2.0, repetition_penalty=1e-300,
+    SamplingParams(frequency_penalty=2.0, presence_penalty=-2.0, repetition_penalty=0.01,
                    temperature=0.5, max_tokens=5, min_tokens=5),
     SamplingParams(logprobs=20, prompt_logprobs=20, top_k=1, n=8, max_tokens=3,
                    seed=2**63 - 1, temperature=1.0),

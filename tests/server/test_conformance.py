@@ -7,11 +7,13 @@ import time
 import msgpack
 import pytest
 from fake_engine import FakeEngine, expected_prompt_logprobs, expected_tokens
-from wire import assert_error_shape, dealer, recv, recv_until_final, send
+from wire import assert_error_shape, assert_server_id, dealer, recv, recv_until_final, send
 
 from pagedrun.server.protocol import PROTOCOL_REVISION, PROTOCOL_VERSION, MsgType
 
-FINAL_FIELDS = {"request_id", "finish_reason", "stop_reason", "outputs", "usage", "metrics"}
+# server_id: protocol 1.2 (every DELTA, FINAL, ERROR, PONG, MODEL_INFO_REPLY).
+FINAL_FIELDS = {"request_id", "finish_reason", "stop_reason", "outputs", "usage", "metrics",
+                "server_id"}
 
 
 def test_generate_stream_deltas_then_final(start_server, zmq_ctx):
@@ -25,7 +27,10 @@ def test_generate_stream_deltas_then_final(start_server, zmq_ctx):
     assert kind == MsgType.FINAL
     assert [t for d in deltas for t in d["token_ids"]] == want
     assert "".join(d["text"] for d in deltas) == bytes(want).decode()
-    assert all(set(d) == {"request_id", "index", "token_ids", "text"} for d in deltas)
+    assert all(set(d) == {"request_id", "index", "token_ids", "text", "server_id"}
+               for d in deltas)
+    assert len({d["server_id"] for d in deltas} | {final["server_id"]}) == 1
+    assert_server_id(final["server_id"])
     assert final["finish_reason"] == "length" and final["stop_reason"] is None
     assert final["outputs"] == [{"index": 0, "finish_reason": "length", "stop_reason": None}]
     assert final["usage"] == {"prompt_tokens": len(prompt), "cached_prompt_tokens": 0,
@@ -70,7 +75,7 @@ def test_prompt_logprobs_stream_once_on_first_delta(start_server, zmq_ctx):
     assert kind == MsgType.FINAL and len(deltas) == 4
     first = deltas[0]
     assert set(first) == {"request_id", "index", "token_ids", "text", "logprobs",
-                          "prompt_logprobs"}
+                          "prompt_logprobs", "server_id"}
     plp = first["prompt_logprobs"]
     assert len(plp) == len(ids) == final["usage"]["prompt_tokens"]
     assert plp[0] is None
@@ -106,8 +111,8 @@ def test_without_prompt_logprobs_nothing_extra_is_sent(start_server, zmq_ctx):
                                    "sampling_params": {"max_tokens": 3, "logprobs": 0}})
         deltas, kind, final = recv_until_final(s, f"x{stream}")
         assert kind == MsgType.FINAL and set(final) == FINAL_FIELDS
-        assert all(set(d) == {"request_id", "index", "token_ids", "text", "logprobs"}
-                   for d in deltas)
+        assert all(set(d) == {"request_id", "index", "token_ids", "text", "logprobs",
+                              "server_id"} for d in deltas)
         assert len(deltas) == (3 if stream else 0)
 
 
@@ -160,7 +165,8 @@ def test_ping_model_info_stats(start_server, zmq_ctx):
     kind, pong = recv(s)
     assert kind == MsgType.PONG and pong["status"] == "ok" and pong["request_id"] is None
     assert pong["protocol_version"] == PROTOCOL_VERSION and pong["lease_s"] == 7.5
-    assert pong["protocol_revision"] == PROTOCOL_REVISION == "1.1"
+    assert pong["protocol_revision"] == PROTOCOL_REVISION == "1.2"
+    assert_server_id(pong["server_id"])
     assert abs(pong["server_time"] - time.time()) < 60
     send(s, MsgType.MODEL_INFO, {"request_id": "mi"})
     kind, info = recv(s)
@@ -172,6 +178,7 @@ def test_ping_model_info_stats(start_server, zmq_ctx):
     assert info["tokenizer"]["vocab_size"] == info["vocab_size"]
     assert info["server"]["lease_s"] == 7.5
     assert info["server"]["protocol_revision"] == PROTOCOL_REVISION
+    assert info["server_id"] == pong["server_id"]  # one instance, one id
     send(s, MsgType.STATS, {"request_id": "st"})
     kind, stats = recv(s)
     assert kind == MsgType.STATS_REPLY and stats["request_id"] == "st"
@@ -208,6 +215,20 @@ BAD_FRAMES = [
     ("not a map", [bytes((1, 3)), msgpack.packb([1, 2])], "invalid_message"),
     ("trailing bytes", [bytes((1, 3)), b"\x80\x80"], "invalid_message"),
     ("too large", [bytes((1, 1)), msgpack.packb({"prompt": "x" * 5000})], "message_too_large"),
+    # 1.2: keys that are not strings anywhere, nesting past 16 levels, extension types.
+    ("int key", [bytes((1, 3)), msgpack.packb({1: 2})], "invalid_message"),
+    ("bytes key", [bytes((1, 3)), msgpack.packb({b"request_id": "x"}, use_bin_type=True)],
+     "invalid_message"),
+    ("bytes key nested", [bytes((1, 1)), msgpack.packb(
+        {"request_id": "n", "prompt": "x", "sampling_params": {"stop": [{b"k": 1}]}},
+        use_bin_type=True)], "invalid_message"),
+    ("17 levels", [bytes((1, 1)), b"\x81" + msgpack.packb("stop") + b"\x91" * 15 + b"\x80"],
+     "invalid_message"),
+    ("1000 levels", [bytes((1, 1)), b"\x81" + msgpack.packb("stop") + b"\x91" * 999 + b"\x80"],
+     "invalid_message"),
+    ("2000 levels", [bytes((1, 1)), b"\x91" * 2000 + b"\x80"], "invalid_message"),
+    ("ext type", [bytes((1, 3)), msgpack.packb({"request_id": msgpack.ExtType(5, b"x")})],
+     "invalid_message"),
 ]
 
 
@@ -243,6 +264,28 @@ BAD_GENERATES = [
     ("top_p zero", {**GOOD, "sampling_params": {"top_p": 0.0}}, "invalid_request", "v"),
     ("max_tokens 0", {**GOOD, "sampling_params": {"max_tokens": 0}}, "invalid_request", "v"),
     ("stop int", {**GOOD, "sampling_params": {"stop": 3}}, "invalid_request", "v"),
+    # 1.2: the server's limits beyond SamplingParams (docs/protocol.md, "sampling_params").
+    ("stop id out of vocab", {**GOOD, "sampling_params": {"stop_token_ids": [1, 512]}},
+     "invalid_request", "v"),
+    ("stop id 2**64-1", {**GOOD, "sampling_params": {"stop_token_ids": [2**64 - 1],
+                                                     "min_tokens": 2}}, "invalid_request", "v"),
+    ("stop ids 1025", {**GOOD, "sampling_params": {"stop_token_ids": [1] * 1025}},
+     "invalid_request", "v"),
+    ("stop strings 129", {**GOOD, "sampling_params": {"stop": ["a"] * 129}},
+     "invalid_request", "v"),
+    ("stop string 1025", {**GOOD, "sampling_params": {"stop": "s" * 1025}},
+     "invalid_request", "v"),
+    ("repetition_penalty tiny", {**GOOD, "sampling_params": {"repetition_penalty": 5e-324}},
+     "invalid_request", "v"),
+    ("repetition_penalty 0.0099", {**GOOD, "sampling_params": {"repetition_penalty": 0.0099}},
+     "invalid_request", "v"),
+    ("temperature nan", {**GOOD, "sampling_params": {"temperature": float("nan")}},
+     "invalid_request", "v"),
+    ("top_p inf", {**GOOD, "sampling_params": {"top_p": float("inf")}}, "invalid_request", "v"),
+    ("seed 2**64-1", {**GOOD, "sampling_params": {"seed": 2**64 - 1}}, "invalid_request", "v"),
+    ("deep temperature", {**GOOD, "sampling_params": {"temperature": [[[[[[[[[[1]]]]]]]]]]}},
+     "invalid_request", "v"),
+    ("bytes value", {**GOOD, "prompt": b"bytes"}, "invalid_request", "v"),
     ("bad role", {"request_id": "v", "messages": [{"role": "x", "content": "a"}]},
      "invalid_request", "v"),
     ("empty chat", {"request_id": "v", "messages": [{"role": "user", "content": ""}]},
@@ -269,6 +312,39 @@ def test_invalid_generate_gets_error_and_spares_others(start_server, zmq_ctx, na
     assert len(errors) == 1 and errors[0]["code"] == code and errors[0]["request_id"] == rid
     assert_error_shape(errors[0])
     assert [t for d in deltas for t in d["token_ids"]] == expected_tokens(list(b"fine"), 30)
+
+
+GOOD_EXTREMES = [
+    {"repetition_penalty": 0.01, "temperature": 100, "top_p": 5e-324},
+    {"repetition_penalty": 10, "top_k": 2**63 - 1, "min_p": 1.0, "seed": 2**63 - 1},
+    {"stop_token_ids": [0, 511] + [7] * 1022, "min_tokens": 3, "stop": ["q"] * 128},
+    {"stop": "s" * 1024, "presence_penalty": -2, "frequency_penalty": 2, "n": 64},
+    {"logprobs": 20, "prompt_logprobs": 20, "temperature": 1e-5, "top_k": -1},
+]
+
+
+@pytest.mark.parametrize("params", GOOD_EXTREMES)
+def test_extreme_but_valid_params_are_served(start_server, zmq_ctx, params):
+    """The bounds of every documented range are inside it (docs/protocol.md, 1.2)."""
+    _, ep = start_server()
+    s = dealer(zmq_ctx, ep)
+    send(s, MsgType.GENERATE, {"request_id": "e", "prompt": "edge", "stream": False,
+                               "sampling_params": {**params, "max_tokens": 3}})
+    _, kind, body = recv_until_final(s, "e")
+    assert kind == MsgType.FINAL, body
+
+
+def test_error_messages_are_bounded_and_request_ids_valid(start_server, zmq_ctx):
+    _, ep = start_server()
+    s = dealer(zmq_ctx, ep)
+    send(s, MsgType.GENERATE, {**GOOD, "sampling_params": {"stop_token_ids": [-1] * 50_000}})
+    kind, body = recv(s)
+    assert kind == MsgType.ERROR and body["code"] == "invalid_request"
+    assert len(body["message"]) <= 1000 and body["request_id"] == "v"
+    send(s, MsgType.PING, {"request_id": "r" * 129, "junk": 1})  # not a valid id: not echoed
+    kind, body = recv(s)
+    assert kind == MsgType.ERROR and body["request_id"] is None
+    assert_error_shape(body)
 
 
 def test_other_messages_reject_unknown_fields(start_server, zmq_ctx):
@@ -355,26 +431,77 @@ def test_pinging_client_keeps_its_lease(start_server, zmq_ctx):
 
 
 class FlakyEngine(FakeEngine):
-    """Its step raises once, the first time a request named by a 'boom' prompt runs."""
+    """LLMEngine's fault isolation (docs/engine_api.md, "Failures"): the first time a request
+    with a 'boom' prompt runs, its part of the step fails, so that request alone ends with
+    finish_reason "error" and RequestOutput.error set, its blocks freed; the rest go on."""
 
     def __init__(self, **kw):
         super().__init__(**kw)
         self.armed = True
 
     def step(self):
-        if self.armed and any(r.prompt_ids == list(b"boom") for r in self._requests.values()):
-            self.armed = False
-            raise RuntimeError("simulated kernel failure")
+        from pagedrun.runtime.outputs import CompletionOutput, RequestOutput, Usage
+        failed = []
+        for req in list(self._requests.values()):
+            if self.armed and req.prompt_ids == list(b"boom"):
+                self.armed = False
+                del self._requests[req.request_id]
+                failed.append(RequestOutput(
+                    req.request_id, req.prompt_ids,
+                    [CompletionOutput(0, [], "", None, "error", None)], finished=True,
+                    usage=Usage(len(req.prompt_ids), 0, 0),
+                    error="sampling failed: RuntimeError: simulated kernel failure"))
+        return failed + super().step()
+
+
+class DeadEngine(FakeEngine):
+    """A step that raises: what escapes LLMEngine.step (EngineDeadError) is fatal."""
+
+    def step(self):
+        if any(r.prompt_ids == list(b"dead") for r in self._requests.values()):
+            raise RuntimeError("simulated dead device")
         return super().step()
 
 
-def test_engine_failure_is_internal_error_and_server_recovers(start_server, zmq_ctx):
-    _, ep = start_server(FlakyEngine())
+def test_engine_death_fails_every_request_and_stops_the_server(start_server, zmq_ctx):
+    server, ep = start_server(DeadEngine(step_delay_s=0.01))
     s = dealer(zmq_ctx, ep)
+    send(s, MsgType.GENERATE, {"request_id": "a", "prompt": "abc",
+                               "sampling_params": {"max_tokens": 500}})
+    assert recv(s)[0] == MsgType.DELTA
+    send(s, MsgType.GENERATE, {"request_id": "d", "prompt": "dead"})
+    errors = {}
+    while len(errors) < 2:
+        kind, body = recv(s)
+        if kind == MsgType.ERROR:
+            assert_error_shape(body)
+            errors[body["request_id"]] = body
+    assert {e["code"] for e in errors.values()} == {"internal_error"}
+    assert "simulated dead device" in errors["d"]["message"]
+    server._thread.join(20)
+    assert not server._thread.is_alive() and "simulated dead device" in server.engine_dead
+
+
+def test_engine_failure_is_internal_error_and_server_recovers(start_server, zmq_ctx):
+    _, ep = start_server(FlakyEngine(step_delay_s=0.002))
+    s = dealer(zmq_ctx, ep)
+    send(s, MsgType.GENERATE, {"request_id": "other", "prompt": "calm",
+                               "sampling_params": {"max_tokens": 30}})
     send(s, MsgType.GENERATE, {"request_id": "b", "prompt": "boom"})
-    _, kind, body = recv_until_final(s, "b")
+    ends, tokens = {}, []
+    while len(ends) < 2:
+        kind, body = recv(s)
+        if kind == MsgType.DELTA:
+            assert body["request_id"] == "other"
+            tokens += body["token_ids"]
+        else:
+            ends[body["request_id"]] = (kind, body)
+    kind, body = ends["b"]
     assert kind == MsgType.ERROR and body["code"] == "internal_error"
     assert "simulated kernel failure" in body["message"]
+    assert_error_shape(body)
+    assert ends["other"][0] == MsgType.FINAL  # the rest of the batch went on
+    assert tokens == expected_tokens(list(b"calm"), 30)
     send(s, MsgType.GENERATE, {"request_id": "after", "prompt": "fine",
                                "sampling_params": {"max_tokens": 4}})
     deltas, kind, _ = recv_until_final(s, "after")

@@ -1,11 +1,14 @@
 """Graceful shutdown and restart of a real server process (fake engine): SIGTERM/SIGINT stop
 new work, in-flight requests end with a FINAL (finished, or aborted past the drain timeout),
-the process exits 0, and a new server can bind the same endpoint at once."""
+the process exits 0, and a new server can bind the same endpoint at once; a second signal
+forces the exit (protocol 1.2)."""
 from __future__ import annotations
 
 import signal
+import time
 
-from wire import dealer, free_tcp_endpoint, recv, recv_until_final, send
+import pytest
+from wire import assert_error_shape, dealer, free_tcp_endpoint, recv, recv_until_final, send
 
 from pagedrun.client import Client
 from pagedrun.server.protocol import MsgType
@@ -68,3 +71,28 @@ def test_restart_on_same_endpoint(server_process, tmp_path):
                 assert out.finish_reason == "length" and len(out.token_ids) == 3
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(EXIT_TIMEOUT_S) == 0, round_
+
+
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT])
+def test_second_signal_forces_exit_with_shutting_down(server_process, zmq_ctx, second):
+    """The first signal drains (30 s here); the second ends the process at once: the request
+    still running gets `shutting_down`, exit status 128 + the second signal's number."""
+    proc, ep = server_process(free_tcp_endpoint(), "--step-delay-s", 0.05)
+    s = dealer(zmq_ctx, ep)
+    send(s, MsgType.GENERATE, {"request_id": "long", "prompt": "abc",
+                               "sampling_params": {"max_tokens": 250}})  # ~12 s
+    assert recv(s)[0] == MsgType.DELTA
+    proc.send_signal(signal.SIGTERM)
+    for attempt in range(100):  # until the server is draining
+        send(s, MsgType.PING, {"request_id": f"p{attempt}"})
+        while (reply := recv(s))[0] != MsgType.PONG:
+            pass
+        if reply[1]["status"] == "draining":
+            break
+    forced = time.monotonic()
+    proc.send_signal(second)
+    _, kind, body = recv_until_final(s, "long")
+    assert kind == MsgType.ERROR and body["code"] == "shutting_down", body
+    assert_error_shape(body)
+    assert proc.wait(EXIT_TIMEOUT_S) == 128 + second
+    assert time.monotonic() - forced < 5

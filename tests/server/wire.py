@@ -45,9 +45,17 @@ def recv_until_final(sock: zmq.Socket, request_id: str) -> tuple[list[dict], Msg
 
 
 def assert_error_shape(body: dict) -> None:
-    assert set(body) == {"code", "message", "request_id"}
+    """The ERROR shape of docs/protocol.md: code, message, request_id, and (1.2) server_id."""
+    assert set(body) == {"code", "message", "request_id", "server_id"}
     assert isinstance(body["code"], str) and isinstance(body["message"], str)
     assert body["request_id"] is None or isinstance(body["request_id"], str)
+    assert_server_id(body["server_id"])
+
+
+def assert_server_id(value) -> None:
+    """A server instance id (protocol 1.2): 16 lowercase hex characters."""
+    assert isinstance(value, str) and len(value) == 16, value
+    assert all(c in "0123456789abcdef" for c in value), value
 
 
 def free_tcp_endpoint() -> str:
