@@ -40,6 +40,11 @@ class EngineConfig:
     # plane's HOST:PORT on node 0 (None: loopback, any free port). runtime/distributed/.
     nnodes: int = 1
     master_addr: str | None = None
+    # The shared secret of a multi-node tensor-parallel group: a file (mode 0600, the same on
+    # every node; `python -m pagedrun.runtime.distributed.auth FILE` writes one). Required when
+    # nnodes > 1; one node makes a fresh secret per launch. runtime/distributed/auth.py.
+    tp_secret_file: str | None = None
+    tp_curve: bool = False  # CURVE-encrypt the internal tensor-parallel sockets as well
     seed: int = 0
     check_invariants: bool = False  # scheduler invariants after every step (tests turn this on)
 

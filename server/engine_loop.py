@@ -95,6 +95,7 @@ class EngineLoop:
                 log.error("engine step failed:\n%s", message)
                 self.events.put(("failed", message.strip().splitlines()[-1], True))
                 self.notify()
+                self._stopped = True  # no step after this one: the server is shutting down
                 continue
             if outputs:
                 self.events.put(("outputs", outputs))

@@ -17,6 +17,9 @@ import secrets
 
 import msgpack
 
+from pagedrun.runtime.errors import (ERR_CAPACITY, ERR_DUPLICATE, ERR_EMPTY, ERR_INVALID,
+                                     ERR_TOO_LONG)
+
 PROTOCOL_VERSION = 1
 # The revision of docs/protocol.md this code implements ("<version>.<minor>"). Minor revisions
 # only add (optional request fields, reply fields, types, codes) and keep the version byte, so a
@@ -89,11 +92,13 @@ class ErrorCode(str, enum.Enum):
     UNSUPPORTED_VERSION = "unsupported_version"
     UNKNOWN_TYPE = "unknown_type"
     MESSAGE_TOO_LARGE = "message_too_large"
-    INVALID_REQUEST = "invalid_request"        # a field has a wrong type / range / is unknown
-    EMPTY_PROMPT = "empty_prompt"
-    PROMPT_TOO_LONG = "prompt_too_long"
-    DUPLICATE_REQUEST_ID = "duplicate_request_id"
-    CAPACITY = "capacity"                      # the request can never fit the KV cache
+    # The engine's admission codes (RequestError.code) are the same strings, named once in
+    # runtime/errors.py: the engine loop forwards them as they are.
+    INVALID_REQUEST = ERR_INVALID              # a field has a wrong type / range / is unknown
+    EMPTY_PROMPT = ERR_EMPTY
+    PROMPT_TOO_LONG = ERR_TOO_LONG
+    DUPLICATE_REQUEST_ID = ERR_DUPLICATE
+    CAPACITY = ERR_CAPACITY                    # the request can never fit the KV cache
     OVERLOADED = "overloaded"                  # too many requests in flight; retry later
     SHUTTING_DOWN = "shutting_down"
     LEASE_EXPIRED = "lease_expired"

@@ -11,6 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+NEEDS_SECRET = ("paged-run serve: --nnodes > 1 needs --tp-secret-file FILE, the same 0600 file "
+                "on every node (create one with `python -m pagedrun.runtime.distributed.auth "
+                "FILE`)")
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     # Defaults come from their one definition: the engine's from EngineConfig, the address from
@@ -41,6 +45,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                      help="this node's index; > 0 runs headless workers that join node 0")
     eng.add_argument("--master-addr", default=engine.master_addr, metavar="HOST:PORT",
                      help="node 0's tensor-parallel control address (all nodes give the same)")
+    eng.add_argument("--tp-secret-file", default=engine.tp_secret_file, metavar="FILE",
+                     help="shared secret of a multi-node tensor-parallel group (the same file "
+                          "on every node, mode 0600; create one with `python -m "
+                          "pagedrun.runtime.distributed.auth FILE`)")
+    eng.add_argument("--tp-curve", default=engine.tp_curve,
+                     action=argparse.BooleanOptionalAction,
+                     help="CURVE-encrypt the tensor-parallel sockets (give it on every node)")
     eng.add_argument("--max-model-len", type=int, default=engine.max_model_len)
     eng.add_argument("--gpu-memory-utilization", type=float,
                      default=engine.gpu_memory_utilization)
@@ -107,7 +118,8 @@ def build_engine(args):
         enable_prefix_caching=args.enable_prefix_caching, num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
-        master_addr=args.master_addr, seed=args.seed))
+        master_addr=args.master_addr, tp_secret_file=args.tp_secret_file,
+        tp_curve=args.tp_curve, seed=args.seed))
 
 
 def startup_summary(info: dict, endpoint: str, curve: bool) -> str:
@@ -174,10 +186,15 @@ def run(args) -> int:
 
         if not args.master_addr:
             raise SystemExit("paged-run serve: --node-rank > 0 needs --master-addr HOST:PORT")
-        return run_node(args.master_addr, args.tensor_parallel_size, args.nnodes, args.node_rank)
+        if not args.tp_secret_file:
+            raise SystemExit(NEEDS_SECRET)
+        return run_node(args.master_addr, args.tensor_parallel_size, args.nnodes,
+                        args.node_rank, secret_file=args.tp_secret_file, curve=args.tp_curve)
     if args.nnodes > 1 and not args.master_addr:
         raise SystemExit("paged-run serve: --nnodes > 1 needs --master-addr HOST:PORT "
                          "(an address of this node the other nodes can reach)")
+    if args.nnodes > 1 and not args.tp_secret_file:
+        raise SystemExit(NEEDS_SECRET)
     config = server_config_from_args(args)
     engine = build_engine(args)
     try:

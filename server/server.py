@@ -270,7 +270,9 @@ class Server:
                 drain_deadline = now + self.config.shutdown_timeout_s
                 log.info("shutting down: %d request(s) in flight", len(self._requests))
             if self._draining:
-                if not self._requests:
+                # A dead engine confirms nothing: every request was answered internal_error
+                # when it died, so there is nothing left to wait for.
+                if not self._requests or self.engine_dead is not None:
                     return
                 if abort_deadline is None and now >= drain_deadline:
                     for req in self._requests.values():

@@ -9,29 +9,45 @@ Process layout (docs/architecture.md, "Tensor parallelism"):
 - Ranks 1 .. tp-1 are worker processes (worker.py), one per rank. With `nnodes` K, node 0's
   driver spawns ranks 1 .. tp/K - 1 itself (each in its own session, killed by process group);
   node R runs `paged-run serve --node-rank R`, which spawns ranks R*tp/K .. (R+1)*tp/K - 1.
-- Control plane: a ROUTER bound at master_addr (HOST:PORT); every worker's DEALER says hello,
+- Control plane: a ROUTER bound at master_addr (HOST:PORT; loopback with a free port when
+  master_addr is None); every worker's DEALER authenticates (hello / challenge / join, auth.py),
   gets the plan (model, device, dtype, KV sizes, and the CpuCommunicator's address or the NCCL
   unique id that rank 0 created), loads its shard and answers ready.
 
-Messages (type frame first; bodies msgpack): worker -> driver `hello {rank, pid, host}`,
-`ready {rank}`, `error {rank, message}`; driver -> worker `plan {...}`, `error` (refused),
-`step` (step_broadcast.py), `shutdown`.
+Messages (type frame first; bodies msgpack; "sealed": a trailer frame with a counter and the
+HMAC-SHA256 under the connection's session key, auth.Channel):
+  worker -> driver  `hello {rank, pid, host, nonce}` + MAC under the group secret,
+                    `join {rank}`, `ready {rank}`, `error {rank, message}`   (sealed)
+  driver -> worker  `challenge {nonce}` + MAC under the secret over the worker's nonce,
+                    `error` (refused; text, before the session only: not sealed),
+                    `plan {...}`, `step` (step_broadcast.py), `shutdown`     (sealed)
+
+Authentication (auth.py): the group secret is a random token per executor, written to each local
+worker's stdin; with nnodes > 1 it is read from `secret_file` on every node (refused without
+one). A ROUTER identity becomes a rank only by a join sealed with a session key that needs the
+secret and both fresh nonces; after that the driver accepts a message only from a bound
+identity, sealed under that identity's key with a counter above the last one, and naming the
+rank bound to that identity. Everything else (strangers, forged or replayed messages, ranks that
+do not exist) is dropped with a rate-limited warning and changes nothing. Only the bound
+connections are watched for drops. `curve=True` makes the ROUTERs CURVE servers (auth.py).
 
 Step broadcast: each step's SchedulerOutput fields go to every worker as one multipart message
 (zero-copy frames) over the control connection before rank 0 starts its forward; the workers'
 forwards meet rank 0's at the collectives, so no per-step acknowledgement is needed.
 
-Failures: a worker that dies, drops its connection, reports an error, or leaves a collective
-unanswered turns the executor dead: the local workers are killed, and every later `execute`
-raises PeerLostError, whose `engine_dead` makes the server fail every in-flight request and
-exit. A rank that does not join within `rendezvous_timeout_s` fails start-up with the missing
-ranks named.
+Failures: a worker that dies, drops its (authenticated) connection, reports an error (sealed),
+or leaves a collective unanswered turns the executor dead: the local workers are killed, and
+every later `execute` raises PeerLostError, whose `engine_dead` makes the server fail every
+in-flight request and exit. A rank that does not join within `rendezvous_timeout_s` fails
+start-up with the missing ranks named. Nothing a non-rank sends (or a connection it opens and
+closes) does any of this.
 """
 from __future__ import annotations
 
 import atexit
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -42,10 +58,11 @@ import msgpack
 import zmq
 
 from pagedrun.runtime.backends import make_backend
+from pagedrun.runtime.distributed import auth
 from pagedrun.runtime.distributed.communicator import (POLL_INTERVAL_S,
                                                        DEFAULT_COLLECTIVE_TIMEOUT_S,
                                                        ConnectionWatch, CpuCommunicator,
-                                                       PeerLostError, set_heartbeats)
+                                                       PeerLostError, set_heartbeats, source_fd)
 from pagedrun.runtime.distributed.sharding import check_shardable
 from pagedrun.runtime.distributed.step_broadcast import encode_step
 from pagedrun.runtime.distributed.worker import build_rank, parse_master_addr, zmq_tcp
@@ -57,6 +74,8 @@ DEFAULT_RENDEZVOUS_TIMEOUT_S = 60.0
 DEFAULT_LOAD_TIMEOUT_S = 900.0
 # A worker that ignores `shutdown` this long is killed.
 SHUTDOWN_GRACE_S = 5.0
+# Workers send only small control messages; a larger one (a stranger's) closes its connection.
+CONTROL_MAX_MSG_BYTES = 1 << 20
 
 
 def ranks_of_node(tp_size: int, nnodes: int, node_rank: int) -> range:
@@ -81,17 +100,47 @@ def bind_host(host: str) -> str:
         return socket.gethostbyname(host)
 
 
-def spawn_workers(master_addr: str, ranks: range, per_node: int, join_timeout_s: float
-                  ) -> dict[int, subprocess.Popen]:
+def spawn_workers(master_addr: str, ranks: range, per_node: int, join_timeout_s: float,
+                  secret: bytes, curve: bool = False) -> dict[int, subprocess.Popen]:
     """One worker process per rank, each in its own session (so its process group can be
-    killed as a whole). stdout / stderr are inherited: worker errors show in the server log."""
+    killed as a whole). stdout / stderr are inherited: worker errors show in the server log.
+    The group secret goes down a pipe to the worker's stdin (auth.encode_launch), closed at
+    once: it is on no command line, in no environment and in no file."""
     procs = {}
-    for rank in ranks:
-        cmd = [sys.executable, "-m", "pagedrun.runtime.distributed.worker",
-               "--master-addr", master_addr, "--rank", str(rank),
-               "--local-rank", str(rank % per_node), "--join-timeout", str(join_timeout_s)]
-        procs[rank] = subprocess.Popen(cmd, start_new_session=True)
+    launch = auth.encode_launch(secret, curve)
+    try:
+        for rank in ranks:
+            cmd = [sys.executable, "-m", "pagedrun.runtime.distributed.worker",
+                   "--master-addr", master_addr, "--rank", str(rank),
+                   "--local-rank", str(rank % per_node), "--join-timeout", str(join_timeout_s)]
+            proc = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.PIPE)
+            procs[rank] = proc
+            try:  # a few dozen bytes: the pipe buffer takes them without waiting for the child
+                proc.stdin.write(launch)
+            except BrokenPipeError:
+                pass  # it died already; noticed like any exited worker
+            finally:
+                try:
+                    proc.stdin.close()
+                except BrokenPipeError:
+                    pass
+    except BaseException:
+        kill_workers(procs)
+        raise
     return procs
+
+
+def group_secret(secret_file: str | None, nnodes: int) -> bytes:
+    """The group's shared secret: read from secret_file when given (every node reads the same
+    file); otherwise a new random one, which only works on one node (nothing else knows it)."""
+    if secret_file is not None:
+        return auth.read_secret_file(secret_file)
+    if nnodes > 1:
+        raise auth.TensorParallelSecretError(
+            f"tensor parallel over {nnodes} nodes needs a shared secret: write one with "
+            "`python -m pagedrun.runtime.distributed.auth FILE`, copy it (mode 0600) to every "
+            "node and give it to each `paged-run serve` as --tp-secret-file FILE")
+    return auth.new_secret()
 
 
 def kill_workers(procs: dict[int, subprocess.Popen], grace_s: float = 0.0) -> None:
@@ -129,7 +178,9 @@ def start_tensor_parallel(config, model_config, backend, max_model_len: int
         config.model, model_config, tp_size=tp_size, device=backend.name, dtype=config.dtype,
         block_size=config.block_size, max_model_len=max_model_len,
         num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_swap_blocks(config, bytes_per_block),
-        nnodes=config.nnodes, master_addr=config.master_addr, ops=backend)
+        nnodes=config.nnodes, master_addr=config.master_addr, ops=backend,
+        secret_file=getattr(config, "tp_secret_file", None),
+        curve=getattr(config, "tp_curve", False))
 
 
 class TensorParallelExecutor:
@@ -139,20 +190,33 @@ class TensorParallelExecutor:
                  block_size: int, max_model_len: int, num_gpu_blocks: int, num_cpu_blocks: int,
                  nnodes: int = 1, master_addr: str | None = None,
                  rendezvous_timeout_s: float = DEFAULT_RENDEZVOUS_TIMEOUT_S,
-                 collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, ops=None) -> None:
+                 collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, ops=None,
+                 secret_file: str | None = None, curve: bool = False) -> None:
         """model: as EngineConfig.model (a directory, a .gguf, None for the default model);
         every rank resolves it on its own node, so the default model and converted GGUFs need
-        no shared path across nodes (a directory must exist at the same path on each)."""
+        no shared path across nodes (a directory must exist at the same path on each).
+        secret_file: the group's shared secret (auth.read_secret_file), required when nnodes
+        > 1; on one node a random secret per executor is used when it is None.
+        curve: CURVE-encrypt the control and communicator sockets (auth.py)."""
         check_shardable(model_config, tp_size)
         self.tp_size = tp_size
         self.dead: str | None = None  # why, once a rank is lost
         self._seq = 0
         self._procs: dict[int, subprocess.Popen] = {}
+        self._peers: dict[bytes, _Peer] = {}  # authenticated identity -> its rank and session
+        self._identities: dict[int, bytes] = {}  # rank -> identity
+        self._secret = group_secret(secret_file, nnodes)
+        self._curve = curve
+        self.dropped = auth.DropLog(log, "tensor parallel control")
         self._ctx = zmq.Context()
         self.control = self._ctx.socket(zmq.ROUTER)
         set_heartbeats(self.control)
         self.control.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished rank raises
-        self._watch = ConnectionWatch(self.control)
+        self.control.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_MSG_BYTES)
+        if curve:
+            auth.apply_curve_server(self.control, self._secret)
+        # Only authenticated workers' connections count: strangers may connect and hang up.
+        self._watch = ConnectionWatch(self.control, known_only=True)
         if master_addr is None:  # one node: loopback, any free port
             self.control.bind("tcp://127.0.0.1:0")
             port = int(self.control.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
@@ -177,8 +241,8 @@ class TensorParallelExecutor:
                num_cpu_blocks, nnodes, rendezvous_timeout_s, collective_timeout_s, ops) -> None:
         local = ranks_of_node(self.tp_size, nnodes, 0)
         self._procs = spawn_workers(self.master_addr, range(1, local.stop), len(local),
-                                    rendezvous_timeout_s)
-        self._identities = self._rendezvous(nnodes, rendezvous_timeout_s)
+                                    rendezvous_timeout_s, self._secret, self._curve)
+        self._rendezvous(nnodes, rendezvous_timeout_s)
         plan = {"model": None if model is None else str(model), "tp_size": self.tp_size,
                 "device": device, "dtype": dtype, "block_size": block_size,
                 "max_model_len": max_model_len, "num_gpu_blocks": num_gpu_blocks,
@@ -191,12 +255,15 @@ class TensorParallelExecutor:
 
             plan["nccl_unique_id"] = NcclCommunicator.make_unique_id()
         else:
-            host = bind_host(parse_master_addr(self.master_addr)[0])
-            self.comm = CpuCommunicator(0, self.tp_size, bind=zmq_tcp(host, 0),
-                                        timeout_s=collective_timeout_s, context=self._ctx)
+            host = bind_host(parse_master_addr(self.master_addr)[0])  # loopback on one node
+            self.comm = CpuCommunicator(
+                0, self.tp_size, bind=zmq_tcp(host, 0), timeout_s=collective_timeout_s,
+                context=self._ctx, curve_secret=self._secret if self._curve else None,
+                peer_keys={p.rank: p.channel.key for p in self._peers.values()})
             plan["comm_address"] = self.comm.address
-        for rank, identity in self._identities.items():
-            self.control.send_multipart([identity, b"plan", msgpack.packb(plan)])
+        body = msgpack.packb(plan)
+        for identity in self._identities.values():
+            self._send(identity, [b"plan", body])
         if self.comm is None:  # NCCL: every rank joins the communicator's init together
             from pagedrun.runtime.distributed.nccl_communicator import NcclCommunicator
 
@@ -211,42 +278,127 @@ class TensorParallelExecutor:
                  self.tp_size, nnodes, self.master_addr,
                  {r: p.pid for r, p in self._procs.items()})
 
-    def _recv_control(self, timeout_ms: int):
-        if not self.control.poll(timeout_ms):
-            return None
-        identity, kind, *rest = self.control.recv_multipart()
-        body = msgpack.unpackb(rest[0]) if rest else {}
-        return identity, kind, body
+    def _send(self, identity: bytes, frames: list, frames_digest: bytes | None = None,
+              flags: int = 0) -> None:
+        self.control.send_multipart([identity, *self._peers[identity].channel.seal(
+            frames, frames_digest)], flags, copy=False)
 
-    def _rendezvous(self, nnodes: int, timeout_s: float) -> dict[int, bytes]:
+    def _recv_frames(self) -> tuple[bytes, list]:
+        frames = self.control.recv_multipart(copy=False)
+        return frames[0].bytes, frames[1:]
+
+    def _open(self, identity: bytes, frames: list):
+        """(rank, kind, body) of an authenticated worker's message, or None (dropped)."""
+        peer = self._peers.get(identity)
+        if peer is None:
+            self.dropped("unknown identity", f"{_kind(frames)} from a connection that is not an "
+                                             f"authenticated rank")
+            return None
+        try:
+            frames = peer.channel.open(frames)
+        except auth.AuthError as exc:
+            self.dropped("failed verification", f"{_kind(frames)} on rank {peer.rank}'s "
+                                                f"connection: {exc}")
+            return None
+        try:
+            body = msgpack.unpackb(frames[1].bytes) if len(frames) > 1 else {}
+        except ValueError:
+            body = None
+        if not isinstance(body, dict) or body.get("rank") != peer.rank:
+            named = body.get("rank") if isinstance(body, dict) else None
+            self.dropped("rank mismatch", f"{_kind(frames)} on rank {peer.rank}'s connection "
+                                          f"names rank {named!r}")
+            return None
+        return peer.rank, frames[0].bytes, body
+
+    def _recv_control(self, timeout_ms: int):
+        """The next authenticated message (rank, kind, body) within timeout_ms, or None; what
+        fails verification on the way is dropped."""
+        while self.control.poll(timeout_ms):
+            timeout_ms = 0  # only the first wait blocks: then drain what is there
+            msg = self._open(*self._recv_frames())
+            if msg is not None:
+                return msg
+        return None
+
+    def _rendezvous(self, nnodes: int, timeout_s: float) -> None:
+        """Authenticate every rank (hello -> challenge -> join, auth.py) and bind its ROUTER
+        identity; fills self._peers and self._identities."""
         deadline = time.monotonic() + timeout_s
-        joined: dict[int, bytes] = {}
-        while len(joined) < self.tp_size - 1:
+        pending: dict[bytes, tuple] = {}  # challenged, not joined: (rank, nonces, host, pid)
+        while len(self._identities) < self.tp_size - 1:
             self._check_local_workers()
             if time.monotonic() > deadline:
-                missing = sorted(set(range(1, self.tp_size)) - set(joined))
+                missing = sorted(set(range(1, self.tp_size)) - set(self._identities))
                 hint = ("" if nnodes == 1 else
                         f"; is `paged-run serve --tensor-parallel-size {self.tp_size} --nnodes "
-                        f"{nnodes} --node-rank R --master-addr {self.master_addr}` running on "
-                        f"every other node?")
+                        f"{nnodes} --node-rank R --master-addr {self.master_addr}` (with the "
+                        f"same --tp-secret-file) running on every other node?")
                 raise PeerLostError(f"tensor parallel rendezvous: ranks {missing} did not join "
                                     f"{self.master_addr} within {timeout_s:.0f} s{hint}")
-            msg = self._recv_control(int(POLL_INTERVAL_S * 1000))
-            if msg is None:
+            if not self.control.poll(int(POLL_INTERVAL_S * 1000)):
                 continue
-            identity, kind, body = msg
-            rank = body.get("rank") if isinstance(body, dict) else None
-            if kind != b"hello" or not isinstance(rank, int) or not 0 < rank < self.tp_size \
-                    or rank in joined:
-                self.control.send_multipart([identity, b"error", (
-                    f"rank {rank!r} is not an expected rank of this {self.tp_size}-rank group "
-                    "(out of range or already joined)").encode()])
-                continue
-            log.info("rank %d joined from %s (pid %s)", rank, body.get("host"), body.get("pid"))
-            joined[rank] = identity
-        self._watch.check()  # connection churn before everyone joined is not a loss
-        self._watch.lost = False
-        return joined
+            identity, frames = self._recv_frames()
+            kind = frames[0].bytes if frames else b""
+            if identity in self._peers:
+                self._open(identity, frames)  # nothing is expected from a joined rank yet
+            elif kind == b"hello":
+                self._hello(identity, frames, pending)
+            elif kind == b"join" and identity in pending:
+                self._join(identity, frames, pending.pop(identity))
+            else:
+                self.dropped("unknown identity", f"{_kind(frames)} before hello")
+
+    def _refuse(self, identity: bytes, why: str) -> None:
+        """An unsealed `error` to a peer that has no session: the worker exits with it."""
+        try:
+            self.control.send_multipart([identity, b"error", why.encode()], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def _hello(self, identity: bytes, frames: list, pending: dict) -> None:
+        try:
+            if len(frames) != 3:
+                raise auth.AuthError("malformed hello")
+            auth.check_mac(self._secret, b"hello", frames[:2], frames[2])
+        except auth.AuthError as exc:
+            self.dropped("hello failed verification", str(exc))
+            self._refuse(identity, "authentication failed: this worker's tensor-parallel "
+                                   "secret is not the driver's (--tp-secret-file)")
+            return
+        body = msgpack.unpackb(frames[1].bytes)
+        rank, nonce = body.get("rank"), body.get("nonce")
+        if not isinstance(rank, int) or not 0 < rank < self.tp_size or rank in self._identities \
+                or not isinstance(nonce, bytes):
+            self._refuse(identity, f"rank {rank!r} is not an expected rank of this "
+                                   f"{self.tp_size}-rank group (out of range or already joined)")
+            return
+        driver_nonce = secrets.token_bytes(auth.NONCE_BYTES)
+        pending[identity] = (rank, nonce, driver_nonce, body.get("host"), body.get("pid"))
+        challenge = [b"challenge", msgpack.packb({"nonce": driver_nonce})]
+        try:
+            self.control.send_multipart(
+                [identity, *challenge, auth.mac(self._secret, b"challenge" + nonce, challenge)],
+                zmq.NOBLOCK)
+        except zmq.ZMQError:  # it hung up already; a worker that retries says hello again
+            pending.pop(identity, None)
+
+    def _join(self, identity: bytes, frames: list, challenged: tuple) -> None:
+        rank, nonce, driver_nonce, host, pid = challenged
+        channel = auth.Channel(auth.session_key(self._secret, rank, nonce, driver_nonce),
+                               outgoing=auth.DRIVER_TO_WORKER, incoming=auth.WORKER_TO_DRIVER)
+        try:
+            channel.open(frames)
+        except auth.AuthError as exc:
+            self.dropped("join failed verification", f"rank {rank}: {exc}")
+            return
+        if rank in self._identities:  # two authenticated workers claimed it: the first wins
+            self._refuse(identity, f"rank {rank} already joined")
+            return
+        self._peers[identity] = _Peer(rank, channel)
+        self._identities[rank] = identity
+        self._watch.add(source_fd(frames))
+        log.info("rank %d joined from %s (pid %s), authenticated", rank, host, pid)
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -260,11 +412,11 @@ class TensorParallelExecutor:
             msg = self._recv_control(int(POLL_INTERVAL_S * 1000))
             if msg is None:
                 continue
-            _, kind, body = msg
+            rank, kind, body = msg
             if kind == b"error":
-                raise PeerLostError(f"rank {body.get('rank')} failed: {body.get('message')}")
+                raise PeerLostError(f"rank {rank} failed: {body.get('message')}")
             if kind == b"ready":
-                ready.add(body["rank"])
+                ready.add(rank)
 
     # ------------------------------------------------------------------ health
 
@@ -297,14 +449,15 @@ class TensorParallelExecutor:
 
     def _check_alive(self) -> None:
         """Between steps: raise PeerLostError if any rank is gone or has reported an error
-        (the only message a worker sends after `ready`)."""
+        (the only message a worker sends after `ready`; only an authenticated one counts)."""
         self._check_connections()
         while True:
             msg = self._recv_control(0)
             if msg is None:
                 return
-            if msg[1] == b"error":
-                raise PeerLostError(f"rank {msg[2].get('rank')} failed: {msg[2].get('message')}")
+            rank, kind, body = msg
+            if kind == b"error":
+                raise PeerLostError(f"rank {rank} failed: {body.get('message')}")
 
     # ------------------------------------------------------------------ capacity
 
@@ -331,8 +484,9 @@ class TensorParallelExecutor:
             self._check_alive()
             self._seq += 1
             frames = encode_step(self._seq, out, prompt_logit_rows)
+            step_digest = auth.digest(frames)  # hashed once, MACed per worker
             for identity in self._identities.values():
-                self.control.send_multipart([identity, *frames], copy=False)
+                self._send(identity, frames, step_digest)
             return self.runner.execute(out, prompt_logit_rows)
         except BaseException as exc:
             # Whatever broke, the ranks are out of step now: the group cannot continue.
@@ -348,9 +502,9 @@ class TensorParallelExecutor:
         if self._ctx is None:
             return
         if self.dead is None:
-            for identity in getattr(self, "_identities", {}).values():
+            for identity in self._identities.values():
                 try:
-                    self.control.send_multipart([identity, b"shutdown"], zmq.NOBLOCK)
+                    self._send(identity, [b"shutdown"], flags=zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
         if self._watchdog is not None:
@@ -365,6 +519,20 @@ class TensorParallelExecutor:
         self._ctx = None
         atexit.unregister(self.close)
 
+
+
+class _Peer:
+    """An authenticated worker connection: its rank and its session."""
+
+    __slots__ = ("rank", "channel")
+
+    def __init__(self, rank: int, channel: auth.Channel) -> None:
+        self.rank, self.channel = rank, channel
+
+
+def _kind(frames: list) -> str:
+    """A received message's type, printable and short (for the drop log)."""
+    return repr(frames[0].bytes[:16] if frames else b"")
 
 
 class _Watchdog(threading.Thread):

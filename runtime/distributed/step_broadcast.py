@@ -6,6 +6,10 @@ name, dtype and shape), one frame per array (raw bytes, sent without a copy)]. O
 the runner reads travel; the request ids, the sampling bookkeeping and the prefix-cache counts
 stay with the scheduler on the driver. A decode step of 256 sequences with 128-block tables is
 about 140 KB, mostly the block table (benchmarks/bench_step_broadcast.py measures the cost).
+
+On the wire the executor seals these frames per worker (auth.Channel: one more frame, a counter
+and an HMAC over the frames' SHA-256, computed once per step); the worker opens them before
+`decode_step`, so only steps from the driver it authenticated run.
 """
 from __future__ import annotations
 

@@ -1,19 +1,29 @@
 """A tensor-parallel worker process: one rank's device, weight shard and KV cache, and its loop.
 
-    python -m pagedrun.runtime.distributed.worker --master-addr HOST:PORT --rank R
+    python -m pagedrun.runtime.distributed.worker --master-addr HOST:PORT --rank R  < launch
+
+The launch (auth.encode_launch: the group's secret, CURVE on/off) arrives on stdin, written by
+whoever spawned the worker (executor.spawn_workers, from the driver or a headless node), so the
+secret is on no command line and in no environment.
 
 Life of a worker (the driver's side is executor.py; the messages are listed there):
-  1. connect a DEALER to the driver's control ROUTER and say hello (rank, pid, host);
+  1. connect a DEALER to the driver's control ROUTER and authenticate (auth.py): hello (rank,
+     pid, host, nonce; MAC under the secret), the driver's challenge (its nonce; its MAC proves
+     it holds the secret), join (sealed with the session key derived from both nonces); from
+     then on every message either way is sealed, and one that does not open is dropped;
   2. receive the plan (model as the user named it, resolved here: a directory, a .gguf (its
      converted cache on this node), or None (this node's default model); device, dtype, KV
      sizes, the communicator's address or the NCCL unique id);
-  3. read only its shard from the safetensors files, build its communicator, its
-     ShardedLlamaModel and a ModelRunner whose KV pools hold only its KV heads; report ready;
+  3. read only its shard from the safetensors files, build its communicator (its hello carries
+     a MAC under the session key), its ShardedLlamaModel and a ModelRunner whose KV pools hold
+     only its KV heads; report ready;
   4. loop: each step message -> `runner.execute` (the collectives inside keep the ranks in step;
      rank 0 gathers the logits); `shutdown` -> exit 0.
 Every wait is bounded: the driver's connection dropping (its process died or its host went
 silent past the ZMTP heartbeat) ends the worker with EXIT_DRIVER_LOST, and any exception is
-reported to the driver as an `error` message before the worker exits with EXIT_ERROR.
+reported to the driver as an `error` message before the worker exits with EXIT_ERROR. A driver
+that refuses the worker (an `error` before the session: wrong rank, or the secret differs) or
+that fails the challenge ends it with EXIT_ERROR.
 """
 from __future__ import annotations
 
@@ -21,6 +31,7 @@ import argparse
 import faulthandler
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -29,6 +40,7 @@ import time
 import msgpack
 import zmq
 
+from pagedrun.runtime.distributed import auth
 from pagedrun.runtime.distributed.communicator import (POLL_INTERVAL_S, ConnectionWatch,
                                                        PeerLostError, recv_bounded,
                                                        set_heartbeats)
@@ -82,7 +94,8 @@ def build_rank(plan: dict, rank: int, comm, ops=None):
                        logits_on_device=rank == 0 and ops.logits_on_device)
 
 
-def make_communicator(plan: dict, rank: int, context: zmq.Context):
+def make_communicator(plan: dict, rank: int, context: zmq.Context, auth_key: bytes | None = None,
+                      curve_secret: bytes | None = None):
     if plan.get("nccl_unique_id") is not None:
         from pagedrun.runtime.distributed.nccl_communicator import NcclCommunicator
 
@@ -91,43 +104,100 @@ def make_communicator(plan: dict, rank: int, context: zmq.Context):
     from pagedrun.runtime.distributed.communicator import CpuCommunicator
 
     return CpuCommunicator(rank, plan["tp_size"], connect=plan["comm_address"],
-                           timeout_s=plan["collective_timeout_s"], context=context)
+                           timeout_s=plan["collective_timeout_s"], context=context,
+                           auth_key=auth_key, curve_secret=curve_secret)
+
+
+class Refused(Exception):
+    """The driver refused this worker, or failed to prove it holds the secret."""
+
+
+def _text(frames) -> str:
+    return frames[1].bytes.decode(errors="replace") if len(frames) > 1 else "(no reason)"
+
+
+def _join(control, secret: bytes, rank: int, master_addr: str, timeout_s: float
+          ) -> auth.Channel:
+    """hello -> challenge -> join (auth.py); the session's Channel."""
+    nonce = secrets.token_bytes(auth.NONCE_BYTES)
+    hello = [b"hello", msgpack.packb({"rank": rank, "pid": os.getpid(),
+                                      "host": socket.gethostname(), "nonce": nonce})]
+    control.send_multipart([*hello, auth.mac(secret, b"hello", hello)])
+    # No watch here: before the driver answers, "disconnected" only means "not up yet".
+    frames = recv_bounded(control, None, timeout_s, f"rank {rank}: the driver at {master_addr}")
+    kind = frames[0].bytes
+    if kind == b"error":  # before the session nothing can be verified; refusing is harmless
+        raise Refused(f"the driver refused it: {_text(frames)}")
+    try:
+        if kind != b"challenge" or len(frames) != 3:
+            raise auth.AuthError(f"{kind!r} instead of a challenge")
+        auth.check_mac(secret, b"challenge" + nonce, frames[:2], frames[2])
+        driver_nonce = msgpack.unpackb(frames[1].bytes)["nonce"]
+    except (auth.AuthError, ValueError, KeyError, TypeError) as exc:
+        raise Refused(f"the driver at {master_addr} failed authentication ({exc}): is its "
+                      f"tensor-parallel secret this node's?") from None
+    channel = auth.Channel(auth.session_key(secret, rank, nonce, driver_nonce),
+                           outgoing=auth.WORKER_TO_DRIVER, incoming=auth.DRIVER_TO_WORKER)
+    control.send_multipart(channel.seal([b"join", msgpack.packb({"rank": rank})]))
+    return channel
+
+
+def _recv_sealed(control, watch, channel: auth.Channel, timeout_s: float, what: str,
+                 dropped: auth.DropLog, session_started: bool = True) -> list:
+    """The next message that opens under the session (dropping the rest), bounded."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        frames = recv_bounded(control, watch, max(0.0, deadline - time.monotonic()), what)
+        try:
+            return channel.open(frames)
+        except auth.AuthError as exc:
+            if not session_started and frames[0].bytes == b"error":  # join refused
+                raise Refused(f"the driver refused it: {_text(frames)}") from None
+            dropped("from the driver", str(exc))
 
 
 def run_worker(master_addr: str, rank: int, local_rank: int,
-               join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S) -> int:
+               join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S, *, secret: bytes,
+               curve: bool = False) -> int:
     ctx = zmq.Context()
     control = ctx.socket(zmq.DEALER)
     set_heartbeats(control)
-    control.setsockopt(zmq.IDENTITY, f"rank{rank}".encode())
+    if curve:
+        auth.apply_curve_client(control, secret)
     watch = ConnectionWatch(control)
     control.connect(zmq_tcp(*parse_master_addr(master_addr)))
-    comm = None
+    dropped = auth.DropLog(log, f"rank {rank}")
+    comm = channel = None
     try:
-        control.send_multipart([b"hello", msgpack.packb(
-            {"rank": rank, "pid": os.getpid(), "host": socket.gethostname()})])
-        # No watch here: before the driver answers, "disconnected" only means "not up yet".
-        frames = recv_bounded(control, None, join_timeout_s,
-                              f"rank {rank}: the driver at {master_addr}")
-        if frames[0].bytes == b"error":
-            log.error("rank %d: the driver refused it: %s", rank, frames[1].bytes.decode())
+        try:
+            channel = _join(control, secret, rank, master_addr, join_timeout_s)
+            # The plan comes once every rank has joined: no watch yet either.
+            frames = _recv_sealed(control, None, channel, join_timeout_s,
+                                  f"rank {rank}: the plan from {master_addr}", dropped,
+                                  session_started=False)
+        except Refused as exc:
+            log.error("rank %d: %s", rank, exc)
             return EXIT_ERROR
+        if frames[0].bytes != b"plan":
+            raise RuntimeError(f"rank {rank}: {frames[0].bytes!r} instead of the plan")
         plan = msgpack.unpackb(frames[1].bytes)
         plan["local_rank"] = local_rank
-        comm = make_communicator(plan, rank, ctx)
+        comm = make_communicator(plan, rank, ctx, auth_key=channel.key,
+                                 curve_secret=secret if curve else None)
         runner = build_rank(plan, rank, comm)
-        control.send_multipart([b"ready", msgpack.packb({"rank": rank})])
-        return _serve_steps(control, watch, runner, rank)
+        control.send_multipart(channel.seal([b"ready", msgpack.packb({"rank": rank})]))
+        return _serve_steps(control, watch, channel, runner, rank, dropped)
     except PeerLostError as exc:
         log.error("rank %d: %s; exiting", rank, exc)
         return EXIT_DRIVER_LOST
     except Exception as exc:  # reported to the driver, which fails the engine
         log.exception("rank %d failed", rank)
-        try:
-            control.send_multipart([b"error", msgpack.packb(
-                {"rank": rank, "message": f"{type(exc).__name__}: {exc}"})], zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
+        if channel is not None:  # the driver drops an unsealed error
+            try:
+                control.send_multipart(channel.seal([b"error", msgpack.packb(
+                    {"rank": rank, "message": f"{type(exc).__name__}: {exc}"})]), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
         return EXIT_ERROR
     finally:
         if comm is not None:
@@ -137,7 +207,8 @@ def run_worker(master_addr: str, rank: int, local_rank: int,
         ctx.term()
 
 
-def _serve_steps(control, watch: ConnectionWatch, runner, rank: int) -> int:
+def _serve_steps(control, watch: ConnectionWatch, channel: auth.Channel, runner, rank: int,
+                 dropped: auth.DropLog) -> int:
     expected_seq = 1
     while True:
         if not control.poll(int(POLL_INTERVAL_S * 1000)):
@@ -145,7 +216,11 @@ def _serve_steps(control, watch: ConnectionWatch, runner, rank: int) -> int:
                 log.error("rank %d: the driver's connection dropped; exiting", rank)
                 return EXIT_DRIVER_LOST
             continue
-        frames = control.recv_multipart(copy=False)
+        try:
+            frames = channel.open(control.recv_multipart(copy=False))
+        except auth.AuthError as exc:
+            dropped("from the driver", str(exc))
+            continue
         kind = frames[0].bytes
         if kind == b"shutdown":
             return EXIT_OK
@@ -169,8 +244,14 @@ def main(argv=None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s rank{args.rank} %(levelname)s %(name)s: %(message)s")
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints a stuck worker's stacks
+    try:
+        secret, curve = auth.read_launch(sys.stdin.buffer)
+    except auth.TensorParallelSecretError as exc:
+        log.error("rank %d: %s", args.rank, exc)
+        return EXIT_ERROR
     started = time.monotonic()
-    code = run_worker(args.master_addr, args.rank, args.local_rank, args.join_timeout)
+    code = run_worker(args.master_addr, args.rank, args.local_rank, args.join_timeout,
+                      secret=secret, curve=curve)
     log.info("rank %d exits %d after %.1f s", args.rank, code, time.monotonic() - started)
     return code
 

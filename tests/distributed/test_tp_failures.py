@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tp_helpers import write_model_dir
+from tp_helpers import secret_file, write_model_dir
 
 from pagedrun.runtime.distributed.communicator import PeerLostError
 from pagedrun.runtime.distributed.executor import TensorParallelExecutor
@@ -147,7 +147,7 @@ def test_rank_that_never_joins(tmp_path):
         TensorParallelExecutor(model_dir, config, tp_size=4, device="cpu", dtype="auto",
                                block_size=16, max_model_len=256, num_gpu_blocks=8,
                                num_cpu_blocks=0, nnodes=2, master_addr=addr,
-                               rendezvous_timeout_s=3.0)
+                               rendezvous_timeout_s=3.0, secret_file=secret_file(tmp_path))
     message = str(info.value)
     assert "ranks [2, 3] did not join" in message and addr in message
     assert "--node-rank" in message
@@ -200,14 +200,14 @@ def test_watchdog_aborts_the_communicator_when_a_rank_dies(tmp_path):
     assert worker_pids(os.getpid()) == []
 
 
-def test_headless_node_without_driver_gives_up():
+def test_headless_node_without_driver_gives_up(tmp_path):
     """`serve --node-rank 1` whose node 0 never comes up: its workers stop waiting after the
     join timeout, the node exits 1, nothing is left running."""
     from pagedrun.runtime.distributed.node import run_node
 
     started = time.monotonic()
     code = run_node(f"127.0.0.1:{free_port()}", tp_size=4, nnodes=2, node_rank=1,
-                    join_timeout_s=1.5)
+                    join_timeout_s=1.5, secret_file=secret_file(tmp_path))
     assert code == 1
     assert time.monotonic() - started < 20
     assert worker_pids(os.getpid()) == []

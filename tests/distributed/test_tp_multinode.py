@@ -1,9 +1,9 @@
 """Multi-node tensor parallelism on loopback, and `paged-run serve` on the default model.
 
 - Two "nodes" as separate process groups: node 0 is an engine with nnodes=2 (rank 0 in-process,
-  rank 1 spawned), node 1 is `paged-run serve --node-rank 1` (headless: ranks 2 and 3); together
-  one TP=4 group whose greedy tokens and logits equal TP=1's. Closing the engine shuts node 1
-  down (exit 0, no worker left).
+  rank 1 spawned), node 1 is `paged-run serve --node-rank 1` (headless: ranks 2 and 3); both
+  read one shared secret file; together one TP=4 group whose greedy tokens and logits equal
+  TP=1's. Closing the engine shuts node 1 down (exit 0, no worker left).
 - The default model (9 query heads, 3 KV heads): `serve --tensor-parallel-size 3` serves
   transformers' greedy tokens (the fixture); `--tensor-parallel-size 2` is refused, saying why.
 """
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from test_tp_failures import free_port, wait_gone, worker_pids
-from tp_helpers import greedy_run, make_engine, prompts, write_model_dir
+from tp_helpers import greedy_run, make_engine, prompts, secret_file, write_model_dir
 
 from pagedrun.server.client import Client
 
@@ -32,13 +32,14 @@ EXIT_TIMEOUT_S = 30
 def test_two_nodes_form_one_tp4_group(tmp_path):
     model_dir = write_model_dir(tmp_path / "m", vocab_size=VOCAB, num_key_value_heads=2)
     addr = f"localhost:{free_port()}"  # a host name, as users give it (bound resolved)
+    secret = secret_file(tmp_path)  # both "nodes" read the same shared secret
     # Node 1 first: its workers keep knocking until node 0's control socket is bound.
     node1 = subprocess.Popen([*PAGED_RUN, "serve", "--tensor-parallel-size", "4", "--nnodes",
                               "2", "--node-rank", "1", "--master-addr", addr,
-                              "--log-level", "WARNING"])
+                              "--tp-secret-file", secret, "--log-level", "WARNING"])
     try:
         ref_tokens, ref_logits = greedy_run(make_engine(model_dir, 1), prompts(VOCAB))
-        engine = make_engine(model_dir, 4, nnodes=2, master_addr=addr)
+        engine = make_engine(model_dir, 4, nnodes=2, master_addr=addr, tp_secret_file=secret)
         node1_workers = worker_pids(node1.pid)
         assert len(node1_workers) == 2 and len(worker_pids(os.getpid())) >= 1
         try:
@@ -119,6 +120,10 @@ def _serve_args(*argv):
 @pytest.mark.parametrize("argv,needle", [
     (["--tensor-parallel-size", "4", "--nnodes", "2", "--node-rank", "1"], "needs --master-addr"),
     (["--tensor-parallel-size", "4", "--nnodes", "2"], "needs --master-addr"),
+    (["--tensor-parallel-size", "4", "--nnodes", "2", "--node-rank", "1", "--master-addr",
+      "127.0.0.1:1"], "needs --tp-secret-file"),
+    (["--tensor-parallel-size", "4", "--nnodes", "2", "--master-addr", "127.0.0.1:1"],
+     "needs --tp-secret-file"),
 ])
 def test_serve_multinode_flags_checked(argv, needle):
     serve_cmd, args = _serve_args(*argv)

@@ -83,11 +83,30 @@ def write_model_dir(path, seed: int = 0, **overrides) -> str:
     return str(path)
 
 
+# The tensor-parallel authentication settings (runtime/distributed/auth.py) the executor reads
+# from EngineConfig; set as attributes where EngineConfig does not declare them (yet).
+TP_AUTH_FIELDS = ("tp_secret_file", "tp_curve")
+
+
 def make_engine(model_dir: str, tp: int, device: str = "cpu", **kwargs) -> LLMEngine:
     config = {"num_kv_blocks": 64, "max_num_seqs": 8, "max_num_batched_tokens": 48,
               "check_invariants": True, **kwargs}
-    return LLMEngine(EngineConfig(model=model_dir, device=device, tensor_parallel_size=tp,
-                                  **config))
+    extra = {k: config.pop(k) for k in TP_AUTH_FIELDS
+             if k in config and k not in EngineConfig.__dataclass_fields__}
+    engine_config = EngineConfig(model=model_dir, device=device, tensor_parallel_size=tp,
+                                 **config)
+    for name, value in extra.items():
+        setattr(engine_config, name, value)
+    return LLMEngine(engine_config)
+
+
+def secret_file(directory) -> str:
+    """A new tensor-parallel shared secret file (mode 0600) in directory."""
+    from pagedrun.runtime.distributed.auth import write_secret_file
+
+    path = os.path.join(str(directory), "tp.secret")
+    write_secret_file(path)
+    return path
 
 
 def prompts(vocab_size: int, seed: int = 1) -> list[list[int]]:
