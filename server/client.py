@@ -362,23 +362,11 @@ class Stream:
             pass
 
 
-class Client:
-    """Blocking client. `timeout_s` bounds the wait for each reply frame; `heartbeat_s` is the
-    longest PING interval while waiting (min'd with the server's lease_s / 3); a server that
-    leaves a PING unanswered for `ping_timeout_s`, or restarts, raises `ServerUnavailable`."""
+class _FollowsServer:
+    """What both clients show of their _Liveness (`self._live`): the heartbeat interval and
+    what they learned of the server."""
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *, timeout_s: float = 60.0,
-                 heartbeat_s: float = DEFAULT_HEARTBEAT_S,
-                 ping_timeout_s: float = DEFAULT_PING_TIMEOUT_S,
-                 server_public_key_file: str | None = None,
-                 client_secret_key_file: str | None = None) -> None:
-        self.timeout_s = timeout_s
-        self._live = _Liveness(heartbeat_s, ping_timeout_s)
-        self._ctx = zmq.Context()
-        self._sock = _make_socket(self._ctx, endpoint, server_public_key_file,
-                                  client_secret_key_file)
-        self._pending: dict[str, collections.deque] = {}
-        self._hb_ids = itertools.count()
+    _live: _Liveness
 
     @property
     def heartbeat_s(self) -> float | None:
@@ -397,6 +385,25 @@ class Client:
     def lease_s(self) -> float | None:
         """The server's lease as last announced (PONG / MODEL_INFO_REPLY), None before."""
         return self._live.lease_s
+
+
+class Client(_FollowsServer):
+    """Blocking client. `timeout_s` bounds the wait for each reply frame; `heartbeat_s` is the
+    longest PING interval while waiting (min'd with the server's lease_s / 3); a server that
+    leaves a PING unanswered for `ping_timeout_s`, or restarts, raises `ServerUnavailable`."""
+
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, *, timeout_s: float = 60.0,
+                 heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+                 ping_timeout_s: float = DEFAULT_PING_TIMEOUT_S,
+                 server_public_key_file: str | None = None,
+                 client_secret_key_file: str | None = None) -> None:
+        self.timeout_s = timeout_s
+        self._live = _Liveness(heartbeat_s, ping_timeout_s)
+        self._ctx = zmq.Context()
+        self._sock = _make_socket(self._ctx, endpoint, server_public_key_file,
+                                  client_secret_key_file)
+        self._pending: dict[str, collections.deque] = {}
+        self._hb_ids = itertools.count()
 
     def close(self) -> None:
         if not self._sock.closed:
@@ -621,7 +628,7 @@ class AsyncStream:
         await self.aclose()
 
 
-class AsyncClient:
+class AsyncClient(_FollowsServer):
     """asyncio client; same options and liveness rules as `Client` (a background task PINGs
     while any request waits and fails every waiting request with `ServerUnavailable` once the
     server is found dead or restarted)."""
@@ -641,24 +648,6 @@ class AsyncClient:
         self._reader: asyncio.Task | None = None
         self._heartbeat: asyncio.Task | None = None
         self._send_lock: asyncio.Lock | None = None
-
-    @property
-    def heartbeat_s(self) -> float | None:
-        return self._live.heartbeat_s
-
-    @heartbeat_s.setter
-    def heartbeat_s(self, value: float | None) -> None:
-        self._live.heartbeat_s = value
-
-    @property
-    def server_id(self) -> str | None:
-        """The instance id of the server as last seen (protocol 1.2), None before any reply."""
-        return self._live.server_id
-
-    @property
-    def lease_s(self) -> float | None:
-        """The server's lease as last announced (PONG / MODEL_INFO_REPLY), None before."""
-        return self._live.lease_s
 
     async def __aenter__(self):
         return self
