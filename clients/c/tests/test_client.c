@@ -3,14 +3,23 @@
  * the Python test started and prints "KEY value" lines that the test checks; it exits 0 unless
  * a CHECK inside failed (the failed check is printed as "FAIL <line>: <expr>").
  *
+ * The interactive scenarios (restart, hung) print STREAMING only once the library has returned
+ * from the call that delivered the first DELTA: between that line and the next waiting call
+ * nothing reads the socket, so whatever the test then does to the server (kill, SIGSTOP) can
+ * only be seen by the waiting call that follows, never by a pump still running behind the
+ * announcement. A request that ended before that point is reported as EARLY (and fails).
+ *
  * usage: test_client ENDPOINT SCENARIO [ARGS...]
  *   api PROMPT MAX_TOKENS       streaming, blocking generate, concurrency, inputs, errors, ping
  *   abort PROMPT                abort by id, abort from a callback, abort of an unknown id
  *   timeout                     per-request timeout and deadline against a slow server
- *   restart PROMPT              stream; the test kills the server (STREAMING -> stdin line),
+ *   restart PROMPT PING_TIMEOUT_S
+ *                               stream; the test kills the server (STREAMING -> stdin line),
  *                               then restarts it on the same endpoint (second stdin line)
- *   hung PROMPT                 stream; the test SIGSTOPs the server
- *   down                        nothing listens at ENDPOINT
+ *   hung PROMPT HEARTBEAT_S PING_TIMEOUT_S
+ *                               stream; the test SIGSTOPs the server (STREAMING -> stdin line)
+ *   down [PING_TIMEOUT_S CONNECT_TIMEOUT_S]
+ *                               nothing listens at ENDPOINT (0.5 and 0.8 s if not given)
  *   lease PROMPT MAX_TOKENS HB  a long non-streamed generation; HB = heartbeat_s (0: auto)
  *   malformed VARIANT...        one request per variant against the test's garbage ROUTER
  *   curve SERVER_PUB PUB SEC    CURVE with these Z85 keys
@@ -51,7 +60,6 @@ typedef struct {
     pagedrun_client *client; /* for aborting from a callback */
     char rid[PAGEDRUN_REQUEST_ID_BUF];
     int abort_by_call; /* abort with pagedrun_abort(found = NULL) instead of the return value */
-    int announce;      /* print STREAMING on the first delta */
 } rec;
 
 static int rec_delta(const char *text, size_t len, const int32_t *ids, size_t n, void *user) {
@@ -63,10 +71,6 @@ static int rec_delta(const char *text, size_t len, const int32_t *ids, size_t n,
     }
     for (size_t i = 0; i < n && r->n_tokens < 4096; i++) r->tokens[r->n_tokens++] = ids[i];
     r->n_deltas++;
-    if (r->announce && r->n_deltas == 1) {
-        printf("STREAMING\n");
-        fflush(stdout);
-    }
     if (r->abort_after && r->n_deltas == r->abort_after) {
         if (!r->abort_by_call) return 1;
         CHECK(pagedrun_abort(r->client, r->rid, NULL) == PAGEDRUN_OK);
@@ -384,11 +388,32 @@ static void wait_stdin_line(void) {
     if (!fgets(line, sizeof line, stdin)) exit(3);
 }
 
-static void scenario_restart(const char *ep, const char *prompt) {
+/* Polls until request `a` delivered its first DELTA, then, with the library returned (nothing
+ * reads the socket until the next waiting call), prints STREAMING for the test to act on. 0 if
+ * the request ended before that (its outcome is printed as EARLY and counted as a failure): it
+ * must end because of what the test does next, not before. */
+static int announce_streaming(pagedrun_client *c, const rec *a) {
+    double t0 = now_s();
+    while (a->n_deltas == 0 && a->finals + a->errors == 0 && now_s() - t0 < 30) {
+        if (pagedrun_poll(c, 1000) < 0) break;
+    }
+    if (a->n_deltas == 0 || a->finals + a->errors != 0) {
+        printf("EARLY deltas=%d finals=%d errors=%d status=%s message=%s\n", a->n_deltas,
+               a->finals, a->errors, a->errors ? pagedrun_status_name(a->error_status) : "-",
+               a->error_message);
+        failures++;
+        return 0;
+    }
+    printf("STREAMING\n");
+    fflush(stdout);
+    return 1;
+}
+
+static void scenario_restart(const char *ep, const char *prompt, double ping_timeout_s) {
     pagedrun_options o;
     pagedrun_options_init(&o);
     o.timeout_s = 30;
-    o.ping_timeout_s = 1.0;
+    o.ping_timeout_s = ping_timeout_s;
     pagedrun_client *c = connect_or_die(ep, &o);
     char first_instance[PAGEDRUN_REQUEST_ID_BUF];
     snprintf(first_instance, sizeof first_instance, "%s", pagedrun_get_server_info(c)->server_id);
@@ -397,17 +422,20 @@ static void scenario_restart(const char *ep, const char *prompt) {
     sp.max_tokens = 200;
     pagedrun_request r = make_req(prompt, &sp);
     rec a = {0};
-    a.announce = 1;
     double t0 = 0;
     char rid[PAGEDRUN_REQUEST_ID_BUF];
     CHECK(pagedrun_submit(c, &r, &REC_CB, &a, rid) == PAGEDRUN_OK);
-    while (a.n_deltas == 0 && pagedrun_poll(c, 5000) > 0) {
+    if (!announce_streaming(c, &a)) {
+        pagedrun_client_free(c);
+        return;
     }
     wait_stdin_line(); /* the test killed the server */
     t0 = now_s();
     int rc = pagedrun_wait(c, rid);
     printf("LOST %s %.3f\n", pagedrun_status_name(rc), now_s() - t0);
     printf("LOST_MESSAGE %s\n", a.error_message);
+    /* it ended in this wait, through on_error, with the status the wait returned */
+    CHECK(a.errors == 1 && a.finals == 0 && a.error_status == rc);
     /* nothing listens now: a new request fails fast as well */
     pagedrun_completion comp;
     pagedrun_sampling_init(&sp);
@@ -434,41 +462,45 @@ static void scenario_restart(const char *ep, const char *prompt) {
     pagedrun_client_free(c);
 }
 
-static void scenario_hung(const char *ep, const char *prompt) {
+static void scenario_hung(const char *ep, const char *prompt, double heartbeat_s,
+                          double ping_timeout_s) {
     pagedrun_options o;
     pagedrun_options_init(&o);
     o.timeout_s = 30;
-    o.heartbeat_s = 0.2;
-    o.ping_timeout_s = 0.5;
+    o.heartbeat_s = heartbeat_s;
+    o.ping_timeout_s = ping_timeout_s;
     pagedrun_client *c = connect_or_die(ep, &o);
     pagedrun_sampling sp;
     pagedrun_sampling_init(&sp);
     sp.max_tokens = 200;
     pagedrun_request r = make_req(prompt, &sp);
     rec a = {0};
-    a.announce = 1;
     char rid[PAGEDRUN_REQUEST_ID_BUF];
     CHECK(pagedrun_submit(c, &r, &REC_CB, &a, rid) == PAGEDRUN_OK);
-    while (a.n_deltas == 0 && pagedrun_poll(c, 5000) > 0) {
+    if (!announce_streaming(c, &a)) {
+        pagedrun_client_free(c);
+        return;
     }
     wait_stdin_line(); /* the test stopped the server (SIGSTOP) */
     double t0 = now_s();
     int rc = pagedrun_wait(c, rid);
     printf("HUNG %s %.3f\n", pagedrun_status_name(rc), now_s() - t0);
     printf("HUNG_MESSAGE %s\n", a.error_message);
+    CHECK(a.errors == 1 && a.finals == 0 && a.error_status == rc);
     pagedrun_client_free(c);
 }
 
-static void scenario_down(const char *ep) {
+static void scenario_down(const char *ep, double ping_timeout_s, double connect_timeout_s) {
     pagedrun_options o;
     pagedrun_options_init(&o);
-    o.ping_timeout_s = 0.5;
-    o.connect_timeout_s = 0.8;
+    o.ping_timeout_s = ping_timeout_s;
+    o.connect_timeout_s = connect_timeout_s;
     pagedrun_client *c = pagedrun_client_new(&o);
     double t0 = now_s();
     int rc = pagedrun_connect(c, ep);
     printf("CONNECT %s %.3f\n", pagedrun_status_name(rc), now_s() - t0);
-    CHECK(now_s() - t0 >= 0.75); /* connect_timeout_s, not ping_timeout_s */
+    /* connect_timeout_s, not ping_timeout_s (the test passes a shorter ping timeout) */
+    CHECK(now_s() - t0 >= connect_timeout_s * 0.95);
     /* connecting without waiting, then a request: also server_unavailable, not the timeout */
     o.connect_timeout_s = 0;
     pagedrun_client *c2 = pagedrun_client_new(&o);
@@ -510,7 +542,7 @@ static void scenario_lease(const char *ep, const char *prompt, int max_tokens, d
 static void scenario_malformed(const char *ep, int n, char **variants) {
     pagedrun_options o;
     pagedrun_options_init(&o);
-    o.timeout_s = 5;
+    o.timeout_s = 10; /* the test wants every variant to end long before this */
     pagedrun_client *c = connect_or_die(ep, &o);
     for (int i = 0; i < n; i++) {
         rec a = {0};
@@ -532,7 +564,7 @@ static void scenario_curve(const char *ep, const char *server_pub, const char *p
     o.server_public_key = server_pub;
     o.client_public_key = pub;
     o.client_secret_key = sec;
-    o.connect_timeout_s = 5;
+    o.connect_timeout_s = 10; /* a refused key must fail long before this */
     pagedrun_client *c = pagedrun_client_new(&o);
     double t0 = now_s();
     int rc = pagedrun_connect(c, ep);
@@ -559,9 +591,11 @@ int main(int argc, char **argv) {
     if (!strcmp(sc, "api") && argc == 5) scenario_api(ep, argv[3], atoi(argv[4]));
     else if (!strcmp(sc, "abort") && argc == 4) scenario_abort(ep, argv[3]);
     else if (!strcmp(sc, "timeout")) scenario_timeout(ep);
-    else if (!strcmp(sc, "restart") && argc == 4) scenario_restart(ep, argv[3]);
-    else if (!strcmp(sc, "hung") && argc == 4) scenario_hung(ep, argv[3]);
-    else if (!strcmp(sc, "down")) scenario_down(ep);
+    else if (!strcmp(sc, "restart") && argc == 5) scenario_restart(ep, argv[3], atof(argv[4]));
+    else if (!strcmp(sc, "hung") && argc == 6)
+        scenario_hung(ep, argv[3], atof(argv[4]), atof(argv[5]));
+    else if (!strcmp(sc, "down") && argc == 3) scenario_down(ep, 0.5, 0.8);
+    else if (!strcmp(sc, "down") && argc == 5) scenario_down(ep, atof(argv[3]), atof(argv[4]));
     else if (!strcmp(sc, "lease") && argc == 6)
         scenario_lease(ep, argv[3], atoi(argv[4]), atof(argv[5]));
     else if (!strcmp(sc, "malformed")) scenario_malformed(ep, argc - 3, argv + 3);
