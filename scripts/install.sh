@@ -162,7 +162,7 @@ fi
 # outside the repository so the installed package answers, not the source folders.
 (cd / && "$PY" - "$CUDA_EXTRA" "$DRIVER_CUDA" <<'PYEOF'
 import sys
-from pagedrun.runtime.engine import resolve_device
+from pagedrun.runtime.backends import resolve_device
 extra, driver_cuda = sys.argv[1], sys.argv[2]
 if resolve_device("auto") == "cuda":
     import cupy
