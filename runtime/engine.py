@@ -11,7 +11,9 @@ Inside, each of a request's n sequences is one scheduler request (an int id). A 
      that completes it), tell the scheduler (`update_from_output` frees finished blocks at once),
      fork the siblings of n > 1 requests onto the parent's blocks, and return the deltas.
 KV capacity is fixed at construction and logged; requests that can never run are rejected at
-admission with a RequestError, never discovered mid-flight.
+admission with a RequestError, never discovered mid-flight. Faults are contained per request
+and per step (`step`'s docstring, docs/engine_api.md "Failures"). The device is the backend's
+business: the engine asks the Backend object and never branches on a device string.
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ import numpy as np
 from pagedrun.runtime.backends import make_backend
 from pagedrun.runtime.detokenizer import IncrementalDetokenizer
 from pagedrun.runtime.engine_config import EngineConfig
+# RequestError, DeviceNotAvailableError and the ERR_* codes live in runtime/errors.py; they are
+# imported here too because `from pagedrun.runtime.engine import RequestError` is public API.
 from pagedrun.runtime.errors import (ERR_CAPACITY, ERR_DUPLICATE, ERR_EMPTY,  # noqa: F401
                                      ERR_INVALID, ERR_TOO_LONG, DeviceNotAvailableError,
                                      PagedRunError, RequestError)
@@ -54,7 +58,8 @@ MAX_ERROR_CHARS = 500
 
 
 class EngineDeadError(PagedRunError):
-    """The engine cannot take another step; every request in it has been failed."""
+    """The engine cannot be trusted with another step (a lost rank, a device that fails every
+    step): its caller fails every request still in flight and stops (the server exits 1)."""
 
     engine_dead = True
 
