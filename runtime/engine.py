@@ -388,34 +388,26 @@ class LLMEngine:
         """One token per sampling row, by the backend's sampler, where the logits are. If the
         batch fails, each request's rows are sampled alone so the one at fault is found (and
         failed); the others get their tokens. Failed rows get token -1 and no logprobs."""
-        targets = [t for t in batch.targets if t[2].request_id not in failed]
-        if not targets:
-            return SamplerOutput(np.full(len(batch.targets), -1, np.int32),
-                                 [None] * len(batch.targets))
-        rows = [j for j, t in enumerate(batch.targets) if t[2].request_id not in failed]
-        try:
-            part = self._sample_rows(batch, executed, rows)
-        except Exception:  # noqa: BLE001 -- find the request it belongs to
-            part = None
         token_ids = np.full(len(batch.targets), -1, np.int32)
         logprobs: list = [None] * len(batch.targets)
-        if part is not None:
-            token_ids[rows] = part.token_ids
-            for j, lp in zip(rows, part.logprobs):
-                logprobs[j] = lp
-            return SamplerOutput(token_ids, logprobs)
-        by_request: dict[str, list[int]] = {}
-        for j in rows:
-            by_request.setdefault(batch.targets[j][2].request_id, []).append(j)
-        for request_id, own in by_request.items():
-            try:
-                part = self._sample_rows(batch, executed, own)
-            except Exception as exc:  # noqa: BLE001 -- this request's fault only
-                failed[request_id] = _describe("sampling", exc)
-                continue
-            token_ids[own] = part.token_ids
-            for j, lp in zip(own, part.logprobs):
-                logprobs[j] = lp
+        rows = [j for j, t in enumerate(batch.targets) if t[2].request_id not in failed]
+        groups = {None: rows} if rows else {}  # one batch first; per request if it fails
+        while groups:
+            retry: dict[str, list[int]] = {}
+            for request_id, own in groups.items():
+                try:
+                    part = self._sample_rows(batch, executed, own)
+                except Exception as exc:  # noqa: BLE001
+                    if request_id is None:  # find the request it belongs to
+                        for j in own:
+                            retry.setdefault(batch.targets[j][2].request_id, []).append(j)
+                    else:  # this request's fault only
+                        failed[request_id] = _describe("sampling", exc)
+                    continue
+                token_ids[own] = part.token_ids
+                for j, lp in zip(own, part.logprobs):
+                    logprobs[j] = lp
+            groups = retry
         return SamplerOutput(token_ids, logprobs)
 
     def _sample_rows(self, batch: SamplingBatch, executed: RunnerOutput,
