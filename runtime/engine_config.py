@@ -13,6 +13,9 @@ DEVICES = ("auto", "cpu", "sim", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BLOCK_SIZES = (8, 16, 32, 64)
 PREEMPTION_MODES = ("recompute", "swap")
+# vLLM's logprobs_mode: raw = from the model's logits before any processing; processed = after
+# bias, masks, penalties, temperature and the top-k / top-p / min-p filters (what is sampled).
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 class EngineConfigError(ValueError):
@@ -46,6 +49,9 @@ class EngineConfig:
     tp_secret_file: str | None = None
     tp_curve: bool = False  # CURVE-encrypt the internal tensor-parallel sockets as well
     seed: int = 0
+    # Most top logprobs a request may ask for (vLLM's max_logprobs; -1: the whole vocabulary).
+    max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
     check_invariants: bool = False  # scheduler invariants after every step (tests turn this on)
 
     def __post_init__(self) -> None:
@@ -53,6 +59,11 @@ class EngineConfig:
             raise EngineConfigError(f"device: must be one of {DEVICES}, got {self.device!r}")
         if self.block_size not in BLOCK_SIZES:
             raise EngineConfigError(f"block_size: must be 8, 16, 32 or 64, got {self.block_size}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise EngineConfigError(
+                f"logprobs_mode: must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        if self.max_logprobs < -1:
+            raise EngineConfigError(f"max_logprobs: must be >= -1, got {self.max_logprobs}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise EngineConfigError(
                 f"preemption_mode: must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")

@@ -10,12 +10,35 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Logprob:
-    """Log-probability of one sampled token, plus the top-k alternatives at that position."""
+    """One token's entry at one position (vLLM's vllm.logprobs.Logprob).
+
+    rank: 1 + the number of tokens with a strictly larger logprob (the top-k entries get ranks
+    1..k in order); decoded_token: the token's own text (tokenizer.decode([id])), None without
+    a tokenizer.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position, {token_id: Logprob}: the sampled (or prompt) token first, then the top-k (vLLM's
+# shape: k or k + 1 entries, as the token is or is not among the top k).
+PositionLogprobs = dict[int, Logprob]
+SampleLogprobs = list[PositionLogprobs]
+PromptLogprobs = list[PositionLogprobs | None]  # entry 0 is None (token 0 has no context)
+
+
+@dataclass
+class TokenLogprobs:
+    """What a sampler computes for one row, before detokenization: the chosen (or prompt)
+    token's logprob and rank, and the top-k token ids with their logprobs, best first."""
 
     token_id: int
     logprob: float
-    # token id -> logprob (top-k, k = params.logprobs)
-    top: dict[int, float] = field(default_factory=dict)
+    rank: int
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -29,7 +52,9 @@ class CompletionOutput:
     index: int
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    logprobs: list[Logprob] | None = None
+    logprobs: SampleLogprobs | None = None
+    # Sum of the sampled tokens' logprobs so far (vLLM); None when logprobs were not asked for.
+    cumulative_logprob: float | None = None
     finish_reason: str | None = None  # None while running; "stop", "length", "abort", "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that matched
 
@@ -48,12 +73,21 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     usage: Usage = field(default_factory=Usage)
-    prompt_logprobs: list[Logprob | None] | None = None
-    # Timing, seconds (monotonic clock): arrival, first token, finish.
+    prompt_logprobs: PromptLogprobs | None = None
+    # Timing, seconds (monotonic clock): arrival, first scheduled, first token, finish.
     arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
     error: str | None = None  # set with finish_reason "error"
+
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds between arrival and the first step that scheduled the request (vLLM's
+        request_queue_time_seconds)."""
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
 
     @property
     def time_to_first_token(self) -> float | None:
