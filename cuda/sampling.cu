@@ -1,32 +1,49 @@
-// sampling.cu -- logits processing and sampling on the device: sparse penalties (+ min_tokens
-// bans), then per row greedy argmax or temperature / top-k / top-p / min-p and an inverse-CDF
-// draw, without sorting the vocabulary. Reproduces the distribution of runtime/sampler.py
-// (its docstring fixes the order), not its bits.
+// sampling.cu -- logits processing and sampling on the device, in vLLM's order (the order
+// runtime/sampler.py's docstring fixes, steps 1-10): sparse logits processors (allowed-token
+// mask, bad-word / min_tokens bans, logit bias, penalties), then per row greedy argmax or
+// temperature / min-p / top-k / top-p and an inverse-CDF draw, without sorting the vocabulary.
+// Reproduces the distribution of runtime/sampler.py, not its bits.
 //
-// apply_penalties_f32 -- in place, per row r, for each entry e of its sparse list
-// (entry_offsets[r] .. entry_offsets[r+1]; tokens distinct within a row):
-//   t = entry_tokens[e], flags = entry_flags[e], c = entry_counts[e] (times t occurs in the output)
-//   if flags & SEEN (t in prompt or output) and repetition[r] != 1:
-//       logits[r, t] = logits > 0 ? logits / repetition[r] : logits * repetition[r]
-//   if c > 0: logits[r, t] -= frequency[r] * c + presence[r]   (frequency first, as numpy)
-//   if flags & BANNED (min_tokens not reached, t a stop / eos id): logits[r, t] = -inf
-// Pointers: logits [num_rows, vocab] f32; entry_offsets [num_rows + 1] int32; entry_tokens,
-// entry_counts, entry_flags [num_entries] int32; repetition, frequency, presence [num_rows] f32.
-// Launch: grid (num_rows), block 128.
+// process_logits_f32 -- steps 1-4, in place, per row r (one CTA):
+//   1. allowed mask: when allowed_offsets[r] < allowed_offsets[r + 1], every token not in
+//      allowed_tokens[allowed_offsets[r] .. allowed_offsets[r + 1]) gets -inf (each thread
+//      binary-searches its strided tokens: vocab x log2(allowed) per row, no scratch). An
+//      empty range means "no allowed list" (SamplingParams refuses an empty one).
+//   __syncthreads(), then for each entry e of the row's sparse list (entry_offsets[r] ..
+//   entry_offsets[r + 1]; tokens distinct within a row, so no two threads touch one logit):
+//      t = entry_tokens[e], c = entry_counts[e] (times t occurs in the output), v = logits[r, t]
+//   2-3. if flags & BANNED (a bad word's last token, or min_tokens not reached and t a stop /
+//        eos id): v = -inf; then v += entry_bias[e] (logit_bias, 0 when none; finite, so a
+//        -inf stays -inf: bans win over bias)
+//   4. if flags & SEEN (t in prompt or output) and repetition[r] != 1:
+//          v = v > 0 ? v / repetition[r] : v * repetition[r]
+//      if c > 0: v -= frequency[r] * c, then v -= presence[r]   (numpy's order; the products
+//      are __fmul_rn so no FMA contraction changes the rounding: bit-identical to numpy)
+//   Pointers: logits [num_rows, vocab] f32; allowed_offsets [num_rows + 1] int32;
+//   allowed_tokens [num_allowed] int32, ascending and distinct within a row, in [0, vocab);
+//   entry_offsets [num_rows + 1] int32; entry_tokens, entry_counts, entry_flags [num_entries]
+//   int32 (tokens ascending within a row, in [0, vocab)); entry_bias [num_entries] f32;
+//   repetition, frequency, presence [num_rows] f32.
+//   Launch: grid (num_rows), block 128. The wrapper skips the launch when no row has an entry
+//   or an allowed list.
 //
-// sample_f32 -- per row r (one CTA), logits [num_rows, vocab] f32 (penalised), out_tokens
-// [num_rows] int32; per-row parameters temperature, top_p, min_p, uniforms [num_rows] f32 and
-// top_k [num_rows] int32 (<= 0 or >= vocab: off); uniforms in [0, 1) come from the host
-// (per-request seeded generators, as in the numpy sampler):
+// sample_f32 -- steps 5-10, per row r (one CTA), logits [num_rows, vocab] f32 (processed),
+// out_tokens [num_rows] int32; per-row parameters temperature, top_p, min_p, uniforms
+// [num_rows] f32 and top_k [num_rows] int32 (<= 0 or >= vocab: off); uniforms in [0, 1) come
+// from the host (per-request seeded generators, as in the numpy sampler):
 //   temperature <= 0: greedy, out = argmax(logits[r]) with ties to the lowest id.
-//   else s = logits / temperature; M = max s
-//     top-k: K = the k-th largest s (radix select), keep s >= K (ties at the boundary kept)
-//     w = exp(s - M) for kept tokens, else 0 (the largest w is exactly 1)
-//     top-p: T = the largest weight such that the mass of weights >= T is >= top_p x sum(w)
-//       (radix select on weight bits, mass-weighted); keep w >= T. Same set as the numpy
-//       rule "keep while the mass before a token is < top_p", except that exact weight ties
-//       straddling the boundary are all kept here.
-//     min-p: keep w >= min_p
+//   else s = logits / temperature (NaN -> -inf, +inf -> the largest float, as numpy);
+//     M = max s; a row with M = -inf (every token masked) gets token 0
+//     w = exp(s - M) (the largest w is exactly 1)
+//     min-p: keep w >= min_p (p / p_max = w)
+//     top-k: K = the k-th largest s over the whole row (radix select), keep s >= K (ties at
+//       the boundary kept). Counting over the whole row rather than over min-p's survivors
+//       gives the same set: both filters keep an upper set of the same order, so they commute.
+//     top-p, over the min-p and top-k survivors (after them: vLLM's order, issue 22): T = the
+//       largest weight such that the mass of kept weights >= T is >= top_p x their sum (radix
+//       select on weight bits, mass-weighted); keep w >= T. Same set as the numpy rule "keep
+//       while the mass before a token is < top_p", except that exact weight ties straddling
+//       the boundary are all kept here.
 //     out = the first token, in ascending id order, whose cumulative kept weight exceeds
 //       u x (total kept weight) (rounding past the end: the last kept token).
 // Radix select: keys are the float bits made order-preserving as uint32, settled 8 bits per
@@ -34,14 +51,15 @@
 // pass reads only the logits row (L2-resident after the first pass). The inverse CDF gives
 // each thread a contiguous id range: per-thread sums, a block scan, and one thread walks
 // the range that holds the target.
-// Launch: grid (num_rows), block 256, no dynamic shared memory (static 1 KiB histogram).
+// Launch: grid (num_rows), block 256, no dynamic shared memory (static 1 KiB histogram);
+// __launch_bounds__(256, 4), so up to the 64-register budget.
 //
-// Instantiations: apply_penalties_f32, sample_f32 (logits are fp32: the LM head GEMM writes
+// Instantiations: process_logits_f32, sample_f32 (logits are fp32: the LM head GEMM writes
 // fp32 logits from bf16/fp16 activations). Scalars: int vocab.
-// Signatures: apply_penalties_f32(logits, entry_offsets, entry_tokens, entry_counts,
-// entry_flags, repetition, frequency, presence, vocab); sample_f32(out_tokens, logits,
-// temperature, top_k, top_p, min_p, uniforms, vocab).
-// Launched by runtime/kernels/sampling.py: apply_penalties, sample (which KernelSampler,
+// Signatures: process_logits_f32(logits, allowed_offsets, allowed_tokens, entry_offsets,
+// entry_tokens, entry_counts, entry_flags, entry_bias, repetition, frequency, presence, vocab);
+// sample_f32(out_tokens, logits, temperature, top_k, top_p, min_p, uniforms, vocab).
+// Launched by runtime/kernels/sampling.py: process_logits, sample (which KernelSampler,
 // runtime/backends/kernel_sampler.py, calls for the kernel backends).
 //
 // Register budget: 64 per thread; the gate must show 0 spill bytes.
@@ -51,6 +69,10 @@
 namespace sampling_ops {
 
 constexpr int kThreads = 256;
+// sample_f32's occupancy hint: 4 CTAs of 256 threads per SM allow up to 64 registers per
+// thread, the budget. With the thread bound alone ptxas (13.0) kept sample_f32 at 32 registers
+// and spilled 4 bytes on sm_90 once min-p moved before top-p (2026-12-01, issue 22).
+constexpr int kMinCtasPerSm = 4;
 constexpr int kWarps = kThreads / 32;
 constexpr int kPenaltyThreads = 128;
 constexpr int kRadixBits = 8;
@@ -59,8 +81,16 @@ constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kFlagSeen = 1;
 constexpr int kFlagBanned = 2;
 constexpr unsigned kSignBit = 0x80000000u;
+constexpr unsigned kFloatMaxBits = 0x7f7fffffu;
 
 __device__ __forceinline__ float neg_inf() { return __uint_as_float(0xff800000u); }
+
+// logit / temperature with numpy's nan_to_num: NaN -> -inf, +inf -> the largest float (a huge
+// bias or penalty overflowing: those tokens share the mass instead of making the row NaN).
+__device__ __forceinline__ float scaled_logit(float logit, float temp) {
+    const float s = logit / temp;
+    return s != s ? neg_inf() : fminf(s, __uint_as_float(kFloatMaxBits));
+}
 
 // Order-preserving uint32 of a float (larger float -> larger key; NaN is not expected).
 __device__ __forceinline__ uint32_t ordered_key(float v) {
@@ -68,13 +98,33 @@ __device__ __forceinline__ uint32_t ordered_key(float v) {
     return (bits & kSignBit) ? ~bits : (bits | kSignBit);
 }
 
-__device__ __forceinline__ void apply_penalties(float* logits, const int* entry_offsets,
-                                                const int* entry_tokens, const int* entry_counts,
-                                                const int* entry_flags, const float* repetition,
-                                                const float* frequency, const float* presence,
-                                                int vocab) {
+// Whether token is in sorted[0 .. count) (ascending, distinct).
+__device__ __forceinline__ bool contains_sorted(const int* sorted, int count, int token) {
+    int lo = 0, hi = count;
+    while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (sorted[mid] < token) lo = mid + 1; else hi = mid;
+    }
+    return lo < count && sorted[lo] == token;
+}
+
+__device__ __forceinline__ void process_logits(float* logits, const int* allowed_offsets,
+                                               const int* allowed_tokens,
+                                               const int* entry_offsets, const int* entry_tokens,
+                                               const int* entry_counts, const int* entry_flags,
+                                               const float* entry_bias, const float* repetition,
+                                               const float* frequency, const float* presence,
+                                               int vocab) {
     const int row = blockIdx.x;
     float* row_logits = logits + static_cast<long long>(row) * vocab;
+    const int allowed_begin = allowed_offsets[row];
+    const int num_allowed = allowed_offsets[row + 1] - allowed_begin;
+    if (num_allowed > 0) {  // step 1, before any entry reads a logit
+        for (int i = threadIdx.x; i < vocab; i += kPenaltyThreads)
+            if (!contains_sorted(allowed_tokens + allowed_begin, num_allowed, i))
+                row_logits[i] = neg_inf();
+    }
+    __syncthreads();
     const float rep = repetition[row], freq = frequency[row], pres = presence[row];
     for (int e = entry_offsets[row] + threadIdx.x; e < entry_offsets[row + 1];
          e += kPenaltyThreads) {
@@ -83,12 +133,13 @@ __device__ __forceinline__ void apply_penalties(float* logits, const int* entry_
         const int flags = entry_flags[e];
         const int count = entry_counts[e];
         float v = row_logits[token];
-        if ((flags & kFlagSeen) && rep != 1.f) v = v > 0.f ? v / rep : v * rep;
-        if (count > 0) {
-            v -= freq * static_cast<float>(count);
+        if (flags & kFlagBanned) v = neg_inf();                            // steps 2-3: bans
+        v += entry_bias[e];                                               // step 3: bias
+        if ((flags & kFlagSeen) && rep != 1.f) v = v > 0.f ? v / rep : __fmul_rn(v, rep);
+        if (count > 0) {                                                   // step 4
+            v -= __fmul_rn(freq, static_cast<float>(count));
             v -= pres;
         }
-        if (flags & kFlagBanned) v = neg_inf();
         row_logits[token] = v;
     }
 }
@@ -211,27 +262,35 @@ __device__ __forceinline__ void sample(int* out_tokens, const float* logits,
 
     float local_max = neg_inf();
     for (int i = threadIdx.x; i < vocab; i += kThreads)
-        local_max = fmaxf(local_max, row_logits[i] / temp);
+        local_max = fmaxf(local_max, scaled_logit(row_logits[i], temp));
     const float max_scaled = block_max(local_max, s_red);
+    if (max_scaled == neg_inf()) {  // every token masked: token 0, as numpy (uniform branch)
+        if (threadIdx.x == 0) out_tokens[row] = 0;
+        return;
+    }
 
-    // top-k threshold on the scaled logits (count measure)
+    // top-k threshold on the scaled logits (count measure; see the header for why over the
+    // whole row)
     const int k = top_k[row];
     uint32_t k_key = 0;  // every key >= 0: keep all
     if (k > 0 && k < vocab) {
         k_key = radix_select(vocab, static_cast<float>(k),
                              [&](int i, uint32_t& key, float& measure) {
-                                 key = ordered_key(row_logits[i] / temp);
+                                 key = ordered_key(scaled_logit(row_logits[i], temp));
                                  measure = 1.f;
                                  return true;
                              },
                              s_hist, &s_choice, &s_above);
     }
+    const float min_weight = min_p[row];
+    // The weight of a min-p and top-k survivor, 0 for the others.
     auto weight_of = [&](int i) {
-        const float s = row_logits[i] / temp;
-        return ordered_key(s) >= k_key ? expf(s - max_scaled) : 0.f;
+        const float s = scaled_logit(row_logits[i], temp);
+        const float w = expf(s - max_scaled);
+        return (w >= min_weight && ordered_key(s) >= k_key) ? w : 0.f;
     };
 
-    // top-p threshold on the weights (mass measure)
+    // top-p threshold on the surviving weights (mass measure)
     const float p = top_p[row];
     uint32_t p_key = 0;
     if (p < 1.f) {
@@ -246,10 +305,9 @@ __device__ __forceinline__ void sample(int* out_tokens, const float* logits,
                              },
                              s_hist, &s_choice, &s_above);
     }
-    const float min_weight = min_p[row];
     auto kept_weight = [&](int i) {
         const float w = weight_of(i);
-        return (w > 0.f && __float_as_uint(w) >= p_key && w >= min_weight) ? w : 0.f;
+        return (w > 0.f && __float_as_uint(w) >= p_key) ? w : 0.f;
     };
 
     // Inverse CDF over ascending ids: thread t owns ids [t * span, (t + 1) * span).
@@ -300,14 +358,17 @@ __device__ __forceinline__ void sample(int* out_tokens, const float* logits,
 }  // namespace sampling_ops
 
 extern "C" __global__ void __launch_bounds__(sampling_ops::kPenaltyThreads)
-    apply_penalties_f32(float* logits, const int* entry_offsets, const int* entry_tokens,
-                        const int* entry_counts, const int* entry_flags, const float* repetition,
-                        const float* frequency, const float* presence, int vocab) {
-    sampling_ops::apply_penalties(logits, entry_offsets, entry_tokens, entry_counts, entry_flags,
-                                  repetition, frequency, presence, vocab);
+    process_logits_f32(float* logits, const int* allowed_offsets, const int* allowed_tokens,
+                       const int* entry_offsets, const int* entry_tokens, const int* entry_counts,
+                       const int* entry_flags, const float* entry_bias, const float* repetition,
+                       const float* frequency, const float* presence, int vocab) {
+    sampling_ops::process_logits(logits, allowed_offsets, allowed_tokens, entry_offsets,
+                                 entry_tokens, entry_counts, entry_flags, entry_bias, repetition,
+                                 frequency, presence, vocab);
 }
 
-extern "C" __global__ void __launch_bounds__(sampling_ops::kThreads)
+extern "C" __global__ void
+    __launch_bounds__(sampling_ops::kThreads, sampling_ops::kMinCtasPerSm)
     sample_f32(int* out_tokens, const float* logits, const float* temperature, const int* top_k,
                const float* top_p, const float* min_p, const float* uniforms, int vocab) {
     sampling_ops::sample(out_tokens, logits, temperature, top_k, top_p, min_p, uniforms, vocab);

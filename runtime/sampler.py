@@ -1,25 +1,44 @@
 """Sampler: logits of the rows that sample this step -> next token ids (+ logprobs when asked).
 
-Order of processing, per row (vLLM's order):
-  1. logprobs: log_softmax of the *raw* model logits (what vLLM returns by default), computed
-     only for rows whose request asked for logprobs.
-  2. penalties on a float32 copy: repetition (tokens in prompt + output: positive logits divided
-     by the penalty, negative multiplied), then frequency (minus penalty x count in the output),
-     then presence (minus penalty if the token occurs in the output).
-  3. min_tokens: while fewer than min_tokens tokens were generated, the request's stop_token_ids
-     and (unless ignore_eos) the model's eos ids get -inf.
-  4. greedy rows (temperature < GREEDY_TEMPERATURE_EPS): argmax of the processed logits, ties to
-     the lowest token id. No random draw is consumed.
-  5. temperature: logits / temperature.
-  6. top-k: keep tokens whose logit >= the k-th largest (ties at the boundary kept); found by a
-     chunk-max filter and a partition of the survivors, never a sort of the vocabulary.
-  7. top-p: over the renormalized top-k distribution, in order of decreasing probability
-     (ties: lower id first), keep a token while the mass of the tokens before it is < top_p.
-     Only a growing candidate set is sorted (TOP_P_FIRST_CANDIDATES, x4 until it covers top_p).
-  8. min-p: keep tokens with prob >= min_p x (the largest prob).
-  9. sample by inverse CDF with ONE uniform u in [0, 1) per row: over the kept tokens in
-     ascending id order, pick the first whose cumulative mass exceeds u x (total mass). A CUDA
-     sampling kernel must reproduce this distribution, not these bits.
+Order of processing, per row: vLLM's (vllm/v1/sample/sampler.py Sampler.forward, the built-in
+logits processors, vllm/v1/sample/ops/topk_topp_sampler.py apply_top_k_top_p):
+  0. values for logprobs, rows that asked only: logprobs_mode raw_logprobs (the default):
+     log_softmax of the model's logits; raw_logits: the logits themselves.
+  Logits processors, on a float32 copy:
+  1. allowed_token_ids: every token not listed gets -inf.
+  2. bad words (params.bad_words_token_ids, set by the engine): a word's last token gets -inf
+     when the last L-1 output tokens equal its first L-1 (a one-token word: always).
+  3. min_tokens: while fewer than min_tokens tokens were generated, the request's
+     stop_token_ids and the model's eos ids get -inf (eos even with ignore_eos: vLLM counts eos
+     among every request's stop tokens). Then logit_bias is added to its tokens.
+  4. penalties: repetition (tokens in prompt + output: positive logits divided by the penalty,
+     others multiplied), then frequency (minus penalty x count in the output), then presence
+     (minus penalty if the token occurs in the output). A token banned in 1-3 stays -inf.
+  5. greedy rows (temperature < GREEDY_TEMPERATURE_EPS): argmax, ties to the lowest token id.
+     No random draw is consumed.
+  Sampled rows:
+  6. temperature: logits / temperature.
+  7. min-p: drop tokens whose probability is < min_p x the largest probability.
+  8. top-k: keep tokens whose logit is >= the k-th largest (ties at the boundary kept); found
+     by a chunk-max filter and a partition of the survivors, never a sort of the vocabulary.
+  9. top-p: over the renormalized survivors of 7-8, in order of decreasing probability (ties:
+     lower id first), keep a token while the mass before it is < top_p (the most likely token
+     always stays). Only a growing candidate set is sorted (TOP_P_FIRST_CANDIDATES, then x4).
+     min-p and top-k commute (each keeps an upper set of the same order); top-p does not, so
+     min-p's place before it changes the distribution (issue 22).
+  10. draw by inverse CDF with ONE uniform u in [0, 1) per row: over the kept tokens in
+     ascending id order, the first whose cumulative mass exceeds u x (total mass). vLLM draws
+     by exponential races (argmax of probs / Exp(1) noise): the same distribution, other bits.
+     A CUDA sampling kernel must reproduce this distribution, not these bits.
+  11. processed values for logprobs: processed_logits are the logits after 1-9 with every
+     filtered token at -inf (greedy rows: after 1-4, no temperature); processed_logprobs their
+     log_softmax.
+A row whose every token is masked (-inf everywhere) gets token 0, greedy or not: the argmax
+of an all -inf row, and what the sampling kernel returns.
+
+Logprobs of a row (`token_logprobs`): the chosen token's value and rank (1 + the number of
+tokens with a strictly larger value) and the params.logprobs largest values, best first (ties:
+lower id first; -1: the whole vocabulary).
 
 Randomness: a request with a seed has its own generator (`make_request_generator`), drawn from
 once per sampled (non-greedy) token, so the same seed yields the same tokens whatever else is in
@@ -32,7 +51,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .outputs import Logprob
+from .engine_config import LOGPROBS_MODES
+from .outputs import TokenLogprobs
 from .sampling_params import SamplingParams
 
 # First candidate-set size for top-p; grows x TOP_P_GROWTH until it holds top_p of the mass.
@@ -47,44 +67,145 @@ CDF_CHUNK = 1024
 # Rows sampled together: bounds the [rows, vocab] float32 temporaries
 # (32 x 128k x 4 B = 16 MiB each).
 SAMPLE_ROW_CHUNK = 32
+# +inf logits (a huge bias or penalty overflowing float32) become the largest float, so the
+# tokens that overflowed share the mass instead of turning the row into NaNs.
+FLOAT32_MAX = np.finfo(np.float32).max
 
 
 @dataclass
 class SamplerOutput:
     """token_ids: [num_rows] int32, the chosen token of each row.
-    logprobs: per row, a Logprob (chosen token's raw logprob + top-n alternatives, n =
-    params.logprobs) or None when the request did not ask for logprobs."""
+    logprobs: per row, TokenLogprobs of the chosen token (values per the sampler's
+    logprobs_mode, top params.logprobs alternatives) or None when the request did not ask."""
 
     token_ids: np.ndarray
-    logprobs: list[Logprob | None] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
 
 def make_request_generator(seed: int | None, sequence_index: int = 0) -> np.random.Generator | None:
     """The private generator of a seeded request (None: the request draws from the engine's).
 
-    Sequence j of an n > 1 request gets the PCG64(seed) stream jumped j times (2^127 steps each):
-    independent streams, and sequence 0 is exactly the n = 1 stream.
+    Sequence j of an n > 1 request draws from PCG64(seed + j), as vLLM seeds its children
+    (vllm/v1/engine/parallel_sampling.py ParentRequest): sequence 0 is exactly the n = 1
+    stream. PCG64 takes any non-negative integer, so seed + j past 2**64 - 1 is fine.
     """
     if seed is None:
         return None
-    return np.random.Generator(np.random.PCG64(seed).jumped(sequence_index))
+    return np.random.Generator(np.random.PCG64(seed + sequence_index))
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Row-wise log_softmax in float32 (max subtracted, float64 sum). logits: [rows, vocab]."""
-    x = np.asarray(logits, dtype=np.float32)
-    shifted = x - x.max(axis=-1, keepdims=True)
-    log_total = np.log(np.exp(shifted).sum(axis=-1, keepdims=True, dtype=np.float64))
-    return (shifted - log_total).astype(np.float32)
+    """Row-wise log_softmax in float32 (max subtracted, float64 sum). logits: [rows, vocab].
+
+    -inf entries stay -inf; +inf counts as the largest float, NaN as -inf; a row that is -inf
+    everywhere comes back -inf everywhere (no NaN).
+    """
+    x = np.nan_to_num(np.asarray(logits, dtype=np.float32), nan=-np.inf, posinf=FLOAT32_MAX,
+                      neginf=-np.inf)
+    row_max = x.max(axis=-1, keepdims=True)
+    row_max[~np.isfinite(row_max)] = 0.0  # an all -inf row: every exp is 0
+    with np.errstate(over="ignore", divide="ignore"):
+        shifted = x - row_max
+        log_total = np.log(np.exp(shifted).sum(axis=-1, keepdims=True, dtype=np.float64))
+    out = (shifted - np.where(np.isfinite(log_total), log_total, 0.0)).astype(np.float32)
+    return out
+
+
+def token_logprobs(values_row: np.ndarray, token_id: int, num_top: int) -> TokenLogprobs:
+    """The logprobs entry of one position. values_row: [vocab] float32 (logprobs or logits);
+    rank = 1 + the number of tokens with a strictly larger value; top: the num_top largest
+    values, best first, ties to the lower id (num_top -1: the whole vocabulary)."""
+    row = np.asarray(values_row, dtype=np.float32)
+    vocab_size = row.shape[0]
+    value = row[token_id]
+    rank = 1 + int(np.count_nonzero(row > value))
+    num_top = vocab_size if num_top < 0 else min(num_top, vocab_size)
+    top_ids = _largest_ids(row, num_top)
+    return TokenLogprobs(token_id=int(token_id), logprob=float(value), rank=rank,
+                         top_token_ids=top_ids.tolist(), top_logprobs=row[top_ids].tolist())
+
+
+def _largest_ids(row: np.ndarray, count: int) -> np.ndarray:
+    """Ids of the `count` largest entries of row [vocab], best first, ties to the lower id."""
+    if count <= 0:
+        return np.zeros(0, dtype=np.int64)
+    if count >= row.shape[0]:
+        ids = np.arange(row.shape[0])
+    else:
+        # The count-th largest value; every larger entry is in, then the lowest ids equal to it.
+        boundary = -np.partition(-row, count - 1)[count - 1]
+        above = np.flatnonzero(row > boundary)
+        at = np.flatnonzero(row == boundary)[:count - above.size]
+        ids = np.concatenate([above, at])
+    return ids[np.lexsort((ids, -row[ids]))]
+
+
+# ---------------------------------------------------------------- logits processors (1-4)
+
+def apply_allowed_token_ids(logits: np.ndarray, params: Sequence[SamplingParams]) -> None:
+    """Step 1, in place: tokens outside a row's allowed_token_ids get -inf. logits [rows, vocab]."""
+    vocab_size = logits.shape[1]
+    for i, p in enumerate(params):
+        if p.allowed_token_ids is None:
+            continue
+        allowed = _in_vocab(p.allowed_token_ids, vocab_size)
+        kept = logits[i, allowed]
+        logits[i] = -np.inf
+        logits[i, allowed] = kept
+
+
+def banned_token_ids(p: SamplingParams, output_token_ids: Sequence[int],
+                     eos_token_ids: Sequence[int]) -> list[int]:
+    """Steps 2-3's bans of one row: bad words' last tokens whose prefix ends the output, and
+    (min_tokens not reached) the stop ids and eos ids. May repeat ids; not vocab-checked."""
+    banned: list[int] = []
+    num_output = len(output_token_ids)
+    for word in p.bad_words_token_ids or ():
+        prefix_len = len(word) - 1
+        if prefix_len < 0 or prefix_len > num_output:
+            continue
+        if prefix_len == 0 or [int(t) for t in output_token_ids[num_output - prefix_len:]] \
+                == [int(t) for t in word[:-1]]:
+            banned.append(int(word[-1]))
+    if num_output < p.min_tokens:
+        banned.extend(int(t) for t in p.stop_token_ids)
+        banned.extend(int(t) for t in eos_token_ids)
+    return banned
+
+
+def apply_bans(logits: np.ndarray, params: Sequence[SamplingParams],
+               output_token_ids: Sequence[Sequence[int]],
+               eos_token_ids: Sequence[int]) -> None:
+    """Steps 2-3's bans (bad words, min_tokens), in place: -inf. logits [rows, vocab]."""
+    vocab_size = logits.shape[1]
+    for i, p in enumerate(params):
+        banned = banned_token_ids(p, output_token_ids[i], eos_token_ids)
+        if banned:
+            logits[i, _in_vocab(banned, vocab_size)] = -np.inf
+
+
+def apply_logit_bias(logits: np.ndarray, params: Sequence[SamplingParams]) -> None:
+    """Step 3's logit_bias, in place (a -inf token stays -inf: the bias is finite)."""
+    vocab_size = logits.shape[1]
+    for i, p in enumerate(params):
+        if not p.logit_bias:
+            continue
+        ids = np.fromiter(p.logit_bias.keys(), dtype=np.int64, count=len(p.logit_bias))
+        bias = np.fromiter(p.logit_bias.values(), dtype=np.float32, count=len(p.logit_bias))
+        inside = (ids >= 0) & (ids < vocab_size)  # the engine refuses others at admission
+        with np.errstate(over="ignore"):
+            logits[i, ids[inside]] += bias[inside]
 
 
 def apply_penalties(logits: np.ndarray, params: Sequence[SamplingParams],
                     prompt_token_ids: Sequence[np.ndarray],
                     output_token_ids: Sequence[Sequence[int]]) -> None:
-    """Repetition, then frequency, then presence penalties, in place. logits: [rows, vocab] f32.
+    """Step 4: repetition, then frequency, then presence penalties, in place.
 
-    Works on the distinct token ids of each row (np.unique), never on a vocabulary-sized count.
+    logits [rows, vocab] f32. Works on the distinct token ids of each row (np.unique), never on
+    a vocabulary-sized count.
     """
+    vocab_size = logits.shape[1]
     for i, p in enumerate(params):
         has_rep = p.repetition_penalty != 1.0
         if not (has_rep or p.frequency_penalty or p.presence_penalty):
@@ -92,34 +213,41 @@ def apply_penalties(logits: np.ndarray, params: Sequence[SamplingParams],
         row = logits[i]
         output_ids, output_counts = np.unique(np.asarray(output_token_ids[i], dtype=np.int64),
                                               return_counts=True)
-        if has_rep:
-            seen = np.union1d(output_ids, np.asarray(prompt_token_ids[i], dtype=np.int64))
-            # A penalty below float32's smallest normal (valid: any value > 0) would divide by
-            # zero; the smallest normal gives the same answer, +inf, which sampling handles.
-            penalty = np.float32(max(p.repetition_penalty, np.finfo(np.float32).tiny))
-            with np.errstate(over="ignore"):
+        inside = (output_ids >= 0) & (output_ids < vocab_size)
+        output_ids, output_counts = output_ids[inside], output_counts[inside]
+        with np.errstate(over="ignore"):
+            if has_rep:
+                seen = _in_vocab(np.union1d(output_ids, np.asarray(prompt_token_ids[i],
+                                                                   dtype=np.int64)), vocab_size)
+                # A penalty below float32's smallest normal would divide by zero; the smallest
+                # normal gives the same answer, +inf, which sampling handles.
+                penalty = np.float32(max(p.repetition_penalty, np.finfo(np.float32).tiny))
                 row[seen] = np.where(row[seen] > 0, row[seen] / penalty, row[seen] * penalty)
-        if p.frequency_penalty:
-            row[output_ids] -= np.float32(p.frequency_penalty) * output_counts.astype(np.float32)
-        if p.presence_penalty:
-            row[output_ids] -= np.float32(p.presence_penalty)
+            if p.frequency_penalty:
+                row[output_ids] -= (np.float32(p.frequency_penalty)
+                                    * output_counts.astype(np.float32))
+            if p.presence_penalty:
+                row[output_ids] -= np.float32(p.presence_penalty)
 
 
-def apply_min_tokens(logits: np.ndarray, params: Sequence[SamplingParams],
-                     output_token_ids: Sequence[Sequence[int]],
-                     eos_token_ids: Sequence[int]) -> None:
-    """Mask stop tokens (-inf) of rows that have not generated min_tokens yet, in place."""
-    for i, p in enumerate(params):
-        if len(output_token_ids[i]) >= p.min_tokens:
-            continue
-        banned = list(p.stop_token_ids)
-        if not p.ignore_eos:
-            banned.extend(eos_token_ids)
-        # The engine refuses stop ids outside the vocabulary at admission; never index past it.
-        banned = [t for t in banned if 0 <= t < logits.shape[1]]
-        if banned:
-            logits[i, banned] = -np.inf
+def apply_logits_processors(logits: np.ndarray, params: Sequence[SamplingParams],
+                            prompt_token_ids: Sequence[np.ndarray],
+                            output_token_ids: Sequence[Sequence[int]],
+                            eos_token_ids: Sequence[int]) -> None:
+    """Steps 1-4 in vLLM's order, in place. logits: [rows, vocab] float32."""
+    apply_allowed_token_ids(logits, params)
+    apply_bans(logits, params, output_token_ids, eos_token_ids)
+    apply_logit_bias(logits, params)
+    apply_penalties(logits, params, prompt_token_ids, output_token_ids)
 
+
+def _in_vocab(token_ids, vocab_size: int) -> np.ndarray:
+    """token_ids as int64, those outside [0, vocab_size) dropped (never index past the vocab)."""
+    ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    return ids[(ids >= 0) & (ids < vocab_size)]
+
+
+# ---------------------------------------------------------------- filters and draw (6-10)
 
 def _heaviest(row: np.ndarray, count: int) -> np.ndarray:
     """Ids of the `count` largest entries of row [vocab] (any order), without partitioning it all.
@@ -145,51 +273,75 @@ def _heaviest(row: np.ndarray, count: int) -> np.ndarray:
     return pool
 
 
-def _top_k_filter(scaled_row: np.ndarray, top_k: int) -> None:
-    """Keep logits >= the k-th largest (ties kept), -inf elsewhere, in place.
+def _top_p_kept(weights_row: np.ndarray, top_p: float) -> np.ndarray:
+    """Ids of the top-p set of one row (step 9).
 
-    scaled_row: [vocab].
-    """
-    if top_k <= 0 or top_k >= scaled_row.shape[0]:
-        return
-    kth_largest = scaled_row[_heaviest(scaled_row, top_k)].min()
-    scaled_row[scaled_row < kth_largest] = -np.inf
-
-
-def _top_p_filter(weights_row: np.ndarray, top_p: float) -> None:
-    """Zero the weights outside the top-p set, in place.
-
-    weights_row: [vocab] f32 unnormalized (exp of shifted logits, 0 for masked tokens). In
-    decreasing weight order (ties: lower id first) a token is kept while the mass before it is
-    < top_p x total. Only the TOP_P_FIRST_CANDIDATES heaviest tokens are sorted; if they hold
-    less than top_p of the mass, TOP_P_GROWTH times more are taken. (Exact weight ties that
-    straddle the candidate boundary are broken arbitrarily.)
+    weights_row: [vocab] f32 unnormalized (0 for filtered tokens). In decreasing weight order
+    (ties: lower id first) a token is kept while the mass before it is < top_p x total. Only the
+    TOP_P_FIRST_CANDIDATES heaviest tokens are sorted; if they hold less than top_p of the
+    mass, TOP_P_GROWTH times more are taken. (Exact weight ties that straddle the candidate
+    boundary are broken arbitrarily.)
     """
     vocab_size = weights_row.shape[0]
     limit = top_p * float(weights_row.sum(dtype=np.float64))
     num_candidates = min(TOP_P_FIRST_CANDIDATES, vocab_size)
     while True:
         candidates = _heaviest(weights_row, num_candidates)
-        cand_w = weights_row[candidates]
-        ordered = candidates[np.lexsort((candidates, -cand_w))]
+        ordered = candidates[np.lexsort((candidates, -weights_row[candidates]))]
         ordered_w = weights_row[ordered].astype(np.float64)
         cumulative = np.cumsum(ordered_w)
         if cumulative[-1] >= limit or num_candidates >= vocab_size:
             break
         num_candidates = min(vocab_size, num_candidates * TOP_P_GROWTH)
-    kept = ordered[(cumulative - ordered_w) < limit]
-    kept_w = weights_row[kept]
-    weights_row[:] = 0.0
-    weights_row[kept] = kept_w
+    return ordered[((cumulative - ordered_w) < limit) & (ordered_w > 0)]
+
+
+def filter_rows(logits: np.ndarray, params: Sequence[SamplingParams]
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Steps 6-9 for sampled rows. logits: [rows, vocab] f32 after steps 1-4 (not modified).
+
+    Returns (final [rows, vocab] f32: logits / temperature with every filtered token at -inf,
+    the processed logits; weights [rows, vocab] f32: exp(final - row max), 0 where filtered,
+    the largest exactly 1 unless the row is all -inf, then all 0).
+    """
+    vocab_size = logits.shape[1]
+    temperature = np.array([p.temperature for p in params], dtype=np.float32)
+    min_p = np.array([p.min_p for p in params], dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        final = logits / temperature[:, None]
+    np.nan_to_num(final, copy=False, nan=-np.inf, posinf=FLOAT32_MAX, neginf=-np.inf)
+    row_max = final.max(axis=1, keepdims=True)
+    row_max[~np.isfinite(row_max)] = 0.0  # every token masked: every weight 0
+    with np.errstate(over="ignore"):  # -huge minus the largest float: -inf, weight 0
+        weights = np.exp(final - row_max)
+    if min_p.any():
+        # p / p_max = exp(logit - max logit): min-p relative to the largest weight, 1.
+        dropped = weights < min_p[:, None]
+        weights[dropped] = 0.0
+        final[dropped] = -np.inf
+    for i, p in enumerate(params):
+        if 0 < p.top_k < vocab_size:
+            kth_largest = final[i, _heaviest(final[i], p.top_k)].min()
+            dropped = final[i] < kth_largest
+            weights[i, dropped] = 0.0
+            final[i, dropped] = -np.inf
+        if p.top_p < 1.0 and weights[i].any():
+            kept = _top_p_kept(weights[i], p.top_p)
+            kept_w, kept_final = weights[i, kept], final[i, kept]
+            weights[i] = 0.0
+            final[i] = -np.inf
+            weights[i, kept] = kept_w
+            final[i, kept] = kept_final
+    return final, weights
 
 
 def _inverse_cdf(weights: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
     """First token whose cumulative weight exceeds u x total, per row, in ascending id order.
 
-    weights: [rows, vocab] f32 >= 0, each row with some mass; uniforms: [rows] in [0, 1).
-    Two levels, because a float64 cumsum over the whole vocabulary is the slowest numpy step
-    here: sums of CDF_CHUNK-token chunks locate the chunk, a cumsum inside it the token.
-    Returns [rows] int32.
+    weights: [rows, vocab] f32 >= 0; uniforms: [rows] in [0, 1). A row without mass gets
+    token 0. Two levels, because a float64 cumsum over the whole vocabulary is the slowest
+    numpy step here: sums of CDF_CHUNK-token chunks locate the chunk, a cumsum inside it the
+    token. Returns [rows] int32.
     """
     num_rows, vocab_size = weights.shape
     num_chunks = -(-vocab_size // CDF_CHUNK)
@@ -203,49 +355,29 @@ def _inverse_cdf(weights: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
     targets = uniforms * chunk_cdf[:, -1]
     # The chosen chunk is the first whose cumulative mass exceeds the target.
     chunks = np.minimum((chunk_cdf <= targets[:, None]).sum(axis=1), num_chunks - 1)
-    tokens = np.empty(num_rows, dtype=np.int32)
-    for i in range(num_rows):
+    tokens = np.zeros(num_rows, dtype=np.int32)
+    for i in np.flatnonzero(chunk_cdf[:, -1] > 0):
         c = int(chunks[i])
         before = chunk_cdf[i, c - 1] if c else 0.0
         inner = padded[i, c * CDF_CHUNK:(c + 1) * CDF_CHUNK]
         j = int(np.searchsorted(before + np.cumsum(inner, dtype=np.float64), targets[i],
                                 side="right"))
-        if j >= CDF_CHUNK:  # rounding between the two levels: take the chunk's last token with mass
-            j = int(np.flatnonzero(inner)[-1])
+        if j >= CDF_CHUNK:  # rounding between the two levels: the last token with mass so far
+            j = int(np.flatnonzero(padded[i, :(c + 1) * CDF_CHUNK])[-1]) - c * CDF_CHUNK
         tokens[i] = c * CDF_CHUNK + j
     return tokens
 
 
-def _sample_rows(logits: np.ndarray, params: Sequence[SamplingParams],
-                 uniforms: np.ndarray) -> np.ndarray:
-    """Steps 5-9 of the module docstring for a chunk of rows. logits: [rows, vocab] f32
-    (processed); uniforms: [rows] in [0, 1). Returns [rows] int32 token ids."""
-    temperature = np.array([p.temperature for p in params], dtype=np.float32)
-    min_p = np.array([p.min_p for p in params], dtype=np.float32)
-    with np.errstate(over="ignore"):  # huge penalized logits: inf, made finite below
-        scaled = logits / temperature[:, None]
-    # Extreme but valid penalties (repetition_penalty near 0 divides positive logits into inf)
-    # must not turn the row into NaNs: +inf becomes the largest float (those tokens share the
-    # mass), NaN a masked token.
-    np.nan_to_num(scaled, copy=False, nan=-np.inf, posinf=np.finfo(np.float32).max)
-    for i, p in enumerate(params):
-        _top_k_filter(scaled[i], p.top_k)
-    # Unnormalized probabilities; the largest is exactly 1 (the max logit survives every filter).
-    with np.errstate(over="ignore"):  # -huge minus the largest float: -inf, weight 0
-        weights = np.exp(scaled - scaled.max(axis=1, keepdims=True))
-    for i, p in enumerate(params):
-        if p.top_p < 1.0:
-            _top_p_filter(weights[i], p.top_p)
-    weights[weights < min_p[:, None]] = 0.0  # min-p relative to the max weight 1
-    return _inverse_cdf(weights, uniforms)
-
+# ---------------------------------------------------------------- the sampler
 
 class Sampler:
     """Samples the next token of every row; holds the engine's generator for unseeded rows."""
 
-    def __init__(self, eos_token_ids: Sequence[int] = (), seed: int = 0) -> None:
+    def __init__(self, eos_token_ids: Sequence[int] = (), seed: int = 0,
+                 logprobs_mode: str = "raw_logprobs") -> None:
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self.generator = np.random.Generator(np.random.PCG64(seed))
+        self.logprobs_mode = check_logprobs_mode(logprobs_mode)
 
     def sample(self, logits: np.ndarray, params: Sequence[SamplingParams],
                generators: Sequence[np.random.Generator | None],
@@ -261,26 +393,66 @@ class Sampler:
         logits = select_rows(np.asarray(logits, dtype=np.float32), row_index)
         num_rows = check_sample_args(logits, params, generators, prompt_token_ids,
                                      output_token_ids)
-        want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
-        raw_logprobs = log_softmax(logits[want_logprobs]) if want_logprobs else None
+        want = logprob_rows(params)
+        raw_mode = self.logprobs_mode.startswith("raw")
+        values = raw_values(logits[want] if raw_mode and want else None, want,
+                            self.logprobs_mode)  # fancy indexing: a copy
 
         processed = logits.copy()
-        apply_penalties(processed, params, prompt_token_ids, output_token_ids)
-        apply_min_tokens(processed, params, output_token_ids, self.eos_token_ids)
+        apply_logits_processors(processed, params, prompt_token_ids, output_token_ids,
+                                self.eos_token_ids)
 
         token_ids = np.empty(num_rows, dtype=np.int32)
         greedy = np.array([p.greedy for p in params], dtype=bool)
         if greedy.any():
             token_ids[greedy] = np.argmax(processed[greedy], axis=1)  # first max: lowest id
+        if not raw_mode:
+            values.update((i, processed[i]) for i in want if greedy[i])
         sampled_rows = np.flatnonzero(~greedy)
         uniforms = draw_uniforms(self.generator, params, generators)
         for start in range(0, sampled_rows.size, SAMPLE_ROW_CHUNK):
             rows = sampled_rows[start:start + SAMPLE_ROW_CHUNK]
-            token_ids[rows] = _sample_rows(processed[rows], [params[i] for i in rows],
-                                           uniforms[rows])
+            final, weights = filter_rows(processed[rows], [params[i] for i in rows])
+            token_ids[rows] = _inverse_cdf(weights, uniforms[rows])
+            if not raw_mode:
+                values.update((int(i), final[j]) for j, i in enumerate(rows) if i in values)
+        return SamplerOutput(token_ids, gather_logprobs(values, token_ids, params,
+                                                        self.logprobs_mode))
 
-        return SamplerOutput(token_ids, sampled_logprobs(raw_logprobs, want_logprobs,
-                                                         token_ids, params))
+
+def check_logprobs_mode(mode: str) -> str:
+    if mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode: must be one of {LOGPROBS_MODES}, got {mode!r}")
+    return mode
+
+
+def logprob_rows(params: Sequence[SamplingParams]) -> list[int]:
+    """The rows whose request asked for logprobs."""
+    return [i for i, p in enumerate(params) if p.logprobs is not None]
+
+
+def raw_values(wanted_logits: np.ndarray | None, want: Sequence[int], mode: str
+               ) -> dict[int, np.ndarray | None]:
+    """Step 0: row -> its [vocab] values for logprobs in the raw modes, or None (to be filled
+    with the processed values) in the processed modes. wanted_logits: host [len(want), vocab]
+    float32, the logits of the rows in want before step 1 (unused, may be None, when the mode
+    is processed)."""
+    if not mode.startswith("raw") or not want:
+        return {i: None for i in want}
+    rows = log_softmax(wanted_logits) if mode == "raw_logprobs" else wanted_logits
+    return {i: rows[j] for j, i in enumerate(want)}
+
+
+def gather_logprobs(values: dict[int, np.ndarray], token_ids: np.ndarray,
+                    params: Sequence[SamplingParams], mode: str) -> list[TokenLogprobs | None]:
+    """Per row: TokenLogprobs of the chosen token from values[row] (raw or processed values;
+    log_softmax taken here for processed_logprobs); None for the rows not in values."""
+    out: list[TokenLogprobs | None] = [None] * len(token_ids)
+    for i, row in values.items():
+        if mode == "processed_logprobs":
+            row = log_softmax(row[None])[0]
+        out[i] = token_logprobs(row, int(token_ids[i]), params[i].logprobs)
+    return out
 
 
 def is_identity(row_index: Sequence[int] | None, num_rows: int) -> bool:
@@ -322,26 +494,3 @@ def draw_uniforms(engine_generator: np.random.Generator, params: Sequence[Sampli
             uniforms[i] = generators[i].random()
     return uniforms
 
-
-def sampled_logprobs(raw_logprobs: np.ndarray | None, want_logprobs: Sequence[int],
-                     token_ids: np.ndarray, params: Sequence[SamplingParams]
-                     ) -> list[Logprob | None]:
-    """Per row: the chosen token's raw logprob and the top params.logprobs alternatives, for
-    the rows in want_logprobs (raw_logprobs[j] is row want_logprobs[j]); None elsewhere."""
-    logprobs: list[Logprob | None] = [None] * len(token_ids)
-    for j, i in enumerate(want_logprobs):
-        row = raw_logprobs[j]
-        t = int(token_ids[i])
-        logprobs[i] = Logprob(token_id=t, logprob=float(row[t]),
-                              top=_top_logprobs(row, params[i].logprobs))
-    return logprobs
-
-
-def _top_logprobs(row: np.ndarray, n: int) -> dict[int, float]:
-    """The n largest logprobs of one row, best first (ties: lower id first). row: [vocab] f32."""
-    if n <= 0:
-        return {}
-    n = min(n, row.shape[0])
-    candidates = np.argpartition(-row, n - 1)[:n]
-    ordered = candidates[np.lexsort((candidates, -row[candidates]))]
-    return {int(t): float(row[t]) for t in ordered}

@@ -17,7 +17,7 @@ On the CPU harness the same script runs a 2-layer toy model (head_dim 64) at con
 It is also the only benchmark that launches the small fused kernels, which have none of their
 own (docs/kernels.md, "The four siblings"): rms_norm.cu, activation.cu, embedding.cu,
 rotary_cache_write.cu and sampling.cu's sample_f32 (greedy rows); it sets no penalties, so
-apply_penalties_f32 does not run, and it moves no KV blocks, so block_copy.cu does not either.
+process_logits_f32 does not run, and it moves no KV blocks, so block_copy.cu does not either.
 """
 from __future__ import annotations
 

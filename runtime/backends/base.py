@@ -50,7 +50,8 @@ class Backend(Protocol):
     def check_model(self, model_config, block_size: int) -> None: ...  # raise if not served
     def kv_cache_budget_bytes(self, profile: ProfileStep | None, *,
                               gpu_memory_utilization: float) -> int: ...
-    def sampler(self, eos_token_ids, seed: int = 0): ...  # Sampler's interface
+    def sampler(self, eos_token_ids, seed: int = 0,
+                logprobs_mode: str = "raw_logprobs"): ...  # Sampler's interface
     def step_inputs(self, positions, slot_mapping, attn): ...  # StepInputs, uploaded once
 
     def zeros(self, shape, dtype): ...

@@ -2,9 +2,11 @@
 sampler of the kernel backends (sim, cuda), which return it from `Backend.sampler`.
 
 Same interface and same draws as the numpy Sampler: the uniforms come from
-runtime.sampler.draw_uniforms, so a seed gives the same tokens on every backend; penalties and
-the draw run on the kernels where the logits are (the harness's numpy arrays, or cupy arrays on
-a GPU), and only token ids (plus the raw logprobs of the rows that asked) come back to the host.
+runtime.sampler.draw_uniforms, so a seed gives the same tokens on every backend; the logits
+processors and the draw run on the kernels where the logits are (the harness's numpy arrays, or
+cupy arrays on a GPU), and only token ids come back to the host, plus, for the rows that asked
+for logprobs, their raw rows (raw modes) or their kernel-processed rows (processed modes: the
+sampler's steps 6-9 then run on the host with runtime.sampler.filter_rows, for those rows only).
 """
 from __future__ import annotations
 
@@ -13,15 +15,17 @@ from typing import Sequence
 import numpy as np
 
 from pagedrun.runtime.kernels.kernel_args import array_module
-from pagedrun.runtime.kernels.sampling import apply_penalties, sample
-from pagedrun.runtime.sampler import (SamplerOutput, check_sample_args, draw_uniforms,
-                                      is_identity, log_softmax, sampled_logprobs)
+from pagedrun.runtime.kernels.sampling import process_logits, sample
+from pagedrun.runtime.sampler import (SamplerOutput, check_logprobs_mode, check_sample_args,
+                                      draw_uniforms, filter_rows, gather_logprobs, is_identity,
+                                      logprob_rows, raw_values)
 
 
 class KernelSampler:
-    """runtime.sampler.Sampler with penalties and sampling on the kernels (same draws)."""
+    """runtime.sampler.Sampler with the logits processors and sampling on the kernels."""
 
-    def __init__(self, module, eos_token_ids: Sequence[int] = (), seed: int = 0, xp=np) -> None:
+    def __init__(self, module, eos_token_ids: Sequence[int] = (), seed: int = 0, xp=np,
+                 logprobs_mode: str = "raw_logprobs") -> None:
         """module: the loaded sampling.cu module; xp: the array module the kernels run on
         (numpy: harness; cupy: GPU). Host logits are copied there; device logits are copied on
         the device."""
@@ -29,6 +33,7 @@ class KernelSampler:
         self.xp = xp
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self.generator = np.random.Generator(np.random.PCG64(seed))
+        self.logprobs_mode = check_logprobs_mode(logprobs_mode)
 
     def draw_uniforms(self, params, generators) -> np.ndarray:
         """[rows] float64: the numpy Sampler's draws (runtime.sampler.draw_uniforms)."""
@@ -40,16 +45,37 @@ class KernelSampler:
         logits_xp = array_module(logits)
         if not is_identity(row_index, logits.shape[0]):
             logits = logits[logits_xp.asarray(np.asarray(row_index, dtype=np.int64))]
-        check_sample_args(logits, params, generators, prompt_token_ids,
-                                     output_token_ids)
-        want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
-        raw = None
-        if want_logprobs:  # raw logprobs, before penalties (host: rows that asked only)
-            rows = logits[logits_xp.asarray(want_logprobs)]
-            raw = log_softmax(rows if logits_xp is np else rows.get())
-        processed = self.xp.array(logits, dtype=np.float32)  # a copy: penalties work in place
-        apply_penalties(self.module, processed, params, prompt_token_ids, output_token_ids,
-                        self.eos_token_ids)
+        check_sample_args(logits, params, generators, prompt_token_ids, output_token_ids)
+        want = logprob_rows(params)
+        raw_mode = self.logprobs_mode.startswith("raw")
+        values = raw_values(self._host_rows(logits, want) if raw_mode and want else None,
+                            want, self.logprobs_mode)
+        processed = self.xp.array(logits, dtype=np.float32)  # a copy: processed in place
+        process_logits(self.module, processed, params, prompt_token_ids, output_token_ids,
+                       self.eos_token_ids)
         tokens = sample(self.module, processed, params, self.draw_uniforms(params, generators))
         token_ids = np.asarray(tokens if self.xp is np else tokens.get(), dtype=np.int32)
-        return SamplerOutput(token_ids, sampled_logprobs(raw, want_logprobs, token_ids, params))
+        if want and not raw_mode:
+            self._processed_values(values, self._host_rows(processed, want), want, params)
+        return SamplerOutput(token_ids, gather_logprobs(values, token_ids, params,
+                                                        self.logprobs_mode))
+
+    @staticmethod
+    def _host_rows(logits, rows: list[int]) -> np.ndarray:
+        """logits[rows] as a host float32 array."""
+        picked = logits[array_module(logits).asarray(rows)]
+        return np.asarray(picked if isinstance(picked, np.ndarray) else picked.get(),
+                          dtype=np.float32)
+
+    @staticmethod
+    def _processed_values(values: dict, processed_rows: np.ndarray, want: list[int],
+                          params) -> None:
+        """values[row] = the processed logits (runtime/sampler.py step 11) of each wanted row,
+        from its kernel-processed (steps 1-4) host copy processed_rows [len(want), vocab]."""
+        sampled = [j for j, i in enumerate(want) if not params[i].greedy]
+        for j, i in enumerate(want):
+            values[i] = processed_rows[j]
+        if sampled:
+            final, _ = filter_rows(processed_rows[sampled], [params[want[j]] for j in sampled])
+            for k, j in enumerate(sampled):
+                values[want[j]] = final[k]

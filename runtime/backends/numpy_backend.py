@@ -69,6 +69,6 @@ class NumpyBackend:
         return np.asarray(x, dtype=np.float32)
 
     @staticmethod
-    def sampler(eos_token_ids, seed: int = 0) -> Sampler:
+    def sampler(eos_token_ids, seed: int = 0, logprobs_mode: str = "raw_logprobs") -> Sampler:
         """The numpy sampler (the kernel backends return their KernelSampler, same draws)."""
-        return Sampler(eos_token_ids, seed=seed)
+        return Sampler(eos_token_ids, seed=seed, logprobs_mode=logprobs_mode)

@@ -183,8 +183,10 @@ class KernelBackend:
     def swap_blocks(self, src_caches, dst_caches, block_pairs) -> None:
         cache_ops.swap_blocks(self.module("blocks"), src_caches, dst_caches, block_pairs)
 
-    def sampler(self, eos_token_ids, seed: int = 0) -> KernelSampler:
-        return KernelSampler(self.module("sampling"), eos_token_ids, seed, xp=self.xp)
+    def sampler(self, eos_token_ids, seed: int = 0,
+                logprobs_mode: str = "raw_logprobs") -> KernelSampler:
+        return KernelSampler(self.module("sampling"), eos_token_ids, seed, xp=self.xp,
+                             logprobs_mode=logprobs_mode)
 
 
 class SimBackend(KernelBackend):

@@ -200,9 +200,11 @@ def test_sim_sampling_kernels_draw_the_cpu_tokens(sim_model):
             if lp_cpu is None:
                 assert lp_sim is None
                 continue
-            for a, b in zip(lp_cpu, lp_sim):
-                assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-3
-                assert a.top.keys() == b.top.keys()
+            for a, b in zip(lp_cpu, lp_sim):  # {token_id: Logprob}, sampled token first
+                assert list(a) == list(b)
+                for token_id, entry in a.items():
+                    assert abs(entry.logprob - b[token_id].logprob) < 1e-3
+                    assert entry.rank == b[token_id].rank
 
 
 def test_backend_factory_and_cuda_import_guard():

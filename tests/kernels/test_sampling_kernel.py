@@ -1,13 +1,16 @@
 """cuda/sampling.cu (through runtime/kernels/sampling.py) against runtime/sampler.py.
 
 - greedy equals argmax exactly (planted ties: the lowest id wins; banned tokens never win);
-- penalties and min_tokens bans are bit-identical to the numpy sampler's;
-- with the same uniforms the kernel picks the numpy sampler's token (top-k, top-p, min-p,
+- the logits processors (allowed-token mask, bad-word and min_tokens bans, logit bias,
+  penalties) are bit-identical to the numpy sampler's;
+- with the same uniforms the kernel picks the numpy sampler's token (min-p, top-k, top-p,
   temperature, all combined), rows mixed in one batch;
 - statistically: 3,000 draws of one filtered distribution pass a chi-square goodness-of-fit test
   against the numpy filter's exact probabilities at 99.9% confidence (fixed seed), and no draw
-  ever lands on a token the numpy filters remove;
-- KernelSampler equals Sampler (same seeds -> same tokens, same logprobs)."""
+  ever lands on a token the numpy filters remove (tests/engine/test_sampling_distribution.py
+  checks both samplers against an independent reference of vLLM's rules);
+- KernelSampler equals Sampler (same seeds -> same tokens, same logprobs, every logprobs_mode);
+- rows with every token masked, and extreme values, give token 0 / finite choices, no NaN."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,10 +19,10 @@ import pytest
 from paged_kernel_inputs import kernel_module, to_device, to_host
 from pagedrun.runtime.kernels.kernel_args import UnsupportedKernelShape
 from pagedrun.runtime.backends.kernel_sampler import KernelSampler
-from pagedrun.runtime.kernels.sampling import apply_penalties, sample
-from pagedrun.runtime.sampler import (Sampler, _sample_rows, _top_k_filter, _top_p_filter,
-                                      apply_min_tokens, make_request_generator)
-from pagedrun.runtime.sampler import apply_penalties as numpy_penalties
+from pagedrun.runtime.engine_config import LOGPROBS_MODES
+from pagedrun.runtime.kernels.sampling import process_logits, sample
+from pagedrun.runtime.sampler import (Sampler, _inverse_cdf, apply_logits_processors,
+                                      filter_rows, make_request_generator)
 from pagedrun.runtime.sampling_params import SamplingParams
 
 # Goodness of fit: reject "the kernel draws from the numpy distribution" only below this p-value.
@@ -49,8 +52,8 @@ def test_greedy_is_argmax_exactly(rng, vocab):
     np.testing.assert_array_equal(out, np.argmax(logits, axis=1))
 
 
-def test_penalties_and_bans_are_bit_identical(rng):
-    rows, vocab = 6, 389
+def test_logits_processors_are_bit_identical(rng):
+    rows, vocab = 9, 389
     logits = (4 * rng.standard_normal((rows, vocab))).astype(np.float32)
     params = [SamplingParams(repetition_penalty=1.3),
               SamplingParams(frequency_penalty=0.7, presence_penalty=0.4),
@@ -58,16 +61,36 @@ def test_penalties_and_bans_are_bit_identical(rng):
                              min_tokens=5, stop_token_ids=[3, 7]),
               SamplingParams(),
               SamplingParams(min_tokens=2, ignore_eos=True, stop_token_ids=[11]),
-              SamplingParams(min_tokens=1, repetition_penalty=2.0)]
-    prompts = [rng.integers(0, vocab, n) for n in (5, 0, 30, 3, 4, 9)]
-    outputs = [list(rng.integers(0, vocab, n)) for n in (8, 20, 3, 2, 1, 0)]
+              SamplingParams(min_tokens=1, repetition_penalty=2.0),
+              # bias on a penalized token, on a banned one (stays -inf), on a plain one
+              SamplingParams(logit_bias={5: 2.5, 2: 50.0, 100: -3.25}, repetition_penalty=1.5,
+                             min_tokens=9),
+              # allowed list with a bias and a penalty inside it and a bias outside it
+              SamplingParams(allowed_token_ids=[388, 0, 17, 40, 41], logit_bias={17: 1.0, 60: 9.0},
+                             frequency_penalty=0.5),
+              # bad words: a one-token word (always), a matching 3-token word, a non-matching one
+              SamplingParams(_bad_words_token_ids=[[12], [8, 9, 30], [7, 31]],
+                             presence_penalty=-0.5)]
+    prompts = [rng.integers(0, vocab, n) for n in (5, 0, 30, 3, 4, 9, 6, 2, 3)]
+    outputs = [list(rng.integers(0, vocab, n)) for n in (8, 20, 3, 2, 1, 0, 4, 6, 0)]
+    outputs[6][0] = 5
+    outputs[7] += [17, 17, 60]
+    outputs[8] = [1, 8, 9]
     eos = [2, 388]
     expected = logits.copy()
-    numpy_penalties(expected, params, prompts, outputs)
-    apply_min_tokens(expected, params, outputs, eos)
+    apply_logits_processors(expected, params, prompts, outputs, eos)
     dev = to_device(logits.copy())
-    apply_penalties(mod(), dev, params, prompts, outputs, eos)
-    np.testing.assert_array_equal(to_host(dev), expected)
+    process_logits(mod(), dev, params, prompts, outputs, eos)
+    got = to_host(dev)
+    np.testing.assert_array_equal(got, expected)
+    # The masks landed where vLLM puts them (not only "as numpy does").
+    assert np.isneginf(got[2, [2, 3, 7, 388]]).all()
+    assert np.isneginf(got[4, [2, 11, 388]]).all()  # eos masked although ignore_eos
+    assert np.isneginf(got[6, 2]) and got[6, 100] == logits[6, 100] - np.float32(3.25)
+    allowed = np.zeros(vocab, bool)
+    allowed[[388, 0, 17, 40, 41]] = True
+    assert np.isneginf(got[7, ~allowed]).all() and np.isfinite(got[7, allowed]).all()
+    assert np.isneginf(got[8, [12, 30]]).all() and np.isfinite(got[8, 31])
 
 
 CONFIGS = [dict(temperature=0.7), dict(top_k=1), dict(top_k=7), dict(top_p=0.5),
@@ -87,8 +110,8 @@ def test_same_uniforms_same_tokens_as_numpy(rng, vocab):
     out = to_host(sample(mod(), to_device(logits), params, uniforms))
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     expected = np.argmax(logits, axis=1).astype(np.int32)
-    expected[sampled] = _sample_rows(logits[sampled].copy(), [params[i] for i in sampled],
-                                     uniforms[sampled])
+    _, weights = filter_rows(logits[sampled], [params[i] for i in sampled])
+    expected[sampled] = _inverse_cdf(weights, uniforms[sampled])
     # Only a uniform within float32 rounding of a CDF boundary could pick a neighbour.
     mismatches = np.flatnonzero(out != expected)
     assert mismatches.size <= 1, \
@@ -96,14 +119,9 @@ def test_same_uniforms_same_tokens_as_numpy(rng, vocab):
 
 
 def _numpy_probabilities(row: np.ndarray, p: SamplingParams) -> np.ndarray:
-    """Exact distribution of the numpy sampler's steps 5-8 for one row."""
-    scaled = row / np.float32(p.temperature)
-    _top_k_filter(scaled, p.top_k)
-    weights = np.exp(scaled - scaled.max()).astype(np.float32)
-    if p.top_p < 1.0:
-        _top_p_filter(weights, p.top_p)
-    weights[weights < p.min_p] = 0.0
-    return weights.astype(np.float64) / weights.sum(dtype=np.float64)
+    """Exact distribution of the numpy sampler's steps 6-9 for one row."""
+    _, weights = filter_rows(row[None], [p])
+    return weights[0].astype(np.float64) / weights[0].sum(dtype=np.float64)
 
 
 def _chi2_threshold(dof: int, confidence: float) -> float:
@@ -143,30 +161,68 @@ def test_draw_distribution_matches_numpy(config):
     stat, dof = _chi2(counts, probs, NUM_DRAWS)
     assert stat < _chi2_threshold(dof, CHI2_CONFIDENCE), (stat, dof)
     # The reference distribution itself: the numpy sampler's draws pass the same test.
-    ref = _sample_rows(logits.copy(), [p] * NUM_DRAWS, rng.random(NUM_DRAWS))
+    ref = _inverse_cdf(filter_rows(logits, [p] * NUM_DRAWS)[1], rng.random(NUM_DRAWS))
     ref_stat, ref_dof = _chi2(np.bincount(ref, minlength=vocab), probs, NUM_DRAWS)
     assert ref_stat < _chi2_threshold(ref_dof, CHI2_CONFIDENCE)
 
 
-def test_kernel_sampler_equals_numpy_sampler(rng):
+@pytest.mark.parametrize("mode", LOGPROBS_MODES)
+def test_kernel_sampler_equals_numpy_sampler(rng, mode):
     vocab = 301
-    params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(seed=7, top_k=20),
+    params = [SamplingParams(temperature=0.0, logprobs=3, logit_bias={4: 1.5}),
+              SamplingParams(seed=7, top_k=20, allowed_token_ids=list(range(0, 300, 7))),
               SamplingParams(top_p=0.9, repetition_penalty=1.2, logprobs=0),
-              SamplingParams(seed=11, min_p=0.1, min_tokens=4, stop_token_ids=[5]),
-              SamplingParams(temperature=1.3, frequency_penalty=0.5)]
+              SamplingParams(seed=11, min_p=0.1, min_tokens=4, stop_token_ids=[5], logprobs=-1),
+              SamplingParams(temperature=1.3, frequency_penalty=0.5, logprobs=2,
+                             _bad_words_token_ids=[[9], [3, 4]], logit_bias={10: -2.0}),
+              SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, logprobs=5,
+                             allowed_token_ids=[1, 2, 3, 50, 51, 52, 200])]
     rows = len(params)
     logits = (3 * rng.standard_normal((rows, vocab))).astype(np.float32)
     prompts = [rng.integers(0, vocab, 6) for _ in range(rows)]
     outputs = [list(rng.integers(0, vocab, 3)) for _ in range(rows)]
+    outputs[4][-1] = 3
 
     def gens():
         return [make_request_generator(p.seed) for p in params]
 
-    ref = Sampler([2], seed=3).sample(logits.copy(), params, gens(), prompts, outputs)
-    got = KernelSampler(mod(), [2], seed=3).sample(to_device(logits), params, gens(), prompts,
-                                                   outputs)
+    ref = Sampler([2], seed=3, logprobs_mode=mode).sample(logits.copy(), params, gens(), prompts,
+                                                          outputs)
+    got = KernelSampler(mod(), [2], seed=3, logprobs_mode=mode).sample(
+        to_device(logits), params, gens(), prompts, outputs)
     np.testing.assert_array_equal(got.token_ids, ref.token_ids)
     assert got.logprobs == ref.logprobs
+    assert [lp is None for lp in got.logprobs] == [p.logprobs is None for p in params]
+    assert len(got.logprobs[3].top_token_ids) == vocab  # logprobs=-1: the whole vocabulary
+
+
+@pytest.mark.parametrize("vocab", (1, 17, 111))
+def test_masked_rows_and_extreme_values(vocab):
+    """Every token masked -> token 0 (greedy or sampled, as the numpy sampler); huge logits,
+    +inf, NaN and extreme temperatures -> a token in the vocabulary, never NaN-driven."""
+    rows = 6
+    logits = np.full((rows, vocab), -np.inf, np.float32)  # rows 0-1: all masked
+    logits[2] = np.float32(3e38)                          # overflows once divided by 0.01
+    logits[3, :] = -3e38
+    logits[3, vocab - 1] = np.inf
+    logits[4, :] = np.nan
+    logits[4, vocab // 2] = 1.0
+    logits[5] = np.linspace(-1e30, 1e30, vocab, dtype=np.float32)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=0.5),
+              SamplingParams(temperature=0.01, top_k=3, min_p=0.9),
+              SamplingParams(temperature=2.0, top_p=0.1), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.01, min_p=1.0)]
+    uniforms = np.array([0.0, 0.5, 0.999, 0.3, 0.7, 0.2])
+    out = to_host(sample(mod(), to_device(logits), params, uniforms))
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    expected = np.argmax(logits, axis=1).astype(np.int32)
+    expected[0] = 0
+    _, weights = filter_rows(logits[sampled], [params[i] for i in sampled])
+    assert np.isfinite(weights).all()
+    expected[sampled] = _inverse_cdf(weights, uniforms[sampled])
+    np.testing.assert_array_equal(out, expected)
+    assert out[0] == 0 and out[1] == 0 and out[3] == vocab - 1 and out[4] == vocab // 2
+    assert out[5] == vocab - 1
 
 
 def test_negative_cases():
@@ -175,5 +231,11 @@ def test_negative_cases():
     with pytest.raises(UnsupportedKernelShape, match="params"):
         sample(mod(), np.zeros((2, 5), np.float32), [SamplingParams()], np.zeros(2))
     with pytest.raises(ValueError, match="out of range"):
-        apply_penalties(mod(), np.zeros((1, 5), np.float32), [SamplingParams(presence_penalty=1.0)],
-                        [[]], [[9]])
+        process_logits(mod(), np.zeros((1, 5), np.float32), [SamplingParams(presence_penalty=1.0)],
+                       [[]], [[9]])
+    with pytest.raises(ValueError, match="out of range"):
+        process_logits(mod(), np.zeros((1, 5), np.float32), [SamplingParams(logit_bias={5: 1.0})],
+                       [[]], [[]])
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        process_logits(mod(), np.zeros((1, 5), np.float32),
+                       [SamplingParams(allowed_token_ids=[1, 5])], [[]], [[]])
