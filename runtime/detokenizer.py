@@ -13,10 +13,15 @@ U+FFFD the last bytes are an incomplete character, so nothing is handed out and 
 until a later token completes it. Decoding a short window keeps each step O(window), not
 O(sequence). `finish()` hands out whatever is still held (an incomplete tail becomes U+FFFD,
 exactly as a full decode shows it), so the concatenated deltas always equal a full decode.
+
+Also here: the text of single tokens for logprobs (`TokenTexts`, vLLM's `decoded_token`) and the
+conversion of a sampler's TokenLogprobs into the {token_id: Logprob} dict users see.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
+
+from pagedrun.runtime.outputs import Logprob, PositionLogprobs, TokenLogprobs
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded before the first generated token, so that context-dependent decoders
@@ -80,3 +85,33 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset = len(self.token_ids)
         self.text += delta
         return delta
+
+
+class TokenTexts:
+    """`decoded_token` of logprob entries: tokenizer.decode([id]) (special tokens kept, as
+    vLLM's convert_ids_list_to_tokens does), cached per id -- top-k lists repeat the same few
+    ids every step, and the cache is bounded by the vocabulary. None without a tokenizer."""
+
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+def position_logprobs(entry: TokenLogprobs,
+                      token_text: Callable[[int], str | None]) -> PositionLogprobs:
+    """One position's {token_id: Logprob} (vLLM's shape): the sampled (or prompt) token first,
+    with its rank, then the top-k with ranks 1..k. A token that is both keeps its first place
+    and takes the top-k entry (as a dict built in that order does in vLLM)."""
+    out = {entry.token_id: Logprob(entry.logprob, entry.rank, token_text(entry.token_id))}
+    for rank, (token_id, logprob) in enumerate(zip(entry.top_token_ids, entry.top_logprobs),
+                                               start=1):
+        out[token_id] = Logprob(logprob, rank, token_text(token_id))
+    return out

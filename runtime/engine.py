@@ -1,15 +1,17 @@
 """LLMEngine: add_request / abort_request / step() = schedule -> execute -> sample -> postprocess.
 
-The seam (docs/engine_api.md): string request ids, SamplingParams in, RequestOutput deltas out.
+The seam (docs/engine_api.md): string request ids, SamplingParams in, RequestOutputs out.
 Inside, each of a request's n sequences is one scheduler request (an int id). A step:
   1. `scheduler.schedule()` hands out the token budget and emits a SchedulerOutput;
   2. `runner.execute()` moves blocks (swap, copy-on-write), runs the forward over every scheduled
      token and returns logits of the rows that sample (plus prompt-logprob rows);
   3. the sampler draws one token per sampling sequence (n tokens from the parent's first logits
      row of an n > 1 request, one per sibling, each with its own generator);
-  4. postprocess: append, detokenize, check stops (so a stop string ends the request in the step
-     that completes it), tell the scheduler (`update_from_output` frees finished blocks at once),
-     fork the siblings of n > 1 requests onto the parent's blocks, and return the deltas.
+  4. postprocess: append, check the token stops, detokenize, check the stop strings (vLLM's
+     order, runtime/stop_checker.py; a stop string ends the request in the step that completes
+     it), tell the scheduler (`update_from_output` frees finished blocks at once), fork the
+     siblings of n > 1 requests onto the parent's blocks, and return each request's output as
+     its output_kind asks (deltas by default).
 KV capacity is fixed at construction and logged; requests that can never run are rejected at
 admission with a RequestError, never discovered mid-flight. Faults are contained per request
 and per step (`step`'s docstring, docs/engine_api.md "Failures"). The device is the backend's
@@ -17,6 +19,7 @@ business: the engine asks the Backend object and never branches on a device stri
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import math
@@ -27,7 +30,9 @@ from functools import partial
 import numpy as np
 
 from pagedrun.runtime.backends import make_backend
-from pagedrun.runtime.detokenizer import IncrementalDetokenizer
+from pagedrun.runtime.admission import render_chat, truncate_prompt, verify_params
+from pagedrun.runtime.chat_options import ChatOptions
+from pagedrun.runtime.detokenizer import IncrementalDetokenizer, TokenTexts, position_logprobs
 from pagedrun.runtime.engine_config import EngineConfig
 # RequestError, DeviceNotAvailableError and the ERR_* codes live in runtime/errors.py; they are
 # imported here too because `from pagedrun.runtime.engine import RequestError` is public API.
@@ -39,12 +44,13 @@ from pagedrun.runtime.kv_capacity import (num_swap_blocks, plan_num_kv_blocks,
 from pagedrun.runtime.model_config import ModelConfig
 from pagedrun.runtime.model_loader import load_model
 from pagedrun.runtime.model_runner import ModelRunner, RunnerOutput
-from pagedrun.runtime.outputs import Logprob, RequestOutput
+from pagedrun.runtime.outputs import RequestOutput
 from pagedrun.runtime.request import Request, Sequence
-from pagedrun.runtime.sampler import (SamplerOutput, _top_logprobs, log_softmax,
-                                      make_request_generator)
+from pagedrun.runtime.sampler import (SamplerOutput, log_softmax, make_request_generator,
+                                      token_logprobs)
 from pagedrun.runtime.sampling_params import SamplingParams, SamplingParamsError
-from pagedrun.runtime.stop_checker import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, check_stop
+from pagedrun.runtime.stop_checker import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH,
+                                           FINISH_STOP, check_token_stop, find_stop_string)
 from pagedrun.runtime.weights import ModelWeights
 
 log = logging.getLogger("pagedrun.engine")
@@ -71,13 +77,6 @@ def _describe(where: str, exc: BaseException) -> str:
     except Exception:  # noqa: BLE001 -- an exception whose str() raises
         text = type(exc).__name__
     return f"{where} failed: {text}"[:MAX_ERROR_CHARS]
-
-
-def make_logprobs(logits: np.ndarray, token_ids: np.ndarray, num_top: int) -> list[Logprob]:
-    """Logprob (chosen + top `num_top`) of each row. logits: [rows, vocab]; token_ids: [rows]."""
-    lp = log_softmax(logits)
-    return [Logprob(int(token), float(lp[row, token]), _top_logprobs(lp[row], num_top))
-            for row, token in enumerate(token_ids)]
 
 
 @dataclass
@@ -135,7 +134,9 @@ class LLMEngine:
             num_cpu_blocks=self.num_cpu_blocks, preemption_mode=config.preemption_mode,
             check_invariants=config.check_invariants))
         # The backend's sampler: numpy on cpu, the sampling kernels on sim / cuda (same draws).
-        self.sampler = self.backend.sampler(sorted(self.eos_token_ids), seed=config.seed)
+        self.sampler = self.backend.sampler(sorted(self.eos_token_ids), seed=config.seed,
+                                            logprobs_mode=config.logprobs_mode)
+        self._token_texts = TokenTexts(tokenizer)  # Logprob.decoded_token, cached per id
         self._seq_ids = itertools.count(1)
         # Salts that keep prompt-logprob requests out of the prefix cache (every prompt position
         # must be computed to have its logits); 0 is everyone else's shared salt.
@@ -201,18 +202,31 @@ class LLMEngine:
     def add_request(self, request_id: str, *, prompt: str | None = None,
                     prompt_token_ids: list[int] | None = None, messages: list[dict] | None = None,
                     sampling_params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Admit a request or raise RequestError (then nothing of it was admitted)."""
-        params = sampling_params if sampling_params is not None else SamplingParams()
+                    arrival_time: float | None = None,
+                    chat_options: ChatOptions | None = None) -> None:
+        """Admit a request or raise RequestError (then nothing of it was admitted).
+
+        The request runs on its own copy of `sampling_params` (admission sets fields derived
+        from the model on it: the bad words' token ids), so callers may share one object
+        between requests. `chat_options` (messages only) say how the chat template renders.
+        Checks, in order: the parameters alone (SamplingParams.validate); the prompt (rendered,
+        tokenized, cut to `truncate_prompt_tokens`); the parameters against the model (vLLM's
+        SamplingParams.verify: token ids in the vocabulary, logprobs within `max_logprobs`,
+        bad words through the tokenizer); the engine's capacity.
+        """
         if not isinstance(request_id, str) or not request_id:
             raise RequestError(ERR_INVALID, "request_id must be a non-empty string")
         if request_id in self._requests:
             raise RequestError(ERR_DUPLICATE, f"request id {request_id!r} is already running")
+        params = copy.copy(sampling_params) if sampling_params is not None else SamplingParams()
         try:
             params.validate()
         except SamplingParamsError as exc:
             raise RequestError(ERR_INVALID, str(exc)) from None
-        token_ids = self._prompt_token_ids(prompt, prompt_token_ids, messages)
+        token_ids = self._prompt_token_ids(prompt, prompt_token_ids, messages, chat_options)
+        token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
+        verify_params(params, self.model_config.vocab_size, self.config.max_logprobs,
+                      self.tokenizer)
         self._check_admissible(token_ids, params)
 
         request = Request(request_id, token_ids, params,
@@ -231,12 +245,16 @@ class LLMEngine:
         self._requests[request_id] = request
         self._prompt_tokens_total += len(token_ids)
 
-    def _prompt_token_ids(self, prompt, prompt_token_ids, messages) -> list[int]:
+    def _prompt_token_ids(self, prompt, prompt_token_ids, messages, chat_options) -> list[int]:
         given = [x is not None for x in (prompt, prompt_token_ids, messages)]
         if sum(given) != 1:
             raise RequestError(
                 ERR_INVALID, "give exactly one of prompt, prompt_token_ids, messages"
             )
+        if chat_options is not None and messages is None:
+            raise RequestError(ERR_INVALID, "chat options (chat_template, add_generation_prompt, "
+                                            "continue_final_message, tools, "
+                                            "chat_template_kwargs) apply to messages only")
         if prompt_token_ids is not None:
             try:
                 ids = [int(t) for t in prompt_token_ids]
@@ -249,10 +267,7 @@ class LLMEngine:
                 raise RequestError(ERR_INVALID, "prompt must be a string")
             ids = self.tokenizer.encode(prompt)
         else:
-            try:
-                ids = list(self.tokenizer.apply_chat_template(messages, tokenize=True))
-            except Exception as exc:  # template errors are the user's messages' fault
-                raise RequestError(ERR_INVALID, f"chat template: {exc}") from None
+            ids = render_chat(self.tokenizer, messages, chat_options)
         if not ids:
             raise RequestError(ERR_EMPTY, "the prompt has no tokens")
         vocab = self.model_config.vocab_size
@@ -265,11 +280,11 @@ class LLMEngine:
         if prompt_len > self.max_model_len:
             raise RequestError(ERR_TOO_LONG, f"prompt has {prompt_len} tokens, more than "
                                              f"max_model_len {self.max_model_len}")
-        if params.stop and self.tokenizer is None:
-            raise RequestError(ERR_INVALID, "stop strings need a tokenizer; use stop_token_ids")
-        vocab = self.model_config.vocab_size
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise RequestError(ERR_INVALID, f"stop_token_ids must lie in [0, {vocab})")
+        if params.n > self.config.max_num_seqs:
+            # The n sequences are forked together after the first token: they must fit in
+            # one batch.
+            raise RequestError(ERR_CAPACITY, f"n={params.n} sequences can never run together: "
+                                             f"max_num_seqs is {self.config.max_num_seqs}")
         # The KV a sequence may need at its longest (the scheduler's rule: prompt + max_tokens,
         # counting the last token's slot, so both refuse exactly the same requests).
         max_new = params.max_tokens if params.max_tokens is not None else self.max_model_len
@@ -281,7 +296,9 @@ class LLMEngine:
 
     def _new_sequence(self, request: Request, index: int) -> Sequence:
         params = request.params
-        generator = make_request_generator(params.seed, index)  # None: the engine's stream
+        # Sequence j of a seeded request draws from seed + j (vLLM's ParentRequest); None:
+        # the engine's stream.
+        generator = make_request_generator(params.seed, index)
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
@@ -338,7 +355,7 @@ class LLMEngine:
                 scheduled = self.scheduler.schedule()                # SchedulerOutput
             except Exception as exc:  # noqa: BLE001 -- the scheduler's state is unknown now
                 self._reset(exc, touched)
-                return [r.take_delta() for r in touched.values()]
+                return self._outputs(touched)
             failed: dict[str, str] = {}  # request id -> why, for faults of one request
             try:
                 batch = self._plan_sampling(scheduled, failed)       # SamplingBatch
@@ -349,15 +366,26 @@ class LLMEngine:
             else:
                 self._postprocess(scheduled, batch, executed, sampled, failed, touched)
                 self._num_failed_steps = 0
-        return [r.take_delta() for r in touched.values()]
+        return self._outputs(touched)
+
+    @staticmethod
+    def _outputs(touched: dict[str, Request]) -> list[RequestOutput]:
+        """The step's outputs: one per touched request, as its output_kind asks (a
+        FINAL_ONLY request still running has none)."""
+        outputs = [r.take_output() for r in touched.values()]
+        return [o for o in outputs if o is not None]
 
     def _plan_sampling(self, out, failed: dict[str, str]) -> SamplingBatch:
         """Which sequence samples from which logits row this step: the one place where an
         n > 1 request expands (its first sample yields n sequences from one logits row; the
         siblings are made here and forked onto the parent's blocks in _postprocess), and where
-        prompt-logprob rows are picked. Also records prefix-cache hits of new requests."""
+        prompt-logprob rows are picked. Also records prefix-cache hits and the first scheduled
+        time of new requests."""
+        now = time.monotonic()
         for seq_id, num_cached in zip(out.new_req_ids, out.num_prefix_cached_tokens):
             request, seq = self._seqs[int(seq_id)]
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
             if seq.index == 0 and not seq.output_token_ids and not request.num_cached_prompt_tokens:
                 request.num_cached_prompt_tokens = int(num_cached)
         req_ids = out.req_ids
@@ -440,7 +468,9 @@ class LLMEngine:
                 continue
             try:
                 if seq.logprobs is not None:
-                    seq.logprobs.append(sampled.logprobs[j])
+                    entry = sampled.logprobs[j]  # TokenLogprobs
+                    seq.logprobs.append(position_logprobs(entry, self._token_texts))
+                    seq.cumulative_logprob += entry.logprob
                 self._append_token(request, seq, int(sampled.token_ids[j]))
             except Exception as exc:  # noqa: BLE001 -- this request's fault only
                 failed[request.request_id] = _describe("postprocessing a token", exc)
@@ -571,29 +601,40 @@ class LLMEngine:
         last = min(num_computed_before + logits.shape[0], len(prompt) - 1)  # inclusive
         if last < first:
             return
-        rows = logits[first - 1 - num_computed_before:last - num_computed_before]
+        # Prompt logprobs come from the raw logits whatever logprobs_mode says (vLLM's too).
+        rows = log_softmax(logits[first - 1 - num_computed_before:last - num_computed_before])
+        num_top = request.params.prompt_logprobs
         request.prompt_logprobs.extend(
-            make_logprobs(rows, np.asarray(prompt[first:last + 1]), request.params.prompt_logprobs))
+            position_logprobs(token_logprobs(row, token, num_top), self._token_texts)
+            for row, token in zip(rows, prompt[first:last + 1]))
 
     def _append_token(self, request: Request, seq: Sequence, token: int) -> None:
+        """Append one sampled token: the token stop checks first (they decide whether its
+        text is shown), then detokenization, then the stop strings on the new text
+        (runtime/stop_checker.py has the rules and their order)."""
+        params = request.params
         seq.output_token_ids.append(token)
         self._generation_tokens_total += 1
-        num_new_chars = 0
-        if seq.detokenizer is not None:
-            delta = seq.detokenizer.add_token(token)
-            seq.text += delta
-            num_new_chars = len(delta)
-        decision = check_stop(request.params, token, len(seq.output_token_ids),
-                              len(request.prompt_token_ids) + len(seq.output_token_ids),
-                              seq.text, num_new_chars, self.eos_token_ids, self.max_model_len)
-        if decision.finish_reason is None:
+        num_output = len(seq.output_token_ids)
+        decision = check_token_stop(params, token, num_output,
+                                    len(request.prompt_token_ids) + num_output,
+                                    self.eos_token_ids, self.max_model_len)
+        seq.finish_reason, seq.stop_reason = decision.finish_reason, decision.stop_reason
+        detokenizer = seq.detokenizer
+        if detokenizer is None:
             return
-        seq.finish_reason = decision.finish_reason
-        seq.stop_reason = decision.stop_reason
-        if decision.text_end is not None:
-            seq.text = seq.text[:decision.text_end]
-        elif seq.detokenizer is not None:
-            seq.text += seq.detokenizer.finish()
+        text_before = len(seq.text)
+        if decision.finish_reason != FINISH_STOP or params.include_stop_str_in_output:
+            seq.text += detokenizer.add_token(token)
+        if seq.finished:  # bytes held for earlier tokens (never the skipped stop token's)
+            seq.text += detokenizer.finish()
+        if not params.stop or num_output <= params.min_tokens:
+            return
+        hit = find_stop_string(seq.text, len(seq.text) - text_before, params.stop,
+                               params.include_stop_str_in_output)
+        if hit is not None:
+            seq.finish_reason, seq.stop_reason = FINISH_STOP, hit[0]
+            seq.text = seq.text[:hit[1]]
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (one device: nothing to do). Idempotent."""

@@ -2,18 +2,23 @@
 `.chat(...)`.
 
 A thin loop over LLMEngine: add every request, step until all have finished, return one final
-RequestOutput per prompt in input order. Outputs are assembled from the engine's streaming deltas
-(so the offline and streaming paths are the same code).
+RequestOutput per prompt in input order. Every request runs with output_kind FINAL_ONLY (on a
+copy of the caller's SamplingParams, whatever output_kind they carry): the engine hands back
+each request's whole output once, and no per-step deltas are built for an offline batch.
+`_merge` accumulates streaming deltas into a total (the tests' and clients' drivers use it).
 """
 from __future__ import annotations
 
+import copy
 import numbers
 from collections.abc import Sequence
+from typing import Any
 
 from pagedrun.runtime.engine import LLMEngine
 from pagedrun.runtime.engine_config import EngineConfig
 from pagedrun.runtime.outputs import CompletionOutput, RequestOutput
-from pagedrun.runtime.sampling_params import SamplingParams
+from pagedrun.runtime.chat_options import ChatOptions
+from pagedrun.runtime.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | Sequence[int]
 Message = dict
@@ -34,11 +39,13 @@ def _merge(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
         acc.text += c.text
         if c.logprobs is not None:
             acc.logprobs.extend(c.logprobs)
+        acc.cumulative_logprob = c.cumulative_logprob  # a total already, in every delta
         acc.finish_reason, acc.stop_reason = c.finish_reason, c.stop_reason
     total.outputs = [by_index[i] for i in sorted(by_index)]
     total.finished = delta.finished
     total.usage = delta.usage
     total.prompt_logprobs = delta.prompt_logprobs or total.prompt_logprobs
+    total.first_scheduled_time = delta.first_scheduled_time
     total.first_token_time = delta.first_token_time
     total.finished_time = delta.finished_time
     total.error = delta.error
@@ -86,29 +93,43 @@ class LLM:
                           for p in prompts], sampling_params)
 
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
-             ) -> list[RequestOutput]:
-        """messages: one conversation ([{"role", "content"}, ...]) or a list of them."""
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """messages: one conversation ([{"role", "content"}, ...]) or a list of them. The chat
+        options (vLLM's LLM.chat keywords) apply to every conversation: `chat_template`
+        replaces the model's template, `continue_final_message` continues the last
+        (assistant) message instead of opening a new turn (then add_generation_prompt must be
+        False), `tools` and `chat_template_kwargs` become template variables. An invalid
+        combination raises ChatOptionsError (a ValueError)."""
+        options = ChatOptions(chat_template=chat_template,
+                              add_generation_prompt=add_generation_prompt,
+                              continue_final_message=continue_final_message, tools=tools,
+                              chat_template_kwargs=dict(chat_template_kwargs or {}))
         if messages and isinstance(messages[0], dict):
             messages = [messages]
-        return self._run([("messages", list(m)) for m in messages], sampling_params)
+        return self._run([("messages", list(m)) for m in messages], sampling_params,
+                         chat_options=options)
 
     def _run(self, inputs: list[tuple[str, object]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None
-             ) -> list[RequestOutput]:
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+             chat_options: ChatOptions | None = None) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(inputs)
         else:
             params = list(sampling_params)
             if len(params) != len(inputs):
                 raise ValueError(f"{len(inputs)} prompts but {len(params)} sampling_params")
+        extra = {} if chat_options is None else {"chat_options": chat_options}
         ids = []
         try:
             for (kind, value), p in zip(inputs, params):
                 request_id = f"offline-{self._counter}"
                 self._counter += 1
-                self.engine.add_request(request_id, sampling_params=p,
-                                        **{kind: list(value) if kind != "prompt" else value})
+                self.engine.add_request(request_id, sampling_params=_final_only(p),
+                                        **{kind: list(value) if kind != "prompt" else value},
+                                        **extra)
                 ids.append(request_id)
         except Exception:
             for request_id in ids:  # all or nothing: the batch is refused as a whole
@@ -118,6 +139,13 @@ class LLM:
             raise
         totals: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
-            for delta in self.engine.step():
-                totals[delta.request_id] = _merge(totals.get(delta.request_id), delta)
+            for output in self.engine.step():
+                totals[output.request_id] = _merge(totals.get(output.request_id), output)
         return [totals[i] for i in ids]
+
+
+def _final_only(params: SamplingParams | None) -> SamplingParams:
+    """A copy of `params` with output_kind FINAL_ONLY (the caller's object is left alone)."""
+    params = copy.copy(params) if params is not None else SamplingParams()
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    return params

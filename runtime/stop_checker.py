@@ -1,17 +1,29 @@
-"""Stop conditions of one generated sequence, checked by the engine after every sampled token.
+"""Stop conditions of one generated sequence, checked by the engine after every sampled token
+(vLLM's rules: docs/engine_api.md "vLLM conformance").
 
-Order of the checks (each later one only if no earlier one fired):
-  1. fewer than `min_tokens` generated: never stop (EOS, stop ids and stop strings are ignored);
-  2. EOS (unless `ignore_eos`) -> "stop", stop_reason None;
-  3. a `stop_token_ids` member -> "stop", stop_reason = that id;
-  4. a stop string in the detokenized text -> "stop", stop_reason = the string; the text is cut
-     at the match start (or its end with `include_stop_str_in_output`), so no output ever holds
-     text past a stop string;
-  5. `max_tokens` generated, or the sequence reached `max_model_len` -> "length".
+Two checks, in this order, each on its own input:
 
-Stop strings are searched only in the window the newest characters can complete (the new text
-plus the longest stop string's length minus one before it), so the check costs O(new text)
-per step even for long outputs, and a stop string spanning token boundaries is still found.
+`check_token_stop` -- on the token alone, BEFORE it is detokenized (vLLM's
+vllm/v1/core/sched/utils.py check_stop), each later rule only if no earlier one fired:
+  1. `max_tokens` generated, or prompt + output reached `max_model_len` -> "length" (first:
+     an EOS sampled as the last allowed token ends the sequence with "length");
+  2. fewer than `min_tokens` generated -> keep going;
+  3. EOS (unless `ignore_eos`) -> "stop", stop_reason None;
+  4. a `stop_token_ids` member -> "stop", stop_reason = that id.
+The engine then skips detokenizing a token that ended the sequence with "stop" unless
+`include_stop_str_in_output` (its id stays in token_ids, its text never enters `text`).
+
+`find_stop_string` -- on the text the token added (vLLM's vllm/v1/engine/detokenizer.py
+check_stop_strings), only once more than `min_tokens` tokens exist, and only for matches that
+END in text produced after the min_tokens-th token. Stop strings are tried in the order of the
+`stop` list and the first one found wins (not the earliest position: vLLM's rule, kept so that
+the same request stops the same way here and there). The text is cut at the match start (or its
+end with `include_stop_str_in_output`); a match turns the finish reason into "stop" with the
+string as stop_reason, even on the token where rule 1 said "length".
+
+Each stop string is searched only in the window its match could end in (the new characters plus
+its own length minus one before them), so the check costs O(new text) per step even for long
+outputs, and a stop string spanning token boundaries is still found.
 """
 from __future__ import annotations
 
@@ -29,59 +41,45 @@ FINISH_ERROR = "error"
 class StopDecision:
     finish_reason: str | None = None  # None: keep generating
     stop_reason: int | str | None = None
-    # Where the visible text ends (a cut at a stop string); None: keep the whole text.
-    text_end: int | None = None
+
+
+def check_token_stop(params: SamplingParams, token_id: int, num_output_tokens: int,
+                     num_total_tokens: int, eos_token_ids: frozenset[int],
+                     max_model_len: int) -> StopDecision:
+    """Whether the sequence ends on `token_id` (already counted in both sizes), from the token
+    alone. `num_total_tokens` is prompt plus output."""
+    if num_total_tokens >= max_model_len or (
+            params.max_tokens is not None and num_output_tokens >= params.max_tokens):
+        return StopDecision(FINISH_LENGTH)
+    if num_output_tokens < params.min_tokens:
+        return StopDecision()
+    if not params.ignore_eos and token_id in eos_token_ids:
+        return StopDecision(FINISH_STOP, None)
+    if token_id in params.stop_token_ids:
+        return StopDecision(FINISH_STOP, token_id)
+    return StopDecision()
 
 
 def find_stop_string(text: str, num_new_chars: int, stop: list[str],
                      include_stop_str: bool) -> tuple[str, int] | None:
-    """Earliest stop string completed by the last `num_new_chars` characters of `text`.
-
-    Returns (stop string, visible text end) or None.
-    """
-    if not stop or num_new_chars <= 0:
+    """The first string of `stop` (list order) with a match ending in the last `num_new_chars`
+    characters of `text`. Returns (stop string, visible text end) or None."""
+    if num_new_chars <= 0:
         return None
-    longest = max(len(s) for s in stop)
-    window_start = max(0, len(text) - num_new_chars - longest + 1)
-    best: tuple[int, str] | None = None
     for s in stop:
-        idx = text.find(s, window_start)
-        if idx != -1 and (best is None or idx < best[0]):
-            best = (idx, s)
-    if best is None:
-        return None
-    idx, s = best
-    return s, (idx + len(s) if include_stop_str else idx)
-
-
-def check_stop(params: SamplingParams, token_id: int, num_output_tokens: int, num_total_tokens: int,
-               text: str, num_new_chars: int, eos_token_ids: frozenset[int],
-               max_model_len: int) -> StopDecision:
-    """Decide whether a sequence stops after appending `token_id` (already counted in the sizes).
-
-    `num_total_tokens` is prompt plus output; `text` is the whole detokenized output so far and
-    `num_new_chars` how much of it this token added.
-    """
-    if num_output_tokens >= params.min_tokens:
-        if not params.ignore_eos and token_id in eos_token_ids:
-            return StopDecision(FINISH_STOP, None)
-        if token_id in params.stop_token_ids:
-            return StopDecision(FINISH_STOP, token_id)
-        hit = find_stop_string(text, num_new_chars, params.stop, params.include_stop_str_in_output)
-        if hit is not None:
-            return StopDecision(FINISH_STOP, hit[0], hit[1])
-    if params.max_tokens is not None and num_output_tokens >= params.max_tokens:
-        return StopDecision(FINISH_LENGTH)
-    if num_total_tokens >= max_model_len:
-        return StopDecision(FINISH_LENGTH)
-    return StopDecision()
+        idx = text.find(s, max(0, len(text) - num_new_chars - len(s) + 1))
+        if idx != -1:
+            return s, (idx + len(s) if include_stop_str else idx)
+    return None
 
 
 def stream_holdback_chars(params: SamplingParams) -> int:
     """Characters a running sequence keeps back from its streamed text.
 
     The tail of the text could be the start of a stop string that the next token completes;
-    streaming it would show text the final output will not contain.
+    streaming it would show text the final output will not contain. (With
+    include_stop_str_in_output the cut falls after the stop string, so nothing streamed is
+    ever taken back.)
     """
     if not params.stop or params.include_stop_str_in_output:
         return 0

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -129,28 +129,61 @@ class Tokenizer:
         messages: Sequence[Message],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> str | list[int]:
         """Render `messages` ([{"role": ..., "content": ...}, ...]) with the chat template.
 
         Returns the prompt text, or its ids when `tokenize` (encoded without adding special
-        tokens, since the template writes them). Extra keyword arguments become template
-        variables, as in transformers.
+        tokens, since the template writes them). `chat_template` replaces the model's template
+        (compiled in the same sandboxed environment). `continue_final_message` leaves the last
+        message open: the rendered text ends right after that message's content (what
+        transformers does), so generation continues it. Extra keyword arguments (`tools`, ...)
+        become template variables, as in transformers.
         """
-        if self.chat_template is None:
+        source = chat_template if chat_template is not None else self.chat_template
+        if source is None:
             raise ChatTemplateError("this model has no chat template; use plain-text prompts")
+        if continue_final_message and add_generation_prompt:
+            raise ChatTemplateError("continue_final_message and add_generation_prompt cannot "
+                                    "both be set")
         variables: dict[str, Any] = {key: self.special_token(key) for key in SPECIAL_TOKEN_KEYS}
         variables.update(template_kwargs)
         variables.setdefault("tools", None)
         variables.setdefault("documents", None)
         variables["messages"] = list(messages)
         variables["add_generation_prompt"] = add_generation_prompt
-        text = self._compiled_template.render(**variables)
+        text = compile_chat_template(source).render(**variables)
+        if continue_final_message:
+            text = cut_after_final_message(text, messages)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
-    @cached_property
-    def _compiled_template(self) -> Any:
-        return compile_chat_template(self.chat_template)
+
+def cut_after_final_message(text: str, messages: Sequence[Message]) -> str:
+    """`text` (a rendered chat) cut right after the last message's content, dropping what the
+    template appends to close the turn (an end-of-turn token, a newline).
+
+    Templates may strip the content, so the last occurrence of the stripped content is found;
+    the cut keeps the content's trailing whitespace only where the template kept it.
+    """
+    content = messages[-1].get("content") if messages else None
+    if isinstance(content, list):  # content parts: continue the last text part
+        texts = [part.get("text") for part in content
+                 if isinstance(part, dict) and isinstance(part.get("text"), str)]
+        content = texts[-1] if texts else None
+    if not isinstance(content, str):
+        raise ChatTemplateError("continue_final_message: the final message has no text to "
+                                "continue")
+    core = content.strip()
+    start = text.rfind(core)
+    if not core or start == -1:
+        raise ChatTemplateError("continue_final_message: the final message's content does not "
+                                "appear in the rendered chat")
+    tail = content.lstrip()
+    end = start + (len(tail) if text.startswith(tail, start) else len(core))
+    return text[:end]
 
 
 def _config_template(config: dict[str, Any]) -> str | None:
@@ -162,8 +195,15 @@ def _config_template(config: dict[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
+# Templates compiled per distinct source (the model's, and request overrides), so a request
+# that names a template compiles it once, not every time.
+COMPILED_TEMPLATE_CACHE_SIZE = 32
+
+
+@lru_cache(maxsize=COMPILED_TEMPLATE_CACHE_SIZE)
 def compile_chat_template(source: str) -> Any:
-    """A jinja2 Template for `source`, in an environment that renders as transformers does."""
+    """A jinja2 Template for `source`, in an environment that renders as transformers does
+    (sandboxed and immutable: a request's own template cannot reach Python objects)."""
     import jinja2
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment

@@ -50,10 +50,15 @@ def test_swap_fork_prompt_logprobs_match_tp1(tmp_path):
         for index, (ref_tokens, ref_lps) in ref[rid]["seqs"].items():
             tokens, lps = got[rid]["seqs"][index]
             assert tokens == ref_tokens
-            np.testing.assert_allclose([lp.logprob for lp in lps],
-                                       [lp.logprob for lp in ref_lps], atol=LOGPROB_ATOL)
+            assert [list(p) for p in lps] == [list(p) for p in ref_lps]  # same ids, order
+            np.testing.assert_allclose(_flat(lps), _flat(ref_lps), atol=LOGPROB_ATOL)
         if ref[rid]["prompt"] is not None:
-            want = [lp.logprob for lp in ref[rid]["prompt"][1:]]
-            have = [lp.logprob for lp in got[rid]["prompt"][1:]]
+            want, have = ref[rid]["prompt"][1:], got[rid]["prompt"][1:]
             assert len(have) == len(want) > 0
-            np.testing.assert_allclose(have, want, atol=LOGPROB_ATOL)
+            assert [list(p) for p in have] == [list(p) for p in want]
+            np.testing.assert_allclose(_flat(have), _flat(want), atol=LOGPROB_ATOL)
+
+
+def _flat(positions) -> list[float]:
+    """Every logprob of a list of {token_id: Logprob} positions, in order."""
+    return [lp.logprob for position in positions for lp in position.values()]

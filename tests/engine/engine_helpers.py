@@ -138,7 +138,7 @@ def assert_top_logprobs(top: dict, ref_row: np.ndarray, backend: EngineBackend) 
     assert np.allclose(list(top.values()), ref_row[list(top)], atol=atol)
 
 
-_REFERENCE_CACHE: dict[tuple, list[int]] = {}
+_REFERENCE_CACHE: dict[tuple, tuple[object, list[int]]] = {}  # key -> (weights, tokens)
 
 
 def make_engine(model, tokenizer=None, **config) -> LLMEngine:
@@ -168,12 +168,16 @@ def reference_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
     """The oracle's greedy tokens for `prompt` (see EngineBackend.exact_reference)."""
     backend = getattr(model, "backend", None)
     key = (id(model[1]), tuple(prompt), max_tokens)
-    if key not in _REFERENCE_CACHE:
+    cached = _REFERENCE_CACHE.get(key)
+    # The entry keeps its weights alive: an id is unique only among live objects, and a freed
+    # model's id reused by another model must not hand out the freed one's tokens.
+    if cached is None or cached[0] is not model[1]:
         if backend is None or backend.exact_reference:
-            _REFERENCE_CACHE[key] = ReferenceModel(*model).greedy_generate(prompt, max_tokens)
+            tokens = ReferenceModel(*model).greedy_generate(prompt, max_tokens)
         else:
-            _REFERENCE_CACHE[key] = _solo_greedy(model, prompt, max_tokens)
-    return _REFERENCE_CACHE[key]
+            tokens = _solo_greedy(model, prompt, max_tokens)
+        cached = _REFERENCE_CACHE[key] = (model[1], tokens)
+    return cached[1]
 
 
 def _solo_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
@@ -224,6 +228,31 @@ def run_requests(engine: LLMEngine, requests: list[tuple[int, str, dict]],
         step += 1
         assert step < max_steps, "engine did not finish"
     return totals
+
+
+class PieceTokenizer:
+    """A tokenizer for the tiny models whose token i is a fixed 1-3 character string drawn from
+    ALPHABET (ids 0-2 are the special tokens "<pad>", "<s>", "</s>"); decode concatenates the
+    pieces. `special`: more ids made special, with the text given (an end-of-turn token)."""
+
+    ALPHABET = "ab c."
+
+    def __init__(self, seed: int = 0, special: dict[int, str] | None = None) -> None:
+        rng = np.random.default_rng(seed)
+        self.pieces = ["<pad>", "<s>", "</s>"] + [
+            "".join(rng.choice(list(self.ALPHABET), int(rng.integers(1, 4))))
+            for _ in range(TINY_VOCAB - 3)]
+        self.special_ids = {0, 1, 2}
+        for token_id, text in (special or {}).items():
+            self.pieces[token_id] = text
+            self.special_ids.add(token_id)
+
+    def decode(self, token_ids, skip_special_tokens: bool = False) -> str:
+        return "".join(self.pieces[t] for t in token_ids
+                       if not (skip_special_tokens and t in self.special_ids))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise NotImplementedError("the tests send token ids")
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:

@@ -134,3 +134,25 @@ def test_offline_llm_from_model_dir(tiny_cpu_model, tmp_path):
 def test_engine_config_validates():
     with pytest.raises(ValueError):
         EngineConfig(block_size=12)
+
+
+def test_queue_time_is_arrival_to_first_scheduled_step(tiny_cpu_model):
+    """RequestOutput.first_scheduled_time / queue_time (vLLM's request_queue_time_seconds):
+    with max_num_seqs 1 the second request waits for the whole first one."""
+    engine = make_engine(tiny_cpu_model, num_kv_blocks=16, max_num_seqs=1)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", prompt_token_ids=[5, 6, 7], sampling_params=params, arrival_time=0.0)
+    engine.add_request("b", prompt_token_ids=[8, 9], sampling_params=params, arrival_time=0.0)
+    first_seen: dict[str, float] = {}
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.first_scheduled_time is not None:
+                first_seen.setdefault(out.request_id, out.first_scheduled_time)
+            if out.finished:
+                finished[out.request_id] = out
+    a, b = finished["a"], finished["b"]
+    assert a.queue_time == a.first_scheduled_time - a.arrival_time > 0
+    # b is scheduled only after a has finished: after a's first token and a's finish step.
+    assert b.first_scheduled_time >= a.first_token_time
+    assert first_seen == {"a": a.first_scheduled_time, "b": b.first_scheduled_time}

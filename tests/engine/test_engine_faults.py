@@ -265,8 +265,12 @@ def test_near_zero_repetition_penalty_refused(tiny_cpu_model):
 EXTREME_PARAMS = [
     SamplingParams(repetition_penalty=0.01, top_p=0.5, temperature=1.0, max_tokens=5),
     SamplingParams(repetition_penalty=10.0, top_p=1e-300, temperature=1.0, max_tokens=5),
-    SamplingParams(temperature=100.0, top_k=10**30, min_p=1.0, max_tokens=5),
+    SamplingParams(temperature=2.0, top_k=10**30, min_p=1.0, max_tokens=5),
+    # Raised to 0.01 (vLLM): sampled, not greedy.
     SamplingParams(temperature=1e-300, top_p=0.5, max_tokens=5),
+    SamplingParams(repetition_penalty=1e6, temperature=1.0, max_tokens=5),  # no upper bound
+    SamplingParams(logit_bias={3: 100.0, 4: -100.0}, allowed_token_ids=[3, 4, 5],
+                   temperature=1.0, max_tokens=5),
     SamplingParams(frequency_penalty=2.0, presence_penalty=-2.0, repetition_penalty=0.01,
                    temperature=0.5, max_tokens=5, min_tokens=5),
     SamplingParams(logprobs=20, prompt_logprobs=20, top_k=1, n=8, max_tokens=3,

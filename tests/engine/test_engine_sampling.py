@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 
 from engine_helpers import (TINY_VOCAB, assert_top_logprobs, backend_of, greedy, make_engine,
                             random_prompts, reference_greedy, run_requests)
@@ -76,7 +77,16 @@ def test_parallel_sampling_shares_prompt_blocks(tiny_model):
     assert engine.get_stats()["num_free_blocks"] == stats["num_total_blocks"]
 
 
+def _top_entries(position: dict, k: int) -> dict:
+    """The top-k part of one position's {token_id: Logprob}: token -> logprob in rank order."""
+    ranked = sorted(((lp.rank, t, lp.logprob) for t, lp in position.items() if lp.rank <= k))
+    return {t: logprob for _, t, logprob in ranked[:k]}
+
+
 def test_logprobs_equal_reference_log_softmax(tiny_model):
+    """vLLM's shape: per position {token_id: Logprob(logprob, rank, decoded_token)}, the
+    sampled (or prompt) token first, then the top-k with ranks 1..k; cumulative_logprob the
+    sum of the sampled tokens' logprobs."""
     rng = np.random.default_rng(8)
     prompts = [rng.integers(3, TINY_VOCAB, n).tolist() for n in (1, 37, 120)]
     # The shared prefix makes the third prompt a prefix-cache hit candidate: prompt logprobs
@@ -88,26 +98,36 @@ def test_logprobs_equal_reference_log_softmax(tiny_model):
     out = run_requests(engine, [(i, f"r{i}", dict(prompt_token_ids=p, sampling_params=params))
                                 for i, p in enumerate(prompts)])
     ref = ReferenceModel(*tiny_model)
+    backend = backend_of(tiny_model)
     for i, prompt in enumerate(prompts):
         completion = out[f"r{i}"].outputs[0]
         assert completion.token_ids == reference_greedy(tiny_model, prompt, 6)
         full = prompt + completion.token_ids
         lp = log_softmax(ref.forward(np.array(full[:-1])))  # row j predicts token j + 1
-        for k, logprob in enumerate(completion.logprobs):
+        assert len(completion.logprobs) == 6
+        for k, position in enumerate(completion.logprobs):
             row = lp[len(prompt) - 1 + k]
-            assert logprob.token_id == full[len(prompt) + k]
-            assert (
-                abs(logprob.logprob - row[logprob.token_id]) < backend_of(tiny_model).logprob_atol
-            )
-            assert len(logprob.top) == 5
-            assert_top_logprobs(logprob.top, row, backend_of(tiny_model))
+            token = full[len(prompt) + k]
+            assert next(iter(position)) == token  # the sampled token first
+            assert abs(position[token].logprob - row[token]) < backend.logprob_atol
+            assert position[token].decoded_token is None  # no tokenizer
+            # Greedy: the sampled token is the top one, so the dict holds exactly the top 5.
+            assert len(position) == 5
+            assert [lp_.rank for lp_ in position.values()] == [1, 2, 3, 4, 5]
+            assert_top_logprobs(_top_entries(position, 5), row, backend)
+        assert completion.cumulative_logprob == pytest.approx(
+            sum(p[t].logprob for p, t in zip(completion.logprobs, completion.token_ids)))
         prompt_lp = out[f"r{i}"].prompt_logprobs
         assert len(prompt_lp) == len(prompt) and prompt_lp[0] is None
         for j in range(1, len(prompt)):
-            assert prompt_lp[j].token_id == prompt[j]
-            assert abs(prompt_lp[j].logprob - lp[j - 1][prompt[j]]) < \
-                backend_of(tiny_model).logprob_atol
-            assert len(prompt_lp[j].top) == 3
+            position = prompt_lp[j]
+            assert next(iter(position)) == prompt[j]
+            entry = position[prompt[j]]
+            assert abs(entry.logprob - lp[j - 1][prompt[j]]) < backend.logprob_atol
+            if backend.exact_reference:
+                assert entry.rank == 1 + int((lp[j - 1] > lp[j - 1][prompt[j]]).sum())
+            assert len(position) == (3 if entry.rank <= 3 else 4)
+            assert_top_logprobs(_top_entries(position, 3), lp[j - 1], backend)
 
 
 def test_stop_token_ids_eos_and_min_tokens(tiny_model):
@@ -172,7 +192,7 @@ def test_prompt_logprobs_survive_recompute_preemption(tiny_model):
         lp = log_softmax(ref.forward(np.array(prompt)))
         got = out[f"r{i}"].prompt_logprobs
         assert len(got) == len(prompt)
-        assert np.allclose([g.logprob for g in got[1:]],
+        assert np.allclose([g[prompt[j]].logprob for j, g in enumerate(got) if j],
                            [lp[j - 1][prompt[j]] for j in range(1, len(prompt))],
                            atol=backend_of(tiny_model).logprob_atol)
         assert out[f"r{i}"].outputs[0].token_ids == reference_greedy(tiny_model, prompt, 8)

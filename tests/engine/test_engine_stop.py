@@ -1,33 +1,13 @@
 """Stop strings are checked inside the engine on the detokenized text: a stop string spanning
 token boundaries ends the request in the step that completes it, the output (streamed or final)
-never holds text past it, and include_stop_str_in_output keeps exactly the stop string."""
+never holds text past it, and include_stop_str_in_output keeps exactly the stop string. (vLLM's
+finer rules -- stop-token text, min_tokens, list order -- are in test_vllm_semantics.py.)"""
 from __future__ import annotations
 
 import numpy as np
 
-from engine_helpers import TINY_VOCAB, greedy, make_engine
+from engine_helpers import TINY_VOCAB, PieceTokenizer, greedy, make_engine
 from pagedrun.runtime.llm import _merge
-
-SPECIAL_IDS = (0, 1, 2)
-ALPHABET = "ab c."
-
-
-class PieceTokenizer:
-    """A tokenizer whose token i is a fixed 1-3 character string; decode concatenates pieces."""
-
-    def __init__(self, seed: int = 0) -> None:
-        rng = np.random.default_rng(seed)
-        self.pieces = ["<pad>", "<s>", "</s>"] + [
-            "".join(rng.choice(list(ALPHABET), int(rng.integers(1, 4))))
-            for _ in range(TINY_VOCAB - len(SPECIAL_IDS))]
-
-    def decode(self, token_ids, skip_special_tokens: bool = False) -> str:
-        return "".join(self.pieces[t] for t in token_ids
-                       if not (skip_special_tokens and t in SPECIAL_IDS))
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        raise NotImplementedError("the tests send token ids")
-
 
 def _stream(engine, prompt, params):
     """Run one request; returns (final output, list of accumulated texts after each delta)."""
@@ -76,7 +56,10 @@ def test_stop_string_spanning_tokens(tiny_model):
     assert all(text[:idx + len(stop)].startswith(t) for t in texts)
 
 
-def test_earliest_stop_string_wins_and_single_char_stop(tiny_model):
+def test_stop_string_completed_first_wins_and_single_char_stop(tiny_model):
+    """Of two stop strings completed by different tokens, the one completed first ends the
+    request whatever the list order (list order decides only between stop strings completed
+    by the same token: tests/engine/test_vllm_semantics.py)."""
     tokenizer = PieceTokenizer(seed=1)
     prompt = np.random.default_rng(4).integers(3, TINY_VOCAB, 9).tolist()
     engine = make_engine(tiny_model, tokenizer, num_kv_blocks=64, max_model_len=512)

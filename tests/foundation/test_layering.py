@@ -68,8 +68,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "pagedrun.runtime.engine_config",
         "pagedrun.runtime.model_config",
         "pagedrun.runtime.sampling_params",
+        "pagedrun.runtime.chat_options",
         "pagedrun.runtime.outputs",
         "pagedrun.runtime.stop_checker",
+        "pagedrun.runtime.admission",
         "pagedrun.runtime.request",
         "pagedrun.runtime.sampler",
         "pagedrun.runtime.tokenizer",
@@ -118,6 +120,7 @@ SERVER_PUBLIC_API = (
     "pagedrun.runtime.engine_config",
     "pagedrun.runtime.llm",
     "pagedrun.runtime.sampling_params",
+    "pagedrun.runtime.chat_options",
     "pagedrun.runtime.outputs",
     "pagedrun.runtime.errors",
     # Text in and out: `generate` applies the chat template and streams text.
