@@ -11,6 +11,12 @@ max(2 s, that interval) without any frame from the server. A PING unanswered for
 `ping_timeout_s` (no frame at all since it was sent), or a reply whose `server_id` differs from
 the one seen before (the server restarted and forgot the request), raises `ServerUnavailable`
 for every request that was waiting, instead of waiting out `timeout_s`.
+
+Results follow the offline API (protocol 1.3): `logprobs` and `prompt_logprobs` are vLLM's
+shape, per position {token_id: Logprob(logprob, rank, decoded_token)} with the sampled (or
+prompt) token first, and completions carry `cumulative_logprob`. Chat options (chat_template,
+add_generation_prompt, continue_final_message, tools, chat_template_kwargs) are keyword
+arguments of `generate` / `stream`, sent only when given (a 1.2 server refuses them).
 """
 from __future__ import annotations
 
@@ -24,9 +30,10 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from pagedrun.runtime.outputs import Logprob
+from pagedrun.runtime.outputs import PositionLogprobs
+from pagedrun.runtime.sampling_params import SamplingParams
 from pagedrun.server.auth import apply_curve_client
-from pagedrun.server.protocol import MsgType, encode, decode_reply
+from pagedrun.server.protocol import MsgType, decode_reply, encode, position_from_wire
 
 from pagedrun.server.protocol import DEFAULT_ENDPOINT  # re-exported: the one default
 # Upper bound on the PING interval while waiting; the interval is min(this, lease_s / 3), so a
@@ -212,9 +219,13 @@ class Delta:
     index: int
     token_ids: list[int]
     text: str
-    logprobs: list | None = None
+    # With sampling_params.logprobs: one {token_id: Logprob} per new token (vLLM's shape: the
+    # sampled token first, then the top ones).
+    logprobs: list[PositionLogprobs] | None = None
     # Set on the one delta that carried them (protocol 1.1; see Completion.prompt_logprobs).
-    prompt_logprobs: list[Logprob | None] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # Sum of the sequence's sampled logprobs so far (1.3), with sampling_params.logprobs.
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -226,27 +237,46 @@ class Completion:
     stop_reason: object = None
     usage: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
+    # Each entry: index, finish_reason, stop_reason, token_ids, text, and with logprobs asked
+    # `logprobs` (vLLM's shape, as Completion.logprobs) and `cumulative_logprob`.
     outputs: list[dict] = field(default_factory=list)
-    logprobs: list | None = None
+    # Of sequence 0, as LLM.generate's CompletionOutput.logprobs: one {token_id: Logprob(
+    # logprob, rank, decoded_token)} per generated token, the sampled token first.
+    logprobs: list[PositionLogprobs] | None = None
     # With sampling_params.prompt_logprobs: as LLM.generate's RequestOutput.prompt_logprobs, one
-    # entry per prompt token, None for token 0, else Logprob(token_id, logprob, top {id: lp}).
-    # None when not asked, when the request ended before its prompt had run, or when the server
-    # predates protocol revision 1.1.
-    prompt_logprobs: list[Logprob | None] | None = None
+    # entry per prompt token, None for token 0, else {token_id: Logprob} with the prompt token
+    # first. None when not asked, when the request ended before its prompt had run, or when the
+    # server predates protocol revision 1.1.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # Of sequence 0 (1.3): the sum of its sampled tokens' logprobs; None without logprobs.
+    cumulative_logprob: float | None = None
 
 
-def _prompt_logprobs_from_wire(entries) -> list[Logprob | None] | None:
-    """The wire's prompt_logprobs (nil or {token_id, logprob, top: [[id, lp], ...]} each) as
-    the offline API returns them."""
+def _logprobs_from_wire(entries) -> list[PositionLogprobs | None] | None:
+    """The wire's logprobs / prompt_logprobs (nil or an entry each) in the offline API's shape."""
     if entries is None:
         return None
-    return [None if e is None else Logprob(int(e["token_id"]), float(e["logprob"]),
-                                           {int(t): float(v) for t, v in e.get("top", [])})
-            for e in entries]
+    return [None if e is None else position_from_wire(e) for e in entries]
+
+
+def _sampling_wire(sampling_params) -> dict:
+    """sampling_params (a dict or a SamplingParams) as the wire's map: a SamplingParams sends
+    only what differs from the defaults (an older server refuses fields it does not know) and
+    no output_kind while it is the default DELTA (the server streams per `stream`); logit_bias
+    keys become strings (every wire map key is a string; the server converts them back)."""
+    if isinstance(sampling_params, SamplingParams):
+        defaults = SamplingParams().to_dict()
+        wire = {k: v for k, v in sampling_params.to_dict().items() if v != defaults.get(k)}
+    else:
+        wire = dict(sampling_params)
+    bias = wire.get("logit_bias")
+    if isinstance(bias, dict):
+        wire["logit_bias"] = {str(k): v for k, v in bias.items()}
+    return wire
 
 
 def _generate_body(request_id, prompt, prompt_token_ids, messages, sampling_params,
-                   stream) -> dict:
+                   stream, chat_options: dict | None = None) -> dict:
     body: dict = {"request_id": request_id, "stream": stream}
     if prompt is not None:
         body["prompt"] = prompt
@@ -255,8 +285,10 @@ def _generate_body(request_id, prompt, prompt_token_ids, messages, sampling_para
     if messages is not None:
         body["messages"] = list(messages)
     if sampling_params is not None:
-        body["sampling_params"] = (sampling_params if isinstance(sampling_params, dict)
-                                   else sampling_params.to_dict())
+        body["sampling_params"] = _sampling_wire(sampling_params)
+    for name, value in (chat_options or {}).items():
+        if value is not None:
+            body[name] = value
     return body
 
 
@@ -270,18 +302,23 @@ class _Accumulator:
         self.texts: dict[int, list[str]] = {}
         self.token_ids: dict[int, list[int]] = {}
         self.logprobs: dict[int, list] = {}
-        self.prompt_logprobs: list[Logprob | None] | None = None
+        self.cumulative_logprobs: dict[int, float | None] = {}
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     def add(self, body: dict) -> Delta:
         """Record one DELTA reply body; returns it as the Delta the stream yields."""
         d = Delta(self.request_id, body["index"], body["token_ids"], body["text"],
-                  body.get("logprobs"), _prompt_logprobs_from_wire(body.get("prompt_logprobs")))
+                  _logprobs_from_wire(body.get("logprobs")),
+                  _logprobs_from_wire(body.get("prompt_logprobs")),
+                  body.get("cumulative_logprob"))
         if d.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = d.prompt_logprobs
         self.texts.setdefault(d.index, []).append(d.text)
         self.token_ids.setdefault(d.index, []).extend(d.token_ids)
         if d.logprobs is not None:
             self.logprobs.setdefault(d.index, []).extend(d.logprobs)
+        if "cumulative_logprob" in body:
+            self.cumulative_logprobs[d.index] = d.cumulative_logprob
         return d
 
     def finish(self, body: dict) -> Completion:
@@ -290,16 +327,21 @@ class _Accumulator:
             i = o.get("index", 0)
             o.setdefault("token_ids", self.token_ids.get(i, []))
             o.setdefault("text", "".join(self.texts.get(i, [])))
-            if i in self.logprobs:
-                o.setdefault("logprobs", self.logprobs[i])
+            if "logprobs" in o:
+                o["logprobs"] = _logprobs_from_wire(o["logprobs"])
+            elif i in self.logprobs:
+                o["logprobs"] = self.logprobs[i]
+            if i in self.cumulative_logprobs:
+                o.setdefault("cumulative_logprob", self.cumulative_logprobs[i])
         first = outputs[0] if outputs else {"token_ids": self.token_ids.get(0, []),
                                             "text": "".join(self.texts.get(0, []))}
-        prompt_logprobs = _prompt_logprobs_from_wire(body.get("prompt_logprobs"))
+        prompt_logprobs = _logprobs_from_wire(body.get("prompt_logprobs"))
         return Completion(self.request_id, first["text"], first["token_ids"],
                           body.get("finish_reason"), body.get("stop_reason"),
                           body.get("usage", {}), body.get("metrics", {}), outputs,
                           first.get("logprobs"),
-                          self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs)
+                          self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+                          first.get("cumulative_logprob"))
 
 
 def _make_socket(ctx, endpoint: str, server_public_key_file, client_secret_key_file):
@@ -441,27 +483,40 @@ class Client(_FollowsServer):
         return bool(body["found"])
 
     def stream(self, prompt: str | None = None, *, prompt_token_ids=None, messages=None,
-               sampling_params=None, request_id: str | None = None) -> Stream:
+               sampling_params=None, request_id: str | None = None, chat_template=None,
+               add_generation_prompt=None, continue_final_message=None, tools=None,
+               chat_template_kwargs=None) -> Stream:
+        """A streamed GENERATE. The chat options (vLLM's LLM.chat keywords; only with
+        `messages`) are sent when not None; the server checks them."""
         rid = request_id or uuid.uuid4().hex
+        chat = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message, tools=tools,
+                    chat_template_kwargs=chat_template_kwargs)
         self._register(rid)
         self._send(MsgType.GENERATE, _generate_body(rid, prompt, prompt_token_ids, messages,
-                                                    sampling_params, True))
+                                                    sampling_params, True, chat))
         return Stream(self, rid)
 
     def generate(self, prompt: str | None = None, *, prompt_token_ids=None, messages=None,
                  sampling_params=None, request_id: str | None = None,
-                 stream: bool = False) -> Completion:
-        """Blocking generation; `stream=True` uses DELTA frames underneath (same result)."""
+                 stream: bool = False, chat_template=None, add_generation_prompt=None,
+                 continue_final_message=None, tools=None,
+                 chat_template_kwargs=None) -> Completion:
+        """Blocking generation; `stream=True` uses DELTA frames underneath (same result).
+        Chat options as in `stream`."""
         rid = request_id or uuid.uuid4().hex
+        chat = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message, tools=tools,
+                    chat_template_kwargs=chat_template_kwargs)
         if stream:
             s = self.stream(prompt, prompt_token_ids=prompt_token_ids, messages=messages,
-                            sampling_params=sampling_params, request_id=rid)
+                            sampling_params=sampling_params, request_id=rid, **chat)
             for _ in s:
                 pass
             return s.result
         self._register(rid)
         self._send(MsgType.GENERATE, _generate_body(rid, prompt, prompt_token_ids, messages,
-                                                    sampling_params, False))
+                                                    sampling_params, False, chat))
         try:
             msg_type, body = self._recv_for(rid)
         except BaseException:
@@ -777,12 +832,18 @@ class AsyncClient(_FollowsServer):
         return await _within(fut, self.timeout_s)
 
     async def stream(self, prompt: str | None = None, *, prompt_token_ids=None, messages=None,
-                     sampling_params=None, request_id: str | None = None) -> AsyncStream:
+                     sampling_params=None, request_id: str | None = None, chat_template=None,
+                     add_generation_prompt=None, continue_final_message=None, tools=None,
+                     chat_template_kwargs=None) -> AsyncStream:
+        """As Client.stream (chat options included)."""
         rid = request_id or uuid.uuid4().hex
+        chat = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message, tools=tools,
+                    chat_template_kwargs=chat_template_kwargs)
         queue = self._track(rid)
         try:
-            await self._send(MsgType.GENERATE, _generate_body(rid, prompt, prompt_token_ids,
-                                                              messages, sampling_params, True))
+            await self._send(MsgType.GENERATE, _generate_body(
+                rid, prompt, prompt_token_ids, messages, sampling_params, True, chat))
         except BaseException:
             self._forget(rid)
             raise
@@ -790,9 +851,15 @@ class AsyncClient(_FollowsServer):
 
     async def generate(self, prompt: str | None = None, *, prompt_token_ids=None,
                        messages=None, sampling_params=None,
-                       request_id: str | None = None) -> Completion:
+                       request_id: str | None = None, chat_template=None,
+                       add_generation_prompt=None, continue_final_message=None, tools=None,
+                       chat_template_kwargs=None) -> Completion:
         s = await self.stream(prompt, prompt_token_ids=prompt_token_ids, messages=messages,
-                              sampling_params=sampling_params, request_id=request_id)
+                              sampling_params=sampling_params, request_id=request_id,
+                              chat_template=chat_template,
+                              add_generation_prompt=add_generation_prompt,
+                              continue_final_message=continue_final_message, tools=tools,
+                              chat_template_kwargs=chat_template_kwargs)
         async with s:
             async for _ in s:
                 pass

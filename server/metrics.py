@@ -14,6 +14,10 @@ TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.
                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 TPOT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                   1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# vLLM's request_queue_time_seconds buckets are the e2e ones; ours start lower because a
+# request that is scheduled in the step after it arrives waits milliseconds.
+QUEUE_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                   20.0, 40.0, 80.0, 160.0, 640.0)
 E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                  60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -47,6 +51,7 @@ class ServerMetrics:
         self.ttft = Histogram(TTFT_BUCKETS_S)
         self.tpot = Histogram(TPOT_BUCKETS_S)
         self.e2e = Histogram(E2E_BUCKETS_S)
+        self.queue = Histogram(QUEUE_BUCKETS_S)
         self.counters = {
             "request_success_total": 0,   # finished with stop/length
             "request_abort_total": 0,     # aborted by the client, a lost client or shutdown
@@ -68,5 +73,6 @@ class ServerMetrics:
                 "time_to_first_token_seconds": self.ttft.to_wire(),
                 "time_per_output_token_seconds": self.tpot.to_wire(),
                 "e2e_request_latency_seconds": self.e2e.to_wire(),
+                "request_queue_time_seconds": self.queue.to_wire(),
             },
         }

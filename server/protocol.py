@@ -19,14 +19,17 @@ import msgpack
 
 from pagedrun.runtime.errors import (ERR_CAPACITY, ERR_DUPLICATE, ERR_EMPTY, ERR_INVALID,
                                      ERR_TOO_LONG)
+from pagedrun.runtime.outputs import Logprob
 
 PROTOCOL_VERSION = 1
 # The revision of docs/protocol.md this code implements ("<version>.<minor>"). Minor revisions
 # only add (optional request fields, reply fields, types, codes) and keep the version byte, so a
 # client of any 1.x revision talks to a server of any other; PONG and MODEL_INFO_REPLY advertise
 # it, for clients that want to know which reply fields to expect (1.1: prompt_logprobs; 1.2:
-# server_id in replies, documented ranges enforced, heartbeats that follow lease_s).
-PROTOCOL_REVISION = "1.2"
+# server_id in replies, documented ranges enforced, heartbeats that follow lease_s; 1.3: vLLM's
+# sampling fields and ranges, chat options, logprobs entries with rank and decoded_token,
+# cumulative_logprob).
+PROTOCOL_REVISION = "1.3"
 HEADER_BYTES = 2
 
 # Where a server listens and a client connects when told nothing else (docs/protocol.md:
@@ -56,7 +59,8 @@ _UNPACK_LIMITS = dict(max_str_len=DEFAULT_MAX_MESSAGE_BYTES * HARD_LIMIT_FACTOR,
                       max_array_len=1 << 20, max_map_len=1 << 12, max_ext_len=0)
 # Deepest nesting of maps and arrays a request body may have (the body map is level 1). The
 # deepest valid request is 3 levels (body -> messages -> one message; body -> sampling_params
-# -> stop); anything past this is `invalid_message`.
+# -> stop; 1.3: `tools` and `chat_template_kwargs` hold JSON-like values of their own, within
+# the same bound); anything past this is `invalid_message`.
 MAX_NESTING_DEPTH = 16
 # Longest `message` of an ERROR reply; longer ones (a repr of a hostile value) are cut.
 MAX_ERROR_MESSAGE_CHARS = 1000
@@ -276,3 +280,49 @@ def is_int(v) -> bool:
 
 def is_finite_number(v) -> bool:
     return (is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+# --- logprobs entries (1.3) ----------------------------------------------------------------
+def _rank_order(item) -> float:
+    rank = item[1].rank
+    return float("inf") if rank is None else rank
+
+
+def position_to_wire(position: dict, num_top: int) -> dict:
+    """One position of the engine's logprobs -- {token_id: Logprob}, the sampled (or prompt)
+    token first, then the top `num_top` (vLLM's shape: num_top or num_top + 1 entries, as that
+    token is or is not among them) -- as the wire's entry (docs/protocol.md, "Logprobs"):
+    {token_id, logprob, top: [[token_id, logprob]], rank, decoded_token, top_decoded_tokens}.
+    `top` holds the num_top best, best first, so its i-th pair has rank i + 1 (it keeps the
+    1.1 pair shape: 1.3 only adds fields)."""
+    items = list(position.items())
+    token_id, own = items[0]
+    if len(items) == num_top + 1:  # the sampled token is not among the top: all the rest are
+        top = items[1:]
+    else:  # it is (or the engine sent fewer: a vocabulary smaller than num_top)
+        top = sorted(items, key=_rank_order)[:num_top]
+    return {"token_id": int(token_id), "logprob": float(own.logprob),
+            "top": [[int(t), float(lp.logprob)] for t, lp in top],
+            "rank": None if own.rank is None else int(own.rank),
+            "decoded_token": own.decoded_token,
+            "top_decoded_tokens": [lp.decoded_token for _, lp in top]}
+
+
+def position_from_wire(entry: dict) -> dict[int, Logprob]:
+    """A wire logprobs entry back in vLLM's shape: {token_id: Logprob(logprob, rank,
+    decoded_token)}, the entry's own token first, then the `top` ones not already there (the
+    i-th of `top` has rank i + 1). From a 1.0-1.2 server (no rank, no decoded tokens) the own
+    token's rank is known only when it is in `top`; decoded tokens are None."""
+    token_id = int(entry["token_id"])
+    out = {token_id: Logprob(float(entry["logprob"]), entry.get("rank"),
+                             entry.get("decoded_token"))}
+    top = entry.get("top") or ()
+    decoded = entry.get("top_decoded_tokens") or [None] * len(top)
+    for i, (alt, text) in enumerate(zip(top, decoded)):
+        alt_id = int(alt[0])
+        if alt_id == token_id:
+            if out[token_id].rank is None:
+                out[token_id].rank = i + 1
+            continue
+        out[alt_id] = Logprob(float(alt[1]), i + 1, text)
+    return out

@@ -15,6 +15,8 @@ Hostile input: the per-message handler is total -- decoding and validation raise
 ProtocolError (an ERROR with its code), and anything else a message causes is logged and
 answered `internal_error`; no message ends the server. Every DELTA, FINAL, ERROR, PONG and
 MODEL_INFO_REPLY carries `server_id`, random per server start, so clients can tell a restart.
+Logprobs (1.3): the engine's per-position {token_id: Logprob} dicts become the wire's entries
+(protocol.position_to_wire), and completions carry `cumulative_logprob` when logprobs were asked.
 Shutdown: the first request_shutdown() drains; force_shutdown() (a second signal) answers every
 in-flight request `shutting_down` and returns at once.
 """
@@ -28,15 +30,17 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from pagedrun.runtime.sampling_params import MAX_LOGPROBS
 from pagedrun.server.auth import CurveConfig, start_curve_server
 from pagedrun.server.engine_loop import EngineLoop
 from pagedrun.server.metrics import ServerMetrics
 from pagedrun.server.protocol import (DEFAULT_MAX_MESSAGE_BYTES, HARD_LIMIT_FACTOR,
                                       PROTOCOL_REVISION, PROTOCOL_VERSION, ErrorCode, MsgType,
-                                      ProtocolError, decode, encode, error_body,
-                                      is_loopback_endpoint, new_server_id, valid_request_id)
+                                      ProtocolError, decode, encode, error_body, is_int,
+                                      is_loopback_endpoint, new_server_id, position_to_wire,
+                                      valid_request_id)
 from pagedrun.server.validation import (GenerateRequest, ModelLimits, check_fields,
-                                        check_prompt_len, parse_generate)
+                                        check_prompt_len, parse_generate, truncate_prompt)
 
 log = logging.getLogger("pagedrun.server")
 
@@ -85,29 +89,25 @@ class _Request:
     texts: dict = field(default_factory=dict)      # index -> list[str] (stream off)
     token_ids: dict = field(default_factory=dict)  # index -> list[int] (stream off)
     logprobs: dict = field(default_factory=dict)   # index -> list (stream off, when asked)
-    want_logprobs: bool = False
-    want_prompt_logprobs: bool = False
+    cumulative_logprobs: dict = field(default_factory=dict)  # index -> float (when asked)
+    # Top logprobs per position asked for (-1 resolved to the vocabulary), None: not asked.
+    num_logprobs: int | None = None
+    num_prompt_logprobs: int | None = None
     # Wire form of the prompt logprobs once the engine has handed them over and until one frame
     # (the next DELTA, else the FINAL) has carried them; sent once per request.
     prompt_logprobs: list | None = None
     prompt_logprobs_taken: bool = False
 
 
-def _logprob_wire(lp) -> dict:
-    """One Logprob as the wire's `{token_id, logprob, top: [[token_id, logprob], ...]}`."""
-    return {"token_id": int(lp.token_id), "logprob": float(lp.logprob),
-            "top": [[int(t), float(v)] for t, v in lp.top.items()]}
+def _logprobs_wire(logprobs, num_top: int) -> list:
+    """Sample or prompt logprobs: one entry per position, nil where there is none (prompt
+    token 0)."""
+    return [None if pos is None else position_to_wire(pos, num_top) for pos in logprobs]
 
 
-def _logprobs_wire(logprobs) -> list | None:
-    if logprobs is None:
-        return None
-    return [_logprob_wire(lp) for lp in logprobs]
-
-
-def _prompt_logprobs_wire(prompt_logprobs) -> list:
-    """Prompt logprobs: one entry per prompt token, nil where there is none (token 0)."""
-    return [None if lp is None else _logprob_wire(lp) for lp in prompt_logprobs]
+def _num_top(asked: int | None, vocab_size: int) -> int | None:
+    """A request's logprobs / prompt_logprobs as a count of top entries (-1: the vocabulary)."""
+    return None if asked is None else (vocab_size if asked == -1 else asked)
 
 
 class Server:
@@ -116,8 +116,13 @@ class Server:
         self.config = config or ServerConfig()
         info = dict(engine.model_info())
         self.model_info = info
+        # vLLM's max_logprobs is an engine setting (EngineConfig); an engine without one (the
+        # tests' fake) gets the default.
+        max_logprobs = getattr(getattr(engine, "config", None), "max_logprobs", MAX_LOGPROBS)
         self.limits = ModelLimits(vocab_size=int(info["vocab_size"]),
-                                  max_model_len=int(info["max_model_len"]))
+                                  max_model_len=int(info["max_model_len"]),
+                                  max_logprobs=max_logprobs if is_int(max_logprobs)
+                                  else MAX_LOGPROBS)
         tokenizer = getattr(engine, "tokenizer", None)
         # Tokenize here, not in the engine thread, when the tokenizer offers the same calls the
         # engine would make (runtime/engine.py: encode(prompt); apply_chat_template(messages,
@@ -361,11 +366,13 @@ class Server:
             raise ProtocolError(ErrorCode.OVERLOADED,
                                 f"{len(self._requests)} requests in flight (the limit is "
                                 f"{self.config.max_queued_requests}); retry later", rid)
-        kwargs: dict = {"sampling_params": req.sampling_params}
+        params = req.sampling_params
+        kwargs: dict = {"sampling_params": params}
         if req.prompt is not None and self._encode is not None:
             ids = list(self._encode(req.prompt))
             if not ids:
                 raise ProtocolError(ErrorCode.EMPTY_PROMPT, "prompt: encodes to no tokens", rid)
+            ids = truncate_prompt(ids, params, self.limits)
             check_prompt_len(len(ids), self.limits, rid)
             kwargs["prompt_token_ids"] = ids
         elif req.prompt is not None:
@@ -373,28 +380,39 @@ class Server:
         elif req.prompt_token_ids is not None:
             kwargs["prompt_token_ids"] = req.prompt_token_ids
         elif self._apply_template is not None:
-            try:
-                ids = list(self._apply_template(req.messages, tokenize=True))
-            except Exception as exc:  # template errors are the messages' fault (as in engine)
-                raise ProtocolError(ErrorCode.INVALID_REQUEST, f"chat template: {exc}",
-                                    rid) from None
+            ids = self._render_chat(req, rid)
             if not ids:
                 raise ProtocolError(ErrorCode.EMPTY_PROMPT, "messages: render to no tokens", rid)
+            ids = truncate_prompt(ids, params, self.limits)
             check_prompt_len(len(ids), self.limits, rid)
             kwargs["prompt_token_ids"] = ids
-        else:
+        else:  # the engine renders (a model without a template of its own, the tests' fake)
             kwargs["messages"] = req.messages
+            if req.chat_options is not None:
+                kwargs["chat_options"] = req.chat_options
         now = time.monotonic()
         kwargs["arrival_time"] = now
         engine_id = f"r{self._next_id}"
         self._next_id += 1
+        vocab = self.limits.vocab_size
         self._requests[engine_id] = _Request(
             engine_id, identity, rid, req.stream, now,
-            want_logprobs=req.sampling_params.logprobs is not None,
-            want_prompt_logprobs=req.sampling_params.prompt_logprobs is not None)
+            num_logprobs=_num_top(params.logprobs, vocab),
+            num_prompt_logprobs=_num_top(params.prompt_logprobs, vocab))
         self._by_client[(identity, rid)] = engine_id
         self._by_identity.setdefault(identity, set()).add(engine_id)
         self._loop.add(engine_id, kwargs)
+
+    def _render_chat(self, req: GenerateRequest, rid: str) -> list[int]:
+        """The prompt ids of a chat request, rendered here exactly as LLMEngine.add_request
+        would (the same Tokenizer.apply_chat_template call, chat options included: 1.3)."""
+        options = req.chat_options
+        extra = {} if options is None else options.template_kwargs()
+        try:
+            return list(self._apply_template(req.messages, tokenize=True, **extra))
+        except Exception as exc:  # template errors are the messages' fault (as in engine)
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"chat template: {exc}",
+                                rid) from None
 
     def _model_info_body(self, rid: str | None) -> dict:
         info = {k: v for k, v in self.model_info.items()}
@@ -408,7 +426,8 @@ class Server:
         info["server"] = {"protocol_version": PROTOCOL_VERSION,
                           "protocol_revision": PROTOCOL_REVISION, "lease_s": self.config.lease_s,
                           "max_message_bytes": self.config.max_message_bytes,
-                          "max_queued_requests": self.config.max_queued_requests}
+                          "max_queued_requests": self.config.max_queued_requests,
+                          "max_logprobs": self.limits.max_logprobs}
         info["request_id"] = rid
         return info
 
@@ -462,22 +481,28 @@ class Server:
                 self._send_error(req.identity, ErrorCode.INTERNAL_ERROR,
                                  f"the engine failed this request: {out.error}", req.client_id)
             return
-        if (req.want_prompt_logprobs and not req.prompt_logprobs_taken
+        if (req.num_prompt_logprobs is not None and not req.prompt_logprobs_taken
                 and out.prompt_logprobs is not None):
-            req.prompt_logprobs = _prompt_logprobs_wire(out.prompt_logprobs)
+            req.prompt_logprobs = _logprobs_wire(out.prompt_logprobs, req.num_prompt_logprobs)
             req.prompt_logprobs_taken = True
+        want_logprobs = req.num_logprobs is not None
         for comp in out.outputs:
+            if want_logprobs and comp.cumulative_logprob is not None:
+                req.cumulative_logprobs[comp.index] = float(comp.cumulative_logprob)
             if comp.token_ids or comp.text:
                 if req.first_token_time is None and comp.token_ids:
                     req.first_token_time = now
                     self.metrics.ttft.observe(now - req.arrival_time)
                 req.num_output_tokens += len(comp.token_ids)
-                lps = _logprobs_wire(comp.logprobs) if req.want_logprobs else None
+                lps = None
+                if want_logprobs:
+                    lps = _logprobs_wire(comp.logprobs or [], req.num_logprobs)
                 if req.stream:
                     body = {"request_id": req.client_id, "index": comp.index,
                             "token_ids": list(comp.token_ids), "text": comp.text}
                     if lps is not None:
                         body["logprobs"] = lps
+                        body["cumulative_logprob"] = req.cumulative_logprobs.get(comp.index)
                     if req.prompt_logprobs is not None:  # once: the first DELTA that can
                         body["prompt_logprobs"], req.prompt_logprobs = req.prompt_logprobs, None
                     self._send_to_request(req, MsgType.DELTA, body)
@@ -498,8 +523,10 @@ class Server:
             if not req.stream:
                 entry["token_ids"] = req.token_ids.get(comp.index, [])
                 entry["text"] = "".join(req.texts.get(comp.index, []))
-                if req.want_logprobs:
+                if req.num_logprobs is not None:
                     entry["logprobs"] = req.logprobs.get(comp.index, [])
+            if req.num_logprobs is not None:
+                entry["cumulative_logprob"] = req.cumulative_logprobs.get(comp.index)
             outputs.append(entry)
         reason = outputs[0]["finish_reason"] if outputs else "abort"
         e2e = now - req.arrival_time
@@ -511,6 +538,9 @@ class Server:
             tpot = (e2e - ttft) / (completion_tokens - 1)
             self.metrics.tpot.observe(tpot)
         self.metrics.e2e.observe(e2e)
+        queue_time = getattr(out, "queue_time", None)  # None: never scheduled (aborted early)
+        if queue_time is not None:
+            self.metrics.queue.observe(max(0.0, queue_time))
         kind = "request_abort_total" if reason == "abort" else "request_success_total"
         self.metrics.counters[kind] += 1
         if req.orphaned:

@@ -5,14 +5,22 @@ what else is batched), so a test can compare a request served under load with th
 served alone. `step_delay_s` makes it slow enough for aborts and disconnects to land mid-stream.
 Blocks are accounted like a paged engine's (ceil(tokens / block_size) per running request) so
 "every block free afterwards" is checkable through get_stats().
+
+Logprobs have vLLM's shape ({token_id: Logprob(logprob, rank, decoded_token)} per position, the
+sampled or prompt token first, then the top k) with made-up values that are exact in binary;
+the sampled token's rank cycles 1, 2, 3 so it is sometimes inside the top k and sometimes not.
+Chat messages render as "<role>content..." with the ChatOptions visible in the text
+(`render_chat`), so a test can tell from the prompt token count which options arrived.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
+from pagedrun.runtime.chat_options import ChatOptions
 from pagedrun.runtime.outputs import CompletionOutput, Logprob, RequestOutput, Usage
-from pagedrun.runtime.sampling_params import SamplingParams
+from pagedrun.runtime.sampling_params import MAX_LOGPROBS, SamplingParams
 
 FIRST_PRINTABLE = 32
 NUM_PRINTABLE = 95  # ASCII 32..126: every generated token decodes to one printable character
@@ -47,11 +55,88 @@ def expected_tokens(prompt_ids: list[int], max_tokens: int) -> list[int]:
             for pos in range(max_tokens)]
 
 
-def expected_prompt_logprobs(prompt_ids: list[int], num_top: int) -> list[Logprob | None]:
+def decode_one(token_id: int) -> str:
+    return ByteTokenizer().decode([token_id])
+
+
+def alt_token(token_id: int, rank: int, alt_offset: int, j: int) -> int:
+    """The made-up token of rank j (!= rank) at a position whose own token has rank `rank`:
+    token_id + alt_offset + j, except where that wraps onto token_id itself (only with a top
+    near the whole vocabulary): then the one value no other rank takes."""
+    alt = (token_id + alt_offset + j) % VOCAB_SIZE
+    return (token_id + alt_offset + rank) % VOCAB_SIZE if alt == token_id else alt
+
+
+def _position(token_id: int, rank: int, num_top: int, base: float, alt_offset: int) -> dict:
+    """{token_id: Logprob} of one position: `token_id` (of rank `rank`) first, then the top
+    `num_top` (rank j has logprob base - (j - 1) / 2; the ranks other than token_id's are
+    made-up tokens, alt_token)."""
+    out = {token_id: Logprob(base - (rank - 1) / 2, rank, decode_one(token_id))}
+    for j in range(1, num_top + 1):
+        t = token_id if j == rank else alt_token(token_id, rank, alt_offset, j)
+        out[t] = Logprob(base - (j - 1) / 2, j, decode_one(t))
+    return out
+
+
+def sampled_rank(position: int) -> int:
+    """The rank the fake engine gives its sampled token at output position `position`."""
+    return 1 + position % 3
+
+
+def expected_logprobs(token_ids: list[int], num_top: int, start: int = 0) -> list[dict]:
+    """The reference sample logprobs of output tokens `token_ids` (from output position
+    `start`): the sampled token has rank sampled_rank(pos) and logprob -rank / 2."""
+    return [_position(t, sampled_rank(start + i), num_top, -0.5, 100)
+            for i, t in enumerate(token_ids)]
+
+
+def expected_cumulative_logprob(num_tokens: int) -> float:
+    return sum(-sampled_rank(p) / 2 for p in range(num_tokens))
+
+
+def expected_prompt_logprobs(prompt_ids: list[int], num_top: int) -> list[dict | None]:
     """The reference prompt logprobs of the fake engine: None for token 0, then per prompt token
-    a logprob of -i/4 (exact in binary) and `num_top` made-up alternatives, best first."""
-    return [None] + [Logprob(t, -i / 4, {(t + j) % VOCAB_SIZE: -i / 4 - j for j in range(num_top)})
+    i a position whose best logprob is -i/4 and where the prompt token has rank 1 + i % 3."""
+    return [None] + [_position(t, 1 + i % 3, num_top, -i / 4, 50)
                      for i, t in enumerate(prompt_ids) if i > 0]
+
+
+# The wire form (protocol 1.3) of the references above, written from their definition, not
+# through the server's conversion: {token_id, logprob, top, rank, decoded_token,
+# top_decoded_tokens} with `top` the k best as [token_id, logprob] pairs, best first.
+def _wire_entry(t: int, rank: int, num_top: int, base: float, alt_offset: int) -> dict:
+    top = [t if j == rank else alt_token(t, rank, alt_offset, j) for j in range(1, num_top + 1)]
+    return {"token_id": t, "logprob": base - (rank - 1) / 2,
+            "top": [[alt, base - j / 2] for j, alt in enumerate(top)],
+            "rank": rank, "decoded_token": decode_one(t),
+            "top_decoded_tokens": [decode_one(alt) for alt in top]}
+
+
+def expected_logprobs_wire(token_ids: list[int], num_top: int, start: int = 0) -> list[dict]:
+    return [_wire_entry(t, sampled_rank(start + i), num_top, -0.5, 100)
+            for i, t in enumerate(token_ids)]
+
+
+def expected_prompt_logprobs_wire(prompt_ids: list[int], num_top: int) -> list[dict | None]:
+    return [None] + [_wire_entry(t, 1 + i % 3, num_top, -i / 4, 50)
+                     for i, t in enumerate(prompt_ids) if i > 0]
+
+
+def render_chat(messages: list[dict], options: ChatOptions | None) -> str:
+    """The fake chat template: every option leaves a mark in the text."""
+    options = options or ChatOptions()
+    text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+    if options.chat_template is not None:
+        text = f"[{options.chat_template}]" + text
+    if options.tools:
+        text = f"<tools {len(options.tools)}>" + text
+    for key in sorted(options.chat_template_kwargs):
+        text += f"<{key}={options.chat_template_kwargs[key]}>"
+    if options.continue_final_message:
+        return text  # the last message stays open: generation continues it
+    if options.add_generation_prompt:
+        text += "<assistant>"
+    return text
 
 
 @dataclass
@@ -68,8 +153,9 @@ class _Req:
 class FakeEngine:
     def __init__(self, *, step_delay_s: float = 0.0, max_model_len: int = 256,
                  block_size: int = 16, num_kv_blocks: int = 1024, max_num_seqs: int = 64,
-                 default_max_tokens: int = 16) -> None:
+                 default_max_tokens: int = 16, max_logprobs: int = MAX_LOGPROBS) -> None:
         self.step_delay_s = step_delay_s
+        self.config = SimpleNamespace(max_logprobs=max_logprobs)  # as EngineConfig
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
@@ -84,13 +170,19 @@ class FakeEngine:
     # --- the contract -------------------------------------------------------------------
     def add_request(self, request_id: str, *, prompt: str | None = None,
                     prompt_token_ids: list[int] | None = None, messages: list[dict] | None = None,
-                    sampling_params: SamplingParams, arrival_time: float | None = None) -> None:
+                    sampling_params: SamplingParams, arrival_time: float | None = None,
+                    chat_options: ChatOptions | None = None) -> None:
         if request_id in self._requests:
             raise FakeRequestError("duplicate_request_id", f"{request_id} exists")
+        if chat_options is not None and messages is None:
+            raise FakeRequestError("invalid_request", "chat_options need messages")
         if messages is not None:
-            prompt = "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+            prompt = render_chat(messages, chat_options)
         ids = list(prompt_token_ids) if prompt_token_ids is not None else self.tokenizer.encode(
             prompt or "")
+        k = sampling_params.truncate_prompt_tokens
+        if k is not None:
+            ids = ids[-(self.max_model_len if k == -1 else k):]
         if not ids:
             raise FakeRequestError("empty_prompt", "prompt is empty")
         if len(ids) > self.max_model_len:
@@ -182,15 +274,20 @@ class FakeEngine:
             running += 1
 
     def _output(self, req: _Req, new_ids: list[int], reason: str | None) -> RequestOutput:
-        logprobs = None
-        if req.params.logprobs is not None:
-            logprobs = [Logprob(t, -0.5, {t: -0.5}) for t in new_ids]
+        logprobs = cumulative = None
+        num_top = req.params.logprobs
+        if num_top is not None:
+            num_top = VOCAB_SIZE if num_top == -1 else num_top
+            logprobs = expected_logprobs(new_ids, num_top, len(req.out_ids) - len(new_ids))
+            cumulative = expected_cumulative_logprob(len(req.out_ids))
         comp = CompletionOutput(0, list(new_ids), self.tokenizer.decode(new_ids), logprobs,
-                                reason, None)
+                                cumulative, reason, None)
         prompt_logprobs = None
         if req.params.prompt_logprobs is not None and len(req.out_ids) == 1 and new_ids:
             # Like the engine: once, with the first delta after the whole prompt has run.
-            prompt_logprobs = expected_prompt_logprobs(req.prompt_ids, req.params.prompt_logprobs)
+            num_top = req.params.prompt_logprobs
+            prompt_logprobs = expected_prompt_logprobs(
+                req.prompt_ids, VOCAB_SIZE if num_top == -1 else num_top)
         return RequestOutput(req.request_id, req.prompt_ids, [comp], finished=reason is not None,
                              usage=Usage(len(req.prompt_ids), 0, len(req.out_ids)),
                              prompt_logprobs=prompt_logprobs, arrival_time=req.arrival_time)

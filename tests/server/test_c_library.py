@@ -23,7 +23,8 @@ import time
 import msgpack
 import pytest
 import zmq
-from fake_engine import FakeEngine, expected_tokens
+from fake_engine import (FakeEngine, expected_cumulative_logprob, expected_tokens,
+                         sampled_rank)
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 LIB_SRC = os.path.join(REPO, "clients", "c")
@@ -212,7 +213,7 @@ def test_install_layout(c_lib):
     assert os.path.isfile(os.path.join(prefix, "include", "pagedrun_client.h"))
     assert os.path.isfile(os.path.join(lib, "libpagedrun_client.a"))
     assert os.path.islink(os.path.join(lib, "libpagedrun_client.so"))
-    assert _pkg_config(prefix, "--modversion") == ["1.0.0"]
+    assert _pkg_config(prefix, "--modversion") == ["1.1.0"]  # 1.1: protocol 1.3 fields
     if shutil.which("nm"):  # only the API is exported
         syms = _run(["nm", "-D", "--defined-only", os.path.join(lib, "libpagedrun_client.so")])
         names = [ln.split()[-1] for ln in syms.splitlines() if " T " in ln]
@@ -243,12 +244,24 @@ def test_api_stream_generate_concurrency_errors(c_lib, server_process, tmp_path,
     want = expected_tokens(list(prompt.encode()), max_tokens)
     info = dict(kv.split("=", 1) for kv in out["INFO"].split())
     assert info["model"] == "fake-byte-model" and info["max_model_len"] == "256"
-    assert float(info["lease"]) == 30.0 and info["revision"] == "1.2"
+    assert float(info["lease"]) == 30.0 and info["revision"] == "1.3"
     assert len(info["server_id"]) == 16
     assert _ints(out["STREAM_TOKENS"]) == want and out["STREAM_TEXT"] == bytes(want).decode()
     assert out["STREAM_FINISH"] == "length" and out["STREAM_DELTAS"] == str(max_tokens)
     assert out["STREAM_USAGE"] == f"{len(prompt)} {max_tokens}"
     assert out["STREAM_LOGPROBS"] == f"{len(prompt)} {max_tokens}"  # prompt entries, tokens
+    # 1.3: rank / n_top / the best top entry of each sampled token (logprobs 1): the fake
+    # engine's sampled token has rank 1, 2, 3, 1, ...; the best is itself at rank 1, else its
+    # made-up token + 101
+    ranks = [sampled_rank(p) for p in range(max_tokens)]
+    assert out["STREAM_RANKS"].split() == [
+        f"{r}/1/{t if r == 1 else (t + 101) % 512}" for r, t in zip(ranks, want)]
+    assert out["STREAM_DECODED"] == bytes(want).decode()
+    assert out["STREAM_PROMPT_RANKS"].split() == ["-"] + [str(1 + i % 3)
+                                                         for i in range(1, len(prompt))]
+    assert [float(v) for v in out["STREAM_CUMS"].split()] == [
+        expected_cumulative_logprob(n) for n in range(1, max_tokens + 1)]
+    assert out["GEN_CUM"].split() == ["1", f"{expected_cumulative_logprob(max_tokens):g}"]
     assert _ints(out["GEN_TOKENS"]) == want and out["GEN_TEXT"] == bytes(want).decode()
     assert out["GEN_FINISH"] == "length"
     for i, p in enumerate(["alpha", "bravo charlie", "delta echo foxtrot", "g"]):
@@ -425,6 +438,11 @@ def _deep(n):
     return v
 
 
+# A protocol 1.3 logprobs entry (docs/protocol.md, "Logprobs").
+LP13 = {"token_id": 65, "logprob": -0.5, "top": [[65, -0.5]], "rank": 1, "decoded_token": "A",
+        "top_decoded_tokens": ["A"]}
+
+
 def _garbage(variant: str, rid: str) -> list[list[bytes]]:
     """The frames the garbage server answers to GENERATE `rid` (= the variant's name)."""
     P = msgpack.packb
@@ -458,6 +476,20 @@ def _garbage(variant: str, rid: str) -> list[list[bytes]]:
         "delta_text_bin": [[h(0x81), P({**delta, "text": b"A"}, use_bin_type=True)]],
         "delta_logprobs_bad": [[h(0x81), P({**delta, "logprobs": [{"token_id": "x"}]})]],
         "delta_prompt_logprobs_bad": [[h(0x81), P({**delta, "prompt_logprobs": [None, 3]})]],
+        # 1.3 fields of the wrong type
+        "delta_rank_str": [[h(0x81), P({**delta, "logprobs": [{**LP13, "rank": "1"}]})]],
+        "delta_decoded_int": [[h(0x81), P({**delta, "logprobs": [{**LP13,
+                                                                  "decoded_token": 65}]})]],
+        "delta_top_decoded_int": [[h(0x81), P({**delta, "logprobs": [{
+            **LP13, "top_decoded_tokens": [65]}]})]],
+        "delta_top_decoded_short": [[h(0x81), P({**delta, "logprobs": [{
+            **LP13, "top_decoded_tokens": []}]})]],
+        "delta_top_decoded_map": [[h(0x81), P({**delta, "logprobs": [{
+            **LP13, "top_decoded_tokens": {"a": 1}}]})]],
+        "delta_top_short": [[h(0x81), P({**delta, "logprobs": [{**LP13, "top": [[65]]}]})]],
+        "delta_cum_str": [[h(0x81), P({**delta, "cumulative_logprob": "x"})]],
+        "final_cum_str": [[h(0x82), P({**final, "outputs": [
+            {**final["outputs"][0], "cumulative_logprob": "x"}]})]],
         "final_reason_int": [[h(0x82), P({**final, "finish_reason": 3})]],
         "final_usage_str": [[h(0x82), P({**final, "usage": "x"})]],
         "final_metrics_bad": [[h(0x82), P({**final, "metrics": {"e2e_latency_s": "x"}})]],
@@ -469,6 +501,14 @@ def _garbage(variant: str, rid: str) -> list[list[bytes]]:
         "ext_type": [[h(0x81), P({**delta, "text": msgpack.ExtType(1, b"A")})]],
         # well-formed: the client keeps working after all of the above
         "ok": [[h(0x81), P(delta)], [h(0x82), P(final)]],
+        # 1.3 entries, a 1.2 entry, nil rank / decoded tokens, and a top entry of a later
+        # revision (3 elements) are all read
+        "logprobs_13": [[h(0x81), P({**delta, "cumulative_logprob": -0.5, "logprobs": [
+            {**LP13, "top": [[65, -0.5], [66, -1.0], [67, -2.0, "later"]],
+             "top_decoded_tokens": ["A", None, "C"]},
+            {"token_id": 66, "logprob": -1.0, "rank": None, "decoded_token": None,
+             "top": [], "top_decoded_tokens": None},
+            {"token_id": 67, "logprob": -1.0, "top": [[67, -1.0]]}]})], [h(0x82), P(final)]],
         "stale_then_ok": [[h(0x81), P({**delta, "request_id": "gone"})], [h(0x81), P(delta)],
                           [h(0x82), P(final)]],
         "unknown_type": [[h(0x87), P({"request_id": rid})], [h(0x82), P(final)]],
@@ -483,10 +523,13 @@ MALFORMED = ["one_frame", "three_frames", "bad_version", "long_header", "empty_h
              "not_msgpack", "empty_body", "not_map", "trailing", "truncated", "deep_nesting",
              "huge_array", "huge_map", "huge_str", "delta_text_int", "delta_text_missing",
              "delta_ids_str", "delta_ids_float", "delta_ids_negative", "delta_text_bin",
-             "delta_logprobs_bad", "delta_prompt_logprobs_bad", "final_reason_int",
+             "delta_logprobs_bad", "delta_prompt_logprobs_bad", "delta_rank_str",
+             "delta_decoded_int", "delta_top_decoded_int", "delta_top_decoded_short",
+             "delta_top_decoded_map", "delta_top_short", "delta_cum_str", "final_cum_str",
+             "final_reason_int",
              "final_usage_str", "final_metrics_bad", "final_outputs_bad", "error_code_int",
              "rid_int", "server_id_int", "lease_str", "ext_type"]
-WELL_FORMED = {"ok": "ok", "stale_then_ok": "ok", "unknown_type": "ok",
+WELL_FORMED = {"ok": "ok", "logprobs_13": "ok", "stale_then_ok": "ok", "unknown_type": "ok",
                "unknown_error_code": "server_error", "error_nil_rid": "invalid_message"}
 
 

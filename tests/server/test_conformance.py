@@ -6,7 +6,8 @@ import time
 
 import msgpack
 import pytest
-from fake_engine import FakeEngine, expected_prompt_logprobs, expected_tokens
+from fake_engine import (FakeEngine, expected_cumulative_logprob, expected_logprobs_wire,
+                         expected_prompt_logprobs_wire, expected_tokens)
 from wire import assert_error_shape, assert_server_id, dealer, recv, recv_until_final, send
 
 from pagedrun.server.protocol import PROTOCOL_REVISION, PROTOCOL_VERSION, MsgType
@@ -52,15 +53,34 @@ def test_generate_token_ids_no_stream_with_logprobs(start_server, zmq_ctx):
     assert out["token_ids"] == expected_tokens(ids, 5)
     assert out["text"] == bytes(expected_tokens(ids, 5)).decode()
     assert [lp["token_id"] for lp in out["logprobs"]] == out["token_ids"]
-    assert all(lp["top"] == [[lp["token_id"], lp["logprob"]]] for lp in out["logprobs"])
+    # 1.3: rank, decoded_token, top_decoded_tokens; the sampled token has rank 1, 2, 3, ...
+    assert out["logprobs"] == expected_logprobs_wire(out["token_ids"], 1)
+    assert [len(lp["top"]) for lp in out["logprobs"]] == [1] * 5
+    assert out["cumulative_logprob"] == expected_cumulative_logprob(5) == -4.5  # ranks 1,2,3,1,2
+    assert set(out) == {"index", "finish_reason", "stop_reason", "token_ids", "text",
+                        "logprobs", "cumulative_logprob"}
+
+
+def test_stream_logprobs_and_cumulative_logprob(start_server, zmq_ctx):
+    _, ep = start_server()
+    s = dealer(zmq_ctx, ep)
+    send(s, MsgType.GENERATE, {"request_id": "sl", "prompt_token_ids": [1, 2, 3],
+                               "sampling_params": {"max_tokens": 4, "logprobs": 2}})
+    deltas, kind, final = recv_until_final(s, "sl")
+    tokens = [t for d in deltas for t in d["token_ids"]]
+    assert kind == MsgType.FINAL and tokens == expected_tokens([1, 2, 3], 4)
+    assert [e for d in deltas for e in d["logprobs"]] == expected_logprobs_wire(tokens, 2)
+    # ranks 1, 2, 3, 1 against k = 2: the sampled token is in `top` only when its rank <= 2
+    assert [[t[0] for t in e["top"]].count(e["token_id"]) for d in deltas
+            for e in d["logprobs"]] == [1, 1, 0, 1]
+    assert [d["cumulative_logprob"] for d in deltas] == [expected_cumulative_logprob(n)
+                                                         for n in range(1, 5)]
+    assert final["outputs"][0]["cumulative_logprob"] == expected_cumulative_logprob(4)
 
 
 def prompt_logprobs_wire(prompt_ids: list[int], k: int) -> list:
-    """The fake engine's reference prompt logprobs in the wire shape of docs/protocol.md (1.1)."""
-    return [None if lp is None else
-            {"token_id": lp.token_id, "logprob": lp.logprob,
-             "top": [[t, v] for t, v in lp.top.items()]}
-            for lp in expected_prompt_logprobs(prompt_ids, k)]
+    """The fake engine's reference prompt logprobs in the wire shape of docs/protocol.md."""
+    return expected_prompt_logprobs_wire(prompt_ids, k)
 
 
 def test_prompt_logprobs_stream_once_on_first_delta(start_server, zmq_ctx):
@@ -75,13 +95,15 @@ def test_prompt_logprobs_stream_once_on_first_delta(start_server, zmq_ctx):
     assert kind == MsgType.FINAL and len(deltas) == 4
     first = deltas[0]
     assert set(first) == {"request_id", "index", "token_ids", "text", "logprobs",
-                          "prompt_logprobs", "server_id"}
+                          "cumulative_logprob", "prompt_logprobs", "server_id"}
     plp = first["prompt_logprobs"]
     assert len(plp) == len(ids) == final["usage"]["prompt_tokens"]
     assert plp[0] is None
     assert [e["token_id"] for e in plp[1:]] == ids[1:]
-    assert all(set(e) == {"token_id", "logprob", "top"} and len(e["top"]) == 2
-               and all(len(pair) == 2 for pair in e["top"]) for e in plp[1:])
+    assert all(set(e) == {"token_id", "logprob", "top", "rank", "decoded_token",
+                          "top_decoded_tokens"}
+               and len(e["top"]) == len(e["top_decoded_tokens"]) == 2
+               and all(len(pair) == 2 for pair in e["top"]) for e in plp[1:])  # 1.1's pairs
     assert plp == prompt_logprobs_wire(ids, 2)  # values exactly, top best first
     assert all("prompt_logprobs" not in d for d in deltas[1:])  # sent once
     assert set(final) == FINAL_FIELDS  # not repeated on the FINAL
@@ -112,7 +134,7 @@ def test_without_prompt_logprobs_nothing_extra_is_sent(start_server, zmq_ctx):
         deltas, kind, final = recv_until_final(s, f"x{stream}")
         assert kind == MsgType.FINAL and set(final) == FINAL_FIELDS
         assert all(set(d) == {"request_id", "index", "token_ids", "text", "logprobs",
-                              "server_id"} for d in deltas)
+                              "cumulative_logprob", "server_id"} for d in deltas)
         assert len(deltas) == (3 if stream else 0)
 
 
@@ -165,7 +187,7 @@ def test_ping_model_info_stats(start_server, zmq_ctx):
     kind, pong = recv(s)
     assert kind == MsgType.PONG and pong["status"] == "ok" and pong["request_id"] is None
     assert pong["protocol_version"] == PROTOCOL_VERSION and pong["lease_s"] == 7.5
-    assert pong["protocol_revision"] == PROTOCOL_REVISION == "1.2"
+    assert pong["protocol_revision"] == PROTOCOL_REVISION == "1.3"
     assert_server_id(pong["server_id"])
     assert abs(pong["server_time"] - time.time()) < 60
     send(s, MsgType.MODEL_INFO, {"request_id": "mi"})
@@ -178,6 +200,7 @@ def test_ping_model_info_stats(start_server, zmq_ctx):
     assert info["tokenizer"]["vocab_size"] == info["vocab_size"]
     assert info["server"]["lease_s"] == 7.5
     assert info["server"]["protocol_revision"] == PROTOCOL_REVISION
+    assert info["server"]["max_logprobs"] == 20  # 1.3: the engine's (the fake's default)
     assert info["server_id"] == pong["server_id"]  # one instance, one id
     send(s, MsgType.STATS, {"request_id": "st"})
     kind, stats = recv(s)
@@ -282,7 +305,85 @@ BAD_GENERATES = [
     ("temperature nan", {**GOOD, "sampling_params": {"temperature": float("nan")}},
      "invalid_request", "v"),
     ("top_p inf", {**GOOD, "sampling_params": {"top_p": float("inf")}}, "invalid_request", "v"),
-    ("seed 2**64-1", {**GOOD, "sampling_params": {"seed": 2**64 - 1}}, "invalid_request", "v"),
+    ("seed -2", {**GOOD, "sampling_params": {"seed": -2}}, "invalid_request", "v"),
+    ("temperature 2.0001", {**GOOD, "sampling_params": {"temperature": 2.0001}},
+     "invalid_request", "v"),
+    ("greedy n 2", {**GOOD, "sampling_params": {"temperature": 0, "n": 2}}, "invalid_request",
+     "v"),
+    # 1.3: vLLM's checks against the model, the new fields and their server limits.
+    ("negative stop id", {**GOOD, "sampling_params": {"stop_token_ids": [-1]}},
+     "invalid_request", "v"),
+    ("logprobs 21", {**GOOD, "sampling_params": {"logprobs": 21}}, "invalid_request", "v"),
+    ("logprobs -1 (vocab > 20)", {**GOOD, "sampling_params": {"logprobs": -1}},
+     "invalid_request", "v"),
+    ("prompt_logprobs 21", {**GOOD, "sampling_params": {"prompt_logprobs": 21}},
+     "invalid_request", "v"),
+    ("output_kind", {**GOOD, "sampling_params": {"output_kind": 1}}, "invalid_request", "v"),
+    ("output_kind str", {**GOOD, "sampling_params": {"output_kind": "final_only"}},
+     "invalid_request", "v"),
+    ("private bad words ids", {**GOOD, "sampling_params": {"_bad_words_token_ids": [[1]]}},
+     "invalid_request", "v"),
+    ("logit_bias key not int", {**GOOD, "sampling_params": {"logit_bias": {"x": 1.0}}},
+     "invalid_request", "v"),
+    ("logit_bias out of vocab", {**GOOD, "sampling_params": {"logit_bias": {"512": 1.0}}},
+     "invalid_request", "v"),
+    ("logit_bias negative id", {**GOOD, "sampling_params": {"logit_bias": {"-1": 1.0}}},
+     "invalid_request", "v"),
+    ("logit_bias value str", {**GOOD, "sampling_params": {"logit_bias": {"5": "1"}}},
+     "invalid_request", "v"),
+    ("logit_bias 100.5", {**GOOD, "sampling_params": {"logit_bias": {"5": 100.5}}},
+     "invalid_request", "v"),
+    ("logit_bias nan", {**GOOD, "sampling_params": {"logit_bias": {"5": float("nan")}}},
+     "invalid_request", "v"),
+    ("logit_bias list", {**GOOD, "sampling_params": {"logit_bias": [[5, 1.0]]}},
+     "invalid_request", "v"),
+    ("logit_bias 1025", {**GOOD, "sampling_params": {"logit_bias": {
+        str(i): 1.0 for i in range(1025)}}}, "invalid_request", "v"),
+    ("allowed empty", {**GOOD, "sampling_params": {"allowed_token_ids": []}},
+     "invalid_request", "v"),
+    ("allowed out of vocab", {**GOOD, "sampling_params": {"allowed_token_ids": [1, 512]}},
+     "invalid_request", "v"),
+    ("allowed str", {**GOOD, "sampling_params": {"allowed_token_ids": ["1"]}},
+     "invalid_request", "v"),
+    ("allowed 16385", {**GOOD, "sampling_params": {"allowed_token_ids": [1] * 16385}},
+     "invalid_request", "v"),
+    ("bad_words str", {**GOOD, "sampling_params": {"bad_words": "a"}}, "invalid_request", "v"),
+    ("bad_words empty word", {**GOOD, "sampling_params": {"bad_words": [""]}},
+     "invalid_request", "v"),
+    ("bad_words 129", {**GOOD, "sampling_params": {"bad_words": ["a"] * 129}},
+     "invalid_request", "v"),
+    ("bad word 1025", {**GOOD, "sampling_params": {"bad_words": ["b" * 1025]}},
+     "invalid_request", "v"),
+    ("truncate 0", {**GOOD, "sampling_params": {"truncate_prompt_tokens": 0}},
+     "invalid_request", "v"),
+    ("spaces not bool", {**GOOD, "sampling_params": {"spaces_between_special_tokens": 1}},
+     "invalid_request", "v"),
+    ("chat option with prompt", {**GOOD, "add_generation_prompt": False}, "invalid_request",
+     "v"),
+    ("tools with token ids", {"request_id": "v", "prompt_token_ids": [1], "tools": []},
+     "invalid_request", "v"),
+    ("tools not maps", {"request_id": "v", "messages": [{"role": "user", "content": "a"}],
+                        "tools": ["f"]}, "invalid_request", "v"),
+    ("tools map", {"request_id": "v", "messages": [{"role": "user", "content": "a"}],
+                   "tools": {"type": "function"}}, "invalid_request", "v"),
+    ("tools 129", {"request_id": "v", "messages": [{"role": "user", "content": "a"}],
+                   "tools": [{}] * 129}, "invalid_request", "v"),
+    ("template int", {"request_id": "v", "messages": [{"role": "user", "content": "a"}],
+                      "chat_template": 5}, "invalid_request", "v"),
+    ("template too long", {"request_id": "v", "messages": [{"role": "user", "content": "a"}],
+                           "chat_template": "x" * 32769}, "invalid_request", "v"),
+    ("gen prompt not bool", {"request_id": "v", "messages": [{"role": "user", "content": "a"}],
+                             "add_generation_prompt": 1}, "invalid_request", "v"),
+    ("continue and gen prompt", {"request_id": "v", "continue_final_message": True,
+                                 "messages": [{"role": "assistant", "content": "a"}]},
+     "invalid_request", "v"),
+    ("kwargs list", {"request_id": "v", "messages": [{"role": "user", "content": "a"}],
+                     "chat_template_kwargs": [1]}, "invalid_request", "v"),
+    ("kwargs reserved", {"request_id": "v", "messages": [{"role": "user", "content": "a"}],
+                         "chat_template_kwargs": {"messages": []}}, "invalid_request", "v"),
+    ("kwargs 65", {"request_id": "v", "messages": [{"role": "user", "content": "a"}],
+                   "chat_template_kwargs": {f"k{i}": i for i in range(65)}},
+     "invalid_request", "v"),
     ("deep temperature", {**GOOD, "sampling_params": {"temperature": [[[[[[[[[[1]]]]]]]]]]}},
      "invalid_request", "v"),
     ("bytes value", {**GOOD, "prompt": b"bytes"}, "invalid_request", "v"),
@@ -315,11 +416,18 @@ def test_invalid_generate_gets_error_and_spares_others(start_server, zmq_ctx, na
 
 
 GOOD_EXTREMES = [
-    {"repetition_penalty": 0.01, "temperature": 100, "top_p": 5e-324},
-    {"repetition_penalty": 10, "top_k": 2**63 - 1, "min_p": 1.0, "seed": 2**63 - 1},
+    {"repetition_penalty": 0.01, "temperature": 2, "top_p": 5e-324},
+    {"repetition_penalty": 1e6, "top_k": 2**63 - 1, "min_p": 1.0, "seed": 2**64 - 1},
     {"stop_token_ids": [0, 511] + [7] * 1022, "min_tokens": 3, "stop": ["q"] * 128},
     {"stop": "s" * 1024, "presence_penalty": -2, "frequency_penalty": 2, "n": 64},
     {"logprobs": 20, "prompt_logprobs": 20, "temperature": 1e-5, "top_k": -1},
+    # 1.3
+    {"seed": -1, "logprobs": True, "prompt_logprobs": True, "temperature": 0.001},
+    {"logit_bias": {str(i): (-100.0 if i % 2 else 100) for i in range(512)},
+     "allowed_token_ids": list(range(512)) * 32},
+    {"bad_words": ["w" * 1024] + [f"b{i}" for i in range(127)], "truncate_prompt_tokens": -1,
+     "spaces_between_special_tokens": False, "allowed_token_ids": [511]},
+    {"logit_bias": {"0": 0, "511": 1e-300}, "truncate_prompt_tokens": 1, "n": 3},
 ]
 
 
@@ -448,7 +556,7 @@ class FlakyEngine(FakeEngine):
                 del self._requests[req.request_id]
                 failed.append(RequestOutput(
                     req.request_id, req.prompt_ids,
-                    [CompletionOutput(0, [], "", None, "error", None)], finished=True,
+                    [CompletionOutput(0, [], "", finish_reason="error")], finished=True,
                     usage=Usage(len(req.prompt_ids), 0, 0),
                     error="sampling failed: RuntimeError: simulated kernel failure"))
         return failed + super().step()

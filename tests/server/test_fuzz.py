@@ -100,17 +100,37 @@ def wrong_for(field: str):
     return JUNK.filter(lambda v: not isinstance(v, dict) or v)  # sampling_params
 
 
+def _valid_bias(value) -> bool:
+    """A logit_bias the fake engine's server accepts: keys of ids in [0, 512), |bias| <= 100."""
+    if not isinstance(value, dict):
+        return False
+    for key, bias in value.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            return False
+        if not (0 <= token_id < 512 and isinstance(bias, (int, float))
+                and not isinstance(bias, bool) and abs(bias) <= 100):
+            return False
+    return True
+
+
 PARAM_JUNK = {
     "temperature": JUNK.filter(lambda v: not (isinstance(v, (int, float))
-                                              and not isinstance(v, bool) and 0 <= v <= 100)),
+                                              and not isinstance(v, bool) and 0 <= v <= 2)),
     "max_tokens": JUNK.filter(lambda v: v is not None and not (
         isinstance(v, int) and not isinstance(v, bool) and v >= 1)),
     "top_k": JUNK.filter(lambda v: not (isinstance(v, int) and not isinstance(v, bool)
                                         and v >= -1)),
     "n": JUNK.filter(lambda v: not (isinstance(v, int) and not isinstance(v, bool)
-                                    and 1 <= v <= 64)),
-    "logprobs": JUNK.filter(lambda v: v is not None and not (
+                                    and 1 <= v <= 16384)),
+    # True is 1 (vLLM); -1 is the whole vocabulary, more than the fake engine's max_logprobs
+    "logprobs": JUNK.filter(lambda v: v is not None and v is not True and not (
         isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 20)),
+    "logit_bias": JUNK.filter(lambda v: v is not None and not _valid_bias(v)),
+    "allowed_token_ids": JUNK.filter(lambda v: v is not None and not (
+        isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool)
+                                          and 0 <= t < 512 for t in v))),
     "ignore_eos": JUNK.filter(lambda v: not isinstance(v, bool)),
 }
 

@@ -11,6 +11,12 @@ fuzzing, and once idle no KV block may be held. Each campaign prints one summary
 
 Also the regression tests of the two crash classes of issue 12 (a map with non-string keys, a
 value nested ~1,000 levels deep: both made 1.1 servers exit while formatting the error).
+
+Protocol 1.3 adds to every campaign: the new sampling fields (logit_bias, allowed_token_ids,
+bad_words, truncate_prompt_tokens, spaces_between_special_tokens; output_kind and the engine's
+private field, never valid) at their bounds and past them, vLLM's new ranges, and GENERATEs
+with chat options (valid and junk, with messages and with the other prompt kinds); and a test
+that a burst of bad 1.3 requests leaves a stream in flight on the same connection untouched.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from wire import assert_error_shape, dealer, free_tcp_endpoint, recv
 
+from pagedrun.runtime.sampling_params import RequestOutputKind
 from pagedrun.server.protocol import PROTOCOL_VERSION, MsgType
 
 FAKE_VOCAB = 512   # tests/server/fake_engine.py
@@ -63,7 +70,12 @@ REQUEST_TYPES = st.sampled_from([MsgType.GENERATE] * 4 + [MsgType.ABORT, MsgType
 SAMPLING_FIELDS = ["n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                    "presence_penalty", "frequency_penalty", "seed", "max_tokens", "min_tokens",
                    "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
-                   "logprobs", "prompt_logprobs", "skip_special_tokens"]
+                   "logprobs", "prompt_logprobs", "skip_special_tokens",
+                   # 1.3
+                   "logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+                   "spaces_between_special_tokens", "output_kind", "_bad_words_token_ids"]
+CHAT_OPTION_FIELDS = ["chat_template", "add_generation_prompt", "continue_final_message",
+                      "tools", "chat_template_kwargs"]
 _PLACEHOLDER = "\x00deep-value-goes-here\x00"
 
 
@@ -109,7 +121,8 @@ def junk_generates(draw, vocab: int) -> dict:
                   "sampling_params": {"max_tokens": draw(st.integers(1, 8))},
                   "stream": draw(st.booleans())}
     for field in draw(st.lists(st.sampled_from(["request_id", "prompt_token_ids", "prompt",
-                                                "messages", "stream", "sampling_params"]),
+                                                "messages", "stream", "sampling_params",
+                                                *CHAT_OPTION_FIELDS]),
                                max_size=2, unique=True)):
         body[field] = draw(VALUES)
     params = body["sampling_params"]
@@ -127,17 +140,17 @@ def extreme_values(vocab: int) -> dict:
     """Per sampling field: (values inside its documented range: the bounds and just inside,
     values just outside it)."""
     return {
-        "n": ([1, 2, 64], [0, 65]),
-        "temperature": ([0, 0.0, -0.0, 9.99e-6, 1e-5, 1.0001e-5, 1.0, 100, 100.0],
-                        [100.0001, -1e-300, float("nan"), float("inf")]),
+        "n": ([1, 2, 64], [0, 16385]),
+        "temperature": ([0, 0.0, -0.0, 9.99e-6, 1e-5, 1.0001e-5, 0.005, 1.0, 2, 2.0],
+                        [2.0001, 100, -1e-300, float("nan"), float("inf")]),
         "top_p": ([5e-324, 1e-300, 1e-7, 0.5, 1.0], [0.0, 1.0000001, float("nan")]),
         "top_k": ([-1, 0, 1, 2, vocab - 1, vocab, 2**31, 2**63 - 1], [-2, -2**63]),
         "min_p": ([0, 5e-324, 0.5, 1.0], [1.0000001, -5e-324]),
-        "repetition_penalty": ([0.01, 0.0100001, 1.0, 9.99, 10, 10.0],
-                               [5e-324, 0.0099, 10.0001, 0.0]),
+        "repetition_penalty": ([0.01, 0.0100001, 1.0, 9.99, 10, 10.0001, 1e6],
+                               [5e-324, 0.0099, 0.0, float("inf")]),
         "presence_penalty": ([-2, -2.0, 0, 2, 2.0], [-2.0001, 2.0001]),
         "frequency_penalty": ([-2, -2.0, 0, 2, 2.0], [-2.0001, 2.0001]),
-        "seed": ([None, 0, 1, 2**63 - 1], [2**63, -1]),
+        "seed": ([None, -1, 0, 1, 2**63 - 1, 2**64 - 1], [-2, -2**63]),
         "max_tokens": ([None, 1, 2, 16], [0, -1]),
         "min_tokens": ([0, 1, 2], [2**63 - 1]),
         "stop": ([[], "a", ["a"], ["x" * 1024], ["a"] * 128], [["x" * 1025], ["a"] * 129,
@@ -147,8 +160,22 @@ def extreme_values(vocab: int) -> dict:
         "include_stop_str_in_output": ([True, False], [1]),
         "ignore_eos": ([True, False], [0]),
         "skip_special_tokens": ([True, False], [None]),
-        "logprobs": ([None, 0, 1, 20], [-1, 21]),
-        "prompt_logprobs": ([None, 0, 20], [-1, 21]),
+        # -1: the whole vocabulary, more than the default max_logprobs of 20
+        "logprobs": ([None, 0, 1, 20, True], [-1, 21, False]),
+        "prompt_logprobs": ([None, 0, 20, True], [-1, 21, -2]),
+        # 1.3
+        "logit_bias": ([None, {}, {"0": 1.0}, {str(vocab - 1): -100, "1": 100, "2": -0.0},
+                        {str(i): 0.25 for i in range(vocab)}],
+                       [{"x": 1.0}, {str(vocab): 1.0}, {"-1": 1.0}, {"1": 100.5},
+                        {"1": float("nan")}, {"1": "a"}, [[1, 1.0]], {"1": None},
+                        {str(i): 1 for i in range(1025)}]),
+        "allowed_token_ids": ([None, [0], [vocab - 1], list(range(vocab)),
+                               [vocab - 1] * 16384],
+                              [[], [vocab], [-1], ["1"], [0] * 16385, 5]),
+        "bad_words": ([[], ["w" * 1024], [f"b{i}" for i in range(128)]],
+                      [[""], "a", ["a"] * 129, ["x" * 1025], [1]]),
+        "truncate_prompt_tokens": ([None, 1, 5, -1], [0, -2, 1.5]),
+        "spaces_between_special_tokens": ([True, False], [1]),
     }
 
 
@@ -163,9 +190,48 @@ def extreme_generates(draw, vocab: int) -> dict:
         params[name] = draw(st.sampled_from(values[name][1]))
     if params.get("max_tokens", 16) is None and params.get("n", 1) > 2:
         params["max_tokens"] = 4  # bound the run time, not the coverage of None
+    if params.get("logprobs") is not None and params.get("n", 1) > 2:
+        params["max_tokens"] = 2  # a reply entry per token and alternative: bound it
     return {"request_id": "x", "prompt_token_ids": draw(st.lists(st.integers(0, vocab - 1),
                                                                  min_size=1, max_size=20)),
             "sampling_params": params, "stream": draw(st.booleans())}
+
+
+CHAT_OPTION_VALUES = {
+    "chat_template": ([None, "{{ messages[0].content }}", "x" * 32768],
+                      ["x" * 32769, 5, "{% for %}", ["t"]]),
+    "add_generation_prompt": ([True, False], [1, None, "yes"]),
+    "continue_final_message": ([False], [1, "no"]),
+    "tools": ([None, [], [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "enum": ["a"]}}}}}],
+               [{}] * 128], [[{}] * 129, ["f"], {"type": "function"}, [[{}]], "tools", 3]),
+    "chat_template_kwargs": ([None, {}, {"style": "!"}, {f"k{i}": i for i in range(64)}],
+                             [[1], "k", {"tokenize": True}, {"messages": []},
+                              {f"k{i}": i for i in range(65)}]),
+}
+
+
+@st.composite
+def chat_generates(draw, vocab: int) -> dict:
+    """A GENERATE with chat options: mostly with messages, valid or one value out of range;
+    now and then with another prompt kind (always an error)."""
+    names = draw(st.lists(st.sampled_from(sorted(CHAT_OPTION_VALUES)), min_size=1,
+                          max_size=3, unique=True))
+    options = {n: draw(st.sampled_from(CHAT_OPTION_VALUES[n][0])) for n in names}
+    if draw(st.integers(0, 2)) == 0:
+        name = draw(st.sampled_from(names))
+        options[name] = draw(st.sampled_from(CHAT_OPTION_VALUES[name][1]))
+    body = {"request_id": "chat", "stream": draw(st.booleans()),
+            "sampling_params": {"max_tokens": draw(st.integers(1, 4))}, **options}
+    prompt = draw(st.sampled_from(["messages"] * 4 + ["prompt", "prompt_token_ids"]))
+    if prompt == "messages":
+        body["messages"] = [{"role": "user", "content": "hi"}] + draw(st.sampled_from(
+            [[], [{"role": "assistant", "content": "The answer"}]]))
+    elif prompt == "prompt":
+        body["prompt"] = "hi"
+    else:
+        body["prompt_token_ids"] = [1 % vocab, 2 % vocab]
+    return body
 
 
 @st.composite
@@ -184,6 +250,7 @@ def messages(draw, vocab: int, extreme_percent: int) -> list[bytes]:
         .map(lambda v: [header(v[0]), pack(v[1])]),
         st.tuples(REQUEST_TYPES, deep_bodies()).map(lambda v: [header(v[0]), v[1]]),
         junk_generates(vocab).map(lambda b: [header(MsgType.GENERATE), pack(b)]),
+        chat_generates(vocab).map(lambda b: [header(MsgType.GENERATE), pack(b)]),
     ))
 
 
@@ -326,6 +393,15 @@ NON_STRING_KEYS = [
      pack({"request_id": "r", "messages": [{"role": "user", "content": "hi", b"x": 1}]})),
     ("nil key", MsgType.STATS, b"\x82" + pack(None) + pack(1) + pack("q") + pack(2)),
     ("float key", MsgType.MODEL_INFO, b"\x81" + pack(1.5) + pack(1)),
+    # 1.3: logit_bias is a map keyed by token ids, but on the wire those keys are strings
+    ("int key in logit_bias", MsgType.GENERATE,
+     _generate(sampling_params={"logit_bias": {5: 1.0}})),
+    ("int key in chat_template_kwargs", MsgType.GENERATE,
+     pack({"request_id": "r", "messages": [{"role": "user", "content": "hi"}],
+           "chat_template_kwargs": {3: "x"}})),
+    ("bytes key in a tool", MsgType.GENERATE,
+     pack({"request_id": "r", "messages": [{"role": "user", "content": "hi"}],
+           "tools": [{"type": "function", "function": {b"name": "f"}}]}, )),
 ]
 
 
@@ -375,6 +451,73 @@ def test_regression_deep_nesting_gets_one_error(server_process, zmq_ctx):
     assert campaign.greedy(FAKE_VOCAB) == before
 
 
+# --- 1.3: a burst of bad requests next to a stream in flight -----------------------------
+BAD_1_3 = [  # (body fields besides request_id, the field its ERROR message must name)
+    ({"prompt": "x", "sampling_params": {"logit_bias": {"abc": 1}}}, "logit_bias"),
+    ({"prompt": "x", "sampling_params": {"logit_bias": {"512": 1}}}, "logit_bias"),
+    ({"prompt": "x", "sampling_params": {"logit_bias": {"1": 1e300}}}, "logit_bias"),
+    ({"prompt": "x", "sampling_params": {"logit_bias": {str(i): 1 for i in range(2000)}}},
+     "logit_bias"),
+    ({"prompt": "x", "sampling_params": {"allowed_token_ids": list(range(512)) * 40}},
+     "allowed_token_ids"),
+    ({"prompt": "x", "sampling_params": {"allowed_token_ids": [-5]}}, "allowed_token_ids"),
+    ({"prompt": "x", "sampling_params": {"bad_words": ["w"] * 5000}}, "bad_words"),
+    ({"prompt": "x", "sampling_params": {"bad_words": [{"w": 1}]}}, "bad_words"),
+    ({"prompt": "x", "sampling_params": {"stop_token_ids": [99999]}}, "stop_token_ids"),
+    ({"prompt": "x", "sampling_params": {"output_kind": 2}}, "output_kind"),
+    ({"prompt": "x", "sampling_params": {"truncate_prompt_tokens": "all"}},
+     "truncate_prompt_tokens"),
+    ({"prompt": "x", "sampling_params": {"logprobs": 10**6}}, "sample logprobs"),
+    ({"prompt": "x", "tools": [{"type": "function"}]}, "tools"),
+    ({"prompt_token_ids": [1], "chat_template": "{{ x }}"}, "chat_template"),
+    ({"messages": [{"role": "user", "content": "a"}], "tools": [1, 2]}, "tools"),
+    ({"messages": [{"role": "user", "content": "a"}], "tools": [{}] * 500}, "tools"),
+    ({"messages": [{"role": "user", "content": "a"}], "chat_template": "t" * 40000},
+     "chat_template"),
+    ({"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": ["k"]},
+     "chat_template_kwargs"),
+    ({"messages": [{"role": "user", "content": "a"}], "continue_final_message": True},
+     "continue_final_message"),
+]
+
+
+def test_bad_1_3_requests_spare_a_stream_in_flight(server_process, zmq_ctx):
+    """A long stream runs while the same connection sends every kind of bad 1.3 request:
+    each gets exactly one invalid_request whose message names the field, the stream's tokens
+    are exactly the reference, and the server goes on."""
+    from fake_engine import expected_tokens
+
+    proc, ep = server_process(free_tcp_endpoint(), "--step-delay-s", "0.01")
+    sock = dealer(zmq_ctx, ep)
+    header = lambda t: bytes((PROTOCOL_VERSION, int(t)))  # noqa: E731
+    sock.send_multipart([header(MsgType.GENERATE), pack({
+        "request_id": "good", "prompt": "steady", "sampling_params": {"max_tokens": 40}})])
+    for i, (fields, _) in enumerate(BAD_1_3):
+        sock.send_multipart([header(MsgType.GENERATE), pack({"request_id": f"bad{i}",
+                                                               **fields})])
+    errors, tokens, final = {}, [], None
+    while final is None:
+        kind, body = recv(sock, REPLY_TIMEOUT_MS)
+        rid = body.get("request_id")
+        if kind == MsgType.ERROR:
+            assert_error_shape(body)
+            assert rid not in errors and rid != "good", body
+            errors[rid] = body
+        elif rid == "good" and kind == MsgType.DELTA:
+            tokens += body["token_ids"]
+        elif rid == "good":
+            final = (kind, body)
+    assert final[0] == MsgType.FINAL and tokens == expected_tokens(list(b"steady"), 40)
+    while len(errors) < len(BAD_1_3):  # an error may come after the good FINAL
+        kind, body = recv(sock, REPLY_TIMEOUT_MS)
+        assert kind == MsgType.ERROR and body["request_id"] not in errors, body
+        errors[body["request_id"]] = body
+    for i, (_, named) in enumerate(BAD_1_3):
+        err = errors[f"bad{i}"]
+        assert err["code"] == "invalid_request" and named in err["message"], (i, err)
+    assert proc.poll() is None
+
+
 # --- totality, in process (no sockets: many more examples per second) -------------------
 @fuzz_settings(1500)
 @given(frames=messages(FAKE_VOCAB, 30))
@@ -390,7 +533,16 @@ def test_decode_and_validation_raise_only_protocol_errors(frames):
         if msg_type == MsgType.GENERATE:
             req = parse_generate(body, limits)
             assert valid_request_id(req.request_id) == req.request_id
-            assert all(0 <= t < FAKE_VOCAB for t in req.sampling_params.stop_token_ids)
+            params = req.sampling_params
+            assert all(0 <= t < FAKE_VOCAB for t in params.stop_token_ids)
+            # 1.3: whatever arrived, the engine gets int-keyed, in-vocabulary, bounded fields
+            # and DELTA outputs; chat options only with messages
+            assert params.output_kind == RequestOutputKind.DELTA
+            assert all(type(t) is int and 0 <= t < FAKE_VOCAB and abs(b) <= 100
+                       for t, b in (params.logit_bias or {}).items())
+            assert all(0 <= t < FAKE_VOCAB for t in params.allowed_token_ids or [0])
+            assert len(params.bad_words) <= 128
+            assert req.chat_options is None or req.messages is not None
         else:
             check_fields(msg_type, body)
     except ProtocolError as exc:

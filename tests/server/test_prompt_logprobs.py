@@ -1,10 +1,11 @@
 """Prompt logprobs (docs/protocol.md revision 1.1, "Prompt logprobs"): the server's carry rule
 for engine outputs no socket test can produce on demand, and the Python client's decoding into
-the offline API's shape. Sent exactly once: on the first DELTA sent after the engine handed them
-over, else on the FINAL."""
+the offline API's shape (1.3: vLLM's {token_id: Logprob(logprob, rank, decoded_token)} per
+position). Sent exactly once: on the first DELTA sent after the engine handed them over, else on
+the FINAL."""
 from __future__ import annotations
 
-from fake_engine import FakeEngine, expected_prompt_logprobs
+from fake_engine import FakeEngine, expected_prompt_logprobs, expected_prompt_logprobs_wire
 
 from pagedrun.runtime.outputs import CompletionOutput, Logprob, RequestOutput, Usage
 from pagedrun.runtime.sampling_params import SamplingParams
@@ -37,15 +38,17 @@ def server_with_request(stream: bool, prompt_logprobs: int | None = 1):
 
 
 def output(token_ids, *, prompt_logprobs=None, finish_reason=None) -> RequestOutput:
-    comp = CompletionOutput(0, list(token_ids), "x" * len(token_ids), None, finish_reason)
+    comp = CompletionOutput(0, list(token_ids), "x" * len(token_ids),
+                            finish_reason=finish_reason)
     return RequestOutput("r0", PROMPT, [comp], finished=finish_reason is not None,
                          usage=Usage(len(PROMPT), 0, len(token_ids)),
                          prompt_logprobs=prompt_logprobs)
 
 
 PLP = expected_prompt_logprobs(PROMPT, 1)
-PLP_WIRE = [None] + [{"token_id": lp.token_id, "logprob": lp.logprob,
-                      "top": [[t, v] for t, v in lp.top.items()]} for lp in PLP[1:]]
+
+
+PLP_WIRE = expected_prompt_logprobs_wire(PROMPT, 1)
 
 
 def test_tokenless_output_defers_them_to_the_next_delta():
@@ -86,7 +89,9 @@ def test_client_decodes_to_the_offline_shape():
                   "prompt_logprobs": PLP_WIRE})
     d1 = acc.add({"request_id": "rq", "index": 0, "token_ids": [41], "text": ")"})
     assert d0.prompt_logprobs == PLP and d1.prompt_logprobs is None
-    assert all(isinstance(lp, Logprob) for lp in d0.prompt_logprobs[1:])
+    for position, token in zip(d0.prompt_logprobs[1:], PROMPT[1:]):
+        assert next(iter(position)) == token  # the prompt token first, as in vLLM
+        assert all(isinstance(lp, Logprob) for lp in position.values())
     done = acc.finish({"request_id": "rq", "finish_reason": "length", "outputs": [{"index": 0}]})
     assert done.prompt_logprobs == PLP
     # stream off (or the FINAL fallback): taken from the FINAL
@@ -118,3 +123,17 @@ def test_clients_expose_them_blocking_and_async(start_server):
     deltas, result = asyncio.run(run())
     assert [d.prompt_logprobs for d in deltas] == [want, None, None]
     assert result.prompt_logprobs == want
+
+
+def test_wire_shape_with_the_prompt_token_inside_and_outside_the_top():
+    """Rank 1 + i % 3 against k = 2: inside the top (2 entries) or not (3): `top` always holds
+    the k best, best first, with the prompt token among them only by its rank."""
+    prompt = [5, 6, 7, 8, 9]
+    server, sent = server_with_request(stream=False, prompt_logprobs=2)
+    plp = expected_prompt_logprobs(prompt, 2)
+    assert [len(p) for p in plp[1:]] == [2, 3, 2, 2]  # ranks 2, 3, 1, 2
+    server._on_output(RequestOutput("r0", prompt, [CompletionOutput(0, [], "", None, None,
+                                                                    "abort")],
+                                    finished=True, prompt_logprobs=plp))
+    assert sent[0][1]["prompt_logprobs"] == expected_prompt_logprobs_wire(prompt, 2)
+    assert [len(e["top"]) for e in sent[0][1]["prompt_logprobs"][1:]] == [2, 2, 2, 2]

@@ -85,6 +85,10 @@ def test_concurrent_requests_match_alone_and_free_every_block(start_server):
     assert g["num_requests_running"] == g["num_requests_waiting"] == 0
     assert stats["counters"]["request_abort_total"] == NUM_REQUESTS // 6
     assert stats["counters"]["prefix_cache_hits"] > 0
+    # Every request was scheduled (the aborted ones streamed two tokens first); with
+    # max_num_seqs 8 and 24 requests some waited, so the queue times add up to more than 0.
+    queue = stats["histograms"]["request_queue_time_seconds"]
+    assert queue["count"] == sum(queue["counts"]) == NUM_REQUESTS and queue["sum"] > 0
     assert info["kv_capacity_tokens"] == 96 * 16 and info["vocab_size"] == 257
 
 
@@ -156,6 +160,56 @@ def test_server_side_tokenization_matches_the_engine(default_engine):
     assert b["prompt_token_ids"] == list(by_engine["chat"])
 
 
+@pytest.mark.slow
+def test_server_side_chat_options_match_the_engine(default_engine):
+    """Protocol 1.3: with chat options the I/O thread renders exactly what the engine renders
+    for LLMEngine.add_request(messages=, chat_options=); add_generation_prompt and
+    continue_final_message change the prompt the way their names say."""
+    from pagedrun.runtime.chat_options import ChatOptions
+    from pagedrun.server.server import Server
+    from pagedrun.server.validation import GenerateRequest
+
+    engine = default_engine
+    one = SamplingParams(max_tokens=1)
+    history = [{"role": "user", "content": "What is the capital of France?"},
+               {"role": "assistant", "content": "The capital of France is"}]
+    cases = {
+        "gen": (history[:1], ChatOptions()),
+        "nogen": (history[:1], ChatOptions(add_generation_prompt=False)),
+        "cont": (history, ChatOptions(add_generation_prompt=False,
+                                      continue_final_message=True)),
+        "closed": (history, ChatOptions(add_generation_prompt=False)),
+        "own": (history[:1], ChatOptions(chat_template="{% for m in messages %}"
+                                         "{{ m.role }}: {{ m.content }}\n{% endfor %}")),
+    }
+    for rid, (messages, options) in cases.items():
+        engine.add_request(rid, messages=messages, sampling_params=one, chat_options=options)
+    by_engine = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            by_engine[out.request_id] = list(out.prompt_token_ids)
+
+    class RecordingLoop:
+        def __init__(self):
+            self.added = []
+
+        def add(self, engine_id, kwargs):
+            self.added.append(kwargs)
+
+    server = Server(engine)
+    server._loop = RecordingLoop()
+    for rid, (messages, options) in cases.items():
+        server._on_generate(b"id", GenerateRequest(rid, one, messages=messages,
+                                                   chat_options=options))
+    by_server = {rid: kw["prompt_token_ids"] for rid, kw in zip(cases, server._loop.added)}
+    assert by_server == by_engine
+    tok = engine.tokenizer
+    assert len(by_server["gen"]) > len(by_server["nogen"])  # the assistant turn's opening
+    assert tok.decode(by_server["cont"]).endswith("The capital of France is")
+    assert len(by_server["closed"]) > len(by_server["cont"])  # the turn is closed
+    assert tok.decode(by_server["own"]) == "user: What is the capital of France?\n"
+
+
 def test_parallel_sampling_stream_equals_no_stream(start_server):
     _, ep = start_server(tiny_engine())
     params = {"n": 3, "max_tokens": 6, "temperature": 1.0, "seed": 11, "ignore_eos": True,
@@ -167,8 +221,12 @@ def test_parallel_sampling_stream_equals_no_stream(start_server):
     assert indices == {0, 1, 2} and len(whole.outputs) == 3
     for a, b in zip(whole.outputs, s.result.outputs):
         assert a["token_ids"] == b["token_ids"] and len(a["token_ids"]) == 6
-        assert [lp["token_id"] for lp in a["logprobs"]] == a["token_ids"]
+        # vLLM's shape (protocol 1.3): the sampled token first in each position's dict
+        assert [next(iter(lp)) for lp in a["logprobs"]] == a["token_ids"]
         assert a["logprobs"] == b["logprobs"]
+        assert a["cumulative_logprob"] == b["cumulative_logprob"]
+        assert abs(a["cumulative_logprob"] - sum(
+            lp[t].logprob for lp, t in zip(a["logprobs"], a["token_ids"]))) <= 1e-4
     assert len({tuple(o["token_ids"]) for o in whole.outputs}) > 1  # seeded, not identical
 
 
@@ -186,14 +244,18 @@ def offline_prompt_logprobs(prompt_ids: list[int], params: dict) -> list:
 
 
 def assert_prompt_logprobs_match(got, want, prompt_ids: list[int], k: int) -> None:
+    """vLLM's shape on both sides: per position {token_id: Logprob}, the prompt token first,
+    then the top k (k or k + 1 entries); same ids in the same order, same ranks, same values."""
     from pagedrun.runtime.outputs import Logprob
     assert len(got) == len(want) == len(prompt_ids)
     assert got[0] is None and want[0] is None
     for g, w, token in zip(got[1:], want[1:], prompt_ids[1:]):
-        assert isinstance(g, Logprob) and g.token_id == w.token_id == token
-        assert abs(g.logprob - w.logprob) <= 1e-5
-        assert list(g.top) == list(w.top) and len(g.top) == k  # same ids, best first
-        assert all(abs(g.top[t] - w.top[t]) <= 1e-5 for t in w.top)
+        assert isinstance(g, dict) and next(iter(g)) == next(iter(w)) == token
+        assert list(g) == list(w) and len(g) in (k, k + 1)
+        assert all(isinstance(v, Logprob) for v in g.values())
+        assert all(g[t].rank == w[t].rank and abs(g[t].logprob - w[t].logprob) <= 1e-5
+                   for t in w)
+        assert sorted(v.rank for v in g.values() if v.rank <= k) == list(range(1, k + 1))
 
 
 def test_prompt_logprobs_through_the_server_match_the_offline_engine(start_server):
@@ -240,3 +302,28 @@ def test_prompt_logprobs_once_with_parallel_sampling(start_server):
     assert deltas[0].prompt_logprobs is not None
     assert_prompt_logprobs_match(s.result.prompt_logprobs, want, prompt, 1)
     assert_prompt_logprobs_match(whole.prompt_logprobs, want, prompt, 1)
+
+
+@pytest.mark.slow
+def test_default_model_logprobs_through_the_client(start_server, default_engine):
+    """Protocol 1.3 with a real tokenizer: vLLM's shape, greedy tokens of rank 1, their own
+    text as decoded_token, top_k entries best first, cumulative_logprob their sum."""
+    _, ep = start_server(default_engine)
+    with Client(ep, timeout_s=120) as c:
+        out = c.generate("The capital of France is", sampling_params={
+            "max_tokens": 6, "temperature": 0, "logprobs": 3, "prompt_logprobs": 2})
+    tok = default_engine.tokenizer
+    assert len(out.logprobs) == len(out.token_ids) == 6
+    for position, token in zip(out.logprobs, out.token_ids):
+        assert next(iter(position)) == token and position[token].rank == 1
+        assert len(position) == 3  # rank 1: the sampled token is one of the top 3
+        assert position[token].decoded_token == tok.decode([token])
+        ranked = sorted(position.values(), key=lambda lp: lp.rank)
+        assert [lp.rank for lp in ranked] == [1, 2, 3]
+        assert all(a.logprob >= b.logprob for a, b in zip(ranked, ranked[1:]))
+    total = sum(p[t].logprob for p, t in zip(out.logprobs, out.token_ids))
+    assert abs(out.cumulative_logprob - total) <= 1e-4
+    prompt = out.prompt_logprobs
+    assert prompt[0] is None and len(prompt) == out.usage["prompt_tokens"]
+    assert all(len(p) in (2, 3) and all(lp.decoded_token is not None for lp in p.values())
+               for p in prompt[1:])

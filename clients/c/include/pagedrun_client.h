@@ -24,6 +24,12 @@
  *
  * Every function that can fail returns a pagedrun_status (0 = PAGEDRUN_OK); the client keeps a
  * message for the latest failure (pagedrun_last_error). Strings are UTF-8, NUL-terminated.
+ *
+ * ABI: library 1.x only adds (functions, and fields at the end of the structs the library
+ * fills and hands to callbacks: pagedrun_logprob); structs the caller allocates keep their
+ * layout. 1.1 (protocol 1.3): pagedrun_logprob gained rank, decoded_token and
+ * top_decoded_tokens; pagedrun_cumulative_logprob. New sampling fields (logit_bias, bad_words,
+ * allowed_token_ids, ...) go through pagedrun_sampling.extra_msgpack.
  */
 #ifndef PAGEDRUN_CLIENT_H
 #define PAGEDRUN_CLIENT_H
@@ -44,11 +50,11 @@ extern "C" {
 #endif
 
 #define PAGEDRUN_CLIENT_VERSION_MAJOR 1
-#define PAGEDRUN_CLIENT_VERSION_MINOR 0
+#define PAGEDRUN_CLIENT_VERSION_MINOR 1
 #define PAGEDRUN_CLIENT_VERSION_PATCH 0
 /* The wire protocol version byte this library speaks, and the newest revision it knows. */
 #define PAGEDRUN_PROTOCOL_VERSION 1
-#define PAGEDRUN_PROTOCOL_REVISION "1.2"
+#define PAGEDRUN_PROTOCOL_REVISION "1.3"
 /* Request ids are 1..128 characters (docs/protocol.md); buffers of this size hold one + NUL. */
 #define PAGEDRUN_REQUEST_ID_MAX 128
 #define PAGEDRUN_REQUEST_ID_BUF (PAGEDRUN_REQUEST_ID_MAX + 1)
@@ -230,13 +236,23 @@ typedef struct pagedrun_usage {
 } pagedrun_usage;
 
 /* One logprobs entry (DELTA `logprobs`, `prompt_logprobs`); token_id -1 is a nil entry
- * (prompt token 0). top_ids / top_logprobs: the n_top alternatives, best first. */
+ * (prompt token 0). token_id is the sampled (or prompt) token; top_*: the n_top most likely
+ * tokens at that position, best first, so top entry i has rank i + 1 (the sampled token is
+ * among them only when its rank is within n_top). Valid during the on_logprobs call only. */
 typedef struct pagedrun_logprob {
     int32_t token_id;
     double logprob;
     const int32_t *top_ids;
     const double *top_logprobs;
     size_t n_top;
+    /* Library 1.1, protocol 1.3 (vLLM's Logprob). rank: 1 + the number of tokens more likely
+     * than token_id, -1 when the server did not send it (before 1.3). decoded_token: the
+     * token's text alone (cut at a NUL byte, should the token hold one), NULL when not sent.
+     * top_decoded_tokens: the same for each top entry (n_top of them; each NULL when not
+     * sent). */
+    int64_t rank;
+    const char *decoded_token;
+    const char *const *top_decoded_tokens;
 } pagedrun_logprob;
 
 /* Streaming callbacks; any may be NULL. Pointers are valid during the call only.
@@ -278,6 +294,12 @@ PAGEDRUN_API int pagedrun_stream(pagedrun_client *client, const pagedrun_request
                                  const pagedrun_callbacks *callbacks, void *user);
 /* The sequence index of the DELTA being delivered (valid inside on_delta). */
 PAGEDRUN_API uint32_t pagedrun_delta_index(const pagedrun_client *client);
+/* Library 1.1, protocol 1.3: the `cumulative_logprob` (sum of the sampled tokens' logprobs so
+ * far; sent when the request set sampling.logprobs) of the reply being delivered: inside
+ * on_delta / on_logprobs the DELTA's (of its sequence, pagedrun_delta_index), inside on_final
+ * the FINAL's sequence 0; after pagedrun_generate returns, its completion's. Returns 1 and
+ * stores it in *out (may be NULL) when that reply carried one, else 0. */
+PAGEDRUN_API int pagedrun_cumulative_logprob(const pagedrun_client *client, double *out);
 
 /* Sends ABORT for a request of this client. found (may be NULL): waits for ABORTED and stores 1
  * if the server still had it in flight (its stream ends with on_final("abort")), 0 if not.

@@ -146,13 +146,19 @@ struct pagedrun_client {
     int depth;        /* > 0 while a callback runs */
     uint64_t progress; /* bumped whenever a message is handled or something waiting ends */
     uint32_t delta_index;
+    /* cumulative_logprob (1.3) of the reply being delivered (has_cum 0: it carried none) */
+    int has_cum;
+    double cum;
     msgpack_sbuffer sbuf;
     msgpack_zone zone;
     /* scratch for callbacks */
     char *text; size_t text_cap;
     int32_t *ids; size_t ids_cap;
     pagedrun_logprob *lps; size_t lps_cap;
-    int32_t *top_ids; double *top_lps; size_t top_cap;
+    /* the top entries of every logprobs entry of one reply, back to back (top_cap each) */
+    int32_t *top_ids; double *top_lps; const char **top_toks;
+    size_t top_cap;
+    char *tok_buf; size_t tok_cap; /* decoded tokens (1.3), NUL-terminated, back to back */
     char stop_buf[256];
 };
 
@@ -372,6 +378,12 @@ size_t pagedrun_in_flight(const pagedrun_client *c) { return c ? c->n_reqs : 0; 
 
 uint32_t pagedrun_delta_index(const pagedrun_client *c) { return c ? c->delta_index : 0; }
 
+int pagedrun_cumulative_logprob(const pagedrun_client *c, double *out) {
+    if (!c || !c->has_cum) return 0;
+    if (out) *out = c->cum;
+    return 1;
+}
+
 /* ---- timing policy ----------------------------------------------------------------------- */
 /* Longest gap between two messages to the server while something waits. */
 static int64_t keepalive_ns(const pagedrun_client *c) {
@@ -540,12 +552,48 @@ static long parse_text(pagedrun_client *c, const msgpack_object *o) {
     return (long)n;
 }
 
-/* A logprobs array (entries nil or {token_id, logprob, top: [[id, lp], ...]}) into c->lps;
- * -1 on a type error. allow_nil: prompt logprobs. */
+/* Whether o is absent/nil or a str; adds its size + NUL to *chars. */
+static int opt_str(const msgpack_object *o, size_t *chars) {
+    if (is_nil(o)) return 1;
+    if (!is_str(o)) return 0;
+    *chars += o->via.str.size + 1;
+    return 1;
+}
+
+/* A str into c->tok_buf at *at (NUL-terminated), or NULL for nil / absent. */
+static const char *put_tok(pagedrun_client *c, const msgpack_object *o, size_t *at) {
+    if (is_nil(o)) return NULL;
+    char *dst = c->tok_buf + *at;
+    memcpy(dst, o->via.str.ptr, o->via.str.size);
+    dst[o->via.str.size] = '\0';
+    *at += o->via.str.size + 1;
+    return dst;
+}
+
+/* Grows every top-entry scratch array to hold n entries. */
+static int grow_top(pagedrun_client *c, size_t n) {
+    if (n <= c->top_cap) return 0;
+    size_t cap = c->top_cap ? c->top_cap : 64;
+    while (cap < n) cap *= 2;
+    int32_t *ids = realloc(c->top_ids, cap * sizeof *ids);
+    if (ids) c->top_ids = ids;
+    double *lps = realloc(c->top_lps, cap * sizeof *lps);
+    if (lps) c->top_lps = lps;
+    const char **toks = realloc((void *)c->top_toks, cap * sizeof *toks);
+    if (toks) c->top_toks = toks;
+    if (!ids || !lps || !toks) return -1;
+    c->top_cap = cap;
+    return 0;
+}
+
+/* A logprobs array into c->lps; -1 on a type error. Entries are nil (allow_nil: prompt
+ * logprobs) or {token_id, logprob, top: [[token_id, logprob], ...]} plus, since 1.3, rank,
+ * decoded_token and top_decoded_tokens (one str or nil per top pair); any of these may be nil
+ * or absent. Elements of a top pair past the two known (a later revision) are skipped. */
 static long parse_logprobs(pagedrun_client *c, const msgpack_object *arr, int allow_nil) {
     if (!arr || arr->type != MSGPACK_OBJECT_ARRAY) return -1;
     uint32_t n = arr->via.array.size;
-    size_t total_top = 0;
+    size_t total_top = 0, chars = 0;
     for (uint32_t i = 0; i < n; i++) {
         const msgpack_object *e = &arr->via.array.ptr[i];
         if (e->type == MSGPACK_OBJECT_NIL) {
@@ -554,50 +602,76 @@ static long parse_logprobs(pagedrun_client *c, const msgpack_object *arr, int al
         }
         if (e->type != MSGPACK_OBJECT_MAP) return -1;
         const msgpack_object *tid = map_get(e, "token_id"), *lp = map_get(e, "logprob"),
-                             *top = map_get(e, "top");
-        if (!is_int(tid) || !is_num(lp)) return -1;
-        if (top && !is_nil(top)) {
+                             *rank = map_get(e, "rank"), *top = map_get(e, "top"),
+                             *toks = map_get(e, "top_decoded_tokens");
+        if (!is_int(tid) || !is_num(lp) || !(is_nil(rank) || is_int(rank)) ||
+            !opt_str(map_get(e, "decoded_token"), &chars))
+            return -1;
+        uint32_t n_top = 0;
+        if (!is_nil(top)) {
             if (top->type != MSGPACK_OBJECT_ARRAY) return -1;
-            total_top += top->via.array.size;
+            n_top = top->via.array.size;
+            for (uint32_t j = 0; j < n_top; j++) {
+                const msgpack_object *pair = &top->via.array.ptr[j];
+                if (pair->type != MSGPACK_OBJECT_ARRAY || pair->via.array.size < 2 ||
+                    !is_int(&pair->via.array.ptr[0]) || !is_num(&pair->via.array.ptr[1]))
+                    return -1;
+                int64_t t = as_i64(&pair->via.array.ptr[0]);
+                if (t < 0 || t > INT32_MAX) return -1;
+            }
         }
+        if (!is_nil(toks)) {
+            if (toks->type != MSGPACK_OBJECT_ARRAY || toks->via.array.size != n_top) return -1;
+            for (uint32_t j = 0; j < n_top; j++)
+                if (!opt_str(&toks->via.array.ptr[j], &chars)) return -1;
+        }
+        total_top += n_top;
     }
     if (grow((void **)&c->lps, &c->lps_cap, n + 1, sizeof(pagedrun_logprob)) < 0 ||
-        grow((void **)&c->top_ids, &c->top_cap, total_top + 1, sizeof(int32_t)) < 0)
+        grow_top(c, total_top + 1) < 0 || grow((void **)&c->tok_buf, &c->tok_cap, chars + 1, 1) < 0)
         return -1;
-    size_t top_cap_ids = c->top_cap;
-    double *tl = realloc(c->top_lps, top_cap_ids * sizeof(double));
-    if (!tl) return -1;
-    c->top_lps = tl;
-    size_t k = 0;
+    size_t k = 0, at = 0;
     for (uint32_t i = 0; i < n; i++) {
         const msgpack_object *e = &arr->via.array.ptr[i];
         pagedrun_logprob *out = &c->lps[i];
         memset(out, 0, sizeof *out);
+        out->rank = -1;
         if (e->type == MSGPACK_OBJECT_NIL) {
             out->token_id = -1;
             continue;
         }
-        int64_t tid = as_i64(map_get(e, "token_id"));
-        if (tid < 0 || tid > INT32_MAX) return -1;
-        out->token_id = (int32_t)tid;
+        out->token_id = (int32_t)as_i64(map_get(e, "token_id"));
+        if (out->token_id < 0) return -1;
         out->logprob = as_f64(map_get(e, "logprob"));
+        const msgpack_object *rank = map_get(e, "rank"), *top = map_get(e, "top"),
+                             *toks = map_get(e, "top_decoded_tokens");
+        if (!is_nil(rank)) out->rank = as_i64(rank);
+        out->decoded_token = put_tok(c, map_get(e, "decoded_token"), &at);
         out->top_ids = c->top_ids + k;
         out->top_logprobs = c->top_lps + k;
-        const msgpack_object *top = map_get(e, "top");
-        for (uint32_t j = 0; top && !is_nil(top) && j < top->via.array.size; j++) {
-            const msgpack_object *pair = &top->via.array.ptr[j];
-            if (pair->type != MSGPACK_OBJECT_ARRAY || pair->via.array.size != 2 ||
-                !is_int(&pair->via.array.ptr[0]) || !is_num(&pair->via.array.ptr[1]))
-                return -1;
-            int64_t t = as_i64(&pair->via.array.ptr[0]);
-            if (t < 0 || t > INT32_MAX) return -1;
-            c->top_ids[k] = (int32_t)t;
-            c->top_lps[k] = as_f64(&pair->via.array.ptr[1]);
+        out->top_decoded_tokens = c->top_toks + k;
+        for (uint32_t j = 0; !is_nil(top) && j < top->via.array.size; j++) {
+            const msgpack_object *pair = top->via.array.ptr[j].via.array.ptr;
+            c->top_ids[k] = (int32_t)as_i64(&pair[0]);
+            c->top_lps[k] = as_f64(&pair[1]);
+            c->top_toks[k] = is_nil(toks) ? NULL : put_tok(c, &toks->via.array.ptr[j], &at);
             k++;
             out->n_top++;
         }
     }
     return (long)n;
+}
+
+/* cumulative_logprob (1.3) of a DELTA or a FINAL's outputs entry into c->has_cum / c->cum
+ * (src NULL: none); -1 when it is not a number. */
+static int parse_cum(pagedrun_client *c, const msgpack_object *src) {
+    const msgpack_object *v = src ? map_get(src, "cumulative_logprob") : NULL;
+    c->has_cum = 0;
+    if (is_nil(v)) return 0;
+    if (!is_num(v)) return -1;
+    c->has_cum = 1;
+    c->cum = as_f64(v);
+    return 0;
 }
 
 /* Fields of the server's view that replies carry: lease_s (PONG; MODEL_INFO_REPLY `server`) and
@@ -693,6 +767,7 @@ static int deliver_delta(pagedrun_client *c, pr_req *r, const msgpack_object *sr
     if (index && !is_nil(index) && !is_int(index)) return -1;
     if (lp && !is_nil(lp) && lp->type != MSGPACK_OBJECT_ARRAY) return -1;
     if (prompt_lp && !is_nil(prompt_lp) && prompt_lp->type != MSGPACK_OBJECT_ARRAY) return -1;
+    if (parse_cum(c, src) < 0) return -1;
     char rid[PAGEDRUN_REQUEST_ID_BUF];
     snprintf(rid, sizeof rid, "%s", r->id);
     pagedrun_callbacks cb = r->cb;
@@ -750,6 +825,10 @@ static void handle_final(pagedrun_client *c, pr_req *r, const msgpack_object *bo
             }
         if (outputs->via.array.size) first = &outputs->via.array.ptr[0];
     }
+    if (parse_cum(c, first) < 0) {
+        end_req_error(c, r, PAGEDRUN_E_MALFORMED_REPLY, "malformed FINAL (cumulative_logprob)");
+        return;
+    }
     if (!r->stream || (plp && !is_nil(plp))) {
         /* whole completion (stream off) and/or prompt logprobs that no DELTA carried */
         static const msgpack_object empty = {MSGPACK_OBJECT_MAP, {0}};
@@ -760,6 +839,7 @@ static void handle_final(pagedrun_client *c, pr_req *r, const msgpack_object *bo
             return;
         }
         if (!(r = find_req(c, rid, strlen(rid)))) return; /* a callback ended it */
+        parse_cum(c, first); /* on_final sees sequence 0's (checked above) */
     }
     char fr[32] = "";
     obj_str(reason, fr, sizeof fr);
@@ -1306,6 +1386,8 @@ void pagedrun_client_free(pagedrun_client *c) {
     free(c->lps);
     free(c->top_ids);
     free(c->top_lps);
+    free((void *)c->top_toks);
+    free(c->tok_buf);
     free(c);
 }
 
@@ -1540,6 +1622,9 @@ int pagedrun_stream(pagedrun_client *c, const pagedrun_request *req,
 typedef struct {
     pagedrun_completion *out;
     int oom;
+    pagedrun_client *client;
+    int has_cum; /* the FINAL's cumulative_logprob, for pagedrun_cumulative_logprob after */
+    double cum;
 } gen_acc;
 
 static int gen_on_delta(const char *text, size_t text_len, const int32_t *ids, size_t n_ids,
@@ -1563,7 +1648,9 @@ static int gen_on_delta(const char *text, size_t text_len, const int32_t *ids, s
 }
 
 static void gen_on_final(const char *finish_reason, const pagedrun_usage *usage, void *user) {
-    pagedrun_completion *o = ((gen_acc *)user)->out;
+    gen_acc *a = user;
+    pagedrun_completion *o = a->out;
+    a->has_cum = pagedrun_cumulative_logprob(a->client, &a->cum);
     snprintf(o->finish_reason, sizeof o->finish_reason, "%s", finish_reason);
     o->usage = *usage;
     if (usage->stop_reason) {
@@ -1585,11 +1672,13 @@ int pagedrun_generate(pagedrun_client *c, const pagedrun_request *req, pagedrun_
     out->usage.stop_token_id = -1;
     if (!c) return PAGEDRUN_E_INVALID_ARGUMENT;
     if (c->depth) return set_err(c, PAGEDRUN_E_INVALID_ARGUMENT, "not from a callback");
-    gen_acc acc = {out, 0};
+    gen_acc acc = {out, 0, c, 0, 0.0};
     pagedrun_callbacks cb = {gen_on_delta, gen_on_final, gen_on_error, NULL};
     int rc = submit(c, req, &cb, &acc, out->request_id, 0);
     if (rc == PAGEDRUN_OK) rc = pagedrun_wait(c, out->request_id);
     else snprintf(out->error_message, sizeof out->error_message, "%s", c->err);
+    c->has_cum = acc.has_cum; /* what pagedrun_cumulative_logprob reports from here on */
+    c->cum = acc.cum;
     if (rc == PAGEDRUN_OK && acc.oom) rc = set_err(c, PAGEDRUN_E_NO_MEMORY, "out of memory");
     if (rc == PAGEDRUN_OK && !out->text) { /* empty completion */
         out->text = calloc(1, 1);

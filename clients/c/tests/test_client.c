@@ -57,8 +57,11 @@ typedef struct {
     pagedrun_usage usage;
     int finals, errors, error_status;
     char error_message[512];
-    pagedrun_client *client; /* for aborting from a callback */
+    pagedrun_client *client; /* for aborting from a callback (and cumulative_logprob) */
     char rid[PAGEDRUN_REQUEST_ID_BUF];
+    /* protocol 1.3: per sampled-token entry "rank/n_top/top[0] id" and its decoded text;
+     * per prompt entry its rank; per delta the cumulative_logprob ("-" when absent) */
+    char ranks[2048], decoded[2048], prompt_ranks[2048], cums[2048];
     int abort_by_call; /* abort with pagedrun_abort(found = NULL) instead of the return value */
 } rec;
 
@@ -71,6 +74,11 @@ static int rec_delta(const char *text, size_t len, const int32_t *ids, size_t n,
     }
     for (size_t i = 0; i < n && r->n_tokens < 4096; i++) r->tokens[r->n_tokens++] = ids[i];
     r->n_deltas++;
+    double cum;
+    if (r->client && pagedrun_cumulative_logprob(r->client, &cum))
+        snprintf(r->cums + strlen(r->cums), sizeof r->cums - strlen(r->cums), " %g", cum);
+    else if (r->client)
+        snprintf(r->cums + strlen(r->cums), sizeof r->cums - strlen(r->cums), " -");
     if (r->abort_after && r->n_deltas == r->abort_after) {
         if (!r->abort_by_call) return 1;
         CHECK(pagedrun_abort(r->client, r->rid, NULL) == PAGEDRUN_OK);
@@ -98,9 +106,29 @@ static void rec_error(int status, const char *message, void *user) {
 
 static void rec_logprobs(const pagedrun_logprob *e, size_t n, int is_prompt, void *user) {
     rec *r = user;
-    (void)e;
     if (is_prompt) r->n_prompt_lp += (int)n;
     else r->n_token_lp += (int)n;
+    for (size_t i = 0; i < n; i++) {
+        char *dst = is_prompt ? r->prompt_ranks : r->ranks;
+        size_t cap = is_prompt ? sizeof r->prompt_ranks : sizeof r->ranks, len = strlen(dst);
+        if (e[i].token_id < 0) {
+            snprintf(dst + len, cap - len, " -");
+            continue;
+        }
+        if (is_prompt) {
+            snprintf(dst + len, cap - len, " %lld", (long long)e[i].rank);
+            continue;
+        }
+        snprintf(dst + len, cap - len, " %lld/%zu", (long long)e[i].rank, e[i].n_top);
+        if (e[i].n_top) {
+            len = strlen(dst);
+            snprintf(dst + len, cap - len, "/%d", e[i].top_ids[0]);
+            CHECK(e[i].rank < 0 || e[i].top_decoded_tokens[0] != NULL); /* 1.3 sends both */
+        }
+        len = strlen(r->decoded);
+        snprintf(r->decoded + len, sizeof r->decoded - len, "%s",
+                 e[i].decoded_token ? e[i].decoded_token : "?");
+    }
 }
 
 static const pagedrun_callbacks REC_CB = {rec_delta, rec_final, rec_error, rec_logprobs};
@@ -148,6 +176,7 @@ static void scenario_api(const char *ep, const char *prompt, int max_tokens) {
     sp.logprobs = 1;
     /* 1. streaming */
     rec s = {0};
+    s.client = c;
     pagedrun_request req = make_req(prompt, &sp);
     CHECK(pagedrun_stream(c, &req, &REC_CB, &s) == PAGEDRUN_OK);
     print_tokens("STREAM_TOKENS", s.tokens, s.n_tokens);
@@ -157,14 +186,22 @@ static void scenario_api(const char *ep, const char *prompt, int max_tokens) {
     printf("STREAM_USAGE %lld %lld\n", (long long)s.usage.prompt_tokens,
            (long long)s.usage.completion_tokens);
     printf("STREAM_LOGPROBS %d %d\n", s.n_prompt_lp, s.n_token_lp);
+    printf("STREAM_RANKS%s\n", s.ranks);
+    printf("STREAM_DECODED %s\n", s.decoded);
+    printf("STREAM_PROMPT_RANKS%s\n", s.prompt_ranks);
+    printf("STREAM_CUMS%s\n", s.cums);
     CHECK(s.finals == 1 && s.errors == 0);
     CHECK(s.usage.e2e_latency_s >= 0);
 
     /* 2. blocking generate (stream off on the wire) */
     pagedrun_sampling_init(&sp);
     sp.max_tokens = max_tokens;
+    sp.logprobs = 0;
     pagedrun_completion comp;
     CHECK(pagedrun_generate(c, &req, &comp) == PAGEDRUN_OK);
+    double gen_cum = 0;
+    int has_gen_cum = pagedrun_cumulative_logprob(c, &gen_cum);
+    printf("GEN_CUM %d %g\n", has_gen_cum, gen_cum);
     print_tokens("GEN_TOKENS", comp.token_ids, comp.n_tokens);
     printf("GEN_TEXT %s\n", comp.text);
     printf("GEN_FINISH %s\n", comp.finish_reason);
@@ -206,6 +243,7 @@ static void scenario_api(const char *ep, const char *prompt, int max_tokens) {
     rt.sampling = &sp;
     CHECK(pagedrun_generate(c, &rt, &comp) == PAGEDRUN_OK);
     print_tokens("IDS_TOKENS", comp.token_ids, comp.n_tokens);
+    CHECK(pagedrun_cumulative_logprob(c, NULL) == 0); /* no logprobs asked: none */
     pagedrun_completion_free(&comp);
 
     pagedrun_chat_message msgs[2] = {{"system", "be brief"}, {"user", "hi"}};
