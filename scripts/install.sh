@@ -79,10 +79,11 @@ fi
 
 # --- Debian packages ----------------------------------------------------------------------
 # The Cython extensions' build (scikit-build-core drives CMake; g++), libzmq + msgpack-c for the
-# C client example (examples/c_client), and pkg-config to find them. (The CPU execution harness
-# brings its own fiber switch.) For a system (Debian) interpreter: its headers (python3.X-dev)
+# C client example (examples/c_client), pkg-config to find them, and curl (the HTTP gateway's
+# SSE framing test runs `curl -N`, as docs/http.md does). (The CPU execution harness brings its
+# own fiber switch.) For a system (Debian) interpreter: its headers (python3.X-dev)
 # when Python.h is missing, and ensurepip (python3.X-venv, which owns it) to create .venv/.
-APT_PACKAGES=(g++ make cmake pkg-config libzmq3-dev libmsgpack-dev)
+APT_PACKAGES=(g++ make cmake pkg-config libzmq3-dev libmsgpack-dev curl)
 if [ "$HAS_H" = 0 ]; then APT_PACKAGES+=("python${PYVER}-dev"); fi
 if [ "$USE_VENV" = 1 ] && [ ! -x "$VENV/bin/python" ] && [ "$HAS_ENSUREPIP" = 0 ]; then
   APT_PACKAGES+=("python${PYVER}-venv")
@@ -132,9 +133,10 @@ fi
 
 # Build requirements (we build without isolation so the wheel reuses them) and runtime deps.
 "${PIP[@]}" "scikit-build-core>=0.11" "cython>=3.0" "numpy>=1.26" "safetensors>=0.4" \
-  "tokenizers>=0.19" "pyzmq>=25" "msgpack>=1.0" "jinja2>=3.1" "gguf>=0.10" "tqdm>=4.66"
-# Test requirements.
-"${PIP[@]}" "pytest>=8" "hypothesis>=6.100"
+  "tokenizers>=0.19" "pyzmq>=25" "msgpack>=1.0" "jinja2>=3.1" "gguf>=0.10" "tqdm>=4.66" \
+  "starlette>=0.37" "uvicorn>=0.29" "prometheus-client>=0.17" "httpx>=0.27"
+# Test requirements (openai: the official SDK the HTTP gateway's tests drive it with).
+"${PIP[@]}" "pytest>=8" "hypothesis>=6.100" "openai>=1.40"
 # NVRTC for the compile gates (scripts/compile_gates.py): the toolkit has nvcc but no libnvrtc.
 "${PIP[@]}" "nvidia-cuda-nvrtc>=13,<14"
 # The embedded default model: only its GGUF file, not llama-cpp-python.

@@ -85,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     # The server's commands live in their own modules (light to import: argparse and sys only;
     # each add_parser sets its own `func`).
     from pagedrun.server import bench_cmd, chat_cmd, serve_cmd
+    from pagedrun.server.http import gateway_cmd
 
-    for module in (serve_cmd, chat_cmd, bench_cmd):
+    for module in (serve_cmd, chat_cmd, bench_cmd, gateway_cmd):
         module.add_parser(commands)
     return parser
 

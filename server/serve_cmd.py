@@ -4,7 +4,10 @@ vLLM's flag names map onto EngineConfig; the server's own knobs (endpoint, limit
 CURVE) onto ServerConfig. SIGINT/SIGTERM drain and exit 0; a second one stops at once, every
 in-flight request answered `shutting_down`, exit status 128 + the signal's number
 (docs/protocol.md, "Shutdown"). Binding beyond loopback without CURVE is logged as a warning.
-Only argparse is imported at module load so `paged-run --help` stays instant.
+`--http-port PORT` also runs the OpenAI-compatible gateway (server/http/, docs/http.md) on
+HOST:PORT, a thread of this process that reaches the engine through the ZeroMQ socket like any
+other client; it stops after the drain. Only argparse is imported at module load so
+`paged-run --help` stays instant.
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ NEEDS_SECRET = ("paged-run serve: --nnodes > 1 needs --tp-secret-file FILE, the 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     # Defaults come from their one definition: the engine's from EngineConfig, the address from
     # the protocol module (both light: dataclasses; msgpack).
-    from pagedrun.runtime.engine_config import BLOCK_SIZES, DEVICES, DTYPES, EngineConfig
+    from pagedrun.runtime.engine_config import (BLOCK_SIZES, DEVICES, DTYPES, LOGPROBS_MODES,
+                                                EngineConfig)
     from pagedrun.server.protocol import DEFAULT_HOST, DEFAULT_PORT
 
     engine = EngineConfig()
@@ -64,6 +68,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     eng.add_argument("--num-kv-blocks", type=int, default=engine.num_kv_blocks,
                      help="explicit KV capacity in blocks (default: from the memory budget)")
     eng.add_argument("--seed", type=int, default=engine.seed)
+    eng.add_argument("--max-logprobs", type=int, default=engine.max_logprobs,
+                     help="most top logprobs a request may ask for (-1: the whole vocabulary)")
+    eng.add_argument("--logprobs-mode", default=engine.logprobs_mode, choices=LOGPROBS_MODES,
+                     help="raw: from the model's logits; processed: after bias, penalties, "
+                          "temperature and the top-k / top-p / min-p filters")
     # None: ServerConfig's default (server/server.py imports zmq, too slow for `--help`).
     srv = p.add_argument_group("server")
     srv.add_argument("--max-queued-requests", type=int, default=None,
@@ -79,6 +88,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     srv.add_argument("--curve-allowed-clients", default=None, metavar="DIR",
                      help="directory of allowed clients' public certificates")
     srv.add_argument("--log-level", default="INFO")
+    # The OpenAI-compatible gateway (server/http/), in this process, speaking ZeroMQ to the
+    # socket above; `paged-run http` runs the same gateway alone.
+    from pagedrun.server.http.gateway_cmd import add_gateway_options
+
+    web = p.add_argument_group("OpenAI HTTP API (docs/http.md)")
+    web.add_argument("--http-port", type=int, default=None, metavar="PORT",
+                     help="also serve the OpenAI API on http://HOST:PORT/v1 (HOST: --host)")
+    add_gateway_options(web)
     p.set_defaults(func=run)
     return p
 
@@ -119,7 +136,8 @@ def build_engine(args):
         gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
         master_addr=args.master_addr, tp_secret_file=args.tp_secret_file,
-        tp_curve=args.tp_curve, seed=args.seed))
+        tp_curve=args.tp_curve, seed=args.seed, max_logprobs=args.max_logprobs,
+        logprobs_mode=args.logprobs_mode))
 
 
 def startup_summary(info: dict, endpoint: str, curve: bool) -> str:
@@ -139,6 +157,22 @@ def startup_summary(info: dict, endpoint: str, curve: bool) -> str:
 # After a second signal, the process ends by os._exit this long later if the forced shutdown
 # has not returned by then (an engine step that never ends, a close that hangs).
 FORCE_EXIT_WATCHDOG_S = 5.0
+
+
+def start_gateway(endpoint: str, engine, args):
+    """The HTTP gateway on --host:--http-port, a thread of this process connected to the bound
+    ZeroMQ `endpoint` like any other client; it gets the engine's tokenizer object for
+    /tokenize and /detokenize. Prints its address."""
+    from pagedrun.server.http.app import build_app
+    from pagedrun.server.http.gateway_cmd import GatewayThread, connect_endpoint
+
+    app = build_app(connect_endpoint(endpoint), api_key=args.api_key,
+                    tokenizer=getattr(engine, "tokenizer", None))
+    gateway = GatewayThread(app, host=args.host, port=args.http_port,
+                            log_level=args.log_level)
+    gateway.start()
+    print(f"  OpenAI HTTP API on {gateway.url}/v1", flush=True)
+    return gateway
 
 
 def serve_until_signalled(server) -> int:
@@ -196,20 +230,40 @@ def run(args) -> int:
     if args.nnodes > 1 and not args.tp_secret_file:
         raise SystemExit(NEEDS_SECRET)
     config = server_config_from_args(args)
+    if args.api_key is not None and args.http_port is None:
+        raise SystemExit("paged-run serve: --api-key protects the HTTP API: give --http-port")
+    if args.http_port is not None and config.curve is not None:
+        raise SystemExit("paged-run serve: --http-port with CURVE: run the gateway as "
+                         "`paged-run http --curve-server-key ... --curve-client-key ...`")
     engine = build_engine(args)
+    gateways: list = []  # the HTTP gateway, once started (by the announcing thread)
     try:
         server = Server(engine, config)
 
         def announce():  # once bound, so the endpoint printed is the real one (port 0 / '*')
             endpoint = server.wait_bound(60)
-            if endpoint:
-                print(startup_summary(server.model_info, endpoint, config.curve is not None),
-                      flush=True)
+            if not endpoint:
+                return
+            print(startup_summary(server.model_info, endpoint, config.curve is not None),
+                  flush=True)
+            if args.http_port is not None:
+                try:
+                    gateways.append(start_gateway(endpoint, engine, args))
+                except Exception as exc:  # noqa: BLE001 -- reported, then the server stops
+                    print(f"paged-run serve: the HTTP gateway did not start: {exc}",
+                          file=sys.stderr, flush=True)
+                    gateways.append(None)
+                    server.request_shutdown()
 
         threading.Thread(target=announce, daemon=True).start()
         code = serve_until_signalled(server)
     finally:
+        for gateway in gateways:
+            if gateway is not None:
+                gateway.stop()
         engine.close()  # tensor parallel: the workers exit (or are killed) before we do
+    if None in gateways:
+        return 1
     if server.engine_dead is not None:
         print(f"paged-run serve: stopped, the engine failed: {server.engine_dead}",
               file=sys.stderr, flush=True)

@@ -1,0 +1,131 @@
+"""Handlers of the endpoints around generation: /v1/models, /health, /version, /tokenize,
+/detokenize, /metrics, and the two generation routes' entry points.
+
+Shapes follow vLLM's OpenAI server: /health is 200 with an empty body when the engine answers
+PING with status ok (503 while it drains or when it does not answer); /version is
+{"version"}; /tokenize takes {prompt, add_special_tokens} or {messages, add_generation_prompt,
+continue_final_message, chat_template, chat_template_kwargs, tools} and answers {count,
+max_model_len, tokens, token_strs}; /detokenize takes {tokens} and answers {prompt}.
+"""
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pagedrun import __version__
+from pagedrun.server.http.errors import ApiError, bad_request
+from pagedrun.server.http.generation import read_json, serve_generation
+from pagedrun.server.http.openai_models import (CHAT_OPTIONS, field_value, parse_chat,
+                                                parse_completion, parse_messages)
+from pagedrun.server.http.prometheus import CONTENT_TYPE
+
+OWNED_BY = "paged-run"
+
+
+async def chat_completions(request: Request) -> Response:
+    spec = parse_chat(await read_json(request))
+    return await serve_generation(request, request.app.state.gateway, spec)
+
+
+async def completions(request: Request) -> Response:
+    spec = parse_completion(await read_json(request))
+    return await serve_generation(request, request.app.state.gateway, spec)
+
+
+async def _model_card(gateway) -> dict:
+    info = await gateway.link.model_info()
+    return {"id": await gateway.link.model_name(), "object": "model",
+            "created": gateway.started_at, "owned_by": OWNED_BY, "root": info.get("model"),
+            "parent": None, "max_model_len": info.get("max_model_len"),
+            # Not OpenAI's: lets a load generator draw valid token-id prompts (paged-run bench).
+            "vocab_size": info.get("vocab_size")}
+
+
+async def list_models(request: Request) -> Response:
+    card = await _model_card(request.app.state.gateway)
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def retrieve_model(request: Request) -> Response:
+    gateway = request.app.state.gateway
+    await gateway.check_model(request.path_params["model"])
+    return JSONResponse(await _model_card(gateway))
+
+
+async def health(request: Request) -> Response:
+    pong = await request.app.state.gateway.link.ping()
+    if pong.get("status") != "ok":
+        raise ApiError(503, f"the engine is {pong.get('status')}", code="shutting_down")
+    return Response(status_code=200)
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": __version__})
+
+
+async def _tokenizer(gateway):
+    await gateway.find_tokenizer()
+    if gateway.local_tokenizer is None:
+        raise ApiError(501, "this gateway has no tokenizer for the engine's model (start it "
+                       "with --tokenizer MODEL)", code="no_tokenizer")
+    return gateway.local_tokenizer
+
+
+async def tokenize(request: Request) -> Response:
+    gateway = request.app.state.gateway
+    body = await read_json(request)
+    await gateway.check_model(field_value(body, "model", lambda v: isinstance(v, str), "a string"))
+    tokenizer = await _tokenizer(gateway)
+    if body.get("messages") is not None:
+        options = {name: field_value(body, name, check, what)
+                   for name, check, what in CHAT_OPTIONS}
+        options = {k: v for k, v in options.items() if v is not None}
+        kwargs = dict(options.pop("chat_template_kwargs", {}))
+        if "tools" in options:
+            kwargs["tools"] = options.pop("tools")
+        try:
+            ids = tokenizer.apply_chat_template(
+                parse_messages(body["messages"]), tokenize=True,
+                add_generation_prompt=options.get("add_generation_prompt", True),
+                continue_final_message=options.get("continue_final_message", False),
+                chat_template=options.get("chat_template"), **kwargs)
+        except ValueError as exc:  # the template refused (ChatTemplateError is a ValueError)
+            raise bad_request(str(exc), "messages") from None
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise bad_request("prompt: must be a string (or give messages)", "prompt")
+        add_special = field_value(body, "add_special_tokens",
+                                  lambda v: isinstance(v, bool), "a boolean")
+        ids = tokenizer.encode(prompt, add_special_tokens=add_special is not False)
+    ids = list(ids)
+    token_strs = None
+    if field_value(body, "return_token_strs", lambda v: isinstance(v, bool), "a boolean"):
+        token_strs = [tokenizer.id_to_token(t) for t in ids]
+    info = await gateway.link.model_info()
+    return JSONResponse({"count": len(ids), "max_model_len": info.get("max_model_len"),
+                         "tokens": ids, "token_strs": token_strs})
+
+
+async def detokenize(request: Request) -> Response:
+    gateway = request.app.state.gateway
+    body = await read_json(request)
+    await gateway.check_model(field_value(body, "model", lambda v: isinstance(v, str), "a string"))
+    tokens = body.get("tokens")
+    if not (isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                             for t in tokens)):
+        raise bad_request("tokens: must be a list of token ids", "tokens")
+    tokenizer = await _tokenizer(gateway)
+    if any(not 0 <= t < tokenizer.vocab_size for t in tokens):
+        raise bad_request(f"tokens: every id must lie in [0, {tokenizer.vocab_size})", "tokens")
+    return JSONResponse({"prompt": tokenizer.decode(tokens)})
+
+
+async def metrics(request: Request) -> Response:
+    gateway = request.app.state.gateway
+    try:
+        stats = await gateway.link.stats()
+        name = await gateway.link.model_name()
+    except ApiError:
+        stats, name = None, gateway.link.served_model_name or ""
+    return Response(gateway.exporter.render(stats, name), media_type=CONTENT_TYPE)
