@@ -62,7 +62,7 @@ TOP_P_FIRST_CANDIDATES = 64
 TOP_P_GROWTH = 4
 # Tokens per chunk whose maximum bounds the top-k / top-p candidate search (see _heaviest).
 CANDIDATE_CHUNK = 64
-# Tokens per chunk of the two-level inverse CDF (see _inverse_cdf).
+# Tokens per chunk of the two-level inverse CDF (see inverse_cdf).
 CDF_CHUNK = 1024
 # Rows sampled together: bounds the [rows, vocab] float32 temporaries
 # (32 x 128k x 4 B = 16 MiB each).
@@ -335,7 +335,7 @@ def filter_rows(logits: np.ndarray, params: Sequence[SamplingParams]
     return final, weights
 
 
-def _inverse_cdf(weights: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
+def inverse_cdf(weights: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
     """First token whose cumulative weight exceeds u x total, per row, in ascending id order.
 
     weights: [rows, vocab] f32 >= 0; uniforms: [rows] in [0, 1). A row without mass gets
@@ -413,7 +413,7 @@ class Sampler:
         for start in range(0, sampled_rows.size, SAMPLE_ROW_CHUNK):
             rows = sampled_rows[start:start + SAMPLE_ROW_CHUNK]
             final, weights = filter_rows(processed[rows], [params[i] for i in rows])
-            token_ids[rows] = _inverse_cdf(weights, uniforms[rows])
+            token_ids[rows] = inverse_cdf(weights, uniforms[rows])
             if not raw_mode:
                 values.update((int(i), final[j]) for j, i in enumerate(rows) if i in values)
         return SamplerOutput(token_ids, gather_logprobs(values, token_ids, params,

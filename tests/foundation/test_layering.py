@@ -72,6 +72,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "pagedrun.runtime.outputs",
         "pagedrun.runtime.stop_checker",
         "pagedrun.runtime.admission",
+        # Speculative decoding's device-free parts: config, n-gram proposer, rejection sampler.
+        "pagedrun.runtime.spec_decode",
+        "pagedrun.runtime.spec_decode.*",
         "pagedrun.runtime.request",
         "pagedrun.runtime.sampler",
         "pagedrun.runtime.tokenizer",

@@ -21,7 +21,7 @@ from pagedrun.runtime.kernels.kernel_args import UnsupportedKernelShape
 from pagedrun.runtime.backends.kernel_sampler import KernelSampler
 from pagedrun.runtime.engine_config import LOGPROBS_MODES
 from pagedrun.runtime.kernels.sampling import process_logits, sample
-from pagedrun.runtime.sampler import (Sampler, _inverse_cdf, apply_logits_processors,
+from pagedrun.runtime.sampler import (Sampler, inverse_cdf, apply_logits_processors,
                                       filter_rows, make_request_generator)
 from pagedrun.runtime.sampling_params import SamplingParams
 
@@ -111,7 +111,7 @@ def test_same_uniforms_same_tokens_as_numpy(rng, vocab):
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     expected = np.argmax(logits, axis=1).astype(np.int32)
     _, weights = filter_rows(logits[sampled], [params[i] for i in sampled])
-    expected[sampled] = _inverse_cdf(weights, uniforms[sampled])
+    expected[sampled] = inverse_cdf(weights, uniforms[sampled])
     # Only a uniform within float32 rounding of a CDF boundary could pick a neighbour.
     mismatches = np.flatnonzero(out != expected)
     assert mismatches.size <= 1, \
@@ -161,7 +161,7 @@ def test_draw_distribution_matches_numpy(config):
     stat, dof = _chi2(counts, probs, NUM_DRAWS)
     assert stat < _chi2_threshold(dof, CHI2_CONFIDENCE), (stat, dof)
     # The reference distribution itself: the numpy sampler's draws pass the same test.
-    ref = _inverse_cdf(filter_rows(logits, [p] * NUM_DRAWS)[1], rng.random(NUM_DRAWS))
+    ref = inverse_cdf(filter_rows(logits, [p] * NUM_DRAWS)[1], rng.random(NUM_DRAWS))
     ref_stat, ref_dof = _chi2(np.bincount(ref, minlength=vocab), probs, NUM_DRAWS)
     assert ref_stat < _chi2_threshold(ref_dof, CHI2_CONFIDENCE)
 
@@ -219,7 +219,7 @@ def test_masked_rows_and_extreme_values(vocab):
     expected[0] = 0
     _, weights = filter_rows(logits[sampled], [params[i] for i in sampled])
     assert np.isfinite(weights).all()
-    expected[sampled] = _inverse_cdf(weights, uniforms[sampled])
+    expected[sampled] = inverse_cdf(weights, uniforms[sampled])
     np.testing.assert_array_equal(out, expected)
     assert out[0] == 0 and out[1] == 0 and out[3] == vocab - 1 and out[4] == vocab // 2
     assert out[5] == vocab - 1
