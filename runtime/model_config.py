@@ -1,19 +1,18 @@
 """`ModelConfig`: the shape and numerics of a Llama-family decoder, read from a Hugging Face
 model directory's `config.json` (plus `generation_config.json` for extra stop ids).
 
-Supported architectures: `LlamaForCausalLM` (Llama 2/3, SmolLM2), `MistralForCausalLM`,
-`Qwen2ForCausalLM`. They share one forward: RMSNorm, rotary attention with grouped-query heads,
-SwiGLU MLP. What differs is data, kept here as fields:
-- Qwen2 always has biases on q/k/v (never on o); Llama has them on q/k/v/o when its
-  `attention_bias` field is true.
-- Mistral may have a sliding attention window.
-- Llama 3 scales its rotary frequencies ("llama3" rope type).
+Which architectures we serve, and what their configs mean beyond the shared fields, is the
+model registry's (runtime/architectures.py): Llama 2/3 (and SmolLM2), Mistral, Qwen2 and Qwen3
+share one forward -- RMSNorm, rotary attention with grouped-query heads, SwiGLU MLP -- and
+differ in data kept here as fields (q/k/v/o biases, a sliding window, Qwen3's per-head QK-norm,
+Llama 3's rotary scaling).
 
 Both config layouts Hugging Face has written are read: the older one (`rope_theta` and
 `rope_scaling` at top level, `torch_dtype`) and transformers 5's (`rope_parameters` holding
 `rope_theta` and the scaling keys, `dtype`). Anything we cannot run exactly (another
-architecture, another rope type, a non-SiLU activation, MLP biases, Qwen2 sliding windows) is a
-`ModelLoadError` naming the file and the field, never a silently wrong model.
+architecture, another rope type, a non-SiLU activation, MLP biases, sliding-window layers in a
+stack of full ones) is a `ModelLoadError` naming the file and the field, never a silently wrong
+model.
 """
 from __future__ import annotations
 
@@ -23,18 +22,14 @@ import pathlib
 from dataclasses import dataclass
 from typing import Any
 
+from .architectures import SUPPORTED_ARCHITECTURES, architecture_of
 from .errors import ModelLoadError
 
 CONFIG_FILE_NAME = "config.json"
 GENERATION_CONFIG_FILE_NAME = "generation_config.json"
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-# Used only when a config has no "architectures" list (e.g. written by hand or by a converter).
-_ARCHITECTURE_BY_MODEL_TYPE = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
+# Re-exported: the registry's list (runtime/architectures.py) is the one source.
+__all__ = ["ModelConfig", "RopeScaling", "FieldReader", "SUPPORTED_ARCHITECTURES"]
 # Rope types that mean "theta only, no scaling".
 _UNSCALED_ROPE_TYPES = ("default", None)
 LLAMA3_ROPE_TYPE = "llama3"
@@ -86,6 +81,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     # On-disk dtype the checkpoint declares ("float32", "bfloat16", "float16"), or None.
     torch_dtype: str | None
+    # Qwen3: RMSNorm (weights q_norm / k_norm, [head_dim], eps rms_norm_eps) over every query
+    # and key head after the projections, before RoPE.
+    qk_norm: bool = False
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -125,8 +123,9 @@ class ModelConfig:
         generation_source: str = GENERATION_CONFIG_FILE_NAME,
     ) -> "ModelConfig":
         """Build from parsed config.json contents; `source` names the file in error messages."""
-        reader = _FieldReader(config, source)
-        architecture = _architecture(reader)
+        reader = FieldReader(config, source)
+        architecture = architecture_of(reader)
+        family = architecture.read_fields(reader)
 
         if reader.optional("hidden_act", str, "silu") != "silu":
             raise reader.error("hidden_act",
@@ -142,7 +141,7 @@ class ModelConfig:
                 "num_key_value_heads",
                 f"{num_key_value_heads} does not divide num_attention_heads={num_attention_heads}",
             )
-        head_dim = reader.optional("head_dim", int, None)
+        head_dim = reader.optional("head_dim", int, architecture.default_head_dim)
         if head_dim is None:
             if hidden_size % num_attention_heads:
                 raise reader.error(
@@ -156,24 +155,9 @@ class ModelConfig:
 
         rope_theta, rope_scaling = _rope(reader)
 
-        if architecture == "Qwen2ForCausalLM":
-            attention_bias, o_proj_bias = True, False
-            if reader.optional("use_sliding_window", bool, False):
-                raise reader.error("use_sliding_window",
-                                   "Qwen2 sliding-window layers are not supported")
-            sliding_window = None
-        else:
-            attention_bias = reader.optional("attention_bias", bool, False)
-            o_proj_bias = attention_bias
-            sliding_window = None
-            if architecture == "MistralForCausalLM":
-                sliding_window = reader.optional("sliding_window", int, None)
-                if sliding_window is not None and sliding_window <= 0:
-                    raise reader.error("sliding_window", f"must be positive, got {sliding_window}")
-
         eos_token_ids = _token_ids(reader, "eos_token_id")
         if generation_config is not None:
-            generation_reader = _FieldReader(generation_config, generation_source)
+            generation_reader = FieldReader(generation_config, generation_source)
             for token_id in _token_ids(generation_reader, "eos_token_id"):
                 if token_id not in eos_token_ids:
                     eos_token_ids += (token_id,)
@@ -184,7 +168,7 @@ class ModelConfig:
             raise reader.error("torch_dtype", f"expected a dtype name, got {torch_dtype!r}")
 
         return cls(
-            architecture=architecture,
+            architecture=architecture.name,
             vocab_size=reader.positive_int("vocab_size"),
             hidden_size=hidden_size,
             intermediate_size=reader.positive_int("intermediate_size"),
@@ -196,18 +180,20 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             rms_norm_eps=float(reader.optional("rms_norm_eps", float, 1e-6)),
             tie_word_embeddings=reader.optional("tie_word_embeddings", bool, False),
-            attention_bias=attention_bias,
-            o_proj_bias=o_proj_bias,
+            attention_bias=family.attention_bias,
+            o_proj_bias=family.o_proj_bias,
             max_position_embeddings=reader.positive_int("max_position_embeddings"),
-            sliding_window=sliding_window,
+            sliding_window=family.sliding_window,
             bos_token_id=bos_ids[0] if bos_ids else None,
             eos_token_ids=eos_token_ids,
             torch_dtype=torch_dtype,
+            qk_norm=family.qk_norm,
         )
 
 
-class _FieldReader:
-    """Typed access to one JSON object; every failure names the file and the field."""
+class FieldReader:
+    """Typed access to one JSON object; every failure names the file and the field (the
+    registry's per-family readers in runtime/architectures.py get one too)."""
 
     def __init__(self, data: dict[str, Any], source: str) -> None:
         self.data = data
@@ -258,29 +244,7 @@ def _read_json_object(path: pathlib.Path) -> dict[str, Any]:
     return data
 
 
-def _architecture(reader: _FieldReader) -> str:
-    architectures = reader.optional("architectures", list, None)
-    if architectures is None:
-        model_type = reader.optional("model_type", str, None)
-        if model_type is None:
-            raise reader.error("architectures", "missing (and no model_type to infer it from)")
-        if model_type not in _ARCHITECTURE_BY_MODEL_TYPE:
-            raise reader.error(
-                "model_type",
-                f"unsupported model type {model_type!r}; supported: "
-                f"{', '.join(sorted(_ARCHITECTURE_BY_MODEL_TYPE))}",
-            )
-        return _ARCHITECTURE_BY_MODEL_TYPE[model_type]
-    if len(architectures) != 1 or architectures[0] not in SUPPORTED_ARCHITECTURES:
-        raise reader.error(
-            "architectures",
-            f"unsupported architecture {architectures!r}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}",
-        )
-    return architectures[0]
-
-
-def _rope(reader: _FieldReader) -> tuple[float, RopeScaling | None]:
+def _rope(reader: FieldReader) -> tuple[float, RopeScaling | None]:
     """(rope_theta, scaling) from either config layout; see the module docstring."""
     if reader.data.get("rope_parameters") is not None:
         field = "rope_parameters"
@@ -319,7 +283,7 @@ def _rope(reader: _FieldReader) -> tuple[float, RopeScaling | None]:
     )
 
 
-def _token_ids(reader: _FieldReader, field: str) -> tuple[int, ...]:
+def _token_ids(reader: FieldReader, field: str) -> tuple[int, ...]:
     """A token-id field that may be absent, one int, or a list of ints, as a tuple."""
     value = reader.data.get(field)
     if value is None:

@@ -6,7 +6,8 @@ cache, each step of the decoder spelled out in the order transformers applies it
 
     x = embed_tokens[token_ids]
     for each layer:
-        h = rms_norm(x) ; q, k, v = h @ W.T (+ b) ; rotate q, k ; append k, v to the cache
+        h = rms_norm(x) ; q, k, v = h @ W.T (+ b)
+        (Qwen3) q, k = rms_norm per head (q_norm, k_norm) ; rotate q, k ; append k, v to the cache
         x = x + o_proj(causal grouped-query attention(q, cache))
         x = x + down_proj(silu(gate_proj(rms_norm(x))) * up_proj(rms_norm(x)))
     logits = rms_norm(x) @ lm_head.T
@@ -42,7 +43,8 @@ def rope_cos_sin(config: ModelConfig, positions: np.ndarray) -> tuple[np.ndarray
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """x: [T, hidden] float32, weight: [hidden] -> weight * x / sqrt(mean(x^2) + eps)."""
+    """x: [..., n] float32, weight: [n] -> weight * x / sqrt(mean(x^2) + eps) over the last
+    axis (n: hidden, or head_dim for Qwen3's per-head q/k norms)."""
     variance = np.mean(x * x, axis=-1, keepdims=True)
     return weight * (x / np.sqrt(variance + np.float32(eps)))
 
@@ -162,6 +164,10 @@ class ReferenceModel:
         q = _linear(h, layer.q_proj, layer.q_bias).reshape(num_tokens, num_heads, head_dim)
         k = _linear(h, layer.k_proj, layer.k_bias).reshape(num_tokens, num_kv_heads, head_dim)
         v = _linear(h, layer.v_proj, layer.v_bias).reshape(num_tokens, num_kv_heads, head_dim)
+        if config.qk_norm:
+            # rms_norm over the last axis: each head of each token on its own.
+            q = rms_norm(q, layer.q_norm, config.rms_norm_eps)
+            k = rms_norm(k, layer.k_norm, config.rms_norm_eps)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
 

@@ -13,7 +13,9 @@ past the end, a size that does not match the shape) must become a `ModelLoadErro
 file and the tensor, never a numpy or Rust traceback.
 
 Layout: weight matrices keep Hugging Face's `[out_features, in_features]` layout, so a linear
-layer is `y = x @ W.T (+ b)`. Norm weights are `[hidden_size]`. With tied embeddings `lm_head`
+layer is `y = x @ W.T (+ b)`. Norm weights are `[hidden_size]` (Qwen3's per-head q/k norms:
+`[head_dim]`). Which optional tensors a layer has follows the config's family fields
+(runtime/architectures.py): biases, QK-norm. With tied embeddings `lm_head`
 is the very same array object as `embed_tokens`.
 """
 from __future__ import annotations
@@ -285,6 +287,9 @@ class LayerWeights:
     gate_proj: np.ndarray                 # [intermediate_size, hidden_size]
     up_proj: np.ndarray                   # [intermediate_size, hidden_size]
     down_proj: np.ndarray                 # [hidden_size, intermediate_size]
+    # Per-head RMSNorm weights of q and k, present if config.qk_norm (Qwen3), else None.
+    q_norm: np.ndarray | None = None      # [head_dim]
+    k_norm: np.ndarray | None = None      # [head_dim]
 
 
 @dataclass
@@ -303,7 +308,8 @@ def load_model_weights(
     config: ModelConfig | None = None,
     dtype: np.dtype | type = np.float32,
 ) -> ModelWeights:
-    """Load every weight of a Llama-family model directory as `dtype` (float64/32/16) arrays.
+    """Load every weight of a Llama-family model directory (every registered architecture) as
+    `dtype` (float64/32/16) arrays.
 
     `config` defaults to the directory's own config.json. Extra tensors in the files (e.g. old
     `rotary_emb.inv_freq` buffers) are ignored; a missing or misshaped one is a ModelLoadError.
@@ -326,6 +332,7 @@ def load_model_weights(
         attn = prefix + "self_attn."
         mlp = prefix + "mlp."
         has_qkv_bias, has_o_bias = config.attention_bias, config.o_proj_bias
+        head_dim = (config.head_dim,)
         layers.append(LayerWeights(
             input_layernorm=get(prefix + "input_layernorm.weight", (hidden,)),
             q_proj=get(attn + "q_proj.weight", (q_size, hidden)),
@@ -340,6 +347,8 @@ def load_model_weights(
             gate_proj=get(mlp + "gate_proj.weight", (inter, hidden)),
             up_proj=get(mlp + "up_proj.weight", (inter, hidden)),
             down_proj=get(mlp + "down_proj.weight", (hidden, inter)),
+            q_norm=get(attn + "q_norm.weight", head_dim) if config.qk_norm else None,
+            k_norm=get(attn + "k_norm.weight", head_dim) if config.qk_norm else None,
         ))
     embed_tokens = get("model.embed_tokens.weight", (vocab, hidden))
     # Tied models may still store lm_head.weight; transformers ignores it, and so do we.

@@ -11,7 +11,7 @@ Per layer (HF [out, in] matrices):
 - embed_tokens and lm_head: vocab-parallel, ceil(vocab/tp) rows per rank, the last rank's slice
   zero-padded; the embedding is a masked lookup plus all-reduce, the LM head's logits are
   gathered to rank 0 and the padding trimmed.
-- norms: replicated.
+- norms: replicated (Qwen3's per-head q_norm / k_norm too: a rank norms whole heads).
 
 A rank reads only its slices from the safetensors files (`SafetensorsCheckpoint.get(...,
 index=)` slices the memory map before copying), so no rank materializes a full weight matrix.
@@ -156,6 +156,9 @@ def load_shard(source, config: ModelConfig, spec: ShardSpec) -> ModelWeights:
             gate_proj=read(mlp + "gate_proj.weight", (inter_rows,)),
             up_proj=read(mlp + "up_proj.weight", (inter_rows,)),
             down_proj=read(mlp + "down_proj.weight", (slice(None), inter_rows)),
+            # Qwen3's per-head QK-norm: replicated, since a rank norms whole heads.
+            q_norm=read(attn + "q_norm.weight", everything) if config.qk_norm else None,
+            k_norm=read(attn + "k_norm.weight", everything) if config.qk_norm else None,
         ))
     embed = _vocab_slice(read, "model.embed_tokens.weight", spec, hidden)
     lm_head = (embed if config.tie_word_embeddings

@@ -1,5 +1,5 @@
-"""Llama-family forward (Llama 2/3, Mistral, Qwen2, SmolLM2) over a paged KV cache, written
-against backend ops.
+"""Llama-family forward (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) over a paged KV cache,
+written against backend ops.
 
 One step runs every scheduled token of every request at once: each weight is one GEMM over all
 `num_tokens` rows; only attention looks at requests separately, and it is split into decode rows
@@ -9,6 +9,10 @@ Weights are fused at load: q/k/v into one [hidden, q_size + 2 * kv_size] matrix,
 [hidden, 2 * intermediate] matrix, so a layer runs four GEMMs. Every matrix is stored float32,
 C-contiguous and pre-transposed ([in, out], for `x @ W`); `ops.linear` takes the HF [out, in]
 layout, which is the free `.T` view of that storage.
+
+Qwen3's QK-norm (config.qk_norm) is the backend's plain `rms_norm` over a [num_tokens * heads,
+head_dim] view of q and of k, between the QKV GEMM and the rotary op: no op of its own, so it
+runs unchanged on every backend.
 """
 from __future__ import annotations
 
@@ -50,6 +54,8 @@ class _Layer:
     post_norm: np.ndarray      # [hidden]
     gate_up_t: np.ndarray      # [hidden, 2 * intermediate]
     down_t: np.ndarray         # [intermediate, hidden]
+    q_norm: np.ndarray | None  # [head_dim] when config.qk_norm, else None
+    k_norm: np.ndarray | None  # [head_dim]
 
 
 def _t(*matrices: np.ndarray) -> np.ndarray:
@@ -71,6 +77,9 @@ class LlamaModel:
         self.embed_tokens = np.ascontiguousarray(weights.embed_tokens, dtype=np.float32)
         self.layers = []
         for lw in weights.layers:
+            if config.qk_norm and (lw.q_norm is None or lw.k_norm is None):
+                # A loader that forgot them would silently run a different model.
+                raise ValueError(f"{config.architecture}: q_norm / k_norm weights missing")
             qkv_bias = None
             if lw.q_bias is not None:
                 qkv_bias = _f32(np.concatenate([lw.q_bias, lw.k_bias, lw.v_bias]))
@@ -83,6 +92,8 @@ class LlamaModel:
                 post_norm=_f32(lw.post_attention_layernorm),
                 gate_up_t=_t(lw.gate_proj, lw.up_proj),
                 down_t=_t(lw.down_proj),
+                q_norm=_f32(lw.q_norm) if config.qk_norm else None,
+                k_norm=_f32(lw.k_norm) if config.qk_norm else None,
             ))
         self.norm = _f32(weights.norm)
         self.lm_head_t = _t(weights.lm_head)  # [hidden, vocab]
@@ -118,6 +129,9 @@ class LlamaModel:
             k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, cfg.num_key_value_heads,
                                                         cfg.head_dim)
             v = qkv[:, q_size + kv_size:].reshape(num_tokens, cfg.num_key_value_heads, cfg.head_dim)
+            if layer.q_norm is not None:
+                q = self._head_norm(q, layer.q_norm)
+                k = self._head_norm(k, layer.k_norm)
             q, _ = ops.rotary_embedding_and_cache_write(q, k, v, positions, self.cos_sin_cache,
                                                         k_cache, v_cache, slot_mapping)
             attn_out = self._attention(q, k_cache, v_cache, attn)
@@ -127,6 +141,12 @@ class LlamaModel:
             x = self.all_reduce(
                 ops.linear(ops.silu_and_mul(ops.linear(h, layer.gate_up_t.T)), layer.down_t.T))
         return x, residual
+
+    def _head_norm(self, x, weight: np.ndarray):
+        """RMSNorm of every head: x [num_tokens, heads, head_dim] (a strided view of qkv) ->
+        a new contiguous array of that shape, normed over head_dim with weight [head_dim]."""
+        rows = self.ops.xp.ascontiguousarray(x).reshape(-1, x.shape[-1])
+        return self.ops.rms_norm(rows, weight, self.config.rms_norm_eps).reshape(x.shape)
 
     # Tensor parallelism overrides these three (runtime/distributed/sharded_model.py): a rank's
     # embedding is a masked lookup into its vocabulary slice, the row-parallel o_proj / down_proj

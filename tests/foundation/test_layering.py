@@ -72,6 +72,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "pagedrun.runtime.outputs",
         "pagedrun.runtime.stop_checker",
         "pagedrun.runtime.admission",
+        "pagedrun.runtime.architectures",
         # Speculative decoding's device-free parts: config, n-gram proposer, rejection sampler.
         "pagedrun.runtime.spec_decode",
         "pagedrun.runtime.spec_decode.*",

@@ -1,4 +1,4 @@
-"""The numpy reference forward against transformers (float32) on four tiny random models.
+"""The numpy reference forward against transformers (float32) on five tiny random models.
 
 Ground truth: tests/fixtures/tiny/<model>/expected.npz, written by tests/fixtures/make_fixtures.py
 from the very files the loader reads here. "Relative error" throughout is
@@ -23,7 +23,7 @@ from pagedrun.runtime.reference import (
 from pagedrun.runtime.weights import load_model_weights
 
 TINY_DIR = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
-TINY_MODELS = ("llama3_sharded", "llama_tied_bf16", "mistral_fp16", "qwen2_tied")
+TINY_MODELS = ("llama3_sharded", "llama_tied_bf16", "mistral_fp16", "qwen2_tied", "qwen3_tied")
 PROMPT_LENGTHS = (1, 5, 13, 21)
 RELATIVE_TOLERANCE = 1e-4
 # A feature the fixtures exercise must move the logits by far more than the tolerance.
@@ -104,6 +104,7 @@ def test_cache_rewind_recomputes_the_same_logits() -> None:
         ("mistral_fp16", {"sliding_window": None}),
         ("llama3_sharded", {"rope_scaling": None}),
         ("qwen2_tied", {"rope_theta": 10000.0}),
+        ("qwen3_tied", {"qk_norm": False}),
     ],
 )
 def test_fixtures_exercise_each_config_feature(name: str, change: dict) -> None:
