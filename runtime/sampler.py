@@ -356,15 +356,21 @@ def inverse_cdf(weights: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
     # The chosen chunk is the first whose cumulative mass exceeds the target.
     chunks = np.minimum((chunk_cdf <= targets[:, None]).sum(axis=1), num_chunks - 1)
     tokens = np.zeros(num_rows, dtype=np.int32)
-    for i in np.flatnonzero(chunk_cdf[:, -1] > 0):
-        c = int(chunks[i])
-        before = chunk_cdf[i, c - 1] if c else 0.0
-        inner = padded[i, c * CDF_CHUNK:(c + 1) * CDF_CHUNK]
-        j = int(np.searchsorted(before + np.cumsum(inner, dtype=np.float64), targets[i],
-                                side="right"))
-        if j >= CDF_CHUNK:  # rounding between the two levels: the last token with mass so far
-            j = int(np.flatnonzero(padded[i, :(c + 1) * CDF_CHUNK])[-1]) - c * CDF_CHUNK
-        tokens[i] = c * CDF_CHUNK + j
+    rows = np.flatnonzero(chunk_cdf[:, -1] > 0)
+    if rows.size == 0:
+        return tokens
+    # Every row at once (a Python loop per row cost ~27 us a row at large batches): the chosen
+    # chunk's cumulative weights, then the count of entries <= the target, which is
+    # searchsorted(side="right") on a nondecreasing array.
+    c = chunks[rows]
+    before = np.where(c > 0, chunk_cdf[rows, np.maximum(c - 1, 0)], 0.0)
+    inner = padded.reshape(num_rows, num_chunks, CDF_CHUNK)[rows, c]  # [len(rows), CDF_CHUNK]
+    cumulative = before[:, None] + np.cumsum(inner, axis=1, dtype=np.float64)
+    j = (cumulative <= targets[rows, None]).sum(axis=1)
+    for r in np.flatnonzero(j >= CDF_CHUNK):  # rounding between the levels (rare): the last
+        i = rows[r]                           # token with mass so far
+        j[r] = int(np.flatnonzero(padded[i, :(c[r] + 1) * CDF_CHUNK])[-1]) - c[r] * CDF_CHUNK
+    tokens[rows] = c * CDF_CHUNK + j
     return tokens
 
 
