@@ -9,14 +9,15 @@ Dtypes: activations, weights and KV pools in the backend dtype -- float32 (the k
 test instantiations), float16, or bfloat16 stored as uint16 bits; the residual stream and the
 logits in float32. Weights arrive as the model's float32 numpy arrays (llama.py passes views
 like `w_t.T` each call); each is converted once, to a contiguous HF [out, in] matrix (the
-layout the skinny decode GEMM streams), and kept keyed by the array's memory. Shapes a kernel
-does not serve (head_dim, block_size) are refused by `check_model` at start-up.
+layout the skinny decode GEMM streams; MoE expert stacks stay [E, out, in]), and kept keyed
+by the array's memory. Shapes a kernel does not serve (head_dim, block_size) are refused by
+`check_model` at start-up.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from pagedrun.runtime.kernels import attention, cache_ops, fused_ops, gemm
+from pagedrun.runtime.kernels import attention, cache_ops, fused_ops, gemm, moe
 from pagedrun.runtime.kernels.attention import SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS
 from pagedrun.runtime.kernels.kernel_args import (UnsupportedKernelShape, from_bf16_bits,
                                                   to_bf16_bits)
@@ -33,7 +34,7 @@ _SOURCES = {"gemm": ("gemm.cu", "gemm_skinny.cu"), "norm": ("rms_norm.cu",),
             "activation": ("activation.cu",), "embedding": ("embedding.cu",),
             "rotary": ("rotary_cache_write.cu",), "decode": ("paged_attention_decode.cu",),
             "prefill": ("paged_attention_prefill.cu",), "blocks": ("block_copy.cu",),
-            "sampling": ("sampling.cu",)}
+            "sampling": ("sampling.cu",), "moe": ("moe.cu",)}
 
 
 class KernelBackend:
@@ -151,6 +152,24 @@ class KernelBackend:
 
     def silu_and_mul(self, gate_up):
         return fused_ops.silu_and_mul(self.module("activation"), gate_up)
+
+    def moe_route(self, router_logits, top_k: int, renormalize: bool):
+        """(topk_ids [T, top_k] int32, topk_weights [T, top_k] float32), on the device; the
+        router logits may come in the activation dtype (they are widened to float32 first)."""
+        logits = self.xp.ascontiguousarray(fused_ops.to_float32(self.xp.asarray(router_logits)))
+        return moe.moe_route(self.module("moe"), logits, top_k, renormalize)
+
+    def moe_experts(self, x, topk_ids, topk_weights, w_gate_up, w_down):
+        """The routed experts on cuda/moe.cu (grouped GEMMs over expert-sorted pairs). The
+        [E, 2I, H] / [E, H, I] float32 expert weights are placed once, like dense weights;
+        y comes back in the activation dtype, like `linear`'s output."""
+        x = self.xp.ascontiguousarray(x)
+        if x.dtype != self.act_dtype:  # not the model's path (its norms emit act_dtype)
+            x = self.device(self.to_kernel_dtype(self.to_host(x)))
+        ids = self.xp.ascontiguousarray(self.xp.asarray(topk_ids), dtype=np.int32)
+        weights = self.xp.ascontiguousarray(self.xp.asarray(topk_weights), dtype=np.float32)
+        return moe.moe_experts(self.module("moe"), x, ids, weights, self.weight(w_gate_up),
+                               self.weight(w_down))
 
     def rotary_embedding_and_cache_write(self, q, k, v, positions, cos_sin_cache, k_cache,
                                          v_cache, slot_mapping):
