@@ -8,6 +8,11 @@ families share and asks the registry for the rest. `forward` names the model cla
 in `runtime/models/registry.py` (this module is below the model layer and cannot import it);
 a test checks that every name resolves.
 
+Mixture-of-experts families (Mixtral, Qwen3-MoE) run on the same forward: their `FamilyFields`
+carry `MoeFields` (expert count, top-k, renormalization, which layers are sparse) and their
+`Architecture` the checkpoint's expert tensor names (`ExpertNames`); the Llama forward swaps
+the MLP of those layers for runtime/models/moe.py's block.
+
 Adding a family: one `Architecture` here (plus a forward module under runtime/models/ when the
 Llama forward cannot express it) and its tests. Anything a family's config asks for that we
 cannot run exactly is a `ModelLoadError` naming the field, never a silently different model.
@@ -22,9 +27,21 @@ if TYPE_CHECKING:
     from .model_config import FieldReader
 
 # The forward of the Llama family (runtime/models/llama.py): RMSNorm, rotary grouped-query
-# attention (optional q/k/v/o biases, sliding window, per-head q/k RMSNorm), SwiGLU MLP.
+# attention (optional q/k/v/o biases, sliding window, per-head q/k RMSNorm), SwiGLU MLP or a
+# mixture of SwiGLU experts (runtime/models/moe.py) per layer.
 LLAMA_FORWARD = "llama"
 FULL_ATTENTION_LAYER = "full_attention"
+
+
+@dataclass(frozen=True)
+class MoeFields:
+    """A mixture-of-experts family's config (ModelConfig's fields of the same names)."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    moe_layers: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -35,6 +52,21 @@ class FamilyFields:
     o_proj_bias: bool = False
     sliding_window: int | None = None
     qk_norm: bool = False
+    moe: MoeFields | None = None
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """Where a MoE layer's tensors live under `model.layers.{i}.`: the block prefix (Mixtral's
+    hub checkpoints say `block_sparse_moe.`, transformers 5 models `mlp.`; the loader takes the
+    first present), the router `{prefix}gate.weight` [num_experts, hidden], and either
+    per-expert matrices `{prefix}experts.{e}.{gate|up|down}.weight` (hub layout) or transformers
+    5's fused `{prefix}experts.gate_up_proj` [E, 2I, H] / `{prefix}experts.down_proj` [E, H, I]."""
+
+    prefixes: tuple[str, ...]
+    gate: str
+    up: str
+    down: str
 
 
 @dataclass(frozen=True)
@@ -46,6 +78,8 @@ class Architecture:
     # head_dim when config.json has none: None = hidden_size / num_attention_heads (transformers'
     # fallback); Qwen3's config class defaults it to 128 instead.
     default_head_dim: int | None = None
+    # Mixture-of-experts families: their expert tensors' names (runtime/weights.py).
+    expert_names: ExpertNames | None = None
 
 
 def _llama_fields(reader: "FieldReader") -> FamilyFields:
@@ -89,7 +123,70 @@ def _qwen3_fields(reader: "FieldReader") -> FamilyFields:
     return FamilyFields(attention_bias=bias, o_proj_bias=bias, qk_norm=True)
 
 
+# transformers' MixtralConfig / Qwen3MoeConfig defaults: (experts, top-k, expert width).
+MIXTRAL_MOE_DEFAULTS = (8, 2, None)  # width: intermediate_size, required anyway
+QWEN3_MOE_DEFAULTS = (128, 8, 768)
+
+
+def _positive(reader: "FieldReader", field: str, default: int | None = None) -> int:
+    value = reader.optional(field, int, default)
+    if value is None or value <= 0:
+        raise reader.error(field, f"must be a positive integer, got {value!r}")
+    return value
+
+
+def _moe(reader: "FieldReader", experts_field: str, inter_field: str, renormalize: bool,
+         moe_layers: tuple[int, ...], defaults: tuple[int, int, int | None]) -> MoeFields:
+    """defaults: transformers' config-class defaults of (experts, top-k, expert width), which
+    it applies to a config.json without them (released checkpoints always have them)."""
+    num_experts = _positive(reader, experts_field, defaults[0])
+    top_k = _positive(reader, "num_experts_per_tok", defaults[1])
+    if top_k > num_experts:
+        raise reader.error("num_experts_per_tok",
+                           f"{top_k} is more than the {num_experts} experts")
+    return MoeFields(num_experts=num_experts, num_experts_per_tok=top_k,
+                     moe_intermediate_size=_positive(reader, inter_field, defaults[2]),
+                     norm_topk_prob=renormalize, moe_layers=moe_layers)
+
+
+def _mixtral_fields(reader: "FieldReader") -> FamilyFields:
+    """Mixtral: Mistral's attention; every layer's MLP is `num_local_experts` SwiGLU experts of
+    `intermediate_size`, top `num_experts_per_tok` of a softmax router, always renormalized.
+    `router_jitter_noise` only acts in training."""
+    mistral = _mistral_fields(reader)
+    num_layers = _positive(reader, "num_hidden_layers")
+    moe = _moe(reader, "num_local_experts", "intermediate_size", True,
+               tuple(range(num_layers)), MIXTRAL_MOE_DEFAULTS)
+    return FamilyFields(attention_bias=mistral.attention_bias,
+                        o_proj_bias=mistral.o_proj_bias,
+                        sliding_window=mistral.sliding_window, moe=moe)
+
+
+def _qwen3_moe_fields(reader: "FieldReader") -> FamilyFields:
+    """Qwen3-MoE: Qwen3's attention (QK-norm); layer i is sparse when it is not in
+    `mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0 (transformers' rule), else a dense
+    SwiGLU MLP of `intermediate_size`. Experts are `moe_intermediate_size` wide; the top-k
+    weights are renormalized when `norm_topk_prob`. No shared experts in this family."""
+    qwen3 = _qwen3_fields(reader)
+    num_layers = _positive(reader, "num_hidden_layers")
+    step = _positive(reader, "decoder_sparse_step", 1)
+    dense_only = reader.optional("mlp_only_layers", list, [])
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in dense_only):
+        raise reader.error("mlp_only_layers", f"expected layer indices, got {dense_only!r}")
+    moe_layers = tuple(i for i in range(num_layers)
+                       if i not in dense_only and (i + 1) % step == 0)
+    # Hub configs say num_experts; transformers 5 writes it as num_local_experts (attribute_map).
+    experts_field = "num_experts" if "num_experts" in reader.data else "num_local_experts"
+    moe = _moe(reader, experts_field, "moe_intermediate_size",
+               reader.optional("norm_topk_prob", bool, False), moe_layers,
+               QWEN3_MOE_DEFAULTS)
+    return FamilyFields(attention_bias=qwen3.attention_bias, o_proj_bias=qwen3.o_proj_bias,
+                        qk_norm=True, moe=moe)
+
+
 QWEN3_DEFAULT_HEAD_DIM = 128
+MIXTRAL_EXPERTS = ExpertNames(("block_sparse_moe.", "mlp."), "w1", "w3", "w2")
+QWEN3_MOE_EXPERTS = ExpertNames(("mlp.",), "gate_proj", "up_proj", "down_proj")
 
 ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("LlamaForCausalLM", "llama", LLAMA_FORWARD, _llama_fields),
@@ -97,6 +194,11 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("Qwen2ForCausalLM", "qwen2", LLAMA_FORWARD, _qwen2_fields),
     Architecture("Qwen3ForCausalLM", "qwen3", LLAMA_FORWARD, _qwen3_fields,
                  default_head_dim=QWEN3_DEFAULT_HEAD_DIM),
+    Architecture("MixtralForCausalLM", "mixtral", LLAMA_FORWARD, _mixtral_fields,
+                 expert_names=MIXTRAL_EXPERTS),
+    # Qwen3MoeConfig has no head_dim default: hidden / heads, as for Llama.
+    Architecture("Qwen3MoeForCausalLM", "qwen3_moe", LLAMA_FORWARD, _qwen3_moe_fields,
+                 expert_names=QWEN3_MOE_EXPERTS),
 )
 _BY_NAME = {arch.name: arch for arch in ARCHITECTURES}
 _BY_MODEL_TYPE = {arch.model_type: arch for arch in ARCHITECTURES}

@@ -2,10 +2,10 @@
 model directory's `config.json` (plus `generation_config.json` for extra stop ids).
 
 Which architectures we serve, and what their configs mean beyond the shared fields, is the
-model registry's (runtime/architectures.py): Llama 2/3 (and SmolLM2), Mistral, Qwen2 and Qwen3
-share one forward -- RMSNorm, rotary attention with grouped-query heads, SwiGLU MLP -- and
-differ in data kept here as fields (q/k/v/o biases, a sliding window, Qwen3's per-head QK-norm,
-Llama 3's rotary scaling).
+model registry's (runtime/architectures.py): Llama 2/3 (and SmolLM2), Mistral, Qwen2, Qwen3,
+Mixtral and Qwen3-MoE share one forward -- RMSNorm, rotary attention with grouped-query heads,
+SwiGLU MLP or mixture of SwiGLU experts -- and differ in data kept here as fields (q/k/v/o
+biases, a sliding window, Qwen3's per-head QK-norm, Llama 3's rotary scaling, the experts).
 
 Both config layouts Hugging Face has written are read: the older one (`rope_theta` and
 `rope_scaling` at top level, `torch_dtype`) and transformers 5's (`rope_parameters` holding
@@ -16,6 +16,7 @@ model.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -84,6 +85,20 @@ class ModelConfig:
     # Qwen3: RMSNorm (weights q_norm / k_norm, [head_dim], eps rms_norm_eps) over every query
     # and key head after the projections, before RoPE.
     qk_norm: bool = False
+    # Mixture of experts (Mixtral, Qwen3-MoE); num_experts 0: a dense model. Layers in
+    # `moe_layers` replace the SwiGLU MLP by `num_experts` SwiGLU experts of
+    # `moe_intermediate_size`, of which each token uses the `num_experts_per_tok` with the largest
+    # router softmax probabilities, weighted by them (divided by their sum when `norm_topk_prob`).
+    # The other layers keep the dense MLP of `intermediate_size`.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        """Whether layer `layer_index`'s MLP is the mixture of experts."""
+        return layer_index in self.moe_layers
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -188,6 +203,7 @@ class ModelConfig:
             eos_token_ids=eos_token_ids,
             torch_dtype=torch_dtype,
             qk_norm=family.qk_norm,
+            **(dataclasses.asdict(family.moe) if family.moe is not None else {}),
         )
 
 

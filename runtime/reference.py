@@ -10,9 +10,11 @@ cache, each step of the decoder spelled out in the order transformers applies it
         (Qwen3) q, k = rms_norm per head (q_norm, k_norm) ; rotate q, k ; append k, v to the cache
         x = x + o_proj(causal grouped-query attention(q, cache))
         x = x + down_proj(silu(gate_proj(rms_norm(x))) * up_proj(rms_norm(x)))
+            (mixture-of-experts layers: `moe_block` instead, token by token)
     logits = rms_norm(x) @ lm_head.T
 
-The small helpers (`rope_inv_freq`, `rope_cos_sin`, `apply_rotary`, `rms_norm`, `silu`) are
+The small helpers (`rope_inv_freq`, `rope_cos_sin`, `apply_rotary`, `rms_norm`, `silu`,
+`moe_route_token`, `moe_block`) are
 public so that kernel tests can reuse the exact same math. The rotary ones are runtime/rope.py's
 (the one RoPE implementation, shared with the paged model and numpy_ops), taken per ModelConfig.
 """
@@ -54,6 +56,41 @@ def silu(x: np.ndarray) -> np.ndarray:
     # exp(-x) overflows to inf for very negative x; x / inf = -0 is the right limit.
     with np.errstate(over="ignore"):
         return x / (np.float32(1.0) + np.exp(-x))
+
+
+def moe_route_token(router_logits: np.ndarray, top_k: int,
+                    renormalize: bool) -> tuple[list[int], list[float]]:
+    """One token's experts: router_logits [num_experts] -> (top_k expert ids by decreasing
+    probability, lower id first on ties; their float32 softmax probabilities, divided by their
+    sum when `renormalize`)."""
+    logits = np.asarray(router_logits, dtype=np.float32)
+    probs = np.exp(logits - logits.max())
+    probs = probs / probs.sum()
+    ids = sorted(range(len(probs)), key=lambda e: (-probs[e], e))[:top_k]
+    weights = [probs[e] for e in ids]
+    if renormalize:
+        total = np.float32(sum(weights))
+        weights = [w / total for w in weights]
+    return ids, [float(w) for w in weights]
+
+
+def moe_block(h: np.ndarray, router: np.ndarray, gate_up: np.ndarray, down: np.ndarray,
+              top_k: int, renormalize: bool) -> np.ndarray:
+    """A mixture-of-experts MLP, one token at a time (slow and plain on purpose).
+
+    h: [T, hidden] float32; router: [num_experts, hidden]; gate_up: [num_experts, 2 * I, hidden]
+    (gate rows, then up rows); down: [num_experts, hidden, I]. Returns [T, hidden] float32:
+    sum over the token's experts e of weight_e * down_e(silu(gate_e h) * up_e h).
+    """
+    inter = gate_up.shape[1] // 2
+    out = np.zeros_like(h, dtype=np.float32)
+    for t in range(h.shape[0]):
+        ids, weights = moe_route_token(router @ h[t], top_k, renormalize)
+        for e, weight in zip(ids, weights):
+            gate = gate_up[e, :inter] @ h[t]
+            up = gate_up[e, inter:] @ h[t]
+            out[t] += np.float32(weight) * (down[e] @ (silu(gate) * up))
+    return out
 
 
 class DenseKVCache:
@@ -142,7 +179,11 @@ class ReferenceModel:
             h = rms_norm(x, layer.input_layernorm, config.rms_norm_eps)
             x = x + self._attention(layer_index, layer, h, positions, cos, sin, kv_cache)
             h = rms_norm(x, layer.post_attention_layernorm, config.rms_norm_eps)
-            x = x + (silu(h @ layer.gate_proj.T) * (h @ layer.up_proj.T)) @ layer.down_proj.T
+            if config.is_moe_layer(layer_index):
+                x = x + moe_block(h, layer.router, layer.experts_gate_up, layer.experts_down,
+                                  config.num_experts_per_tok, config.norm_topk_prob)
+            else:
+                x = x + (silu(h @ layer.gate_proj.T) * (h @ layer.up_proj.T)) @ layer.down_proj.T
         if kv_cache is not None:
             kv_cache.num_tokens = start_pos + num_tokens
         return rms_norm(x, self.weights.norm, config.rms_norm_eps)

@@ -15,8 +15,14 @@ file and the tensor, never a numpy or Rust traceback.
 Layout: weight matrices keep Hugging Face's `[out_features, in_features]` layout, so a linear
 layer is `y = x @ W.T (+ b)`. Norm weights are `[hidden_size]` (Qwen3's per-head q/k norms:
 `[head_dim]`). Which optional tensors a layer has follows the config's family fields
-(runtime/architectures.py): biases, QK-norm. With tied embeddings `lm_head`
+(runtime/architectures.py): biases, QK-norm, experts. With tied embeddings `lm_head`
 is the very same array object as `embed_tokens`.
+
+Mixture-of-experts layers (config.moe_layers) hold the router and every expert stacked, in the
+layout the backends' `moe_experts` op takes (runtime/backends/base.py): gate rows then up rows
+per expert, [num_experts, 2 * moe_intermediate, hidden], and down [num_experts, hidden,
+moe_intermediate]. Both checkpoint layouts are read into it (`read_experts`): the hub's
+per-expert matrices and transformers 5's fused 3-D tensors.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .architectures import find_architecture
 from .errors import ModelLoadError
 from .model_config import ModelConfig
 
@@ -284,12 +291,17 @@ class LayerWeights:
     v_bias: np.ndarray | None             # [num_key_value_heads * head_dim]
     o_bias: np.ndarray | None             # [hidden_size] if config.o_proj_bias
     post_attention_layernorm: np.ndarray  # [hidden_size]
-    gate_proj: np.ndarray                 # [intermediate_size, hidden_size]
-    up_proj: np.ndarray                   # [intermediate_size, hidden_size]
-    down_proj: np.ndarray                 # [hidden_size, intermediate_size]
+    # The dense MLP; None in a mixture-of-experts layer.
+    gate_proj: np.ndarray | None          # [intermediate_size, hidden_size]
+    up_proj: np.ndarray | None            # [intermediate_size, hidden_size]
+    down_proj: np.ndarray | None          # [hidden_size, intermediate_size]
     # Per-head RMSNorm weights of q and k, present if config.qk_norm (Qwen3), else None.
     q_norm: np.ndarray | None = None      # [head_dim]
     k_norm: np.ndarray | None = None      # [head_dim]
+    # A mixture-of-experts layer (config.is_moe_layer): router and stacked experts, else None.
+    router: np.ndarray | None = None           # [num_experts, hidden_size]
+    experts_gate_up: np.ndarray | None = None  # [num_experts, 2 * moe_intermediate, hidden]
+    experts_down: np.ndarray | None = None     # [num_experts, hidden, moe_intermediate]
 
 
 @dataclass
@@ -333,6 +345,8 @@ def load_model_weights(
         mlp = prefix + "mlp."
         has_qkv_bias, has_o_bias = config.attention_bias, config.o_proj_bias
         head_dim = (config.head_dim,)
+        moe = config.is_moe_layer(i)
+        router, gate_up, down = read_experts(checkpoint, config, i, dtype) if moe else (None,) * 3
         layers.append(LayerWeights(
             input_layernorm=get(prefix + "input_layernorm.weight", (hidden,)),
             q_proj=get(attn + "q_proj.weight", (q_size, hidden)),
@@ -344,11 +358,12 @@ def load_model_weights(
             v_bias=get(attn + "v_proj.bias", (kv_size,)) if has_qkv_bias else None,
             o_bias=get(attn + "o_proj.bias", (hidden,)) if has_o_bias else None,
             post_attention_layernorm=get(prefix + "post_attention_layernorm.weight", (hidden,)),
-            gate_proj=get(mlp + "gate_proj.weight", (inter, hidden)),
-            up_proj=get(mlp + "up_proj.weight", (inter, hidden)),
-            down_proj=get(mlp + "down_proj.weight", (hidden, inter)),
+            gate_proj=None if moe else get(mlp + "gate_proj.weight", (inter, hidden)),
+            up_proj=None if moe else get(mlp + "up_proj.weight", (inter, hidden)),
+            down_proj=None if moe else get(mlp + "down_proj.weight", (hidden, inter)),
             q_norm=get(attn + "q_norm.weight", head_dim) if config.qk_norm else None,
             k_norm=get(attn + "k_norm.weight", head_dim) if config.qk_norm else None,
+            router=router, experts_gate_up=gate_up, experts_down=down,
         ))
     embed_tokens = get("model.embed_tokens.weight", (vocab, hidden))
     # Tied models may still store lm_head.weight; transformers ignores it, and so do we.
@@ -360,6 +375,49 @@ def load_model_weights(
         norm=get("model.norm.weight", (hidden,)),
         lm_head=lm_head,
     )
+
+
+def read_experts(
+    checkpoint: SafetensorsCheckpoint,
+    config: ModelConfig,
+    layer_index: int,
+    dtype: np.dtype | type = np.float32,
+    inter: slice = slice(None),
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Layer `layer_index`'s (router [E, hidden], gate_up [E, 2 * n, hidden], down [E, hidden,
+    n]) for the experts' intermediate features `inter` (n of them; all by default, a
+    tensor-parallel rank's slice otherwise: only those rows are read), from either checkpoint
+    layout (see the module docstring and architectures.ExpertNames)."""
+    names = find_architecture(config.architecture).expert_names
+    num_experts, hidden = config.num_experts, config.hidden_size
+    full = config.moe_intermediate_size
+    base = f"model.layers.{layer_index}."
+    prefix = next((base + p for p in names.prefixes if base + p + "gate.weight" in checkpoint),
+                  base + names.prefixes[0])
+    router = checkpoint.get(prefix + "gate.weight", (num_experts, hidden), dtype)
+    start, stop, _ = inter.indices(full)
+    every = slice(None)
+    fused = prefix + "experts.gate_up_proj"
+    if fused in checkpoint:
+        shape = (num_experts, 2 * full, hidden)
+        gate = checkpoint.get(fused, shape, dtype, index=(every, slice(start, stop)))
+        up = checkpoint.get(fused, shape, dtype, index=(every, slice(full + start, full + stop)))
+        gate_up = np.concatenate([gate, up], axis=1)
+        down = checkpoint.get(prefix + "experts.down_proj", (num_experts, hidden, full), dtype,
+                              index=(every, every, slice(start, stop)))
+        return router, gate_up, down
+    rows = slice(start, stop)
+    gate_up = np.empty((num_experts, 2 * (stop - start), hidden), dtype)
+    down = np.empty((num_experts, hidden, stop - start), dtype)
+    for e in range(num_experts):
+        expert = f"{prefix}experts.{e}."
+        gate_up[e, :stop - start] = checkpoint.get(expert + names.gate + ".weight",
+                                                   (full, hidden), dtype, index=(rows,))
+        gate_up[e, stop - start:] = checkpoint.get(expert + names.up + ".weight",
+                                                   (full, hidden), dtype, index=(rows,))
+        down[e] = checkpoint.get(expert + names.down + ".weight", (hidden, full), dtype,
+                                 index=(every, rows))
+    return router, gate_up, down
 
 
 def _is_index(value: object) -> bool:

@@ -7,6 +7,11 @@ path does two multiply-adds per float32 lane. Everything else -- embedding, norm
 attention, the KV cache -- is NumpyBackend's float32 numpy, so only the GEMM inputs are
 rounded; the float32 backend stays the exact reference.
 
+Mixture-of-experts layers run the same grouped op as numpy (numpy_ops.grouped_moe_experts:
+tokens sorted by expert, one GEMM pair per expert that has tokens) with this backend's bf16 GEMM
+per expert: each expert's [2I, H] and [H, I] matrices are packed once like any weight; routing
+(softmax, top-k) stays float32 numpy.
+
 Decode attention is batched over sequences (`paged_decode_attention` below): one padded
 gather and two batched matmuls per layer instead of numpy_ops' per-sequence loop, which was
 ~20% of a 32-sequence step; same math, float32.
@@ -69,6 +74,11 @@ class CpuBf16Backend(NumpyBackend):
         del out_dtype
         return cpu_gemm.gemm_bf16(x, self.packed(weight), bias, path=self.path,
                                   threads=self.gemm_threads, pool=self.gemm_pool)
+
+    def moe_experts(self, x, topk_ids, topk_weights, w_gate_up, w_down):
+        """numpy_ops.moe_experts' contract, each expert's two GEMMs on the bf16 GEMM."""
+        return numpy_ops.grouped_moe_experts(x, topk_ids, topk_weights, w_gate_up, w_down,
+                                             self.linear)
 
     @staticmethod
     def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):

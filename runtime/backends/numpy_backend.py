@@ -31,6 +31,8 @@ class NumpyBackend:
     paged_prefill_attention = staticmethod(numpy_ops.paged_prefill_attention)
     copy_blocks = staticmethod(numpy_ops.copy_blocks)
     swap_blocks = staticmethod(numpy_ops.swap_blocks)
+    moe_route = staticmethod(numpy_ops.moe_route)
+    moe_experts = staticmethod(numpy_ops.moe_experts)
 
     @staticmethod
     def linear(x, weight, bias=None, *, out_dtype=None):

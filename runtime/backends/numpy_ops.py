@@ -327,6 +327,83 @@ def embedding(token_ids: np.ndarray, table: np.ndarray) -> np.ndarray:
     return _f32(table[token_ids]).astype(_out_dtype(table))
 
 
+# ------------------------------------------------------------------------- mixture of experts
+
+def moe_route(router_logits: np.ndarray, top_k: int,
+              renormalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Each token's experts: softmax over the router logits in float32, then the top_k.
+
+    router_logits: [num_tokens, num_experts] (the router GEMM's output).
+    Returns topk_ids [num_tokens, top_k] int32, in decreasing probability (the lower expert id
+    first on ties), and topk_weights [num_tokens, top_k] float32: their probabilities, divided
+    by their sum when `renormalize` (Mixtral always; Qwen3-MoE per config norm_topk_prob).
+    """
+    logits = _f32(router_logits)
+    if logits.ndim != 2 or not 1 <= top_k <= logits.shape[1]:
+        raise ValueError(f"top_k {top_k} for router logits of shape {logits.shape}")
+    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    # A stable sort of -probs keeps equal probabilities in expert order.
+    topk_ids = np.argsort(-probs, axis=1, kind="stable")[:, :top_k]
+    topk_weights = np.take_along_axis(probs, topk_ids, axis=1)
+    if renormalize:
+        topk_weights /= topk_weights.sum(axis=1, keepdims=True)
+    return topk_ids.astype(np.int32), topk_weights.astype(np.float32)
+
+
+def moe_experts(x: np.ndarray, topk_ids: np.ndarray, topk_weights: np.ndarray,
+                w_gate_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
+    """The routed SwiGLU experts, grouped by expert (no per-token loop).
+
+    x: [num_tokens, hidden]; topk_ids: [num_tokens, top_k] int in [0, num_experts);
+    topk_weights: [num_tokens, top_k] float32; w_gate_up: [num_experts, 2 * inter, hidden]
+    (per expert HF [out, in]: gate rows then up rows); w_down: [num_experts, hidden, inter].
+    Returns y [num_tokens, hidden] float32,
+        y[t] = sum_k topk_weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = topk_ids[t, k].
+    Under tensor parallelism the weights are a rank's intermediate slice and y a partial sum.
+    """
+    return grouped_moe_experts(x, topk_ids, topk_weights, w_gate_up, w_down, linear)
+
+
+def grouped_moe_experts(x, topk_ids, topk_weights, w_gate_up, w_down, gemm) -> np.ndarray:
+    """`moe_experts` with its two GEMMs per expert done by gemm(x [n, in], weight [out, in])
+    -> [n, out] float32 (numpy's `linear` here; CpuBf16Backend passes its bf16 GEMM).
+
+    The (token, k) pairs are sorted by expert (a stable argsort of the flattened ids), so each
+    expert with tokens runs one GEMM pair over a contiguous group; experts with none cost
+    nothing. Results are scaled by their routing weights and scatter-added back per token.
+    """
+    x32 = _f32(x)
+    topk_ids = np.asarray(topk_ids)
+    num_tokens, hidden = x32.shape
+    num_experts, two_inter, weight_hidden = w_gate_up.shape
+    if topk_ids.ndim != 2 or topk_ids.shape[0] != num_tokens:
+        raise ValueError(f"topk_ids {topk_ids.shape} for {num_tokens} tokens")
+    if np.shape(topk_weights) != topk_ids.shape:
+        raise ValueError(f"topk_weights {np.shape(topk_weights)} != topk_ids {topk_ids.shape}")
+    if weight_hidden != hidden or two_inter % 2 or w_down.shape != (
+            num_experts, hidden, two_inter // 2):
+        raise ValueError(f"expert weights {w_gate_up.shape} / {w_down.shape} for hidden {hidden}")
+    if topk_ids.size and (topk_ids.min() < 0 or topk_ids.max() >= num_experts):
+        raise ValueError(f"expert id out of range [0, {num_experts})")
+    top_k = topk_ids.shape[1]
+    flat_ids = topk_ids.reshape(-1)
+    order = np.argsort(flat_ids, kind="stable")      # (token, k) pairs grouped by expert
+    counts = np.bincount(flat_ids, minlength=num_experts)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    pair_tokens = order // top_k
+    pair_weights = _f32(topk_weights).reshape(-1)[order]
+    out = np.zeros((num_tokens, hidden), np.float32)
+    for e in np.flatnonzero(counts):
+        group = slice(starts[e], starts[e + 1])
+        tokens = pair_tokens[group]
+        act = silu_and_mul(gemm(x32[tokens], w_gate_up[e]))
+        y = gemm(act, w_down[e]) * pair_weights[group, None]
+        # add.at: correct even when a token lists one expert twice (moe_route never does).
+        np.add.at(out, tokens, y)
+    return out
+
+
 # --------------------------------------------------------------------------------- block moves
 
 def copy_blocks(k_caches: list[np.ndarray], v_caches: list[np.ndarray],

@@ -12,6 +12,11 @@ Per layer (HF [out, in] matrices):
   zero-padded; the embedding is a masked lookup plus all-reduce, the LM head's logits are
   gathered to rank 0 and the padding trimmed.
 - norms: replicated (Qwen3's per-head q_norm / k_norm too: a rank norms whole heads).
+- mixture-of-experts layers: the router is replicated (every rank routes every token the same
+  way); every expert's intermediate features are split like the dense MLP's, rank r holding
+  [r * I/tp, (r+1) * I/tp) of each expert's gate, up (rows) and down (columns), so a rank's
+  `moe_experts` output is a partial sum all-reduced at the same place as down_proj's. Expert
+  parallelism (whole experts per rank, tokens exchanged all-to-all) is not done.
 
 A rank reads only its slices from the safetensors files (`SafetensorsCheckpoint.get(...,
 index=)` slices the memory map before copying), so no rank materializes a full weight matrix.
@@ -28,7 +33,12 @@ import numpy as np
 
 from pagedrun.runtime.errors import PagedRunError
 from pagedrun.runtime.model_config import ModelConfig
-from pagedrun.runtime.weights import LayerWeights, ModelWeights, SafetensorsCheckpoint
+from pagedrun.runtime.weights import (
+    LayerWeights,
+    ModelWeights,
+    SafetensorsCheckpoint,
+    read_experts,
+)
 
 
 class TensorParallelConfigError(PagedRunError):
@@ -50,6 +60,8 @@ class ShardSpec:
     vocab_start: int         # first vocabulary row
     vocab_size: int          # vocabulary rows on this rank, padding included (same on all ranks)
     full_vocab_size: int
+    moe_inter_start: int = 0  # first intermediate feature of every expert (MoE models)
+    moe_inter_size: int = 0
 
     @property
     def num_real_vocab(self) -> int:
@@ -77,6 +89,10 @@ def check_shardable(config: ModelConfig, tp_size: int) -> None:
         raise TensorParallelConfigError(
             f"tensor_parallel_size {tp_size} does not divide intermediate_size "
             f"{config.intermediate_size}")
+    if config.num_experts and config.moe_intermediate_size % tp_size:
+        raise TensorParallelConfigError(
+            f"tensor_parallel_size {tp_size} does not divide moe_intermediate_size "
+            f"{config.moe_intermediate_size}")
 
 
 def shard_spec(config: ModelConfig, tp_size: int, rank: int) -> ShardSpec:
@@ -94,15 +110,18 @@ def shard_spec(config: ModelConfig, tp_size: int, rank: int) -> ShardSpec:
         kv_start = head_start // (heads // kv_heads)
     inter = config.intermediate_size // tp_size
     vocab_per_rank = math.ceil(config.vocab_size / tp_size)
+    moe_inter = config.moe_intermediate_size // tp_size
     return ShardSpec(tp_size, rank, head_start, num_heads, kv_start, num_kv, rank * inter, inter,
-                     rank * vocab_per_rank, vocab_per_rank, config.vocab_size)
+                     rank * vocab_per_rank, vocab_per_rank, config.vocab_size,
+                     rank * moe_inter, moe_inter)
 
 
 def rank_config(config: ModelConfig, spec: ShardSpec) -> ModelConfig:
     """The config one rank's forward sees: its head, KV head, MLP and vocabulary counts."""
     return dataclasses.replace(config, num_attention_heads=spec.num_heads,
                                num_key_value_heads=spec.num_kv_heads,
-                               intermediate_size=spec.inter_size, vocab_size=spec.vocab_size)
+                               intermediate_size=spec.inter_size, vocab_size=spec.vocab_size,
+                               moe_intermediate_size=spec.moe_inter_size)
 
 
 def _rows(start: int, count: int, unit: int = 1) -> slice:
@@ -121,14 +140,21 @@ def _vocab_slice(read, name: str, spec: ShardSpec, hidden: int) -> np.ndarray:
 def load_shard(source, config: ModelConfig, spec: ShardSpec) -> ModelWeights:
     """Rank `spec.rank`'s weights, from a model directory (read slice by slice) or from an
     in-memory ModelWeights (tests). Shapes are the rank's: see `rank_config`."""
+    moe_inter = slice(spec.moe_inter_start, spec.moe_inter_start + spec.moe_inter_size)
     if isinstance(source, ModelWeights):
         def read(name: str, index: tuple) -> np.ndarray:
             return np.ascontiguousarray(_in_memory(source, name)[index], dtype=np.float32)
+
+        def experts(i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            return _experts_in_memory(source.layers[i], config, moe_inter)
     else:
         checkpoint = SafetensorsCheckpoint(source)
 
         def read(name: str, index: tuple) -> np.ndarray:
             return checkpoint.get(name, dtype=np.float32, index=index)
+
+        def experts(i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            return read_experts(checkpoint, config, i, np.float32, moe_inter)
 
     hd, hidden = config.head_dim, config.hidden_size
     q_rows = _rows(spec.head_start, spec.num_heads, hd)
@@ -139,6 +165,8 @@ def load_shard(source, config: ModelConfig, spec: ShardSpec) -> ModelWeights:
     for i in range(config.num_hidden_layers):
         attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         bias = config.attention_bias
+        moe = config.is_moe_layer(i)
+        router, gate_up, down = experts(i) if moe else (None, None, None)
         layers.append(LayerWeights(
             input_layernorm=read(f"model.layers.{i}.input_layernorm.weight", everything),
             q_proj=read(attn + "q_proj.weight", (q_rows,)),
@@ -153,18 +181,31 @@ def load_shard(source, config: ModelConfig, spec: ShardSpec) -> ModelWeights:
                     if config.o_proj_bias and spec.rank == 0 else None),
             post_attention_layernorm=read(f"model.layers.{i}.post_attention_layernorm.weight",
                                           everything),
-            gate_proj=read(mlp + "gate_proj.weight", (inter_rows,)),
-            up_proj=read(mlp + "up_proj.weight", (inter_rows,)),
-            down_proj=read(mlp + "down_proj.weight", (slice(None), inter_rows)),
+            gate_proj=None if moe else read(mlp + "gate_proj.weight", (inter_rows,)),
+            up_proj=None if moe else read(mlp + "up_proj.weight", (inter_rows,)),
+            down_proj=None if moe else read(mlp + "down_proj.weight", (slice(None), inter_rows)),
             # Qwen3's per-head QK-norm: replicated, since a rank norms whole heads.
             q_norm=read(attn + "q_norm.weight", everything) if config.qk_norm else None,
             k_norm=read(attn + "k_norm.weight", everything) if config.qk_norm else None,
+            router=router, experts_gate_up=gate_up, experts_down=down,
         ))
     embed = _vocab_slice(read, "model.embed_tokens.weight", spec, hidden)
     lm_head = (embed if config.tie_word_embeddings
                else _vocab_slice(read, "lm_head.weight", spec, hidden))
     return ModelWeights(config=rank_config(config, spec), embed_tokens=embed, layers=layers,
                         norm=read("model.norm.weight", everything), lm_head=lm_head)
+
+
+def _experts_in_memory(layer: LayerWeights, config: ModelConfig,
+                       inter: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(router, gate_up, down) of an in-memory MoE layer, each expert cut to features `inter`."""
+    full = config.moe_intermediate_size
+    gate_up = layer.experts_gate_up
+    up = slice(full + inter.start, full + inter.stop)
+    return (np.ascontiguousarray(layer.router, dtype=np.float32),
+            np.ascontiguousarray(np.concatenate([gate_up[:, inter], gate_up[:, up]], axis=1),
+                                 dtype=np.float32),
+            np.ascontiguousarray(layer.experts_down[:, :, inter], dtype=np.float32))
 
 
 def _in_memory(weights: ModelWeights, name: str) -> np.ndarray:

@@ -1,5 +1,5 @@
-"""Llama-family forward (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) over a paged KV cache,
-written against backend ops.
+"""Llama-family forward (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2, Mixtral, Qwen3-MoE) over a
+paged KV cache, written against backend ops.
 
 One step runs every scheduled token of every request at once: each weight is one GEMM over all
 `num_tokens` rows; only attention looks at requests separately, and it is split into decode rows
@@ -13,6 +13,10 @@ layout, which is the free `.T` view of that storage.
 Qwen3's QK-norm (config.qk_norm) is the backend's plain `rms_norm` over a [num_tokens * heads,
 head_dim] view of q and of k, between the QKV GEMM and the rotary op: no op of its own, so it
 runs unchanged on every backend.
+
+Mixture-of-experts layers (config.moe_layers: Mixtral's all, Qwen3-MoE's per decoder_sparse_step
+and mlp_only_layers) run runtime/models/moe.py's `MoeBlock` in place of the dense MLP; the rest of
+the layer is the same code.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedrun.runtime.model_config import ModelConfig
+from pagedrun.runtime.models.moe import MoeBlock
 from pagedrun.runtime.rope import build_cos_sin_cache, model_inv_freq
 from pagedrun.runtime.weights import ModelWeights
 
@@ -52,10 +57,11 @@ class _Layer:
     o_t: np.ndarray            # [q_size, hidden]
     o_bias: np.ndarray | None
     post_norm: np.ndarray      # [hidden]
-    gate_up_t: np.ndarray      # [hidden, 2 * intermediate]
-    down_t: np.ndarray         # [intermediate, hidden]
+    gate_up_t: np.ndarray | None  # [hidden, 2 * intermediate]; None in a MoE layer
+    down_t: np.ndarray | None     # [intermediate, hidden]
     q_norm: np.ndarray | None  # [head_dim] when config.qk_norm, else None
     k_norm: np.ndarray | None  # [head_dim]
+    moe: MoeBlock | None = None   # config.is_moe_layer: the experts replace the dense MLP
 
 
 def _t(*matrices: np.ndarray) -> np.ndarray:
@@ -76,7 +82,8 @@ class LlamaModel:
         self.ops = ops
         self.embed_tokens = np.ascontiguousarray(weights.embed_tokens, dtype=np.float32)
         self.layers = []
-        for lw in weights.layers:
+        for index, lw in enumerate(weights.layers):
+            moe = config.is_moe_layer(index)
             if config.qk_norm and (lw.q_norm is None or lw.k_norm is None):
                 # A loader that forgot them would silently run a different model.
                 raise ValueError(f"{config.architecture}: q_norm / k_norm weights missing")
@@ -90,10 +97,11 @@ class LlamaModel:
                 o_t=_t(lw.o_proj),
                 o_bias=_f32(lw.o_bias),
                 post_norm=_f32(lw.post_attention_layernorm),
-                gate_up_t=_t(lw.gate_proj, lw.up_proj),
-                down_t=_t(lw.down_proj),
+                gate_up_t=None if moe else _t(lw.gate_proj, lw.up_proj),
+                down_t=None if moe else _t(lw.down_proj),
                 q_norm=_f32(lw.q_norm) if config.qk_norm else None,
                 k_norm=_f32(lw.k_norm) if config.qk_norm else None,
+                moe=MoeBlock.from_weights(lw, config) if moe else None,
             ))
         self.norm = _f32(weights.norm)
         self.lm_head_t = _t(weights.lm_head)  # [hidden, vocab]
@@ -138,8 +146,12 @@ class LlamaModel:
             x = self.all_reduce(ops.linear(attn_out.reshape(num_tokens, q_size), layer.o_t.T,
                                            layer.o_bias))
             h, residual = ops.fused_add_rms_norm(x, residual, layer.post_norm, cfg.rms_norm_eps)
-            x = self.all_reduce(
-                ops.linear(ops.silu_and_mul(ops.linear(h, layer.gate_up_t.T)), layer.down_t.T))
+            if layer.moe is not None:
+                mlp_out = layer.moe(ops, h)
+            else:
+                mlp_out = ops.linear(ops.silu_and_mul(ops.linear(h, layer.gate_up_t.T)),
+                                     layer.down_t.T)
+            x = self.all_reduce(mlp_out)
         return x, residual
 
     def _head_norm(self, x, weight: np.ndarray):
@@ -150,7 +162,8 @@ class LlamaModel:
 
     # Tensor parallelism overrides these three (runtime/distributed/sharded_model.py): a rank's
     # embedding is a masked lookup into its vocabulary slice, the row-parallel o_proj / down_proj
-    # outputs are partial sums to all-reduce, and its LM head logits are gathered to rank 0.
+    # (or experts') outputs are partial sums to all-reduce, and its LM head logits are gathered
+    # to rank 0.
     def embed(self, token_ids: np.ndarray):
         """token_ids: [num_tokens] int32 -> [num_tokens, hidden] activations."""
         return self.ops.embedding(token_ids, self.embed_tokens)

@@ -1,7 +1,8 @@
 """The model registry (runtime/architectures.py, runtime/models/registry.py): every registered
 architecture parses and resolves to a forward and a weight loader; anything else is refused with
 the supported list; Qwen3's config fields (QK-norm, head_dim, biases, sliding layers) and its
-q/k norm weights."""
+q/k norm weights; the mixture-of-experts families' fields (experts, top-k, normalization, sparse
+layers) and both checkpoint layouts of their experts."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,6 +17,7 @@ from pagedrun.runtime.architectures import (
     ARCHITECTURES,
     QWEN3_DEFAULT_HEAD_DIM,
     SUPPORTED_ARCHITECTURES,
+    SUPPORTED_MODEL_TYPES,
     find_architecture,
 )
 from pagedrun.runtime.backends.numpy_backend import NumpyBackend
@@ -40,10 +42,13 @@ def minimal_config(architecture: str | None = "LlamaForCausalLM", **overrides) -
     return data
 
 
-def test_registry_lists_the_four_families_once():
+def test_registry_lists_the_families_once():
     names = [arch.name for arch in ARCHITECTURES]
-    assert names == list(SUPPORTED_ARCHITECTURES) == [
-        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+    assert names == list(SUPPORTED_ARCHITECTURES)
+    assert set(names) >= {
+        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+        "MixtralForCausalLM", "Qwen3MoeForCausalLM"}
+    assert len(set(names)) == len(names)
     model_types = [arch.model_type for arch in ARCHITECTURES]
     assert len(set(model_types)) == len(model_types)
 
@@ -63,8 +68,7 @@ def test_every_architecture_parses_and_has_a_forward(arch):
     ({"architectures": ["GemmaForCausalLM"]}, "architectures", SUPPORTED_ARCHITECTURES),
     ({"architectures": ["Qwen3ForCausalLM", "LlamaForCausalLM"]}, "architectures",
      SUPPORTED_ARCHITECTURES),
-    ({"architectures": None, "model_type": "qwen3_moe"}, "model_type",
-     ("llama", "mistral", "qwen2", "qwen3")),
+    ({"architectures": None, "model_type": "dbrx"}, "model_type", SUPPORTED_MODEL_TYPES),
 ])
 def test_unsupported_architectures_are_refused_with_the_supported_list(change, field, listed):
     with pytest.raises(ModelLoadError) as info:
@@ -177,3 +181,113 @@ def test_qwen3_inferred_from_model_type(tmp_path):
     del data["architectures"]
     (tmp_path / "config.json").write_text(json.dumps(data))
     assert ModelConfig.from_model_dir(tmp_path) == ModelConfig.from_model_dir(QWEN3_DIR)
+
+
+# --------------------------------------------------------------------- mixture of experts
+
+MIXTRAL_DIR = TINY_DIR / "mixtral_moe"
+QWEN3_MOE_DIR = TINY_DIR / "qwen3_moe"
+
+
+def test_moe_fixture_configs():
+    mixtral = ModelConfig.from_model_dir(MIXTRAL_DIR)
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.moe_intermediate_size,
+            mixtral.norm_topk_prob, mixtral.moe_layers) == (8, 2, 80, True, (0, 1))
+    assert not mixtral.qk_norm and mixtral.sliding_window is None
+    qwen = ModelConfig.from_model_dir(QWEN3_MOE_DIR)
+    # transformers 5 writes num_experts as num_local_experts; layer 1 is in mlp_only_layers.
+    assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.moe_intermediate_size,
+            qwen.norm_topk_prob, qwen.moe_layers) == (6, 2, 48, False, (0, 2))
+    assert qwen.qk_norm and qwen.intermediate_size == 112 and qwen.head_dim == 64
+    assert not ModelConfig.from_model_dir(QWEN3_DIR).num_experts
+
+
+def test_qwen3_moe_sparse_layers_and_hub_field_names():
+    config = ModelConfig.from_dict(minimal_config(
+        "Qwen3MoeForCausalLM", num_hidden_layers=6, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, decoder_sparse_step=2, mlp_only_layers=[3],
+        norm_topk_prob=True))
+    # transformers' rule: sparse when not mlp_only and (i + 1) % step == 0.
+    assert config.moe_layers == (1, 5) and config.num_experts == 4 and config.norm_topk_prob
+    assert [config.is_moe_layer(i) for i in range(6)] == [False, True, False, False, False, True]
+    # Without head_dim: hidden / heads, as Qwen3MoeConfig (unlike Qwen3Config) does.
+    assert config.head_dim == 8
+
+
+@pytest.mark.parametrize("arch, change, field", [
+    ("MixtralForCausalLM", {"num_local_experts": 2, "num_experts_per_tok": 3},
+     "num_experts_per_tok"),
+    ("MixtralForCausalLM", {"num_local_experts": 0}, "num_local_experts"),
+    ("Qwen3MoeForCausalLM", {"mlp_only_layers": ["0"]}, "mlp_only_layers"),
+    ("Qwen3MoeForCausalLM", {"decoder_sparse_step": 0}, "decoder_sparse_step"),
+    ("Qwen3MoeForCausalLM", {"use_sliding_window": True}, "use_sliding_window"),
+])
+def test_moe_configs_refused(arch, change, field):
+    with pytest.raises(ModelLoadError, match=field):
+        ModelConfig.from_dict(minimal_config(arch, **change))
+
+
+def _rewrite_fused(src: pathlib.Path, dst: pathlib.Path, block: str, names: tuple[str, ...],
+                   new_block: str) -> None:
+    """A copy of `src` with every MoE layer's experts in transformers 5's fused tensors."""
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst)
+    config = ModelConfig.from_model_dir(src)
+    tensors = load_file(dst / "model.safetensors")
+    gate, up, down = names
+    for i in config.moe_layers:
+        old, new = f"model.layers.{i}.{block}", f"model.layers.{i}.{new_block}"
+        gate_up = [np.concatenate([tensors.pop(f"{old}experts.{e}.{gate}.weight"),
+                                   tensors.pop(f"{old}experts.{e}.{up}.weight")])
+                   for e in range(config.num_experts)]
+        downs = [tensors.pop(f"{old}experts.{e}.{down}.weight")
+                 for e in range(config.num_experts)]
+        tensors[f"{new}experts.gate_up_proj"] = np.stack(gate_up)
+        tensors[f"{new}experts.down_proj"] = np.stack(downs)
+        tensors[f"{new}gate.weight"] = tensors.pop(f"{old}gate.weight")
+    save_file(tensors, dst / "model.safetensors")
+
+
+@pytest.mark.parametrize("name, block, names, new_block", [
+    # Hub Mixtral says block_sparse_moe.; transformers 5's module is mlp.
+    ("mixtral_moe", "block_sparse_moe.", ("w1", "w3", "w2"), "mlp."),
+    ("qwen3_moe", "mlp.", ("gate_proj", "up_proj", "down_proj"), "mlp."),
+])
+def test_fused_and_per_expert_layouts_load_the_same_experts(tmp_path, name, block, names,
+                                                             new_block):
+    per_expert = load_model_weights(TINY_DIR / name)
+    _rewrite_fused(TINY_DIR / name, tmp_path / "fused", block, names, new_block)
+    fused = load_model_weights(tmp_path / "fused")
+    for a, b in zip(per_expert.layers, fused.layers):
+        for field in ("router", "experts_gate_up", "experts_down", "gate_proj", "down_proj"):
+            x, y = getattr(a, field), getattr(b, field)
+            assert (x is None and y is None) or np.array_equal(x, y), field
+    layer = per_expert.layers[0]
+    config = per_expert.config
+    inter = config.moe_intermediate_size
+    assert layer.experts_gate_up.shape == (config.num_experts, 2 * inter, config.hidden_size)
+    assert layer.experts_down.shape == (config.num_experts, config.hidden_size, inter)
+
+
+def test_missing_expert_names_the_tensor(tmp_path):
+    model_dir = tmp_path / "m"
+    shutil.copytree(MIXTRAL_DIR, model_dir)
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(model_dir / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.5.w3.weight"]
+    save_file(tensors, model_dir / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"layers\.1\.block_sparse_moe\.experts\.5\.w3"):
+        load_model_weights(model_dir)
+
+
+def test_build_model_runs_moe_blocks_and_refuses_weights_without_router():
+    config = ModelConfig.from_model_dir(QWEN3_MOE_DIR)
+    weights = load_model_weights(QWEN3_MOE_DIR, config)
+    model = build_model(config, weights, NumpyBackend(), max_position=64)
+    assert [layer.moe is not None for layer in model.layers] == [True, False, True]
+    stripped = dataclasses.replace(weights, layers=[
+        dataclasses.replace(layer, router=None) for layer in weights.layers])
+    with pytest.raises(ValueError, match="router / expert weights missing"):
+        build_model(config, stripped, NumpyBackend(), max_position=64)

@@ -1,4 +1,5 @@
-"""The numpy reference forward against transformers (float32) on five tiny random models.
+"""The numpy reference forward against transformers (float32) on the tiny random models (dense,
+and the mixture-of-experts mixtral_moe / qwen3_moe).
 
 Ground truth: tests/fixtures/tiny/<model>/expected.npz, written by tests/fixtures/make_fixtures.py
 from the very files the loader reads here. "Relative error" throughout is
@@ -23,7 +24,8 @@ from pagedrun.runtime.reference import (
 from pagedrun.runtime.weights import load_model_weights
 
 TINY_DIR = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
-TINY_MODELS = ("llama3_sharded", "llama_tied_bf16", "mistral_fp16", "qwen2_tied", "qwen3_tied")
+TINY_MODELS = ("llama3_sharded", "llama_tied_bf16", "mistral_fp16", "qwen2_tied", "qwen3_tied",
+               "mixtral_moe", "qwen3_moe")
 PROMPT_LENGTHS = (1, 5, 13, 21)
 RELATIVE_TOLERANCE = 1e-4
 # A feature the fixtures exercise must move the logits by far more than the tolerance.
@@ -105,6 +107,10 @@ def test_cache_rewind_recomputes_the_same_logits() -> None:
         ("llama3_sharded", {"rope_scaling": None}),
         ("qwen2_tied", {"rope_theta": 10000.0}),
         ("qwen3_tied", {"qk_norm": False}),
+        # The experts' weighting: Mixtral renormalizes the top-k, this Qwen3-MoE does not.
+        ("mixtral_moe", {"norm_topk_prob": False}),
+        ("qwen3_moe", {"norm_topk_prob": True}),
+        ("mixtral_moe", {"num_experts_per_tok": 1}),
     ],
 )
 def test_fixtures_exercise_each_config_feature(name: str, change: dict) -> None:
