@@ -81,6 +81,14 @@ class GateResult:
 # ---- NVRTC ---------------------------------------------------------------------------------
 class Nvrtc:
     def __init__(self, libpath: str):
+        # libnvrtc dlopens its builtins library by soname at the first compile. Pip's
+        # nvidia-cuda-nvrtc wheels ship it beside libnvrtc, but not every wheel's libnvrtc finds
+        # it there ("failed to open libnvrtc-builtins.so.13.0"); loaded first, the soname
+        # lookup finds it already in the process.
+        folder = os.path.dirname(libpath)
+        for builtins in sorted(glob.glob(os.path.join(folder, "libnvrtc-builtins.so*"))):
+            ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+            break
         self.lib = ctypes.CDLL(libpath)
         self.lib.nvrtcGetErrorString.restype = ctypes.c_char_p
 
