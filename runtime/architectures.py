@@ -13,6 +13,10 @@ carry `MoeFields` (expert count, top-k, renormalization, which layers are sparse
 `Architecture` the checkpoint's expert tensor names (`ExpertNames`); the Llama forward swaps
 the MLP of those layers for runtime/models/moe.py's block.
 
+Gemma 3 text runs on it as well: its `FamilyFields` carry `GemmaFields` (GeGLU, embedding scale,
+query_pre_attn_scalar, per-layer local/global kinds with their window and two rope bases), and
+ModelConfig turns them into the forward's fields.
+
 Adding a family: one `Architecture` here (plus a forward module under runtime/models/ when the
 Llama forward cannot express it) and its tests. Anything a family's config asks for that we
 cannot run exactly is a `ModelLoadError` naming the field, never a silently different model.
@@ -31,6 +35,7 @@ if TYPE_CHECKING:
 # mixture of SwiGLU experts (runtime/models/moe.py) per layer.
 LLAMA_FORWARD = "llama"
 FULL_ATTENTION_LAYER = "full_attention"
+SLIDING_ATTENTION_LAYER = "sliding_attention"
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,21 @@ class FamilyFields:
     sliding_window: int | None = None
     qk_norm: bool = False
     moe: MoeFields | None = None
+    gemma: "GemmaFields | None" = None
+
+
+@dataclass(frozen=True)
+class GemmaFields:
+    """Gemma 3's departures from the Llama layer (ModelConfig's fields of the same names)."""
+
+    hidden_activation: str            # "gelu_pytorch_tanh": GeGLU MLP
+    embedding_scale: float            # sqrt(hidden_size), applied to looked-up embeddings
+    attention_scale: float            # query_pre_attn_scalar ** -0.5
+    layer_types: tuple[str, ...]      # per layer: SLIDING_ATTENTION_LAYER or FULL_ATTENTION_LAYER
+    local_sliding_window: int         # the window of the sliding layers
+    rope_theta: float                 # full-attention layers' base
+    rope_linear_factor: float | None  # full-attention layers' linear rope scaling, if any
+    local_rope_theta: float           # sliding layers' base (never scaled)
 
 
 @dataclass(frozen=True)
@@ -184,6 +204,95 @@ def _qwen3_moe_fields(reader: "FieldReader") -> FamilyFields:
                         qk_norm=True, moe=moe)
 
 
+# transformers' Gemma3TextConfig defaults a config.json may omit.
+GEMMA3_DEFAULT_HEAD_DIM = 256
+GEMMA3_DEFAULT_SLIDING_PATTERN = 6  # every 6th layer global
+GEMMA3_DEFAULT_ROPE_THETA = 1_000_000.0
+GEMMA3_DEFAULT_LOCAL_ROPE_THETA = 10_000.0
+GEMMA3_DEFAULT_SLIDING_WINDOW = 4096
+GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh",)
+
+
+def _gemma3_rope(reader: "FieldReader") -> tuple[float, float | None, float]:
+    """(full layers' theta, their linear factor or None, sliding layers' theta) from either
+    layout: transformers 5's `rope_parameters` keyed by layer type, or the older top-level
+    `rope_theta`, `rope_local_base_freq` and `rope_scaling`."""
+    params = reader.optional("rope_parameters", dict, None)
+    if params is not None and FULL_ATTENTION_LAYER in params:
+        full = params[FULL_ATTENTION_LAYER] or {}
+        local = params.get(SLIDING_ATTENTION_LAYER) or {}
+        field = "rope_parameters"
+    else:
+        full = dict(params or reader.optional("rope_scaling", dict, None) or {})
+        full.setdefault("rope_theta", reader.optional("rope_theta", float,
+                                                      GEMMA3_DEFAULT_ROPE_THETA))
+        local = {"rope_theta": reader.optional("rope_local_base_freq", float,
+                                               GEMMA3_DEFAULT_LOCAL_ROPE_THETA)}
+        field = "rope_scaling"
+    thetas = []
+    for kind, source, default in ((FULL_ATTENTION_LAYER, full, GEMMA3_DEFAULT_ROPE_THETA),
+                                  (SLIDING_ATTENTION_LAYER, local,
+                                   GEMMA3_DEFAULT_LOCAL_ROPE_THETA)):
+        theta = source.get("rope_theta", default)
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+            raise reader.error(f"{field}.rope_theta", f"{kind}: must be positive, got {theta!r}")
+        thetas.append(float(theta))
+    if (local.get("rope_type", local.get("type")) or "default") != "default":
+        raise reader.error(field, "sliding layers' rope must be unscaled")
+    rope_type = full.get("rope_type", full.get("type")) or "default"
+    if rope_type == "default":
+        return thetas[0], None, thetas[1]
+    factor = full.get("factor")
+    if rope_type != "linear" or isinstance(factor, bool) or not isinstance(
+            factor, (int, float)) or factor <= 0:
+        raise reader.error(field, f"unsupported rope {rope_type!r} (factor {factor!r}); "
+                                  "supported: default, linear with a positive factor")
+    return thetas[0], float(factor), thetas[1]
+
+
+def _gemma3_fields(reader: "FieldReader") -> FamilyFields:
+    """Gemma 3 text: QK-norm, (1 + w) RMSNorms (folded at load, runtime/weights.py), norms
+    after attention and after the MLP too, GeGLU, embeddings times sqrt(hidden), softmax scale
+    query_pre_attn_scalar ** -0.5, and local sliding-window layers (`layer_types`, else every
+    `sliding_window_pattern`-th layer global) with their own rope base. Logit soft-capping is
+    Gemma 2's: refused if a config sets it."""
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if reader.optional(field, float, None) is not None:
+            raise reader.error(field, "logit soft-capping is not supported")
+    if reader.optional("use_bidirectional_attention", bool, False):
+        raise reader.error("use_bidirectional_attention", "only causal attention is supported")
+    activation = reader.optional("hidden_activation", str,
+                                 reader.optional("hidden_act", str, GEMMA_ACTIVATIONS[0]))
+    if activation not in GEMMA_ACTIVATIONS:
+        raise reader.error("hidden_activation",
+                           f"only {GEMMA_ACTIVATIONS} supported, got {activation!r}")
+    num_layers = _positive(reader, "num_hidden_layers")
+    layer_types = reader.optional("layer_types", list, None)
+    if layer_types is None:
+        pattern = _positive(reader, "sliding_window_pattern",
+                            reader.optional("_sliding_window_pattern", int,
+                                            GEMMA3_DEFAULT_SLIDING_PATTERN))
+        layer_types = [FULL_ATTENTION_LAYER if (i + 1) % pattern == 0
+                       else SLIDING_ATTENTION_LAYER for i in range(num_layers)]
+    if len(layer_types) != num_layers or not set(layer_types) <= {
+            FULL_ATTENTION_LAYER, SLIDING_ATTENTION_LAYER}:
+        raise reader.error("layer_types", f"expected {num_layers} of {FULL_ATTENTION_LAYER!r} / "
+                                          f"{SLIDING_ATTENTION_LAYER!r}, got {layer_types!r}")
+    window = _positive(reader, "sliding_window", GEMMA3_DEFAULT_SLIDING_WINDOW)
+    hidden = _positive(reader, "hidden_size")
+    head_dim = reader.optional("head_dim", int, GEMMA3_DEFAULT_HEAD_DIM)
+    scalar = reader.optional("query_pre_attn_scalar", float, float(head_dim))
+    if scalar <= 0:
+        raise reader.error("query_pre_attn_scalar", f"must be positive, got {scalar}")
+    theta, factor, local_theta = _gemma3_rope(reader)
+    bias = reader.optional("attention_bias", bool, False)
+    return FamilyFields(attention_bias=bias, o_proj_bias=bias, qk_norm=True, gemma=GemmaFields(
+        hidden_activation=activation, embedding_scale=float(hidden) ** 0.5,
+        attention_scale=scalar ** -0.5, layer_types=tuple(layer_types),
+        local_sliding_window=window, rope_theta=theta, rope_linear_factor=factor,
+        local_rope_theta=local_theta))
+
+
 QWEN3_DEFAULT_HEAD_DIM = 128
 MIXTRAL_EXPERTS = ExpertNames(("block_sparse_moe.", "mlp."), "w1", "w3", "w2")
 QWEN3_MOE_EXPERTS = ExpertNames(("mlp.",), "gate_proj", "up_proj", "down_proj")
@@ -199,6 +308,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     # Qwen3MoeConfig has no head_dim default: hidden / heads, as for Llama.
     Architecture("Qwen3MoeForCausalLM", "qwen3_moe", LLAMA_FORWARD, _qwen3_moe_fields,
                  expert_names=QWEN3_MOE_EXPERTS),
+    Architecture("Gemma3ForCausalLM", "gemma3_text", LLAMA_FORWARD, _gemma3_fields,
+                 default_head_dim=GEMMA3_DEFAULT_HEAD_DIM),
 )
 _BY_NAME = {arch.name: arch for arch in ARCHITECTURES}
 _BY_MODEL_TYPE = {arch.model_type: arch for arch in ARCHITECTURES}

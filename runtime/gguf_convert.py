@@ -13,7 +13,11 @@ started from, up to the quantization the GGUF applied:
   The cost is size (135M params -> 540 MB), which is acceptable for a reference-exact cache.
 - llama.cpp's converter permutes the rows of `attn_q` and `attn_k` of Llama-architecture models
   so its interleaved (GPT-J style) rotary embedding gives the same result as Hugging Face's
-  half-split (NeoX style) one; `unpermute_rotary_rows` undoes it. Qwen2 GGUFs are not permuted.
+  half-split (NeoX style) one; `unpermute_rotary_rows` undoes it. Qwen2 and Gemma 3 GGUFs are
+  not permuted.
+- Gemma 3 (`gemma3`): its converter stores the (1 + w) norms as w + 1 (subtracted back here) and
+  leaves out what llama.cpp's runtime assumes (every 6th layer global, local rope base 10000,
+  query_pre_attn_scalar = head_dim except 27B's hidden / heads); the config says them.
 - `tokenizer.json` is rebuilt from the vocabulary, merges and token types in the metadata: a
   byte-level BPE (`tokenizer.ggml.model == "gpt2"`: SmolLM2, Qwen2, Llama 3) with the
   pre-tokenizer named by `tokenizer.ggml.pre`, or a SentencePiece BPE with byte fallback
@@ -46,7 +50,17 @@ OUTPUT_FILES = (
 _ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM", True),
     "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM", False),
 }
+GEMMA3 = "gemma3"
+# What llama.cpp's gemma3 GGUFs leave out and its runtime assumes: every 6th layer global, local
+# layers at rope base 10000, and Gemma's (1 + w) norms stored as w + 1 by its converter.
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+GEMMA3_NORM_SHIFT = 1.0
+# Gemma 3 27B (62 layers) scales attention by (hidden / heads) ** -0.5, the others by
+# head_dim ** -0.5 (query_pre_attn_scalar in their HF configs; llama.cpp keys on the size).
+GEMMA3_27B_BLOCK_COUNT = 62
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type enum).
 TOKEN_TYPE_NORMAL = 1
@@ -168,6 +182,22 @@ def hf_config_from_gguf(
     }
     if model_type == "llama":
         config.update(attention_bias=attention_bias, mlp_bias=False, pretraining_tp=1)
+    elif arch == GEMMA3:
+        del config["hidden_act"]
+        num_layers = config["num_hidden_layers"]
+        pattern = int(meta.arch("attention.sliding_window_pattern",
+                                GEMMA3_SLIDING_WINDOW_PATTERN))
+        config.update(
+            hidden_activation="gelu_pytorch_tanh", attention_bias=False,
+            sliding_window=int(meta.require_arch("attention.sliding_window")),
+            layer_types=["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                         for i in range(num_layers)],
+            rope_local_base_freq=GEMMA3_LOCAL_ROPE_THETA,
+            query_pre_attn_scalar=(hidden_size // num_heads
+                                   if num_layers == GEMMA3_27B_BLOCK_COUNT else head_dim),
+            final_logit_softcapping=None, attn_logit_softcapping=None)
+        if config["rope_scaling"] is None:
+            del config["rope_scaling"]
     else:
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=0)
     for key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
@@ -188,8 +218,10 @@ def _rope_scaling(meta: GGUFMetadata) -> dict | None:
                          field="rope.scaling.type")
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor; None for tensors HF does not store."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face name of a GGUF tensor of architecture `arch`; None for tensors HF does
+    not store. Gemma 3's ffn_norm is the MLP input's norm (HF pre_feedforward_layernorm) and it
+    has three more norms per layer."""
     fixed = {
         "token_embd.weight": "model.embed_tokens.weight",
         "output_norm.weight": "model.norm.weight",
@@ -211,7 +243,13 @@ def hf_tensor_name(gguf_name: str) -> str | None:
         "ffn_gate": "mlp.gate_proj",
         "ffn_up": "mlp.up_proj",
         "ffn_down": "mlp.down_proj",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
     }
+    if arch == GEMMA3:
+        per_layer.update(ffn_norm="pre_feedforward_layernorm",
+                         post_attention_norm="post_attention_layernorm",
+                         post_ffw_norm="post_feedforward_layernorm")
     if role not in per_layer or kind not in ("weight", "bias"):
         return None
     return f"model.layers.{layer}.{per_layer[role]}.{kind}"
@@ -234,7 +272,7 @@ def convert_weights(meta: GGUFMetadata, tensors: Iterable[Any]) -> dict[str, np.
     num_kv_heads = int(meta.arch("attention.head_count_kv", num_heads))
     out: dict[str, np.ndarray] = {}
     for tensor in tensors:
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, meta.architecture)
         if name is None:
             if tensor.name == "rope_freqs.weight":
                 raise ModelLoadError(
@@ -252,6 +290,8 @@ def convert_weights(meta: GGUFMetadata, tensors: Iterable[Any]) -> dict[str, np.
             values = unpermute_rotary_rows(values, num_heads)
         elif permuted and ".attn_k." in tensor.name:
             values = unpermute_rotary_rows(values, num_kv_heads)
+        if meta.architecture == GEMMA3 and name.endswith("norm.weight"):
+            values = values - np.float32(GEMMA3_NORM_SHIFT)  # back to HF's w of (1 + w)
         out[name] = values
     return out
 

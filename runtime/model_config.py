@@ -3,9 +3,10 @@ model directory's `config.json` (plus `generation_config.json` for extra stop id
 
 Which architectures we serve, and what their configs mean beyond the shared fields, is the
 model registry's (runtime/architectures.py): Llama 2/3 (and SmolLM2), Mistral, Qwen2, Qwen3,
-Mixtral and Qwen3-MoE share one forward -- RMSNorm, rotary attention with grouped-query heads,
-SwiGLU MLP or mixture of SwiGLU experts -- and differ in data kept here as fields (q/k/v/o
-biases, a sliding window, Qwen3's per-head QK-norm, Llama 3's rotary scaling, the experts).
+Mixtral, Qwen3-MoE and Gemma 3 share one forward -- RMSNorm, rotary attention with grouped-query
+heads, SwiGLU MLP or mixture of SwiGLU experts -- and differ in data kept here as fields (q/k/v/o
+biases, a sliding window, Qwen3's per-head QK-norm, Llama 3's rotary scaling, the experts,
+Gemma 3's norms, GeGLU, embedding and softmax scales and local sliding layers).
 
 Both config layouts Hugging Face has written are read: the older one (`rope_theta` and
 `rope_scaling` at top level, `torch_dtype`) and transformers 5's (`rope_parameters` holding
@@ -23,7 +24,7 @@ import pathlib
 from dataclasses import dataclass
 from typing import Any
 
-from .architectures import SUPPORTED_ARCHITECTURES, architecture_of
+from .architectures import SLIDING_ATTENTION_LAYER, SUPPORTED_ARCHITECTURES, architecture_of
 from .errors import ModelLoadError
 
 CONFIG_FILE_NAME = "config.json"
@@ -34,6 +35,9 @@ __all__ = ["ModelConfig", "RopeScaling", "FieldReader", "SUPPORTED_ARCHITECTURES
 # Rope types that mean "theta only, no scaling".
 _UNSCALED_ROPE_TYPES = ("default", None)
 LLAMA3_ROPE_TYPE = "llama3"
+LINEAR_ROPE_TYPE = "linear"
+# Gemma's RMSNorm multiplies by (1 + weight).
+GEMMA_NORM_WEIGHT_OFFSET = 1.0
 DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -48,9 +52,10 @@ class RopeScaling:
 
     rope_type: str
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    # llama3 only (a "linear" scaling, Gemma 3's, divides every frequency by factor).
+    low_freq_factor: float = 0.0
+    high_freq_factor: float = 0.0
+    original_max_position_embeddings: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,40 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    # Gemma 3 (defaults: every other family). The MLP activation ("silu": SwiGLU;
+    # "gelu_pytorch_tanh": GeGLU); a factor on looked-up embeddings (the tied LM head uses the
+    # unscaled table); the softmax scale, None = head_dim ** -0.5; norms on the attention and MLP
+    # outputs before their residual adds (`post_sublayer_norms`; post_attention_layernorm is then
+    # the attention output's norm, pre_feedforward_layernorm the MLP input's); RMSNorm weights
+    # stored as w and applied as (`norm_weight_offset` + w), folded at load.
+    hidden_activation: str = "silu"
+    embedding_scale: float | None = None
+    attention_scale: float | None = None
+    post_sublayer_norms: bool = False
+    norm_weight_offset: float = 0.0
+    # Per-layer attention kinds (empty: every layer full, or Mistral's `sliding_window` on all).
+    # A "sliding_attention" layer sees keys j with i - local_sliding_window < j <= i and rotates
+    # with `local_rope_theta` (unscaled); the others use rope_theta / rope_scaling.
+    layer_types: tuple[str, ...] = ()
+    local_sliding_window: int | None = None
+    local_rope_theta: float | None = None
+
+    def layer_sliding_window(self, layer_index: int) -> int | None:
+        """The window layer `layer_index` attends within, None for full attention."""
+        if self.layer_types and self.layer_types[layer_index] == SLIDING_ATTENTION_LAYER:
+            return self.local_sliding_window
+        return self.sliding_window
+
+    def is_local_layer(self, layer_index: int) -> bool:
+        """Whether layer `layer_index` is a Gemma-style local (sliding, own rope base) layer."""
+        return bool(self.layer_types) and self.layer_types[layer_index] == SLIDING_ATTENTION_LAYER
+
+    @property
+    def softmax_scale(self) -> float:
+        """The attention logits' scale."""
+        if self.attention_scale is not None:
+            return self.attention_scale
+        return float(self.head_dim) ** -0.5
 
     def is_moe_layer(self, layer_index: int) -> bool:
         """Whether layer `layer_index`'s MLP is the mixture of experts."""
@@ -142,7 +181,7 @@ class ModelConfig:
         architecture = architecture_of(reader)
         family = architecture.read_fields(reader)
 
-        if reader.optional("hidden_act", str, "silu") != "silu":
+        if family.gemma is None and reader.optional("hidden_act", str, "silu") != "silu":
             raise reader.error("hidden_act",
                                f"only 'silu' is supported, got {config['hidden_act']!r}")
         if reader.optional("mlp_bias", bool, False):
@@ -168,7 +207,11 @@ class ModelConfig:
         if head_dim <= 0 or head_dim % 2:
             raise reader.error("head_dim", f"must be a positive even number, got {head_dim}")
 
-        rope_theta, rope_scaling = _rope(reader)
+        if family.gemma is None:
+            rope_theta, rope_scaling = _rope(reader)
+            gemma = {}
+        else:
+            rope_theta, rope_scaling, gemma = _gemma_fields(family.gemma)
 
         eos_token_ids = _token_ids(reader, "eos_token_id")
         if generation_config is not None:
@@ -204,6 +247,7 @@ class ModelConfig:
             torch_dtype=torch_dtype,
             qk_norm=family.qk_norm,
             **(dataclasses.asdict(family.moe) if family.moe is not None else {}),
+            **gemma,
         )
 
 
@@ -297,6 +341,18 @@ def _rope(reader: FieldReader) -> tuple[float, RopeScaling | None]:
         high_freq_factor=float(values["high_freq_factor"]),
         original_max_position_embeddings=int(values["original_max_position_embeddings"]),
     )
+
+
+def _gemma_fields(gemma) -> tuple[float, RopeScaling | None, dict[str, Any]]:
+    """(rope_theta, rope_scaling, the other ModelConfig fields) of architectures.GemmaFields."""
+    scaling = None
+    if gemma.rope_linear_factor is not None:
+        scaling = RopeScaling(rope_type=LINEAR_ROPE_TYPE, factor=gemma.rope_linear_factor)
+    return gemma.rope_theta, scaling, dict(
+        hidden_activation=gemma.hidden_activation, embedding_scale=gemma.embedding_scale,
+        attention_scale=gemma.attention_scale, post_sublayer_norms=True,
+        norm_weight_offset=GEMMA_NORM_WEIGHT_OFFSET, layer_types=gemma.layer_types,
+        local_sliding_window=gemma.local_sliding_window, local_rope_theta=gemma.local_rope_theta)
 
 
 def _token_ids(reader: FieldReader, field: str) -> tuple[int, ...]:

@@ -13,6 +13,15 @@ cache, each step of the decoder spelled out in the order transformers applies it
             (mixture-of-experts layers: `moe_block` instead, token by token)
     logits = rms_norm(x) @ lm_head.T
 
+Gemma 3 (config.post_sublayer_norms) in transformers' Gemma3DecoderLayer order:
+
+    x = embed_tokens[token_ids] * embedding_scale
+    for each layer:
+        x = x + post_attention_layernorm(attention(input_layernorm(x)))   (q/k normed per head)
+        x = x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))
+    (mlp: down(gelu_tanh(gate) * up); attention scaled by attention_scale, local layers windowed
+    and rotated with local_rope_theta; norm weights come folded to (1 + w) from the loader)
+
 The small helpers (`rope_inv_freq`, `rope_cos_sin`, `apply_rotary`, `rms_norm`, `silu`,
 `moe_route_token`, `moe_block`) are
 public so that kernel tests can reuse the exact same math. The rotary ones are runtime/rope.py's
@@ -49,6 +58,13 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     axis (n: hidden, or head_dim for Qwen3's per-head q/k norms)."""
     variance = np.mean(x * x, axis=-1, keepdims=True)
     return weight * (x / np.sqrt(variance + np.float32(eps)))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU, tanh approximation (gelu_pytorch_tanh), elementwise, float32."""
+    x = x.astype(np.float32, copy=False)
+    inner = np.float32(np.sqrt(2.0 / np.pi)) * (x + np.float32(0.044715) * x ** 3)
+    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -170,12 +186,24 @@ class ReferenceModel:
 
         num_tokens = token_ids.shape[0]
         positions = np.arange(start_pos, start_pos + num_tokens)
-        cos, sin = rope_cos_sin(config, positions)
         if kv_cache is not None:
             kv_cache.reserve(start_pos + num_tokens)
 
         x = self.weights.embed_tokens[token_ids].astype(np.float32)
+        if config.embedding_scale is not None:
+            x = x * np.float32(config.embedding_scale)
+        eps = config.rms_norm_eps
         for layer_index, layer in enumerate(self.weights.layers):
+            cos, sin = _angles_cos_sin(model_inv_freq(config, layer_index), positions)
+            if config.post_sublayer_norms:  # Gemma 3
+                h = rms_norm(x, layer.input_layernorm, eps)
+                a = self._attention(layer_index, layer, h, positions, cos, sin, kv_cache)
+                x = x + rms_norm(a, layer.post_attention_layernorm, eps)
+                h = rms_norm(x, layer.pre_feedforward_layernorm, eps)
+                act = gelu_tanh if config.hidden_activation != "silu" else silu
+                m = (act(h @ layer.gate_proj.T) * (h @ layer.up_proj.T)) @ layer.down_proj.T
+                x = x + rms_norm(m, layer.post_feedforward_layernorm, eps)
+                continue
             h = rms_norm(x, layer.input_layernorm, config.rms_norm_eps)
             x = x + self._attention(layer_index, layer, h, positions, cos, sin, kv_cache)
             h = rms_norm(x, layer.post_attention_layernorm, config.rms_norm_eps)
@@ -228,11 +256,12 @@ class ReferenceModel:
         q_grouped = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)
         keys_t = keys.transpose(1, 2, 0)[:, None]            # [num_kv_heads, 1, head_dim, S]
         values_h = values.transpose(1, 0, 2)[:, None]        # [num_kv_heads, 1, S, head_dim]
-        scores = (q_grouped @ keys_t) * np.float32(head_dim ** -0.5)  # [kv, group, T, S]
+        scores = (q_grouped @ keys_t) * np.float32(config.softmax_scale)  # [kv, group, T, S]
 
         visible = key_positions[None, :] <= positions[:, None]        # [T, S] causal
-        if config.sliding_window is not None:
-            visible &= key_positions[None, :] > positions[:, None] - config.sliding_window
+        window = config.layer_sliding_window(layer_index)
+        if window is not None:
+            visible &= key_positions[None, :] > positions[:, None] - window
         scores = np.where(visible, scores, -np.inf)
         scores = scores - scores.max(axis=-1, keepdims=True)
         probs = np.exp(scores)

@@ -73,8 +73,12 @@ def _llama3_scaled(inv_freq: np.ndarray, factor: float, low_freq_factor: float,
                     np.where(wavelen > long_wavelen, inv_freq / factor, blended))
 
 
-def model_inv_freq(config) -> np.ndarray:
-    """`rope_inv_freq` of a `ModelConfig` (its head_dim, rope_theta and rope_scaling)."""
+def model_inv_freq(config, layer_index: int | None = None) -> np.ndarray:
+    """`rope_inv_freq` of a `ModelConfig` (its head_dim, rope_theta and rope_scaling); for a
+    Gemma 3 local layer (`config.is_local_layer(layer_index)`), its own unscaled base
+    `local_rope_theta` instead."""
+    if layer_index is not None and config.is_local_layer(layer_index):
+        return rope_inv_freq(config.head_dim, config.local_rope_theta)
     return rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
 
 

@@ -14,9 +14,11 @@ file and the tensor, never a numpy or Rust traceback.
 
 Layout: weight matrices keep Hugging Face's `[out_features, in_features]` layout, so a linear
 layer is `y = x @ W.T (+ b)`. Norm weights are `[hidden_size]` (Qwen3's per-head q/k norms:
-`[head_dim]`). Which optional tensors a layer has follows the config's family fields
-(runtime/architectures.py): biases, QK-norm, experts. With tied embeddings `lm_head`
-is the very same array object as `embed_tokens`.
+`[head_dim]`); Gemma's (1 + w) norms are stored here already folded (`norm_weight_offset`
+added at load), so the reference and every backend apply them as plain w. Which optional
+tensors a layer has follows the config's family fields (runtime/architectures.py): biases,
+QK-norm, experts, Gemma's feed-forward norms. With tied embeddings `lm_head` is the very same
+array object as `embed_tokens`.
 
 Mixture-of-experts layers (config.moe_layers) hold the router and every expert stacked, in the
 layout the backends' `moe_experts` op takes (runtime/backends/base.py): gate rows then up rows
@@ -302,6 +304,10 @@ class LayerWeights:
     router: np.ndarray | None = None           # [num_experts, hidden_size]
     experts_gate_up: np.ndarray | None = None  # [num_experts, 2 * moe_intermediate, hidden]
     experts_down: np.ndarray | None = None     # [num_experts, hidden, moe_intermediate]
+    # config.post_sublayer_norms (Gemma 3): the MLP input's and output's norms, else None
+    # (post_attention_layernorm is then the attention output's norm).
+    pre_feedforward_layernorm: np.ndarray | None = None   # [hidden_size]
+    post_feedforward_layernorm: np.ndarray | None = None  # [hidden_size]
 
 
 @dataclass
@@ -338,6 +344,16 @@ def load_model_weights(
     def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
         return checkpoint.get(name, shape, dtype)
 
+    def norm(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        # Gemma's (1 + w) folded here, so every RMSNorm op and kernel serves it as plain w.
+        weight = get(name, shape)
+        offset = config.norm_weight_offset
+        if offset == 0:
+            return weight
+        wide = np.promote_types(dtype, np.float32)  # torch adds in float32 (float64 stays)
+        return (weight.astype(wide) + wide.type(offset)).astype(dtype)
+
+    sandwich = config.post_sublayer_norms
     layers = []
     for i in range(config.num_hidden_layers):
         prefix = f"model.layers.{i}."
@@ -348,7 +364,7 @@ def load_model_weights(
         moe = config.is_moe_layer(i)
         router, gate_up, down = read_experts(checkpoint, config, i, dtype) if moe else (None,) * 3
         layers.append(LayerWeights(
-            input_layernorm=get(prefix + "input_layernorm.weight", (hidden,)),
+            input_layernorm=norm(prefix + "input_layernorm.weight", (hidden,)),
             q_proj=get(attn + "q_proj.weight", (q_size, hidden)),
             k_proj=get(attn + "k_proj.weight", (kv_size, hidden)),
             v_proj=get(attn + "v_proj.weight", (kv_size, hidden)),
@@ -357,13 +373,17 @@ def load_model_weights(
             k_bias=get(attn + "k_proj.bias", (kv_size,)) if has_qkv_bias else None,
             v_bias=get(attn + "v_proj.bias", (kv_size,)) if has_qkv_bias else None,
             o_bias=get(attn + "o_proj.bias", (hidden,)) if has_o_bias else None,
-            post_attention_layernorm=get(prefix + "post_attention_layernorm.weight", (hidden,)),
+            post_attention_layernorm=norm(prefix + "post_attention_layernorm.weight", (hidden,)),
             gate_proj=None if moe else get(mlp + "gate_proj.weight", (inter, hidden)),
             up_proj=None if moe else get(mlp + "up_proj.weight", (inter, hidden)),
             down_proj=None if moe else get(mlp + "down_proj.weight", (hidden, inter)),
-            q_norm=get(attn + "q_norm.weight", head_dim) if config.qk_norm else None,
-            k_norm=get(attn + "k_norm.weight", head_dim) if config.qk_norm else None,
+            q_norm=norm(attn + "q_norm.weight", head_dim) if config.qk_norm else None,
+            k_norm=norm(attn + "k_norm.weight", head_dim) if config.qk_norm else None,
             router=router, experts_gate_up=gate_up, experts_down=down,
+            pre_feedforward_layernorm=norm(prefix + "pre_feedforward_layernorm.weight",
+                                           (hidden,)) if sandwich else None,
+            post_feedforward_layernorm=norm(prefix + "post_feedforward_layernorm.weight",
+                                            (hidden,)) if sandwich else None,
         ))
     embed_tokens = get("model.embed_tokens.weight", (vocab, hidden))
     # Tied models may still store lm_head.weight; transformers ignores it, and so do we.
@@ -372,7 +392,7 @@ def load_model_weights(
         config=config,
         embed_tokens=embed_tokens,
         layers=layers,
-        norm=get("model.norm.weight", (hidden,)),
+        norm=norm("model.norm.weight", (hidden,)),
         lm_head=lm_head,
     )
 

@@ -81,7 +81,8 @@ class CpuBf16Backend(NumpyBackend):
                                              self.linear)
 
     @staticmethod
-    def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
+    def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+                               sliding_window=None):
         """numpy_ops.paged_decode_attention's contract, batched over sequences.
 
         q: [num_seqs, num_heads, head_dim] float32; k_cache, v_cache: [num_blocks, block_size,
@@ -93,7 +94,7 @@ class CpuBf16Backend(NumpyBackend):
         if (num_seqs < 2 or q.dtype != np.float32 or context_lens.shape != (num_seqs,)
                 or block_tables.shape[0] != num_seqs or context_lens.min() < 1):
             return numpy_ops.paged_decode_attention(q, k_cache, v_cache, block_tables,
-                                                    context_lens, scale)
+                                                    context_lens, scale, sliding_window)
         numpy_ops._check_attention_shapes(q, k_cache, v_cache)
         num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
         max_len = int(context_lens.max())
@@ -102,7 +103,7 @@ class CpuBf16Backend(NumpyBackend):
                 > MAX_DECODE_PADDING_RATIO * int(context_lens.sum()) + block_size * num_seqs
                 or padded_blocks > block_tables.shape[1]):
             return numpy_ops.paged_decode_attention(q, k_cache, v_cache, block_tables,
-                                                    context_lens, scale)
+                                                    context_lens, scale, sliding_window)
         # Blocks past a sequence's context are masked; read block 0 there (never out of range).
         used = np.arange(padded_blocks) * block_size < context_lens[:, None]
         blocks = np.where(used, block_tables[:, :padded_blocks], 0).astype(np.int64)
@@ -118,6 +119,8 @@ class CpuBf16Backend(NumpyBackend):
         scores = q_g @ k_ctx.transpose(0, 1, 3, 2)  # [num_seqs, num_kv_heads, group, padded]
         scores *= np.float32(scale)
         invisible = np.arange(padded_len) >= context_lens[:, None]  # [num_seqs, padded_len]
+        if sliding_window is not None:  # the query sits at context_len - 1
+            invisible |= np.arange(padded_len) <= context_lens[:, None] - 1 - sliding_window
         scores[np.broadcast_to(invisible[:, None, None, :], scores.shape)] = -np.inf
         scores -= scores.max(axis=-1, keepdims=True)
         probs = np.exp(scores)

@@ -26,6 +26,8 @@ class NumpyBackend:
     rms_norm = staticmethod(numpy_ops.rms_norm)
     fused_add_rms_norm = staticmethod(numpy_ops.fused_add_rms_norm)
     silu_and_mul = staticmethod(numpy_ops.silu_and_mul)
+    gelu_tanh_and_mul = staticmethod(numpy_ops.gelu_tanh_and_mul)
+    scale_activations = staticmethod(numpy_ops.scale_activations)
     rotary_embedding_and_cache_write = staticmethod(numpy_ops.rotary_embedding_and_cache_write)
     paged_decode_attention = staticmethod(numpy_ops.paged_decode_attention)
     paged_prefill_attention = staticmethod(numpy_ops.paged_prefill_attention)

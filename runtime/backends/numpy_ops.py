@@ -28,6 +28,9 @@ from pagedrun.runtime.weights import from_bf16_bits, to_bf16_bits
 # num_heads * QUERY_CHUNK_TOKENS * context_len floats, so a long prefill does not allocate
 # gigabytes for scores at once.
 QUERY_CHUNK_TOKENS = 256
+# The tanh approximation of GELU: sqrt(2 / pi) and the cubic term's coefficient.
+GELU_TANH_SQRT_2_OVER_PI = 0.7978845608028654
+GELU_TANH_CUBIC = 0.044715
 
 
 # --------------------------------------------------------------------------------- dtypes
@@ -136,12 +139,13 @@ def _gather_context(cache: np.ndarray, block_table_row: np.ndarray, context_len:
 
 
 def _attend(q_rows: np.ndarray, k_ctx: np.ndarray, v_ctx: np.ndarray, first_query_pos: int,
-            scale: float) -> np.ndarray:
+            scale: float, sliding_window: int | None = None) -> np.ndarray:
     """Causal attention of one request's query rows over its gathered context.
 
     q_rows: [query_len, num_heads, head_dim] f32; k_ctx, v_ctx: [context_len, num_kv_heads,
     head_dim] f32. Query row j sits at position first_query_pos + j and sees context positions
-    <= it. Returns [query_len, num_heads, head_dim] f32.
+    <= it (and, with sliding_window, > it - sliding_window). Returns [query_len, num_heads,
+    head_dim] f32.
     """
     query_len, num_heads, head_dim = q_rows.shape
     context_len, num_kv_heads = k_ctx.shape[:2]
@@ -162,6 +166,8 @@ def _attend(q_rows: np.ndarray, k_ctx: np.ndarray, v_ctx: np.ndarray, first_quer
         scores *= np.float32(scale)
         query_pos = first_query_pos + np.arange(start, stop)
         visible = context_pos[None, :num_visible] <= query_pos[:, None]  # [rows, num_visible]
+        if sliding_window is not None:
+            visible &= context_pos[None, :num_visible] > query_pos[:, None] - sliding_window
         scores = np.where(visible, scores, np.float32(-np.inf))
         scores -= scores.max(axis=-1, keepdims=True)
         probs = np.exp(scores)
@@ -191,8 +197,10 @@ def paged_decode_attention(
     block_tables: np.ndarray,
     context_lens: np.ndarray,
     scale: float,
+    sliding_window: int | None = None,
 ) -> np.ndarray:
-    """One query token per sequence attending to its whole paged context.
+    """One query token per sequence attending to its whole paged context (with sliding_window:
+    to its last sliding_window positions, itself included).
 
     q: [num_seqs, num_heads, head_dim] (the token at position context_lens[i] - 1, already
         written to the cache)
@@ -214,7 +222,7 @@ def paged_decode_attention(
             raise ValueError(f"sequence {i}: context_len must be >= 1, got {context_len}")
         k_ctx = _gather_context(k_cache, block_tables[i], context_len)
         v_ctx = _gather_context(v_cache, block_tables[i], context_len)
-        out[i] = _attend(q32[i:i + 1], k_ctx, v_ctx, context_len - 1, scale)[0]
+        out[i] = _attend(q32[i:i + 1], k_ctx, v_ctx, context_len - 1, scale, sliding_window)[0]
     return out.astype(_out_dtype(q))
 
 
@@ -226,8 +234,10 @@ def paged_prefill_attention(
     query_start_loc: np.ndarray,
     context_lens: np.ndarray,
     scale: float,
+    sliding_window: int | None = None,
 ) -> np.ndarray:
-    """Causal attention of every scheduled token over its request's paged context (varlen).
+    """Causal attention of every scheduled token over its request's paged context (varlen); with
+    sliding_window, a query at position i sees only keys j > i - sliding_window.
 
     q: [num_tokens, num_heads, head_dim], requests' tokens back to back
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] (this step's k/v written)
@@ -259,7 +269,8 @@ def paged_prefill_attention(
             raise ValueError(f"request {i}: context_len {context_len} < query_len {query_len}")
         k_ctx = _gather_context(k_cache, block_tables[i], context_len)
         v_ctx = _gather_context(v_cache, block_tables[i], context_len)
-        out[start:stop] = _attend(q32[start:stop], k_ctx, v_ctx, context_len - query_len, scale)
+        out[start:stop] = _attend(q32[start:stop], k_ctx, v_ctx, context_len - query_len, scale,
+                                  sliding_window)
     return out.astype(_out_dtype(q))
 
 
@@ -304,6 +315,29 @@ def silu_and_mul(gate_up: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         silu = gate / (np.float32(1.0) + np.exp(-gate))
     return (silu * up).astype(_out_dtype(gate_up))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU, tanh approximation (PyTorch's gelu(approximate="tanh"), Gemma's
+    gelu_pytorch_tanh): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), float32."""
+    x32 = _f32(x)
+    inner = np.float32(GELU_TANH_SQRT_2_OVER_PI) * (x32 + np.float32(GELU_TANH_CUBIC) * x32 ** 3)
+    return np.float32(0.5) * x32 * (np.float32(1.0) + np.tanh(inner))
+
+
+def gelu_tanh_and_mul(gate_up: np.ndarray) -> np.ndarray:
+    """gelu_tanh(gate) * up, Gemma's GeGLU MLP; silu_and_mul's layout: gate_up [num_tokens,
+    2 * intermediate], gate half first. Returns [num_tokens, intermediate]."""
+    g32 = _f32(gate_up)
+    if g32.shape[-1] % 2:
+        raise ValueError(f"gate_up width {g32.shape[-1]} is odd")
+    half = g32.shape[-1] // 2
+    return (gelu_tanh(g32[..., :half]) * g32[..., half:]).astype(_out_dtype(gate_up))
+
+
+def scale_activations(x: np.ndarray, factor: float) -> np.ndarray:
+    """x * factor (Gemma's embedding scale), the factor rounded to float32 first."""
+    return (_f32(x) * np.float32(factor)).astype(_out_dtype(x))
 
 
 def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:

@@ -23,6 +23,7 @@ from pagedrun.runtime.kernels.kernel_args import (UnsupportedKernelShape, from_b
                                                   to_bf16_bits)
 from pagedrun.runtime.kernels.loader import load_module
 
+from . import numpy_ops
 from .base import DEFAULT_HOST_KV_CACHE_BYTES
 from .kernel_sampler import KernelSampler
 from .step_inputs import DeviceInts, StepInputs, upload_step
@@ -71,6 +72,10 @@ class KernelBackend:
         if block_size not in SUPPORTED_BLOCK_SIZES:
             raise UnsupportedKernelShape(f"block_size {block_size}: the {self.name} backend's "
                                          f"attention kernels serve {SUPPORTED_BLOCK_SIZES}")
+        if self.xp is not np and getattr(model_config, "local_sliding_window", None):
+            # The host fallback (`_windowed`) copies every local layer's cache per call.
+            raise UnsupportedKernelShape(f"{model_config.architecture}: sliding-window layers "
+                                         f"need a window in the {self.name} attention kernels")
 
     def kv_cache_budget_bytes(self, profile, *, gpu_memory_utilization: float) -> int:
         """Host memory (the harness): the fixed host budget, as the numpy backend's."""
@@ -153,6 +158,21 @@ class KernelBackend:
     def silu_and_mul(self, gate_up):
         return fused_ops.silu_and_mul(self.module("activation"), gate_up)
 
+    def gelu_tanh_and_mul(self, gate_up):
+        return fused_ops.gelu_tanh_and_mul(self.module("activation"), gate_up)
+
+    def scale_activations(self, x, factor: float):
+        """x * factor, the factor rounded to the activation dtype first (as transformers rounds
+        Gemma's embedding scale to the weights' dtype); host math, once per step."""
+        factor32 = float(self.to_host(self.device(self.to_kernel_dtype(np.float32([factor]))))[0])
+        return self._on_host(numpy_ops.scale_activations, x, factor=factor32)
+
+    def _on_host(self, op, *arrays, **kwargs):
+        """op over host float32 copies of `arrays`, the result placed back in the activation
+        dtype: the path of ops with no kernel yet (a round trip per call on cuda)."""
+        out = op(*(self.to_host(a) for a in arrays), **kwargs)
+        return self.device(self.to_kernel_dtype(out))
+
     def moe_route(self, router_logits, top_k: int, renormalize: bool):
         """(topk_ids [T, top_k] int32, topk_weights [T, top_k] float32), on the device; the
         router logits may come in the activation dtype (they are widened to float32 first)."""
@@ -178,7 +198,11 @@ class KernelBackend:
             self.weight(cos_sin_cache, keep_float32=True), k_cache, v_cache,
             self._ints(slot_mapping))
 
-    def paged_decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale):
+    def paged_decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale,
+                               sliding_window=None):
+        if sliding_window is not None:
+            return self._windowed(numpy_ops.paged_decode_attention, q, k_cache, v_cache,
+                                  block_tables, context_lens, scale, sliding_window)
         host_lens = self._host_ints(context_lens)  # the longest context, without a device read
         return attention.paged_decode_attention(
             self.module("decode"), self.xp.ascontiguousarray(q), k_cache, v_cache,
@@ -186,7 +210,11 @@ class KernelBackend:
             max_context_len=int(host_lens.max()) if host_lens.size else 1)
 
     def paged_prefill_attention(self, q, k_cache, v_cache, block_tables, query_start_loc,
-                                context_lens, scale):
+                                context_lens, scale, sliding_window=None):
+        if sliding_window is not None:
+            return self._windowed(numpy_ops.paged_prefill_attention, q, k_cache, v_cache,
+                                  block_tables, query_start_loc, context_lens, scale,
+                                  sliding_window)
         qsl = self._host_ints(query_start_loc)
         max_query_len = int(np.diff(qsl).max()) if qsl.size > 1 else 0
         return attention.paged_prefill_attention(
@@ -194,6 +222,16 @@ class KernelBackend:
             self._ints(block_tables), self._ints(query_start_loc), self._ints(context_lens),
             scale,
             max_query_len=max_query_len)
+
+    def _windowed(self, op, q, k_cache, v_cache, *args):
+        """A sliding-window attention (Gemma 3's local layers) on host numpy: the attention
+        kernels take no window yet (cuda/paged_attention_*.cu, 2026-12-01). Correct, and slow:
+        the whole layer cache is copied to the host each call; the cuda backend refuses such
+        models in check_model instead."""
+        host_args = [self._host_ints(a) if not isinstance(a, (int, float)) else a
+                     for a in args]
+        out = op(self.to_host(q), self.to_host(k_cache), self.to_host(v_cache), *host_args)
+        return self.device(self.to_kernel_dtype(out))
 
     def copy_blocks(self, k_caches, v_caches, block_copies) -> None:
         pairs = self._ints(np.asarray(block_copies).reshape(-1, 2))

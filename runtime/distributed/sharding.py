@@ -156,6 +156,13 @@ def load_shard(source, config: ModelConfig, spec: ShardSpec) -> ModelWeights:
         def experts(i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             return read_experts(checkpoint, config, i, np.float32, moe_inter)
 
+    # Gemma's (1 + w) norms: a checkpoint stores w, ModelWeights (weights.py) hold 1 + w.
+    offset = 0.0 if isinstance(source, ModelWeights) else config.norm_weight_offset
+
+    def norm(name: str) -> np.ndarray:
+        weight = read(name, (slice(None),))
+        return weight + np.float32(offset) if offset else weight
+
     hd, hidden = config.head_dim, config.hidden_size
     q_rows = _rows(spec.head_start, spec.num_heads, hd)
     kv_rows = _rows(spec.kv_head_start, spec.num_kv_heads, hd)
@@ -168,7 +175,7 @@ def load_shard(source, config: ModelConfig, spec: ShardSpec) -> ModelWeights:
         moe = config.is_moe_layer(i)
         router, gate_up, down = experts(i) if moe else (None, None, None)
         layers.append(LayerWeights(
-            input_layernorm=read(f"model.layers.{i}.input_layernorm.weight", everything),
+            input_layernorm=norm(f"model.layers.{i}.input_layernorm.weight"),
             q_proj=read(attn + "q_proj.weight", (q_rows,)),
             k_proj=read(attn + "k_proj.weight", (kv_rows,)),
             v_proj=read(attn + "v_proj.weight", (kv_rows,)),
@@ -179,21 +186,26 @@ def load_shard(source, config: ModelConfig, spec: ShardSpec) -> ModelWeights:
             # Row-parallel bias: added once, before the all-reduce, by rank 0 only.
             o_bias=(read(attn + "o_proj.bias", everything)
                     if config.o_proj_bias and spec.rank == 0 else None),
-            post_attention_layernorm=read(f"model.layers.{i}.post_attention_layernorm.weight",
-                                          everything),
+            post_attention_layernorm=norm(f"model.layers.{i}.post_attention_layernorm.weight"),
             gate_proj=None if moe else read(mlp + "gate_proj.weight", (inter_rows,)),
             up_proj=None if moe else read(mlp + "up_proj.weight", (inter_rows,)),
             down_proj=None if moe else read(mlp + "down_proj.weight", (slice(None), inter_rows)),
             # Qwen3's per-head QK-norm: replicated, since a rank norms whole heads.
-            q_norm=read(attn + "q_norm.weight", everything) if config.qk_norm else None,
-            k_norm=read(attn + "k_norm.weight", everything) if config.qk_norm else None,
+            q_norm=norm(attn + "q_norm.weight") if config.qk_norm else None,
+            k_norm=norm(attn + "k_norm.weight") if config.qk_norm else None,
             router=router, experts_gate_up=gate_up, experts_down=down,
+            # Gemma 3's norms around the MLP: replicated like every norm.
+            pre_feedforward_layernorm=(norm(f"model.layers.{i}.pre_feedforward_layernorm.weight")
+                                       if config.post_sublayer_norms else None),
+            post_feedforward_layernorm=(
+                norm(f"model.layers.{i}.post_feedforward_layernorm.weight")
+                if config.post_sublayer_norms else None),
         ))
     embed = _vocab_slice(read, "model.embed_tokens.weight", spec, hidden)
     lm_head = (embed if config.tie_word_embeddings
                else _vocab_slice(read, "lm_head.weight", spec, hidden))
     return ModelWeights(config=rank_config(config, spec), embed_tokens=embed, layers=layers,
-                        norm=read("model.norm.weight", everything), lm_head=lm_head)
+                        norm=norm("model.norm.weight"), lm_head=lm_head)
 
 
 def _experts_in_memory(layer: LayerWeights, config: ModelConfig,
@@ -219,6 +231,7 @@ def _in_memory(weights: ModelWeights, name: str) -> np.ndarray:
     _, _, index, group, field = name.split(".", 4)
     layer = weights.layers[int(index)]
     field = field.replace(".weight", "").replace("_proj.bias", "_bias")
-    if group in ("input_layernorm", "post_attention_layernorm"):
+    if group in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"):
         return getattr(layer, group)
     return getattr(layer, field)

@@ -89,6 +89,16 @@ def fused_add_rms_norm(module, x, residual, weight, eps: float, out=None, residu
 
 def silu_and_mul(module, gate_up, out=None):
     """gate_up [num_tokens, 2 * intermediate] -> silu(gate) * up [num_tokens, intermediate]."""
+    return _act_and_mul(module, "silu_and_mul", gate_up, out)
+
+
+def gelu_tanh_and_mul(module, gate_up, out=None):
+    """gate_up [num_tokens, 2 * intermediate] -> gelu_tanh(gate) * up [num_tokens,
+    intermediate] (Gemma's GeGLU; numpy_ops.gelu_tanh_and_mul)."""
+    return _act_and_mul(module, "gelu_tanh_and_mul", gate_up, out)
+
+
+def _act_and_mul(module, kernel: str, gate_up, out):
     suffix = dtype_suffix(gate_up)
     num_tokens, width = _check_rows("gate_up", gate_up)
     require(width % 2 == 0, f"gate_up width {width} is odd")
@@ -98,7 +108,7 @@ def silu_and_mul(module, gate_up, out=None):
     require(out.shape == (num_tokens, intermediate) and out.dtype == gate_up.dtype,
             "out must be [num_tokens, intermediate] in gate_up's dtype")
     if num_tokens and intermediate:
-        module.get_function(f"silu_and_mul_{suffix}")(
+        module.get_function(f"{kernel}_{suffix}")(
             (num_tokens, ceil_div(intermediate, ACTIVATION_THREADS)), (ACTIVATION_THREADS,),
             (out, gate_up, np.int32(intermediate)))
     return out

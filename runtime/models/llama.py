@@ -1,5 +1,5 @@
-"""Llama-family forward (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2, Mixtral, Qwen3-MoE) over a
-paged KV cache, written against backend ops.
+"""Llama-family forward (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2, Mixtral, Qwen3-MoE, Gemma 3)
+over a paged KV cache, written against backend ops.
 
 One step runs every scheduled token of every request at once: each weight is one GEMM over all
 `num_tokens` rows; only attention looks at requests separately, and it is split into decode rows
@@ -17,6 +17,11 @@ runs unchanged on every backend.
 Mixture-of-experts layers (config.moe_layers: Mixtral's all, Qwen3-MoE's per decoder_sparse_step
 and mlp_only_layers) run runtime/models/moe.py's `MoeBlock` in place of the dense MLP; the rest of
 the layer is the same code.
+
+Gemma 3 is config fields too: embeddings times `embedding_scale`, the attention and MLP outputs
+normed (`attn_out_norm`, `mlp_out_norm`) before the fused add-norm takes them into the residual
+stream, GeGLU (`ops.gelu_tanh_and_mul`), `softmax_scale`, and per layer a sliding window and a
+rotary table (local layers have their own base). The (1 + w) norms come folded from the loader.
 """
 from __future__ import annotations
 
@@ -62,6 +67,14 @@ class _Layer:
     q_norm: np.ndarray | None  # [head_dim] when config.qk_norm, else None
     k_norm: np.ndarray | None  # [head_dim]
     moe: MoeBlock | None = None   # config.is_moe_layer: the experts replace the dense MLP
+    # config.post_sublayer_norms (Gemma 3): norms of the attention and MLP outputs, applied
+    # before they join the residual stream; None elsewhere.
+    attn_out_norm: np.ndarray | None = None  # [hidden]
+    mlp_out_norm: np.ndarray | None = None   # [hidden]
+    # The window this layer attends within (None: full causal attention) and its
+    # [max_position, head_dim] rotary table (shared between layers with the same base).
+    sliding_window: int | None = None
+    cos_sin_cache: np.ndarray | None = None
 
 
 def _t(*matrices: np.ndarray) -> np.ndarray:
@@ -81,8 +94,19 @@ class LlamaModel:
         self.config = config
         self.ops = ops
         self.embed_tokens = np.ascontiguousarray(weights.embed_tokens, dtype=np.float32)
+        # [max_position, head_dim] float32 rows [cos | sin]: the reference's float64 angles
+        # (runtime/rope.py), so the paged forward rotates exactly as the reference does. Gemma 3's
+        # local layers have their own base: one table per distinct base.
+        tables: dict[bytes, np.ndarray] = {}
         self.layers = []
         for index, lw in enumerate(weights.layers):
+            inv_freq = model_inv_freq(config, index)
+            if inv_freq.tobytes() not in tables:
+                tables[inv_freq.tobytes()] = build_cos_sin_cache(inv_freq, max_position)
+            sandwich = config.post_sublayer_norms
+            if sandwich and (lw.pre_feedforward_layernorm is None
+                             or lw.post_feedforward_layernorm is None):
+                raise ValueError(f"{config.architecture}: feed-forward norm weights missing")
             moe = config.is_moe_layer(index)
             if config.qk_norm and (lw.q_norm is None or lw.k_norm is None):
                 # A loader that forgot them would silently run a different model.
@@ -96,19 +120,26 @@ class LlamaModel:
                 qkv_bias=qkv_bias,
                 o_t=_t(lw.o_proj),
                 o_bias=_f32(lw.o_bias),
-                post_norm=_f32(lw.post_attention_layernorm),
+                post_norm=_f32(lw.pre_feedforward_layernorm if sandwich
+                               else lw.post_attention_layernorm),
                 gate_up_t=None if moe else _t(lw.gate_proj, lw.up_proj),
                 down_t=None if moe else _t(lw.down_proj),
                 q_norm=_f32(lw.q_norm) if config.qk_norm else None,
                 k_norm=_f32(lw.k_norm) if config.qk_norm else None,
                 moe=MoeBlock.from_weights(lw, config) if moe else None,
+                attn_out_norm=_f32(lw.post_attention_layernorm) if sandwich else None,
+                mlp_out_norm=_f32(lw.post_feedforward_layernorm) if sandwich else None,
+                sliding_window=config.layer_sliding_window(index) if config.layer_types else None,
+                cos_sin_cache=tables[inv_freq.tobytes()],
             ))
         self.norm = _f32(weights.norm)
         self.lm_head_t = _t(weights.lm_head)  # [hidden, vocab]
-        # [max_position, head_dim] float32 rows [cos | sin]: the reference's float64 angles
-        # (runtime/rope.py), so the paged forward rotates exactly as the reference does.
-        self.cos_sin_cache = build_cos_sin_cache(model_inv_freq(config), max_position)
-        self.scale = float(config.head_dim) ** -0.5
+        self.cos_sin_cache = self.layers[0].cos_sin_cache if self.layers else (
+            build_cos_sin_cache(model_inv_freq(config), max_position))
+        self.scale = config.softmax_scale
+        # SwiGLU, or Gemma's GeGLU (gelu_pytorch_tanh): the backend op of the activation.
+        self.act_and_mul = (ops.silu_and_mul if config.hidden_activation == "silu"
+                            else ops.gelu_tanh_and_mul)
 
     def forward(self, token_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
                 attn: AttentionInputs, k_caches: list[np.ndarray], v_caches: list[np.ndarray]
@@ -124,6 +155,9 @@ class LlamaModel:
         num_tokens = token_ids.shape[0]
         q_size, kv_size = cfg.q_size, cfg.kv_size
         x = self.embed(token_ids)
+        if cfg.embedding_scale is not None:
+            # Gemma: the lookup times sqrt(hidden) (the tied LM head keeps the unscaled table).
+            x = ops.scale_activations(x, cfg.embedding_scale)
         residual = None
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
             if residual is None:
@@ -140,18 +174,22 @@ class LlamaModel:
             if layer.q_norm is not None:
                 q = self._head_norm(q, layer.q_norm)
                 k = self._head_norm(k, layer.k_norm)
-            q, _ = ops.rotary_embedding_and_cache_write(q, k, v, positions, self.cos_sin_cache,
+            q, _ = ops.rotary_embedding_and_cache_write(q, k, v, positions, layer.cos_sin_cache,
                                                         k_cache, v_cache, slot_mapping)
-            attn_out = self._attention(q, k_cache, v_cache, attn)
+            attn_out = self._attention(q, k_cache, v_cache, attn, layer.sliding_window)
             x = self.all_reduce(ops.linear(attn_out.reshape(num_tokens, q_size), layer.o_t.T,
                                            layer.o_bias))
+            if layer.attn_out_norm is not None:
+                x = ops.rms_norm(x, layer.attn_out_norm, cfg.rms_norm_eps)
             h, residual = ops.fused_add_rms_norm(x, residual, layer.post_norm, cfg.rms_norm_eps)
             if layer.moe is not None:
                 mlp_out = layer.moe(ops, h)
             else:
-                mlp_out = ops.linear(ops.silu_and_mul(ops.linear(h, layer.gate_up_t.T)),
+                mlp_out = ops.linear(self.act_and_mul(ops.linear(h, layer.gate_up_t.T)),
                                      layer.down_t.T)
             x = self.all_reduce(mlp_out)
+            if layer.mlp_out_norm is not None:
+                x = ops.rms_norm(x, layer.mlp_out_norm, cfg.rms_norm_eps)
         return x, residual
 
     def _head_norm(self, x, weight: np.ndarray):
@@ -173,23 +211,26 @@ class LlamaModel:
         return x
 
     def _attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
-                   attn: AttentionInputs) -> np.ndarray:
-        """q: [num_tokens, num_heads, head_dim] rotated. Returns the same shape."""
+                   attn: AttentionInputs, sliding_window: int | None = None) -> np.ndarray:
+        """q: [num_tokens, num_heads, head_dim] rotated. Returns the same shape. With
+        `sliding_window` (Gemma 3's local layers) a query at position i sees only keys
+        j > i - sliding_window; the cache still holds every position (nothing is evicted)."""
         ops = self.ops
+        window = {} if sliding_window is None else {"sliding_window": sliding_window}
         if attn.num_prefill == 0:
             return ops.paged_decode_attention(q, k_cache, v_cache, attn.decode_block_tables,
-                                              attn.decode_context_lens, self.scale)
+                                              attn.decode_context_lens, self.scale, **window)
         if attn.num_decode == 0:
             return ops.paged_prefill_attention(q, k_cache, v_cache, attn.prefill_block_tables,
                                                attn.prefill_query_start_loc,
-                                               attn.prefill_context_lens, self.scale)
+                                               attn.prefill_context_lens, self.scale, **window)
         out = ops.empty_like(q)  # the backend's array and dtype
         out[attn.decode_token_rows] = ops.paged_decode_attention(
             q[attn.decode_token_rows], k_cache, v_cache, attn.decode_block_tables,
-            attn.decode_context_lens, self.scale)
+            attn.decode_context_lens, self.scale, **window)
         out[attn.prefill_token_rows] = ops.paged_prefill_attention(
             q[attn.prefill_token_rows], k_cache, v_cache, attn.prefill_block_tables,
-            attn.prefill_query_start_loc, attn.prefill_context_lens, self.scale)
+            attn.prefill_query_start_loc, attn.prefill_context_lens, self.scale, **window)
         return out
 
     def logits(self, x: np.ndarray, residual: np.ndarray) -> np.ndarray:

@@ -5,8 +5,8 @@ runtime/architectures.py (below this layer) lists the architectures and names ea
 forward; `FORWARDS` here turns that name into the class and the weight loader. Every
 registered architecture runs today on the Llama forward (runtime/models/llama.py), whose
 variants (biases, sliding window, Qwen3's QK-norm, mixture-of-experts layers through
-runtime/models/moe.py) are config fields; a family the Llama forward
-cannot express adds its module here and one `FORWARDS` entry.
+runtime/models/moe.py, Gemma 3's norms, GeGLU and local layers) are config fields; a family
+the Llama forward cannot express adds its module here and one `FORWARDS` entry.
 
     model = build_model(config, weights, ops, max_position)   # what ModelRunner needs
 """

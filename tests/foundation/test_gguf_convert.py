@@ -218,3 +218,93 @@ def test_unsupported_architecture_is_a_model_load_error(tmp_path):
     writer.close()
     with pytest.raises(ModelLoadError, match="architecture 'gpt2'"):
         convert_gguf(path, tmp_path / "out")
+
+
+def _write_gemma3_gguf(path: Path, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A 7-layer Gemma 3 GGUF as llama.cpp's converter writes one (norms stored as w + 1,
+    ffn_norm the MLP input's norm, no q/k permutation, tied); returns the HF tensors."""
+    import gguf
+
+    hidden, heads, kv_heads, head_dim, inter, layers = 64, 2, 1, 32, 96, 7
+    tokens, scores, token_types = tiny_gguf.spm_vocab()
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_block_count(layers)
+    writer.add_context_length(512)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(1000000.0)
+    writer.add_sliding_window(32)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(token_types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    hf: dict[str, np.ndarray] = {}
+
+    def add(gguf_name: str, hf_name: str, values: np.ndarray, quantize: bool = False) -> None:
+        values = values.astype(np.float32)
+        if hf_name.endswith("norm.weight"):
+            writer.add_tensor(gguf_name, values + np.float32(1.0))
+        elif quantize:
+            data = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(gguf_name, data, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            values = gguf.quants.dequantize(data, gguf.GGMLQuantizationType.Q8_0
+                                            ).reshape(values.shape)
+        else:
+            writer.add_tensor(gguf_name, values)
+        hf[hf_name] = values
+
+    add("token_embd.weight", "model.embed_tokens.weight", rng.standard_normal((len(tokens),
+                                                                               hidden)))
+    roles = {"attn_norm": ("input_layernorm", (hidden,)),
+             "attn_q": ("self_attn.q_proj", (heads * head_dim, hidden)),
+             "attn_k": ("self_attn.k_proj", (kv_heads * head_dim, hidden)),
+             "attn_v": ("self_attn.v_proj", (kv_heads * head_dim, hidden)),
+             "attn_q_norm": ("self_attn.q_norm", (head_dim,)),
+             "attn_k_norm": ("self_attn.k_norm", (head_dim,)),
+             "attn_output": ("self_attn.o_proj", (hidden, heads * head_dim)),
+             "post_attention_norm": ("post_attention_layernorm", (hidden,)),
+             "ffn_norm": ("pre_feedforward_layernorm", (hidden,)),
+             "ffn_gate": ("mlp.gate_proj", (inter, hidden)),
+             "ffn_up": ("mlp.up_proj", (inter, hidden)),
+             "ffn_down": ("mlp.down_proj", (hidden, inter)),
+             "post_ffw_norm": ("post_feedforward_layernorm", (hidden,))}
+    for i in range(layers):
+        for role, (hf_role, shape) in roles.items():
+            add(f"blk.{i}.{role}.weight", f"model.layers.{i}.{hf_role}.weight",
+                0.1 * rng.standard_normal(shape), quantize=role == "attn_v")
+    add("output_norm.weight", "model.norm.weight", 0.1 * rng.standard_normal(hidden))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return hf
+
+
+def test_gemma3_gguf_converts_to_a_gemma3_checkpoint(tmp_path):
+    from pagedrun.runtime.model_config import ModelConfig
+    from pagedrun.runtime.weights import load_model_weights
+
+    hf = _write_gemma3_gguf(tmp_path / "gemma3.gguf", np.random.default_rng(11))
+    out = convert_gguf(tmp_path / "gemma3.gguf", tmp_path / "hf")
+    weights = _read_safetensors(out / "model.safetensors")
+    assert set(weights) == set(hf)  # tied: no lm_head; every norm under its HF name
+    for name, original in hf.items():
+        # Norms: (w + 1) - 1 in float32 is w up to one rounding of the sum.
+        np.testing.assert_allclose(weights[name], original, rtol=0, atol=1e-7, err_msg=name)
+    config = ModelConfig.from_model_dir(out)
+    assert config.architecture == "Gemma3ForCausalLM" and config.head_dim == 32
+    assert [config.layer_sliding_window(i) for i in range(7)] == [32] * 5 + [None, 32]
+    assert config.rope_theta == 1e6 and config.local_rope_theta == 1e4
+    assert config.softmax_scale == pytest.approx(32 ** -0.5)
+    assert config.hidden_activation == "gelu_pytorch_tanh" and config.tie_word_embeddings
+    loaded = load_model_weights(out, config)  # the loader folds the (1 + w) back in
+    np.testing.assert_allclose(loaded.layers[3].post_feedforward_layernorm,
+                               hf["model.layers.3.post_feedforward_layernorm.weight"] + 1,
+                               atol=1e-6)

@@ -291,3 +291,85 @@ def test_build_model_runs_moe_blocks_and_refuses_weights_without_router():
         dataclasses.replace(layer, router=None) for layer in weights.layers])
     with pytest.raises(ValueError, match="router / expert weights missing"):
         build_model(config, stripped, NumpyBackend(), max_position=64)
+
+
+# ----------------------------------------------------------------------------------- Gemma 3
+GEMMA3_DIR = TINY_DIR / "gemma3_tiny"
+
+
+def test_gemma3_fixture_config():
+    config = ModelConfig.from_model_dir(GEMMA3_DIR)
+    assert config.architecture == "Gemma3ForCausalLM"
+    assert forward_of(config).model_class is LlamaModel
+    assert config.qk_norm and config.post_sublayer_norms and config.norm_weight_offset == 1.0
+    assert config.hidden_activation == "gelu_pytorch_tanh"
+    assert config.embedding_scale == pytest.approx(96 ** 0.5)
+    assert config.softmax_scale == pytest.approx(48 ** -0.5)  # query_pre_attn_scalar, not 64
+    assert [config.layer_sliding_window(i) for i in range(4)] == [5, 5, None, 5]
+    assert config.sliding_window is None  # no Mistral-style cap on max_model_len
+    assert config.rope_theta == 1e6 and config.local_rope_theta == 1e4
+    assert config.rope_scaling.rope_type == "linear" and config.rope_scaling.factor == 2.0
+
+
+def test_gemma3_older_config_layout():
+    """Hub configs before transformers 5: top-level rope_theta / rope_local_base_freq /
+    rope_scaling, sliding_window_pattern instead of layer_types, defaults for the rest."""
+    config = ModelConfig.from_dict(minimal_config(
+        "Gemma3ForCausalLM", num_hidden_layers=7, head_dim=16, rope_theta=1e6,
+        rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0},
+        sliding_window=512, sliding_window_pattern=6, hidden_activation="gelu_pytorch_tanh"))
+    assert [config.layer_sliding_window(i) for i in range(7)] == [512] * 5 + [None, 512]
+    assert config.rope_scaling.factor == 8.0 and config.local_rope_theta == 1e4
+    assert config.softmax_scale == pytest.approx(16 ** -0.5)  # query_pre_attn_scalar: head_dim
+    by_type = ModelConfig.from_dict(minimal_config(None, model_type="gemma3_text"))
+    assert by_type.architecture == "Gemma3ForCausalLM" and by_type.head_dim == 256
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ({"hidden_activation": "gelu"}, "hidden_activation"),
+    ({"layer_types": ["full_attention", "chunked_attention"], "num_hidden_layers": 2},
+     "layer_types"),
+    ({"layer_types": ["full_attention"], "num_hidden_layers": 2}, "layer_types"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0},
+                          "sliding_attention": {}}}, "rope_parameters"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+])
+def test_gemma3_configs_refused(change, field):
+    with pytest.raises(ModelLoadError) as info:
+        ModelConfig.from_dict(minimal_config("Gemma3ForCausalLM", **change))
+    assert field in str(info.value)
+
+
+def test_gemma3_norms_are_folded_at_load():
+    """(1 + w): the loader hands every backend w + 1, the checkpoint's own tensor plus one."""
+    from pagedrun.runtime.weights import SafetensorsCheckpoint
+
+    config = ModelConfig.from_model_dir(GEMMA3_DIR)
+    weights = load_model_weights(GEMMA3_DIR, config)
+    raw = SafetensorsCheckpoint(GEMMA3_DIR)
+    layer = weights.layers[1]
+    for name, got in (("input_layernorm", layer.input_layernorm),
+                      ("post_attention_layernorm", layer.post_attention_layernorm),
+                      ("pre_feedforward_layernorm", layer.pre_feedforward_layernorm),
+                      ("post_feedforward_layernorm", layer.post_feedforward_layernorm),
+                      ("self_attn.q_norm", layer.q_norm), ("self_attn.k_norm", layer.k_norm)):
+        stored = raw.get(f"model.layers.1.{name}.weight", got.shape, np.float32)
+        np.testing.assert_array_equal(got, stored + np.float32(1.0), err_msg=name)
+    np.testing.assert_array_equal(
+        weights.norm, raw.get("model.norm.weight", weights.norm.shape, np.float32) + 1)
+    # Tied: the LM head is the unscaled embedding table.
+    assert weights.lm_head is weights.embed_tokens
+
+
+def test_gemma3_build_model_refuses_weights_without_feedforward_norms():
+    config = ModelConfig.from_model_dir(GEMMA3_DIR)
+    weights = load_model_weights(GEMMA3_DIR, config)
+    model = build_model(config, weights, NumpyBackend, 64)
+    assert [layer.sliding_window for layer in model.layers] == [5, 5, None, 5]
+    assert model.layers[0].cos_sin_cache is model.layers[1].cos_sin_cache
+    assert model.layers[0].cos_sin_cache is not model.layers[2].cos_sin_cache
+    weights.layers[2].post_feedforward_layernorm = None
+    with pytest.raises(ValueError, match="feed-forward norm"):
+        build_model(config, weights, NumpyBackend, 64)

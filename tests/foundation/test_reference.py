@@ -1,5 +1,5 @@
 """The numpy reference forward against transformers (float32) on the tiny random models (dense,
-and the mixture-of-experts mixtral_moe / qwen3_moe).
+the mixture-of-experts mixtral_moe / qwen3_moe, and Gemma 3's gemma3_tiny).
 
 Ground truth: tests/fixtures/tiny/<model>/expected.npz, written by tests/fixtures/make_fixtures.py
 from the very files the loader reads here. "Relative error" throughout is
@@ -25,7 +25,7 @@ from pagedrun.runtime.weights import load_model_weights
 
 TINY_DIR = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "tiny"
 TINY_MODELS = ("llama3_sharded", "llama_tied_bf16", "mistral_fp16", "qwen2_tied", "qwen3_tied",
-               "mixtral_moe", "qwen3_moe")
+               "mixtral_moe", "qwen3_moe", "gemma3_tiny")
 PROMPT_LENGTHS = (1, 5, 13, 21)
 RELATIVE_TOLERANCE = 1e-4
 # A feature the fixtures exercise must move the logits by far more than the tolerance.
@@ -111,6 +111,14 @@ def test_cache_rewind_recomputes_the_same_logits() -> None:
         ("mixtral_moe", {"norm_topk_prob": False}),
         ("qwen3_moe", {"norm_topk_prob": True}),
         ("mixtral_moe", {"num_experts_per_tok": 1}),
+        # Gemma 3: each of its departures from the Llama layer shows in the logits.
+        ("gemma3_tiny", {"local_sliding_window": None}),
+        ("gemma3_tiny", {"local_rope_theta": 1000000.0}),
+        ("gemma3_tiny", {"rope_scaling": None}),
+        ("gemma3_tiny", {"attention_scale": None}),
+        ("gemma3_tiny", {"embedding_scale": None}),
+        ("gemma3_tiny", {"hidden_activation": "silu"}),
+        ("gemma3_tiny", {"qk_norm": False}),
     ],
 )
 def test_fixtures_exercise_each_config_feature(name: str, change: dict) -> None:
