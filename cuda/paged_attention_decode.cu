@@ -4,7 +4,10 @@
 // Computes, for every request s and query head h (kv head kvh = h / group_size):
 //   out[s, h, :] = softmax(scale * q[s, h, :] . K_s^T) V_s
 // where K_s, V_s are the first context_lens[s] tokens of request s, token t living in cache
-// slot block_tables[s, t / block_size] * block_size + t % block_size.
+// slot block_tables[s, t / block_size] * block_size + t % block_size. With sliding_window
+// W > 0 (Gemma 3's local layers) only the last W of them: tokens context_lens[s] - W ..
+// context_lens[s] - 1 (the query sits at context_lens[s] - 1 and sees keys j > pos - W). Blocks
+// before the window are neither read nor indexed: the walk starts at the window.
 //
 // Pointers (T = float | __half | __nv_bfloat16, one T per instantiation; all contiguous):
 //   q             [num_seqs, num_heads, head_dim]                      T
@@ -27,7 +30,8 @@
 // software prefetch: two steps of loads in flight per warp; by Little's law an SM needs ~25 KB
 // in flight to stream HBM3e, and one step of 4 warps x 32 lanes x 32 bytes is 4 KB per CTA).
 // Split-K: when the host plan (runtime/kernels/attention.py: plan_decode_split) picks
-// num_splits > 1, split z covers tokens [z * partition_size, (z + 1) * partition_size) and
+// num_splits > 1, split z covers tokens [w0 + z * partition_size, w0 + (z + 1) *
+// partition_size), w0 the window's first token (0 without a window), and
 // writes its normalised partial output and log2-sum-exp; paged_attention_decode_merge_* then
 // combines the splits. An empty split writes lse = -inf and zeros.
 //
@@ -42,13 +46,13 @@
 // merge for each dtype. block_size is a runtime power of two (16, 32, 64 accepted by the
 // wrapper; head_dim and block size are attention.py's SUPPORTED_HEAD_DIMS and
 // SUPPORTED_BLOCK_SIZES). Scalars: float scale; int num_heads, num_kv_heads, group_size,
-// block_size_log2, max_blocks_per_seq, partition_size, num_splits.
+// block_size_log2, max_blocks_per_seq, partition_size, num_splits, sliding_window (0: none).
 // Signatures: paged_attention_decode_*(out, partial_out, partial_lse, q, k_cache, v_cache,
 // block_tables, context_lens, scale, num_heads, num_kv_heads, group_size, block_size_log2,
-// max_blocks_per_seq, partition_size, num_splits); with num_splits == 1 partial_out and
-// partial_lse are unused (the wrapper passes a 1-element array);
+// max_blocks_per_seq, partition_size, num_splits, sliding_window); with num_splits == 1
+// partial_out and partial_lse are unused (the wrapper passes a 1-element array);
 // paged_attention_decode_merge_*(out, partial_out, partial_lse, context_lens, num_heads,
-// head_dim, partition_size, num_splits).
+// head_dim, partition_size, num_splits, sliding_window).
 // Launched by runtime/kernels/attention.py: paged_decode_attention (its plan_decode_split picks
 // num_splits, at most 64, and partition_size, a multiple of 256 tokens).
 //
@@ -132,6 +136,11 @@ __device__ __forceinline__ void fetch_token(uint4& k_raw, uint4& v_raw, const T*
     }
 }
 
+// First token a decode query at context_len - 1 sees: keys j > pos - window (0: all of them).
+__device__ __forceinline__ int window_start(int context_len, int sliding_window) {
+    return sliding_window > 0 ? max(0, context_len - sliding_window) : 0;
+}
+
 // Folds the softmax state (m_o, l_o, acc_o) into (m, l, acc); -inf maxima are empty states.
 template <int VEC>
 __device__ __forceinline__ void merge_state(float& m, float& l, float (&acc)[VEC], float m_o,
@@ -152,7 +161,7 @@ __device__ __forceinline__ void decode_partition(
     const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int* __restrict__ context_lens, float scale,
     int num_heads, int num_kv_heads, int group_size, int block_size_log2, int max_blocks_per_seq,
-    int partition_size, int num_splits) {
+    int partition_size, int num_splits, int sliding_window) {
     constexpr int VEC = kVecBytes / sizeof(T);
     constexpr int LANES_PER_TOKEN = HEAD_DIM / VEC;
     static_assert(LANES_PER_TOKEN >= 1 && LANES_PER_TOKEN <= 32 && 32 % LANES_PER_TOKEN == 0,
@@ -174,7 +183,8 @@ __device__ __forceinline__ void decode_partition(
     const int head0 = kv_head * group_size;
 
     const int context_len = context_lens[seq];
-    const int part_begin = split * partition_size;
+    const int window_begin = window_start(context_len, sliding_window);
+    const int part_begin = window_begin + split * partition_size;
     const int part_end = min(context_len, part_begin + partition_size);
     const int* block_table = block_tables + static_cast<long long>(seq) * max_blocks_per_seq;
 
@@ -307,12 +317,14 @@ __device__ __forceinline__ void decode_merge(T* __restrict__ out,
                                              const float* __restrict__ partial_out,
                                              const float* __restrict__ partial_lse,
                                              const int* __restrict__ context_lens, int num_heads,
-                                             int head_dim, int partition_size, int num_splits) {
+                                             int head_dim, int partition_size, int num_splits,
+                                             int sliding_window) {
     const int head = blockIdx.x;
     const int seq = blockIdx.y;
     const long long row = static_cast<long long>(seq) * num_heads + head;
     const int context_len = context_lens[seq];
-    const int used_splits = min(num_splits, (context_len + partition_size - 1) / partition_size);
+    const int visible = context_len - window_start(context_len, sliding_window);
+    const int used_splits = min(num_splits, (visible + partition_size - 1) / partition_size);
     const float* lse = partial_lse + row * num_splits;
     float m_max = -CUDART_INF_F;
     for (int z = 0; z < used_splits; ++z) m_max = fmaxf(m_max, lse[z]);
@@ -335,11 +347,11 @@ __device__ __forceinline__ void decode_merge(T* __restrict__ out,
         NAME(T* out, float* partial_out, float* partial_lse, const T* q, const T* k_cache,      \
              const T* v_cache, const int* block_tables, const int* context_lens, float scale,   \
              int num_heads, int num_kv_heads, int group_size, int block_size_log2,              \
-             int max_blocks_per_seq, int partition_size, int num_splits) {                      \
+             int max_blocks_per_seq, int partition_size, int num_splits, int sliding_window) {  \
         decode_attn::decode_partition<T, HEAD_DIM, GROUP>(                                      \
             out, partial_out, partial_lse, q, k_cache, v_cache, block_tables, context_lens,     \
             scale, num_heads, num_kv_heads, group_size, block_size_log2, max_blocks_per_seq,    \
-            partition_size, num_splits);                                                        \
+            partition_size, num_splits, sliding_window);                                        \
     }
 
 #define PAGEDRUN_DECODE_GROUPS(DT, T, HEAD_DIM)                                  \
@@ -360,9 +372,9 @@ PAGEDRUN_DECODE_GROUPS(bf16, __nv_bfloat16, 128)
         paged_attention_decode_merge_##DT(T* out, const float* partial_out,                     \
                                           const float* partial_lse, const int* context_lens,    \
                                           int num_heads, int head_dim, int partition_size,      \
-                                          int num_splits) {                                     \
+                                          int num_splits, int sliding_window) {                 \
         decode_attn::decode_merge<T>(out, partial_out, partial_lse, context_lens, num_heads,    \
-                                     head_dim, partition_size, num_splits);                     \
+                                     head_dim, partition_size, num_splits, sliding_window);     \
     }
 
 PAGEDRUN_DECODE_MERGE(f32, float)

@@ -7,7 +7,10 @@
 // context_len - query_len + j and attends to cached tokens 0 .. that position:
 //   out[row, h, :] = softmax(scale * q[row, h, :] . K_r[0..pos]^T) V_r[0..pos]
 // with kv head h / group_size, K_r/V_r gathered through block_tables[r] (token t in slot
-// block_tables[r, t / block_size] * block_size + t % block_size). This step's K/V are already
+// block_tables[r, t / block_size] * block_size + t % block_size). With sliding_window W > 0
+// (Gemma 3's local layers) a row at position p sees keys p - W < j <= p only, and a CTA starts
+// its key walk at its first row's window (earlier tiles are neither read nor indexed). This
+// step's K/V are already
 // in the cache (rotary_cache_write.cu runs first). Rows of a request with query_len 0 and
 // rows past query_start_loc[num_reqs] are not written.
 //
@@ -43,9 +46,9 @@
 // Instantiations: paged_attention_prefill_{f32,f16,bf16}_d{64,128}. block_size is a runtime
 // power of two (16, 32, 64 accepted by the wrapper: attention.py's SUPPORTED_BLOCK_SIZES).
 // Scalars: float scale; int num_heads, num_kv_heads, group_size, block_size_log2,
-// max_blocks_per_seq.
+// max_blocks_per_seq, sliding_window (0: none).
 // Signature: (out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
-// num_heads, num_kv_heads, group_size, block_size_log2, max_blocks_per_seq).
+// num_heads, num_kv_heads, group_size, block_size_log2, max_blocks_per_seq, sliding_window).
 // Launched by runtime/kernels/attention.py: paged_prefill_attention.
 //
 // Register budget: 192 per thread at 128 threads (d128: 32 registers of Q fragments, 64 of
@@ -94,7 +97,9 @@ struct TileCoords {
     int tile_row0;     // first query row of this tile, within the request
     int query_len;
     int first_q_pos;   // position of the request's first query row
-    int kv_end;        // keys [0, kv_end) are visible to some row of this tile
+    int kv_begin;      // keys [kv_begin, kv_end) are visible to some row of this tile
+    int kv_end;
+    int sliding_window;  // 0: none; else row at position p sees keys > p - sliding_window
     int kv_head;
     const int* block_table;
 };
@@ -102,7 +107,8 @@ struct TileCoords {
 // Returns false when this CTA has no rows (ragged grid).
 __device__ __forceinline__ bool tile_coords(TileCoords& c, const int* query_start_loc,
                                             const int* context_lens, const int* block_tables,
-                                            int group_size, int max_blocks_per_seq) {
+                                            int group_size, int max_blocks_per_seq,
+                                            int sliding_window) {
     const int req = blockIdx.y;
     c.q_row0 = query_start_loc[req];
     c.query_len = query_start_loc[req + 1] - c.q_row0;
@@ -112,9 +118,16 @@ __device__ __forceinline__ bool tile_coords(TileCoords& c, const int* query_star
     c.first_q_pos = context_len - c.query_len;
     const int last_row = min(c.tile_row0 + kBlockM, c.query_len) - 1;
     c.kv_end = c.first_q_pos + last_row + 1;
+    c.sliding_window = sliding_window;
+    c.kv_begin = sliding_window > 0 ? max(0, c.first_q_pos + c.tile_row0 - sliding_window + 1) : 0;
     c.kv_head = blockIdx.z / group_size;
     c.block_table = block_tables + static_cast<long long>(req) * max_blocks_per_seq;
     return true;
+}
+
+// Whether key `key` is visible to the query row at position q_pos (causal, and the window).
+__device__ __forceinline__ bool key_visible(int key, int q_pos, int sliding_window) {
+    return key <= q_pos && (sliding_window <= 0 || key > q_pos - sliding_window);
 }
 
 // Issues the cp.asyncs of one [kBlockN, HEAD_DIM] key tile (K or V) into rows of
@@ -183,8 +196,9 @@ __device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __rest
     }
     cp_async_commit();
     // Key tile 0 into stage 0 while Q lands.
-    load_kv_tile<T, HEAD_DIM>(stage_k(0), ROW, k_cache, 0, c, num_kv_heads, block_size_log2);
-    load_kv_tile<T, HEAD_DIM>(stage_k(0) + V_OFFSET, ROW, v_cache, 0, c, num_kv_heads,
+    load_kv_tile<T, HEAD_DIM>(stage_k(0), ROW, k_cache, c.kv_begin, c, num_kv_heads,
+                              block_size_log2);
+    load_kv_tile<T, HEAD_DIM>(stage_k(0) + V_OFFSET, ROW, v_cache, c.kv_begin, c, num_kv_heads,
                               block_size_log2);
     cp_async_commit();
     cp_async_wait<1>();  // Q landed
@@ -211,7 +225,7 @@ __device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __rest
 
     // Two-stage pipeline: tile i + 1 is in flight while tile i is computed. Every iteration
     // commits one group (empty past the last tile) so wait<1> always means "tile i landed".
-    for (int kv0 = 0, stage = 0; kv0 < c.kv_end; kv0 += kBlockN, stage ^= 1) {
+    for (int kv0 = c.kv_begin, stage = 0; kv0 < c.kv_end; kv0 += kBlockN, stage ^= 1) {
         const T* s_k = stage_k(stage);
         const T* s_v = s_k + V_OFFSET;
         if (kv0 + kBlockN < c.kv_end) {
@@ -254,7 +268,8 @@ __device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __rest
                 for (int j = 0; j < 2; ++j) {
                     const int key = kv0 + n * 8 + quad_col + j;
                     float& x = s[n][2 * h + j];
-                    x = (key <= q_pos[h]) ? x * scale_log2 : -CUDART_INF_F;
+                    x = key_visible(key, q_pos[h], c.sliding_window) ? x * scale_log2
+                                                                     : -CUDART_INF_F;
                     row_max = fmaxf(row_max, x);
                 }
             row_max = fmaxf(row_max, __shfl_xor_sync(kFullMask, row_max, 1));
@@ -344,7 +359,7 @@ __device__ __forceinline__ void prefill_simt(float* __restrict__ out, const floa
     }
     float m = -CUDART_INF_F, l = 0.f;
 
-    for (int kv0 = 0; kv0 < c.kv_end; kv0 += kBlockN) {
+    for (int kv0 = c.kv_begin; kv0 < c.kv_end; kv0 += kBlockN) {
         load_kv_tile<float, HEAD_DIM>(s_k, HEAD_DIM, k_cache, kv0, c, num_kv_heads, block_size_log2);
         cp_async_commit();
         load_kv_tile<float, HEAD_DIM>(s_v, HEAD_DIM, v_cache, kv0, c, num_kv_heads, block_size_log2);
@@ -364,7 +379,7 @@ __device__ __forceinline__ void prefill_simt(float* __restrict__ out, const floa
 #pragma unroll
                 for (int i = 0; i < HALF; ++i) dot = fmaf(q_reg[i], k_row[i], dot);
                 dot += __shfl_xor_sync(kFullMask, dot, 1);
-                s[j] = (kv0 + j0 + j <= q_pos) ? dot : -CUDART_INF_F;
+                s[j] = key_visible(kv0 + j0 + j, q_pos, c.sliding_window) ? dot : -CUDART_INF_F;
                 sub_max = fmaxf(sub_max, s[j]);
             }
             const float m_new = fmaxf(m, sub_max);
@@ -398,10 +413,10 @@ __device__ __forceinline__ void prefill(T* out, const T* q, const T* k_cache, co
                                         const int* block_tables, const int* query_start_loc,
                                         const int* context_lens, float scale, int num_heads,
                                         int num_kv_heads, int group_size, int block_size_log2,
-                                        int max_blocks_per_seq) {
+                                        int max_blocks_per_seq, int sliding_window) {
     TileCoords c;
     if (!tile_coords(c, query_start_loc, context_lens, block_tables, group_size,
-                     max_blocks_per_seq))
+                     max_blocks_per_seq, sliding_window))
         return;  // whole CTA leaves together, before any barrier
     if constexpr (sizeof(T) == 4) {
         prefill_simt<HEAD_DIM>(out, q, k_cache, v_cache, c, scale, num_heads, num_kv_heads,
@@ -419,11 +434,12 @@ __device__ __forceinline__ void prefill(T* out, const T* q, const T* k_cache, co
         paged_attention_prefill_##DT##_d##HEAD_DIM(                                             \
             T* out, const T* q, const T* k_cache, const T* v_cache, const int* block_tables,    \
             const int* query_start_loc, const int* context_lens, float scale, int num_heads,    \
-            int num_kv_heads, int group_size, int block_size_log2, int max_blocks_per_seq) {    \
+            int num_kv_heads, int group_size, int block_size_log2, int max_blocks_per_seq,      \
+            int sliding_window) {                                                               \
         prefill_attn::prefill<T, HEAD_DIM>(out, q, k_cache, v_cache, block_tables,              \
                                            query_start_loc, context_lens, scale, num_heads,     \
                                            num_kv_heads, group_size, block_size_log2,           \
-                                           max_blocks_per_seq);                                 \
+                                           max_blocks_per_seq, sliding_window);                 \
     }
 
 PAGEDRUN_PREFILL_KERNEL(f32, float, 64)

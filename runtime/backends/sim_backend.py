@@ -72,10 +72,6 @@ class KernelBackend:
         if block_size not in SUPPORTED_BLOCK_SIZES:
             raise UnsupportedKernelShape(f"block_size {block_size}: the {self.name} backend's "
                                          f"attention kernels serve {SUPPORTED_BLOCK_SIZES}")
-        if self.xp is not np and getattr(model_config, "local_sliding_window", None):
-            # The host fallback (`_windowed`) copies every local layer's cache per call.
-            raise UnsupportedKernelShape(f"{model_config.architecture}: sliding-window layers "
-                                         f"need a window in the {self.name} attention kernels")
 
     def kv_cache_budget_bytes(self, profile, *, gpu_memory_utilization: float) -> int:
         """Host memory (the harness): the fixed host budget, as the numpy backend's."""
@@ -200,38 +196,21 @@ class KernelBackend:
 
     def paged_decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale,
                                sliding_window=None):
-        if sliding_window is not None:
-            return self._windowed(numpy_ops.paged_decode_attention, q, k_cache, v_cache,
-                                  block_tables, context_lens, scale, sliding_window)
         host_lens = self._host_ints(context_lens)  # the longest context, without a device read
         return attention.paged_decode_attention(
             self.module("decode"), self.xp.ascontiguousarray(q), k_cache, v_cache,
             self._ints(block_tables), self._ints(context_lens), scale,
-            max_context_len=int(host_lens.max()) if host_lens.size else 1)
+            max_context_len=int(host_lens.max()) if host_lens.size else 1,
+            sliding_window=sliding_window)
 
     def paged_prefill_attention(self, q, k_cache, v_cache, block_tables, query_start_loc,
                                 context_lens, scale, sliding_window=None):
-        if sliding_window is not None:
-            return self._windowed(numpy_ops.paged_prefill_attention, q, k_cache, v_cache,
-                                  block_tables, query_start_loc, context_lens, scale,
-                                  sliding_window)
         qsl = self._host_ints(query_start_loc)
         max_query_len = int(np.diff(qsl).max()) if qsl.size > 1 else 0
         return attention.paged_prefill_attention(
             self.module("prefill"), self.xp.ascontiguousarray(q), k_cache, v_cache,
             self._ints(block_tables), self._ints(query_start_loc), self._ints(context_lens),
-            scale,
-            max_query_len=max_query_len)
-
-    def _windowed(self, op, q, k_cache, v_cache, *args):
-        """A sliding-window attention (Gemma 3's local layers) on host numpy: the attention
-        kernels take no window yet (cuda/paged_attention_*.cu, 2026-12-01). Correct, and slow:
-        the whole layer cache is copied to the host each call; the cuda backend refuses such
-        models in check_model instead."""
-        host_args = [self._host_ints(a) if not isinstance(a, (int, float)) else a
-                     for a in args]
-        out = op(self.to_host(q), self.to_host(k_cache), self.to_host(v_cache), *host_args)
-        return self.device(self.to_kernel_dtype(out))
+            scale, max_query_len=max_query_len, sliding_window=sliding_window)
 
     def copy_blocks(self, k_caches, v_caches, block_copies) -> None:
         pairs = self._ints(np.asarray(block_copies).reshape(-1, 2))

@@ -7,6 +7,9 @@
     out = paged_prefill_attention(module, q, k_cache, v_cache, block_tables, query_start_loc,
                                   context_lens, scale)
 
+Both take sliding_window= (None: full causal; W: a query at position p sees keys p - W < j <= p,
+Gemma 3's local layers); the kernels then never read the blocks before the window.
+
 Arguments are the numpy backend's (runtime/backends/numpy_ops.py), so the numpy ops are the
 reference: KV caches [num_blocks, block_size, num_kv_heads, head_dim] (NHD), block_tables
 [num_seqs, max_blocks] int32, context_lens [num_seqs] int32. Arrays are numpy under the CPU
@@ -93,6 +96,15 @@ def prefill_smem_bytes(dtype_name: str, head_dim: int) -> int:
     return (PREFILL_BLOCK_M + 2 * PREFILL_BLOCK_N) * (head_dim + PREFILL_SMEM_PAD) * 2
 
 
+def window_arg(sliding_window: int | None) -> np.int32:
+    """The kernels' sliding_window scalar: 0 means none."""
+    if sliding_window is None:
+        return np.int32(0)
+    require(isinstance(sliding_window, (int, np.integer)) and 0 < sliding_window < 2 ** 31,
+            f"sliding_window must be a positive int32 or None, got {sliding_window!r}")
+    return np.int32(sliding_window)
+
+
 def _check_attention(q, k_cache, v_cache, block_tables) -> tuple[str, int, int, int]:
     """Returns (dtype suffix, group_size, block_size_log2, head_dim)."""
     require(q.ndim == 3, f"q must be [tokens, num_heads, head_dim], got shape {q.shape}")
@@ -119,14 +131,16 @@ def _check_attention(q, k_cache, v_cache, block_tables) -> tuple[str, int, int, 
 
 def paged_decode_attention(module, q, k_cache, v_cache, block_tables, context_lens, scale: float,
                            out=None, *, max_context_len: int | None = None,
-                           num_sms: int | None = None, split: DecodeSplitPlan | None = None):
+                           num_sms: int | None = None, split: DecodeSplitPlan | None = None,
+                           sliding_window: int | None = None):
     """Decode attention of one query token per request; returns out [num_seqs, num_heads, head_dim].
 
     q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size,
     num_kv_heads, head_dim], same dtype as q; block_tables: [num_seqs, max_blocks] int32;
     context_lens: [num_seqs] int32, each in [1, max_blocks * block_size].
     max_context_len: the largest context_lens entry, if the caller knows it (saves a device
-    sync on GPU). split: force a plan (tests, benchmarks); default plan_decode_split.
+    sync on GPU). split: force a plan (tests, benchmarks); default plan_decode_split, over at
+    most sliding_window tokens per request (the splits walk the window only).
     """
     suffix, group_size, block_size_log2, head_dim = _check_attention(q, k_cache, v_cache,
                                                                      block_tables)
@@ -148,12 +162,15 @@ def paged_decode_attention(module, q, k_cache, v_cache, block_tables, context_le
     require(max_context_len <= block_tables.shape[1] << block_size_log2,
             f"context of {max_context_len} tokens exceeds the block table's "
             f"{block_tables.shape[1]} blocks")
+    window = window_arg(sliding_window)
+    # Keys a query sees: the whole context, or its last sliding_window tokens.
+    max_visible = min(max_context_len, int(window)) if window else max_context_len
     if split is None:
-        split = plan_decode_split(num_seqs, num_kv_heads, max(max_context_len, 1),
+        split = plan_decode_split(num_seqs, num_kv_heads, max(max_visible, 1),
                                   num_sms or device_num_sms(xp))
     require(split.num_splits >= 1 and split.partition_size >= 1 and
-            split.num_splits * split.partition_size >= max_context_len,
-            f"split {split} does not cover a context of {max_context_len} tokens")
+            split.num_splits * split.partition_size >= max_visible,
+            f"split {split} does not cover {max_visible} visible tokens")
 
     group = decode_group_instantiation(group_size)
     kernel = module.get_function(f"paged_attention_decode_{suffix}_d{head_dim}_g{group}")
@@ -168,19 +185,21 @@ def paged_decode_attention(module, q, k_cache, v_cache, block_tables, context_le
            (out, partial_out, partial_lse, q, k_cache, v_cache, block_tables, context_lens,
             np.float32(scale), np.int32(num_heads), np.int32(num_kv_heads),
             np.int32(group_size), np.int32(block_size_log2), np.int32(block_tables.shape[1]),
-            np.int32(split.partition_size), np.int32(split.num_splits)),
+            np.int32(split.partition_size), np.int32(split.num_splits), window),
            shared_mem=decode_smem_bytes(group, head_dim))
     if split.num_splits > 1:
         merge = module.get_function(f"paged_attention_decode_merge_{suffix}")
         merge((num_heads, num_seqs), (MERGE_THREADS,),
               (out, partial_out, partial_lse, context_lens, np.int32(num_heads),
-               np.int32(head_dim), np.int32(split.partition_size), np.int32(split.num_splits)))
+               np.int32(head_dim), np.int32(split.partition_size), np.int32(split.num_splits),
+               window))
     return out
 
 
 def paged_prefill_attention(module, q, k_cache, v_cache, block_tables, query_start_loc,
                             context_lens, scale: float, out=None, *,
-                            max_query_len: int | None = None):
+                            max_query_len: int | None = None,
+                            sliding_window: int | None = None):
     """Causal attention of a ragged batch of query chunks over paged K/V; returns out.
 
     q: [num_tokens, num_heads, head_dim]; query_start_loc: [num_reqs + 1] int32 (request r owns
@@ -188,9 +207,11 @@ def paged_prefill_attention(module, q, k_cache, v_cache, block_tables, query_sta
     after this step's cache writes (>= the request's query length); block_tables:
     [num_reqs, max_blocks] int32. Rows past query_start_loc[num_reqs] come back zero (when out is
     allocated here) or untouched (a caller's out). max_query_len saves a device sync on GPU.
+    sliding_window: a row at position p sees keys p - sliding_window < j <= p (None: 0 <= j).
     """
     suffix, group_size, block_size_log2, head_dim = _check_attention(q, k_cache, v_cache,
                                                                      block_tables)
+    window = window_arg(sliding_window)
     xp = array_module(q)
     num_heads = q.shape[1]
     num_kv_heads = k_cache.shape[2]
@@ -215,6 +236,7 @@ def paged_prefill_attention(module, q, k_cache, v_cache, block_tables, query_sta
     kernel((num_row_tiles, num_reqs, num_heads), (PREFILL_THREADS,),
            (out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
             np.float32(scale), np.int32(num_heads), np.int32(num_kv_heads),
-            np.int32(group_size), np.int32(block_size_log2), np.int32(block_tables.shape[1])),
+            np.int32(group_size), np.int32(block_size_log2), np.int32(block_tables.shape[1]),
+            window),
            shared_mem=prefill_smem_bytes(suffix, head_dim))
     return out

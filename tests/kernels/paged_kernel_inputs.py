@@ -108,7 +108,7 @@ class PagedKV:
         self.k = np.full(shape, np.nan, dtype=np.float32)
         self.v = np.full(shape, np.nan, dtype=np.float32)
         order = rng.permutation(num_blocks)  # random, non-contiguous physical blocks
-        spare = order[:self.SPARE_BLOCKS]
+        spare = self.spare_blocks = order[:self.SPARE_BLOCKS]
         self.block_tables = rng.choice(spare, size=(len(context_lens), self.max_blocks)).astype(
             np.int32)
         next_block = self.SPARE_BLOCKS
@@ -122,3 +122,14 @@ class PagedKV:
                 self.k[blk, off] = rng.standard_normal((num_kv_heads, head_dim))
                 self.v[blk, off] = rng.standard_normal((num_kv_heads, head_dim))
         self.context_lens = np.asarray(context_lens, dtype=np.int32)
+
+    def tables_hiding_before(self, first_visible) -> np.ndarray:
+        """A copy of block_tables where every block wholly before first_visible[i] (a request's
+        first key any query of it may see) points at a NaN spare block: a windowed kernel
+        that reads (or even indexes) a block before the window returns NaN."""
+        tables = self.block_tables.copy()
+        block_size = self.k.shape[1]
+        spare = int(self.spare_blocks[0])
+        for i, first in enumerate(first_visible):
+            tables[i, :max(int(first), 0) // block_size] = spare
+        return tables

@@ -17,7 +17,8 @@ AWKWARD_CONTEXTS = (1, 17, 111, 64)  # one token, partial blocks, an exact block
 
 
 def run_decode(rng, dt, context_lens, *, num_kv_heads=NUM_KV_HEADS, group=4, head_dim=64,
-               block_size=16, max_blocks_per_seq=None, split=None, num_sms=None):
+               block_size=16, max_blocks_per_seq=None, split=None, num_sms=None,
+               sliding_window=None):
     pool = PagedKV(rng, context_lens, num_kv_heads, head_dim, block_size, max_blocks_per_seq)
     num_heads = num_kv_heads * group
     q32 = rng.standard_normal((len(context_lens), num_heads, head_dim)).astype(np.float32)
@@ -25,15 +26,18 @@ def run_decode(rng, dt, context_lens, *, num_kv_heads=NUM_KV_HEADS, group=4, hea
     k, k_ref = as_kernel_dtype(pool.k, dt)
     v, v_ref = as_kernel_dtype(pool.v, dt)
     scale = head_dim ** -0.5
+    tables = pool.block_tables
+    if sliding_window is not None:  # blocks before the window must not even be indexed
+        tables = pool.tables_hiding_before([c - sliding_window for c in context_lens])
     out = paged_decode_attention(kernel_module("paged_attention_decode.cu"), to_device(q),
-                                 to_device(k), to_device(v), to_device(pool.block_tables),
+                                 to_device(k), to_device(v), to_device(tables),
                                  to_device(pool.context_lens), scale, split=split,
-                                 num_sms=num_sms)
+                                 num_sms=num_sms, sliding_window=sliding_window)
     expected = numpy_ops.paged_decode_attention(q_ref, k_ref, v_ref, pool.block_tables,
-                                                pool.context_lens, scale)
+                                                pool.context_lens, scale, sliding_window)
     assert_close(result_f32(out, dt), expected, ATTENTION_TOL[dt],
                  f"decode {dt} group {group} head_dim {head_dim} block {block_size} "
-                 f"contexts {list(context_lens)} split {split}")
+                 f"contexts {list(context_lens)} split {split} window {sliding_window}")
 
 
 @pytest.mark.parametrize("dt", DTYPES)
@@ -72,6 +76,16 @@ def test_decode_split_from_plan(rng):
     plan = plan_decode_split(1, 1, 600, 64)
     assert plan.num_splits > 1
     run_decode(rng, "f16", (600,), num_kv_heads=1, group=8, num_sms=64)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("window,split", [(1, None), (17, None), (40, DecodeSplitPlan(2, 32)),
+                                          (200, DecodeSplitPlan(4, 32))])
+def test_decode_sliding_window(rng, dt, window, split):
+    # Contexts shorter than, equal to and longer than the window (by a partial block and by
+    # several blocks); with splits, the partitions walk the window only and the merge counts
+    # the window's splits. Window 200 covers every context: plain causal decode.
+    run_decode(rng, dt, (1, 17, 40, 111, 64), sliding_window=window, split=split)
 
 
 def _inputs(dt="f16", num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, num_seqs=2):

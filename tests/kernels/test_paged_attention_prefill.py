@@ -20,7 +20,7 @@ PADDING_ROWS = 3  # q rows past query_start_loc[-1], as a padded batch has
 
 
 def run_prefill(rng, dt, requests, *, num_kv_heads=2, group=4, head_dim=64, block_size=16,
-                max_blocks_per_seq=None, padding_rows=PADDING_ROWS):
+                max_blocks_per_seq=None, padding_rows=PADDING_ROWS, sliding_window=None):
     query_lens = [qlen for qlen, _ in requests]
     pool = PagedKV(rng, [ctx for _, ctx in requests], num_kv_heads, head_dim, block_size,
                    max_blocks_per_seq)
@@ -32,14 +32,20 @@ def run_prefill(rng, dt, requests, *, num_kv_heads=2, group=4, head_dim=64, bloc
     k, k_ref = as_kernel_dtype(pool.k, dt)
     v, v_ref = as_kernel_dtype(pool.v, dt)
     scale = head_dim ** -0.5
+    tables = pool.block_tables
+    if sliding_window is not None:  # before the first row's window: never indexed
+        tables = pool.tables_hiding_before([ctx - qlen - sliding_window + 1
+                                            for qlen, ctx in requests])
     out = paged_prefill_attention(kernel_module("paged_attention_prefill.cu"), to_device(q),
-                                  to_device(k), to_device(v), to_device(pool.block_tables),
-                                  to_device(query_start_loc), to_device(pool.context_lens), scale)
+                                  to_device(k), to_device(v), to_device(tables),
+                                  to_device(query_start_loc), to_device(pool.context_lens), scale,
+                                  sliding_window=sliding_window)
     expected = numpy_ops.paged_prefill_attention(q_ref, k_ref, v_ref, pool.block_tables,
-                                                 query_start_loc, pool.context_lens, scale)
+                                                 query_start_loc, pool.context_lens, scale,
+                                                 sliding_window)
     assert_close(result_f32(out, dt), expected, ATTENTION_TOL[dt],
                  f"prefill {dt} group {group} head_dim {head_dim} block {block_size} "
-                 f"requests {list(requests)}")
+                 f"requests {list(requests)} window {sliding_window}")
 
 
 @pytest.mark.parametrize("dt", DTYPES)
@@ -73,6 +79,15 @@ def test_prefill_one_request_at_max_length(rng):
 def test_prefill_empty_requests(rng):
     # A request with no query rows this step (query_start_loc repeats) writes nothing.
     run_prefill(rng, "f32", ((0, 5), (3, 3), (0, 9)))
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("window", (1, 16, 33, 500))
+def test_prefill_sliding_window(rng, dt, window):
+    # The mixed batch under windows of one token, one block, a partial tile past a block, and
+    # one wider than every context (plain causal). The 111-token chunk spans two row tiles, so
+    # the second tile starts its key walk later than the first.
+    run_prefill(rng, dt, MIXED_BATCH, sliding_window=window)
 
 
 def _call(dt=np.float16, head_dim=64, block_size=16, num_heads=4, num_kv_heads=2, **overrides):
