@@ -76,6 +76,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         # Speculative decoding's device-free parts: config, n-gram proposer, rejection sampler.
         "pagedrun.runtime.spec_decode",
         "pagedrun.runtime.spec_decode.*",
+        # LoRA's device-free parts: request, config, PEFT loader, adapter cache, numpy ops.
+        "pagedrun.runtime.lora",
+        "pagedrun.runtime.lora.*",
         "pagedrun.runtime.request",
         "pagedrun.runtime.sampler",
         "pagedrun.runtime.tokenizer",
