@@ -28,10 +28,10 @@ def _token_stride(name: str, x) -> int:
     """Elements between consecutive tokens of a [tokens, heads, head_dim] view whose heads and
     dims are contiguous (q/k/v may be column slices of a fused qkv row)."""
     itemsize = x.dtype.itemsize
-    require(x.ndim == 3, f"{name} must be [num_tokens, heads, head_dim], got {x.shape}")
+    require(x.ndim == 3, lambda: f"{name} must be [num_tokens, heads, head_dim], got {x.shape}")
     require(x.strides[2] == itemsize and x.strides[1] == x.shape[2] * itemsize,
-            f"{name}: heads and head_dim must be contiguous, got strides {x.strides}")
-    require(x.strides[0] % itemsize == 0, f"{name}: token stride not a whole element")
+            lambda: f"{name}: heads and head_dim must be contiguous, got strides {x.strides}")
+    require(x.strides[0] % itemsize == 0, lambda: f"{name}: token stride not a whole element")
     return x.strides[0] // itemsize
 
 
@@ -55,17 +55,18 @@ def rotary_embedding_and_cache_write(module, q, k, v, positions, cos_sin_cache, 
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     require(k.shape == v.shape and k.shape[0] == num_tokens and k.shape[2] == head_dim,
-            f"q {q.shape}, k {k.shape}, v {v.shape}: token counts / head_dims differ")
-    require(head_dim % 2 == 0, f"head_dim {head_dim} must be even for rotary pairs")
+            lambda: f"q {q.shape}, k {k.shape}, v {v.shape}: token counts / head_dims differ")
+    require(head_dim % 2 == 0, lambda: f"head_dim {head_dim} must be even for rotary pairs")
     require(k_cache.ndim == 4 and k_cache.shape == v_cache.shape and
             k_cache.shape[2:] == (num_kv_heads, head_dim),
-            f"caches {k_cache.shape} / {v_cache.shape} do not hold [.., .., {num_kv_heads}, "
+            lambda: f"caches {k_cache.shape} / {v_cache.shape} do not hold [.., .., "
+                    f"{num_kv_heads}, "
             f"{head_dim}] rows")
     require_contiguous("k_cache", k_cache)
     require_contiguous("v_cache", v_cache)
     require(np.dtype(cos_sin_cache.dtype) == np.float32 and cos_sin_cache.ndim == 2 and
             cos_sin_cache.shape[1] == head_dim,
-            f"cos_sin_cache must be [max_position, {head_dim}] float32, got "
+            lambda: f"cos_sin_cache must be [max_position, {head_dim}] float32, got "
             f"{cos_sin_cache.shape} {cos_sin_cache.dtype}")
     require_contiguous("cos_sin_cache", cos_sin_cache)
     require_int32("positions", positions, 1)
@@ -76,7 +77,7 @@ def rotary_embedding_and_cache_write(module, q, k, v, positions, cos_sin_cache, 
     k_out = xp.empty(k.shape, dtype=k.dtype) if k_out is None else k_out
     for name, out, src in (("q_out", q_out, q), ("k_out", k_out, k)):
         require(out.shape == src.shape and out.dtype == src.dtype,
-                f"{name} must match {src.shape} {src.dtype}")
+                lambda: f"{name} must match {src.shape} {src.dtype}")
         require_contiguous(name, out)
     if num_tokens == 0:
         return q_out, k_out
@@ -107,11 +108,12 @@ def _base_of(x):
 
 def _check_pool(name: str, cache) -> int:
     """16-byte words per block of a [num_blocks, ...] cache."""
-    require(cache.ndim >= 2, f"{name} must be [num_blocks, ...], got {cache.shape}")
+    require(cache.ndim >= 2, lambda: f"{name} must be [num_blocks, ...], got {cache.shape}")
     require_contiguous(name, cache)
     block_bytes = cache.dtype.itemsize * int(np.prod(cache.shape[1:]))
     require(block_bytes % VEC16_BYTES == 0,
-            f"{name}: a block of {block_bytes} bytes is not a whole number of 16-byte words")
+            lambda: f"{name}: a block of {block_bytes} bytes is not a whole number of 16-byte "
+                    f"words")
     return block_bytes // VEC16_BYTES
 
 
@@ -122,11 +124,12 @@ def move_blocks(module, dst, src, block_pairs) -> None:
     be the same array when no destination is also a source). block_pairs: [k, 2] int32.
     """
     require(dst.dtype == src.dtype and dst.shape[1:] == src.shape[1:],
-            f"block layouts differ: {src.shape} {src.dtype} -> {dst.shape} {dst.dtype}")
+            lambda: f"block layouts differ: {src.shape} {src.dtype} -> {dst.shape} {dst.dtype}")
     num_vec16 = _check_pool("dst", dst)
     _check_pool("src", src)
     require_int32("block_pairs", block_pairs, 2)
-    require(block_pairs.shape[1] == 2, f"block_pairs must be [k, 2], got {block_pairs.shape}")
+    require(block_pairs.shape[1] == 2, lambda: f"block_pairs must be [k, 2], got "
+                                               f"{block_pairs.shape}")
     num_pairs = block_pairs.shape[0]
     if num_pairs == 0:
         return
@@ -168,13 +171,13 @@ def swap_blocks(module, src_caches, dst_caches, block_pairs) -> None:
     host side is indexed by numpy (host memory needs no kernel).
     """
     require(len(src_caches) == len(dst_caches),
-            f"{len(src_caches)} source caches vs {len(dst_caches)} destination caches")
+            lambda: f"{len(src_caches)} source caches vs {len(dst_caches)} destination caches")
     pairs = np.ascontiguousarray(np.asarray(block_pairs, dtype=np.int32).reshape(-1, 2))
     if pairs.shape[0] == 0:
         return
     for src, dst in zip(src_caches, dst_caches):
         require(src.shape[1:] == dst.shape[1:] and src.dtype == dst.dtype,
-                f"block layouts differ: {src.shape} vs {dst.shape}")
+                lambda: f"block layouts differ: {src.shape} vs {dst.shape}")
         src_xp, dst_xp = array_module(src), array_module(dst)
         if src_xp is dst_xp:
             move_blocks(module, dst, src, src_xp.asarray(pairs))

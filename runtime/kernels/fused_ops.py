@@ -24,14 +24,14 @@ EMBEDDING_THREADS = 256
 
 
 def _check_rows(name: str, x) -> tuple[int, int]:
-    require(x.ndim == 2, f"{name} must be [num_tokens, hidden], got {x.shape}")
+    require(x.ndim == 2, lambda: f"{name} must be [num_tokens, hidden], got {x.shape}")
     require_contiguous(name, x)
     return x.shape
 
 
 def _check_weight(weight, x, hidden: int) -> None:
     require(weight.shape == (hidden,) and weight.dtype == x.dtype,
-            f"weight must be [{hidden}] {x.dtype}, got {weight.shape} {weight.dtype}")
+            lambda: f"weight must be [{hidden}] {x.dtype}, got {weight.shape} {weight.dtype}")
     require_contiguous("weight", weight)
 
 
@@ -68,14 +68,14 @@ def fused_add_rms_norm(module, x, residual, weight, eps: float, out=None, residu
     suffix = dtype_suffix(x)
     num_tokens, hidden = _check_rows("x", x)
     _check_weight(weight, x, hidden)
-    require(residual.shape == x.shape, f"residual {residual.shape} must match x {x.shape}")
+    require(residual.shape == x.shape, lambda: f"residual {residual.shape} must match x {x.shape}")
     residual = to_float32(residual)
     require_contiguous("residual", residual)
     if residual_out is None:
         # float32 x passed as its own residual: keep x intact
         residual_out = residual.copy() if residual is x else residual
     require(residual_out.shape == x.shape and np.dtype(residual_out.dtype) == np.float32,
-            f"residual_out must be {x.shape} float32")
+            lambda: f"residual_out must be {x.shape} float32")
     require_contiguous("residual_out", residual_out)
     xp = array_module(x)
     out = xp.empty_like(x) if out is None else out
@@ -101,7 +101,7 @@ def gelu_tanh_and_mul(module, gate_up, out=None):
 def _act_and_mul(module, kernel: str, gate_up, out):
     suffix = dtype_suffix(gate_up)
     num_tokens, width = _check_rows("gate_up", gate_up)
-    require(width % 2 == 0, f"gate_up width {width} is odd")
+    require(width % 2 == 0, lambda: f"gate_up width {width} is odd")
     intermediate = width // 2
     xp = array_module(gate_up)
     out = xp.empty((num_tokens, intermediate), dtype=gate_up.dtype) if out is None else out
@@ -121,7 +121,7 @@ def embedding(module, token_ids, table, out=None):
     out-of-range id yields a NaN row rather than a wild read.
     """
     suffix = dtype_suffix(table)
-    require(table.ndim == 2, f"table must be [vocab, hidden], got {table.shape}")
+    require(table.ndim == 2, lambda: f"table must be [vocab, hidden], got {table.shape}")
     require_contiguous("table", table)
     require_int32("token_ids", token_ids, 1)
     vocab, hidden = table.shape

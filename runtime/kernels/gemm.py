@@ -56,30 +56,31 @@ def gemm(module, a, b, *, b_layout: str = "nk", bias=None, residual=None, out=No
     """out = a @ B (+ bias) (+ residual); B = b.T for "nk", b for "kn". Returns out [M, N]."""
     xp = array_module(a)
     suffix = dtype_suffix(a)
-    require(a.ndim == 2 and b.ndim == 2, f"a {a.shape} and b {b.shape} must be 2-D")
-    require(b.dtype == a.dtype, f"a ({a.dtype}) and b ({b.dtype}) dtypes differ")
-    require(b_layout in ("nk", "kn"), f"b_layout must be 'nk' or 'kn', got {b_layout!r}")
+    require(a.ndim == 2 and b.ndim == 2, lambda: f"a {a.shape} and b {b.shape} must be 2-D")
+    require(b.dtype == a.dtype, lambda: f"a ({a.dtype}) and b ({b.dtype}) dtypes differ")
+    require(b_layout in ("nk", "kn"), lambda: f"b_layout must be 'nk' or 'kn', got {b_layout!r}")
     M, K = a.shape
     N = b.shape[0] if b_layout == "nk" else b.shape[1]
     require((b.shape[1] if b_layout == "nk" else b.shape[0]) == K,
-            f"a {a.shape} and b {b.shape} ({b_layout}) disagree on K")
+            lambda: f"a {a.shape} and b {b.shape} ({b_layout}) disagree on K")
     require_contiguous("a", a)
     require_contiguous("b", b)
     out_dtype = np.dtype(a.dtype if out_dtype is None else out_dtype)
     require(out_dtype in (np.dtype(a.dtype), np.dtype(np.float32)),
-            f"out_dtype {out_dtype}: only a's dtype or float32")
+            lambda: f"out_dtype {out_dtype}: only a's dtype or float32")
     if bias is not None:
         require(bias.shape == (N,) and bias.dtype == a.dtype,
-                f"bias must be [{N}] {a.dtype}, got {bias.shape} {bias.dtype}")
+                lambda: f"bias must be [{N}] {a.dtype}, got {bias.shape} {bias.dtype}")
         require_contiguous("bias", bias)
     if residual is not None:
         require(residual.shape == (M, N) and residual.dtype == out_dtype,
-                f"residual must be [{M}, {N}] {out_dtype}, got {residual.shape} {residual.dtype}")
+                lambda: f"residual must be [{M}, {N}] {out_dtype}, got {residual.shape} "
+                        f"{residual.dtype}")
         require_contiguous("residual", residual)
     if out is None:
         out = xp.empty((M, N), dtype=out_dtype)
     require(out.shape == (M, N) and out.dtype == out_dtype,
-            f"out must be [{M}, {N}] {out_dtype}, got {out.shape} {out.dtype}")
+            lambda: f"out must be [{M}, {N}] {out_dtype}, got {out.shape} {out.dtype}")
     require_contiguous("out", out)
     out_suffix = dtype_suffix(out)
     require(K > 0, "K must be >= 1 (an empty reduction has no kernel)")
@@ -101,7 +102,7 @@ def gemm(module, a, b, *, b_layout: str = "nk", bias=None, residual=None, out=No
     if plan.kind == SKINNY:
         require(b_layout == "nk", "the skinny GEMM reads weights in the 'nk' layout only")
         require(K % (16 // a.dtype.itemsize) == 0,
-                f"the skinny GEMM needs K % {16 // a.dtype.itemsize} == 0, got K={K}")
+                lambda: f"the skinny GEMM needs K % {16 // a.dtype.itemsize} == 0, got K={K}")
         rows_per_cta = SKINNY_WARPS * SKINNY_ROWS_PER_WARP[plan.m_tile]
         grid = (ceil_div(N, rows_per_cta), ceil_div(M, plan.m_tile), plan.num_splits)
         smem = plan.m_tile * SKINNY_SMEM_BYTES_PER_ROW
@@ -120,7 +121,8 @@ def gemm(module, a, b, *, b_layout: str = "nk", bias=None, residual=None, out=No
         return out
     aligned = tc_aligned(N, K, b_layout)
     require(not plan.aligned or aligned or suffix == "f32",
-            f"an aligned tensor-core plan needs K % 8 == 0 (and N % 8 for 'kn'), got N={N}, K={K}")
+            lambda: f"an aligned tensor-core plan needs K % 8 == 0 (and N % 8 for 'kn'), got "
+                    f"N={N}, K={K}")
     name = f"gemm_{suffix}_{b_layout}_o{out_suffix}"
     if suffix != "f32" and not plan.aligned:
         require(out_suffix == suffix, "unaligned shapes have no fp32-output instantiation")
@@ -140,7 +142,8 @@ def linear(module, x, weight, bias=None, *, residual=None, out_dtype=None, num_s
         b, layout = weight, "nk"
     else:
         require(weight.T.flags.c_contiguous,
-                f"weight must be contiguous or the transpose of a contiguous array, strides "
+                lambda: f"weight must be contiguous or the transpose of a contiguous array, "
+                        f"strides "
                 f"{weight.strides}")
         b, layout = weight.T, "kn"
     return gemm(module, x, b, b_layout=layout, bias=bias, residual=residual,

@@ -8,6 +8,7 @@ bf16 bits (neither numpy nor cupy has a bfloat16 dtype); `to_bf16_bits` / `from_
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import numpy as np
 
@@ -65,18 +66,22 @@ def dtype_suffix(x) -> str:
     return suffix
 
 
-def require(cond: bool, message: str) -> None:
+def require(cond: bool, message: str | Callable[[], str]) -> None:
+    """Raise UnsupportedKernelShape(message) unless cond. Pass a message that formats arrays'
+    dtypes or shapes as a lambda: the wrappers check every launch, and formatting a dtype costs
+    ~3 us, which across a decode step's ~300 launches was a third of its host time
+    (benchmarks/bench_host_overhead.py)."""
     if not cond:
-        raise UnsupportedKernelShape(message)
+        raise UnsupportedKernelShape(message() if callable(message) else message)
 
 
 def require_contiguous(name: str, x) -> None:
-    require(x.flags.c_contiguous, f"{name} must be C-contiguous, got strides {x.strides}")
+    require(x.flags.c_contiguous, lambda: f"{name} must be C-contiguous, got strides {x.strides}")
 
 
 def require_int32(name: str, x, ndim: int) -> None:
-    require(np.dtype(x.dtype) == np.int32, f"{name} must be int32, got {x.dtype}")
-    require(x.ndim == ndim, f"{name} must be {ndim}-D, got shape {x.shape}")
+    require(np.dtype(x.dtype) == np.int32, lambda: f"{name} must be int32, got {x.dtype}")
+    require(x.ndim == ndim, lambda: f"{name} must be {ndim}-D, got shape {x.shape}")
     require_contiguous(name, x)
 
 
@@ -85,5 +90,5 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def log2_exact(value: int, name: str) -> int:
-    require(value > 0 and value & (value - 1) == 0, f"{name} {value} is not a power of two")
+    require(value > 0 and value & (value - 1) == 0, lambda: f"{name} {value} is not a power of two")
     return value.bit_length() - 1

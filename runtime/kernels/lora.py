@@ -59,7 +59,7 @@ def _check_plan(plan: LoRATilePlan) -> None:
     require_int32("tile_slots", plan.tile_slots, 1)
     require_int32("tile_starts", plan.tile_starts, 1)
     require(plan.tile_starts.shape[0] == plan.num_tiles + 1,
-            f"tile_starts must have num_tiles + 1 = {plan.num_tiles + 1} entries")
+            lambda: f"tile_starts must have num_tiles + 1 = {plan.num_tiles + 1} entries")
 
 
 def lora_shrink(module, x, lora_a, plan: LoRATilePlan, out=None):
@@ -68,11 +68,12 @@ def lora_shrink(module, x, lora_a, plan: LoRATilePlan, out=None):
     x [num_tokens, in_features]; lora_a [num_slots, num_cols, in_features], x's dtype."""
     suffix = dtype_suffix(x)
     require(x.ndim == 2 and x.shape[0] == plan.num_tokens,
-            f"x must be [{plan.num_tokens}, in_features], got {x.shape}")
+            lambda: f"x must be [{plan.num_tokens}, in_features], got {x.shape}")
     in_features = x.shape[1]
     require(lora_a.ndim == 3 and lora_a.shape[2] == in_features,
-            f"lora_a must be [num_slots, num_cols, {in_features}], got {lora_a.shape}")
-    require(lora_a.dtype == x.dtype, f"lora_a ({lora_a.dtype}) and x ({x.dtype}) dtypes differ")
+            lambda: f"lora_a must be [num_slots, num_cols, {in_features}], got {lora_a.shape}")
+    require(lora_a.dtype == x.dtype, lambda: f"lora_a ({lora_a.dtype}) and x ({x.dtype}) dtypes "
+                                             f"differ")
     require_contiguous("x", x)
     require_contiguous("lora_a", lora_a)
     _check_plan(plan)
@@ -81,7 +82,7 @@ def lora_shrink(module, x, lora_a, plan: LoRATilePlan, out=None):
     xp = array_module(x)
     s = xp.empty((plan.num_lora_tokens, num_cols), np.float32) if out is None else out
     require(s.shape == (plan.num_lora_tokens, num_cols) and np.dtype(s.dtype) == np.float32,
-            f"out must be [{plan.num_lora_tokens}, {num_cols}] float32")
+            lambda: f"out must be [{plan.num_lora_tokens}, {num_cols}] float32")
     require_contiguous("out", s)
     if plan.num_tiles:
         module.get_function(f"lora_shrink_{suffix}")(
@@ -100,21 +101,24 @@ def lora_expand(module, y, s, lora_b, plan: LoRATilePlan, slice_starts, scale: f
     column boundaries (0, ..., out_features), num_slices <= 3."""
     suffix = dtype_suffix(y)
     require(y.ndim == 2 and y.shape[0] == plan.num_tokens,
-            f"y must be [{plan.num_tokens}, out_features], got {y.shape}")
+            lambda: f"y must be [{plan.num_tokens}, out_features], got {y.shape}")
     out_features = y.shape[1]
     starts = [int(v) for v in slice_starts]
     num_slices = len(starts) - 1
     require(1 <= num_slices <= MAX_SLICES and starts[0] == 0 and starts[-1] == out_features
             and all(a < b for a, b in zip(starts, starts[1:])),
-            f"slice_starts must rise from 0 to {out_features} in 1..{MAX_SLICES} slices, got "
+            lambda: f"slice_starts must rise from 0 to {out_features} in 1..{MAX_SLICES} "
+                    f"slices, got "
             f"{starts}")
     require(lora_b.ndim == 3 and lora_b.shape[1] == out_features and lora_b.shape[2] >= 1,
-            f"lora_b must be [num_slots, {out_features}, rank], got {lora_b.shape}")
+            lambda: f"lora_b must be [num_slots, {out_features}, rank], got {lora_b.shape}")
     rank = lora_b.shape[2]
-    require(lora_b.dtype == y.dtype, f"lora_b ({lora_b.dtype}) and y ({y.dtype}) dtypes differ")
+    require(lora_b.dtype == y.dtype, lambda: f"lora_b ({lora_b.dtype}) and y ({y.dtype}) dtypes "
+                                             f"differ")
     require(s.shape == (plan.num_lora_tokens, num_slices * rank)
             and np.dtype(s.dtype) == np.float32,
-            f"s must be [{plan.num_lora_tokens}, {num_slices * rank}] float32, got {s.shape} "
+            lambda: f"s must be [{plan.num_lora_tokens}, {num_slices * rank}] float32, got "
+                    f"{s.shape} "
             f"{s.dtype}")
     for name, arr in (("y", y), ("s", s), ("lora_b", lora_b)):
         require_contiguous(name, arr)

@@ -68,11 +68,11 @@ def moe_route(module, router_logits, top_k: int, renormalize: bool, *, out_ids=N
     float32): softmax, top_k by decreasing probability (ties: lower id), renormalised to sum 1
     when asked."""
     require(router_logits.ndim == 2 and np.dtype(router_logits.dtype) == np.float32,
-            f"router_logits must be [num_tokens, num_experts] float32, got "
+            lambda: f"router_logits must be [num_tokens, num_experts] float32, got "
             f"{router_logits.shape} {router_logits.dtype}")
     require_contiguous("router_logits", router_logits)
     num_tokens, num_experts = router_logits.shape
-    require(1 <= top_k <= num_experts, f"top_k {top_k} must be in [1, {num_experts}]")
+    require(1 <= top_k <= num_experts, lambda: f"top_k {top_k} must be in [1, {num_experts}]")
     xp = array_module(router_logits)
     ids = xp.empty((num_tokens, top_k), np.int32) if out_ids is None else out_ids
     weights = xp.empty((num_tokens, top_k), np.float32) if out_weights is None else out_weights
@@ -92,11 +92,11 @@ def moe_route(module, router_logits, top_k: int, renormalize: bool, *, out_ids=N
 def moe_permute(module, topk_ids, num_experts: int) -> MoePermutation:
     """Pairs sorted by expert (stable), their inverse, the expert offsets and the tile table."""
     require_int32("topk_ids", topk_ids, 2)
-    require(num_experts >= 1, f"num_experts must be >= 1, got {num_experts}")
+    require(num_experts >= 1, lambda: f"num_experts must be >= 1, got {num_experts}")
     if isinstance(topk_ids, np.ndarray) and topk_ids.size:
         # A device array is trusted (moe_route writes ids in range); host ids are checked.
         require(int(topk_ids.min()) >= 0 and int(topk_ids.max()) < num_experts,
-                f"topk_ids must be in [0, {num_experts})")
+                lambda: f"topk_ids must be in [0, {num_experts})")
     xp = array_module(topk_ids)
     num_pairs = int(topk_ids.size)
     max_tiles = max_gemm_tiles(num_pairs, num_experts)
@@ -122,29 +122,31 @@ def moe_experts(module, x, topk_ids, topk_weights, w_gate_up, w_down, out=None):
     x [T, H]; topk_ids [T, K] int32; topk_weights [T, K] float32; w_gate_up [E, 2I, H];
     w_down [E, H, I]. Returns y [T, H] in x's dtype."""
     suffix = dtype_suffix(x)
-    require(x.ndim == 2, f"x must be [num_tokens, hidden], got {x.shape}")
+    require(x.ndim == 2, lambda: f"x must be [num_tokens, hidden], got {x.shape}")
     num_tokens, hidden = x.shape
     require(w_gate_up.ndim == 3 and w_gate_up.shape[1] % 2 == 0 and w_gate_up.shape[2] == hidden,
-            f"w_gate_up must be [E, 2I, {hidden}], got {w_gate_up.shape}")
+            lambda: f"w_gate_up must be [E, 2I, {hidden}], got {w_gate_up.shape}")
     num_experts, two_inter, _ = w_gate_up.shape
     inter = two_inter // 2
     require(w_down.shape == (num_experts, hidden, inter),
-            f"w_down must be [{num_experts}, {hidden}, {inter}], got {w_down.shape}")
+            lambda: f"w_down must be [{num_experts}, {hidden}, {inter}], got {w_down.shape}")
     for name, arr in (("w_gate_up", w_gate_up), ("w_down", w_down)):
-        require(arr.dtype == x.dtype, f"{name} ({arr.dtype}) and x ({x.dtype}) dtypes differ")
+        require(arr.dtype == x.dtype, lambda: f"{name} ({arr.dtype}) and x ({x.dtype}) dtypes "
+                                              f"differ")
         require_contiguous(name, arr)
     require_contiguous("x", x)
     require_int32("topk_ids", topk_ids, 2)
-    require(topk_ids.shape[0] == num_tokens, f"topk_ids {topk_ids.shape} vs x {x.shape}")
+    require(topk_ids.shape[0] == num_tokens, lambda: f"topk_ids {topk_ids.shape} vs x {x.shape}")
     top_k = topk_ids.shape[1]
     require(topk_weights.shape == topk_ids.shape and np.dtype(topk_weights.dtype) == np.float32,
-            f"topk_weights must be {topk_ids.shape} float32, got {topk_weights.shape} "
+            lambda: f"topk_weights must be {topk_ids.shape} float32, got {topk_weights.shape} "
             f"{topk_weights.dtype}")
     require_contiguous("topk_weights", topk_weights)
     require(inter >= 1 and hidden >= 1, "empty expert matrices")
     if suffix != "f32":
         require(hidden % VEC16_ELEMS == 0 and inter % VEC16_ELEMS == 0,
-                f"the tensor-core grouped GEMM needs hidden and intermediate % {VEC16_ELEMS} "
+                lambda: f"the tensor-core grouped GEMM needs hidden and intermediate % "
+                        f"{VEC16_ELEMS} "
                 f"== 0, got {hidden} and {inter}")
         require(all(_data_ptr(a) % VEC16_BYTES == 0 for a in (x, w_gate_up, w_down)),
                 "x and the expert weights must start on a 16-byte boundary")

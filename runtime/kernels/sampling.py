@@ -48,7 +48,7 @@ class ProcessLists(NamedTuple):
 
 def _check_logits(logits) -> tuple[int, int]:
     require(logits.ndim == 2 and np.dtype(logits.dtype) == np.float32,
-            f"logits must be [num_rows, vocab] float32, got {logits.shape} {logits.dtype}")
+            lambda: f"logits must be [num_rows, vocab] float32, got {logits.shape} {logits.dtype}")
     require_contiguous("logits", logits)
     return logits.shape
 
@@ -123,7 +123,7 @@ def process_logits(module, logits, params, prompt_token_ids, output_token_ids,
     """Steps 1-4 of runtime/sampler.py (allowed mask, bans, logit bias, penalties), in place;
     returns logits."""
     num_rows, vocab = _check_logits(logits)
-    require(len(params) == num_rows, f"{num_rows} logits rows but {len(params)} params")
+    require(len(params) == num_rows, lambda: f"{num_rows} logits rows but {len(params)} params")
     lists = process_lists(params, prompt_token_ids, output_token_ids, eos_token_ids, vocab)
     if lists is None:
         return logits
@@ -138,7 +138,7 @@ def sample(module, logits, params: Sequence[SamplingParams], uniforms, out=None)
     """One token per row: greedy rows argmax (ties: lowest id), others temperature, min-p,
     top-k, top-p and the inverse CDF at uniforms[row] in [0, 1). Returns out [rows] int32."""
     num_rows, vocab = _check_logits(logits)
-    require(len(params) == num_rows, f"{num_rows} logits rows but {len(params)} params")
+    require(len(params) == num_rows, lambda: f"{num_rows} logits rows but {len(params)} params")
     xp = array_module(logits)
     out = xp.empty(num_rows, dtype=np.int32) if out is None else out
     if num_rows == 0:
