@@ -23,9 +23,13 @@
 // query heads of the kv head's group (GQA), so K/V traffic does not grow with the group.
 // A 16-byte vector covers VEC = 16 / sizeof(T) elements of head_dim; a "token lane group" of
 // head_dim / VEC lanes holds one token's row, so a warp reads 32 / (head_dim / VEC) tokens
-// per step. Each token lane group runs its own online softmax (fp32, base 2, scores pre-scaled
-// by scale * log2 e); at the end the groups merge inside the warp by shuffles and the warps
-// merge through shared memory. Unused cache slots are never read (NaN there cannot leak).
+// per step. A row of more than 32 vectors (f32 d256: 64) takes the whole warp, each lane
+// holding VECS = head_dim / (32 * VEC) vectors of it, 32 * VEC elements apart (each load
+// instruction of the warp still reads one contiguous 512-byte run); up to 32 vectors a lane
+// holds one (VECS == 1, the d64/d128 code unchanged). Each token lane group runs its own
+// online softmax (fp32, base 2, scores pre-scaled by scale * log2 e); at the end the groups
+// merge inside the warp by shuffles and the warps merge through shared memory. Unused cache
+// slots are never read (NaN there cannot leak).
 // Each step issues the next step's K/V loads before computing on the current ones (one step of
 // software prefetch: two steps of loads in flight per warp; by Little's law an SM needs ~25 KB
 // in flight to stream HBM3e, and one step of 4 warps x 32 lanes x 32 bytes is 4 KB per CTA).
@@ -38,14 +42,15 @@
 // Launch geometry:
 //   paged_attention_decode_<dtype>_d<head_dim>_g<group>:
 //     grid (num_kv_heads, num_seqs, num_splits), block 128, dynamic smem
-//     4 * group * (head_dim + 2) * 4 bytes (decode_smem_bytes in attention.py).
+//     4 * group * (head_dim + 2) * 4 bytes (decode_smem_bytes in attention.py; the largest,
+//     g8 d256, is 33,024 bytes: under the 48 KiB default, no opt-in).
 //     Runs any group_size <= group (the wrapper picks the smallest instantiation that fits).
 //   paged_attention_decode_merge_<dtype>: grid (num_heads, num_seqs), block 128, no smem.
 //
-// Instantiations: dtype in {f32, f16, bf16} x head_dim in {64, 128} x group in {1, 2, 4, 8},
-// merge for each dtype. block_size is a runtime power of two (16, 32, 64 accepted by the
-// wrapper; head_dim and block size are attention.py's SUPPORTED_HEAD_DIMS and
-// SUPPORTED_BLOCK_SIZES). Scalars: float scale; int num_heads, num_kv_heads, group_size,
+// Instantiations: dtype in {f32, f16, bf16} x head_dim in {64, 128, 256} x group in
+// {1, 2, 4, 8}, merge for each dtype. block_size is a runtime power of two (16, 32, 64
+// accepted by the wrapper; head_dim and block size are attention.py's SUPPORTED_HEAD_DIMS
+// and SUPPORTED_BLOCK_SIZES). Scalars: float scale; int num_heads, num_kv_heads, group_size,
 // block_size_log2, max_blocks_per_seq, partition_size, num_splits, sliding_window (0: none).
 // Signatures: paged_attention_decode_*(out, partial_out, partial_lse, q, k_cache, v_cache,
 // block_tables, context_lens, scale, num_heads, num_kv_heads, group_size, block_size_log2,
@@ -57,9 +62,12 @@
 // num_splits, at most 64, and partition_size, a multiple of 256 tokens).
 //
 // Register budget: 255 per thread at 128 threads, 2 CTAs per SM (__launch_bounds__(128, 2)):
-// group 8 holds 2 x 8 x VEC fp32 of q and accumulators plus one step of prefetched K/V and
-// measures 233-240 on sm_80/sm_90 (anything <= 255 still fits two CTAs per SM); groups 1-4
-// use <= 128. 0 spill bytes.
+// group 8 holds 2 x 8 x (VECS * VEC) fp32 of q and accumulators (128 registers: VECS * VEC
+// is 8 for 16-bit types and for f32 d256; 64 at f32 d64/d128, VEC 4) plus one
+// step of prefetched K/V (8 x VECS registers of raw vectors each) and measures 233-244 at
+// d64/d128 and 238-254 at d256 (f32 d256 246-250: its 16 registers of raw K/V in flight) on
+// sm_80/sm_90 with nvcc 13.0 (anything <= 255 still fits two CTAs per SM); groups 1-4 use
+// <= 144. 0 spill bytes.
 // Measured: no GPU numbers yet (benchmarks/kernels/bench_attention.py writes them).
 #include "common.cuh"
 
@@ -117,22 +125,41 @@ __device__ __forceinline__ void load_vec(const T* src, float (&dst)[VEC]) {
 }
 
 // Issues the K and V loads of one token (zeros when it is past the partition): raw 16-byte
-// vectors, so a load in flight costs 8 registers whatever T is.
-template <typename T, int HEAD_DIM>
-__device__ __forceinline__ void fetch_token(uint4& k_raw, uint4& v_raw, const T* k_cache,
-                                            const T* v_cache, const int* block_table, int token,
-                                            int part_end, int block_size_log2, int num_kv_heads,
-                                            int kv_head, int dim0) {
+// vectors, so a load in flight costs 8 registers per vector whatever T is. Vector j of the
+// lane covers dims dim0 + j * VEC_STRIDE .. + VEC (VEC_STRIDE = LANES_PER_TOKEN * VEC, so each
+// load instruction of a warp reads whole contiguous rows).
+template <typename T, int HEAD_DIM, int VECS, int VEC_STRIDE>
+__device__ __forceinline__ void fetch_token(uint4 (&k_raw)[VECS], uint4 (&v_raw)[VECS],
+                                            const T* k_cache, const T* v_cache,
+                                            const int* block_table, int token, int part_end,
+                                            int block_size_log2, int num_kv_heads, int kv_head,
+                                            int dim0) {
     if (token < part_end) {
         const int block = block_table[token >> block_size_log2];
         // A slot index fits in int (< 2^31 cached tokens); the element offset does not.
         const int slot = (block << block_size_log2) + (token & ((1 << block_size_log2) - 1));
         const long long elem =
             (static_cast<long long>(slot) * num_kv_heads + kv_head) * HEAD_DIM + dim0;
-        k_raw = load_raw(k_cache + elem);
-        v_raw = load_raw(v_cache + elem);
+#pragma unroll
+        for (int j = 0; j < VECS; ++j) {
+            k_raw[j] = load_raw(k_cache + elem + j * VEC_STRIDE);
+            v_raw[j] = load_raw(v_cache + elem + j * VEC_STRIDE);
+        }
     } else {
-        k_raw = v_raw = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+        for (int j = 0; j < VECS; ++j) k_raw[j] = v_raw[j] = make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
+// Widens a lane's VECS raw vectors into ELEMS = VECS * VEC floats (vector j at j * VEC).
+template <typename T, int VEC, int VECS>
+__device__ __forceinline__ void unpack_vecs(const uint4 (&raw)[VECS], float (&dst)[VECS * VEC]) {
+#pragma unroll
+    for (int j = 0; j < VECS; ++j) {
+        float part[VEC];
+        unpack_vec<T, VEC>(raw[j], part);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) dst[j * VEC + i] = part[i];
     }
 }
 
@@ -142,16 +169,16 @@ __device__ __forceinline__ int window_start(int context_len, int sliding_window)
 }
 
 // Folds the softmax state (m_o, l_o, acc_o) into (m, l, acc); -inf maxima are empty states.
-template <int VEC>
-__device__ __forceinline__ void merge_state(float& m, float& l, float (&acc)[VEC], float m_o,
-                                            float l_o, const float (&acc_o)[VEC]) {
+template <int N>
+__device__ __forceinline__ void merge_state(float& m, float& l, float (&acc)[N], float m_o,
+                                            float l_o, const float (&acc_o)[N]) {
     const float m_new = fmaxf(m, m_o);
     const float m_base = (m_new == -CUDART_INF_F) ? 0.f : m_new;  // both empty: keep zeros
     const float a = exp2f(m - m_base);
     const float b = exp2f(m_o - m_base);
     l = l * a + l_o * b;
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) acc[i] = acc[i] * a + acc_o[i] * b;
+    for (int i = 0; i < N; ++i) acc[i] = acc[i] * a + acc_o[i] * b;
     m = m_new;
 }
 
@@ -163,9 +190,16 @@ __device__ __forceinline__ void decode_partition(
     int num_heads, int num_kv_heads, int group_size, int block_size_log2, int max_blocks_per_seq,
     int partition_size, int num_splits, int sliding_window) {
     constexpr int VEC = kVecBytes / sizeof(T);
-    constexpr int LANES_PER_TOKEN = HEAD_DIM / VEC;
-    static_assert(LANES_PER_TOKEN >= 1 && LANES_PER_TOKEN <= 32 && 32 % LANES_PER_TOKEN == 0,
-                  "head_dim must be a power-of-two multiple of one 16-byte vector, <= 32 lanes");
+    // A row of more than 32 vectors (f32 d256: 64) gives each lane several: vector j of a lane
+    // sits VEC_STRIDE elements after vector j - 1. Up to 32 vectors, one per lane (VECS == 1).
+    constexpr int ROW_VECS = HEAD_DIM / VEC;
+    constexpr int LANES_PER_TOKEN = ROW_VECS < 32 ? ROW_VECS : 32;
+    constexpr int VECS = ROW_VECS / LANES_PER_TOKEN;
+    constexpr int VEC_STRIDE = LANES_PER_TOKEN * VEC;
+    constexpr int ELEMS = VECS * VEC;  // dims of a row one lane holds
+    static_assert(LANES_PER_TOKEN >= 1 && 32 % LANES_PER_TOKEN == 0 &&
+                      VECS * LANES_PER_TOKEN * VEC == HEAD_DIM,
+                  "head_dim must be a power-of-two multiple of one 16-byte vector");
     constexpr int TOKENS_PER_WARP = 32 / LANES_PER_TOKEN;
     constexpr int TOKENS_PER_STEP = TOKENS_PER_WARP * kWarps;
 
@@ -190,28 +224,31 @@ __device__ __forceinline__ void decode_partition(
 
     // q rows of the group, pre-scaled so the softmax runs in base 2 (exp2f is one MUFU op).
     const float q_scale = scale * kLog2e;
-    float q_reg[GROUP][VEC];
+    float q_reg[GROUP][ELEMS];
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
         if (g < group_size) {
-            load_vec<T, VEC>(q + (static_cast<long long>(seq) * num_heads + head0 + g) * HEAD_DIM +
-                                 dim0,
-                             q_reg[g]);
+            const T* q_row = q + (static_cast<long long>(seq) * num_heads + head0 + g) * HEAD_DIM;
 #pragma unroll
-            for (int i = 0; i < VEC; ++i) q_reg[g][i] *= q_scale;
+            for (int j = 0; j < VECS; ++j) {
+                float part[VEC];
+                load_vec<T, VEC>(q_row + dim0 + j * VEC_STRIDE, part);
+#pragma unroll
+                for (int i = 0; i < VEC; ++i) q_reg[g][j * VEC + i] = part[i] * q_scale;
+            }
         } else {
 #pragma unroll
-            for (int i = 0; i < VEC; ++i) q_reg[g][i] = 0.f;
+            for (int i = 0; i < ELEMS; ++i) q_reg[g][i] = 0.f;
         }
     }
 
-    float m[GROUP], l[GROUP], acc[GROUP][VEC];
+    float m[GROUP], l[GROUP], acc[GROUP][ELEMS];
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
         m[g] = -CUDART_INF_F;
         l[g] = 0.f;
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) acc[g][i] = 0.f;
+        for (int i = 0; i < ELEMS; ++i) acc[g][i] = 0.f;
     }
 
     // The loop bound is warp-uniform so every lane reaches the shuffles; a token lane group
@@ -219,23 +256,24 @@ __device__ __forceinline__ void decode_partition(
     // K/V loads before computing on the current ones (one step of software prefetch), so a
     // warp keeps two steps of loads in flight.
     const int first = part_begin + warp * TOKENS_PER_WARP;
-    uint4 k_next, v_next;
-    fetch_token<T, HEAD_DIM>(k_next, v_next, k_cache, v_cache, block_table, first + token_slot,
-                             part_end, block_size_log2, num_kv_heads, kv_head, dim0);
+    uint4 k_next[VECS], v_next[VECS];
+    fetch_token<T, HEAD_DIM, VECS, VEC_STRIDE>(k_next, v_next, k_cache, v_cache, block_table,
+                                               first + token_slot, part_end, block_size_log2,
+                                               num_kv_heads, kv_head, dim0);
     for (int base = first; base < part_end; base += TOKENS_PER_STEP) {
         const bool valid = base + token_slot < part_end;
-        float k[VEC], v[VEC];
-        unpack_vec<T, VEC>(k_next, k);
-        unpack_vec<T, VEC>(v_next, v);
-        fetch_token<T, HEAD_DIM>(k_next, v_next, k_cache, v_cache, block_table,
-                                 base + TOKENS_PER_STEP + token_slot, part_end, block_size_log2,
-                                 num_kv_heads, kv_head, dim0);
+        float k[ELEMS], v[ELEMS];
+        unpack_vecs<T, VEC, VECS>(k_next, k);
+        unpack_vecs<T, VEC, VECS>(v_next, v);
+        fetch_token<T, HEAD_DIM, VECS, VEC_STRIDE>(k_next, v_next, k_cache, v_cache, block_table,
+                                                   base + TOKENS_PER_STEP + token_slot, part_end,
+                                                   block_size_log2, num_kv_heads, kv_head, dim0);
         float s[GROUP];
 #pragma unroll
         for (int g = 0; g < GROUP; ++g) {
             float dot = 0.f;
 #pragma unroll
-            for (int i = 0; i < VEC; ++i) dot = fmaf(q_reg[g][i], k[i], dot);
+            for (int i = 0; i < ELEMS; ++i) dot = fmaf(q_reg[g][i], k[i], dot);
             s[g] = dot;
         }
 #pragma unroll
@@ -251,7 +289,7 @@ __device__ __forceinline__ void decode_partition(
                 const float p = exp2f(s[g] - m_new);
                 l[g] = l[g] * correction + p;
 #pragma unroll
-                for (int i = 0; i < VEC; ++i) acc[g][i] = fmaf(acc[g][i], correction, p * v[i]);
+                for (int i = 0; i < ELEMS; ++i) acc[g][i] = fmaf(acc[g][i], correction, p * v[i]);
                 m[g] = m_new;
             }
         }
@@ -264,10 +302,11 @@ __device__ __forceinline__ void decode_partition(
         for (int g = 0; g < GROUP; ++g) {
             const float m_o = __shfl_xor_sync(kFullMask, m[g], offset);
             const float l_o = __shfl_xor_sync(kFullMask, l[g], offset);
-            float acc_o[VEC];
+            float acc_o[ELEMS];
 #pragma unroll
-            for (int i = 0; i < VEC; ++i) acc_o[i] = __shfl_xor_sync(kFullMask, acc[g][i], offset);
-            merge_state<VEC>(m[g], l[g], acc[g], m_o, l_o, acc_o);
+            for (int i = 0; i < ELEMS; ++i)
+                acc_o[i] = __shfl_xor_sync(kFullMask, acc[g][i], offset);
+            merge_state<ELEMS>(m[g], l[g], acc[g], m_o, l_o, acc_o);
         }
     }
 
@@ -275,7 +314,11 @@ __device__ __forceinline__ void decode_partition(
 #pragma unroll
         for (int g = 0; g < GROUP; ++g) {
 #pragma unroll
-            for (int i = 0; i < VEC; ++i) smem_acc[(warp * GROUP + g) * HEAD_DIM + dim0 + i] = acc[g][i];
+            for (int j = 0; j < VECS; ++j)
+#pragma unroll
+                for (int i = 0; i < VEC; ++i)
+                    smem_acc[(warp * GROUP + g) * HEAD_DIM + dim0 + j * VEC_STRIDE + i] =
+                        acc[g][j * VEC + i];
             if (dim0 == 0) {
                 smem_ml[(warp * GROUP + g) * 2 + 0] = m[g];
                 smem_ml[(warp * GROUP + g) * 2 + 1] = l[g];
@@ -362,10 +405,13 @@ __device__ __forceinline__ void decode_merge(T* __restrict__ out,
 
 PAGEDRUN_DECODE_GROUPS(f32, float, 64)
 PAGEDRUN_DECODE_GROUPS(f32, float, 128)
+PAGEDRUN_DECODE_GROUPS(f32, float, 256)
 PAGEDRUN_DECODE_GROUPS(f16, __half, 64)
 PAGEDRUN_DECODE_GROUPS(f16, __half, 128)
+PAGEDRUN_DECODE_GROUPS(f16, __half, 256)
 PAGEDRUN_DECODE_GROUPS(bf16, __nv_bfloat16, 64)
 PAGEDRUN_DECODE_GROUPS(bf16, __nv_bfloat16, 128)
+PAGEDRUN_DECODE_GROUPS(bf16, __nv_bfloat16, 256)
 
 #define PAGEDRUN_DECODE_MERGE(DT, T)                                                            \
     extern "C" __global__ void __launch_bounds__(decode_attn::kThreads)                         \

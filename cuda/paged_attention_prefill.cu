@@ -25,25 +25,37 @@
 // Tiling: a CTA owns kBlockM = 64 query rows of one (request, query head) and walks the keys
 // in tiles of kBlockN = 32 up to its last row's position (tiles past the causal edge are never
 // loaded). Key rows are fetched with cp.async (16 bytes, zero-filled past the context, so
-// NaN in unused slots cannot enter) into padded shared rows, two stages deep: tile i + 1's K
-// and V are in flight while tile i is computed. The second stage is the Q tile's space (Q is
-// needed only until its fragments are in registers), so the pipeline costs no shared memory.
+// NaN in unused slots cannot enter) into padded shared rows, two stages deep up to d128: tile
+// i + 1's K and V are in flight while tile i is computed. The second stage is the Q tile's
+// space (Q is needed only until its fragments are in registers), so the pipeline costs no
+// shared memory.
 //   f16/bf16: each warp owns 16 query rows. Q lives in registers as mma A fragments
 //     (ldmatrix_x4), K tiles are B fragments (ldmatrix_x4), V tiles B fragments through
 //     ldmatrix_x4_trans; P is re-packed from the S accumulators into A fragments without a trip
 //     through shared memory. Softmax state: 2 rows per thread, reductions over the quad.
+//     d256: Q fragments (head_dim / 16 k-steps x 4 = 64 registers) next to the output
+//     accumulators (head_dim / 8 n-tiles x 4 = 128) measured 253-255 registers with Q in
+//     registers: one compiler change from spilling. So at d256 Q stays in shared memory and
+//     each k-step reloads its A fragment (one ldmatrix_x4 more per two of K); the Q rows then
+//     cannot be the second stage, and there is one K/V stage (tile i + 1 is issued once tile i
+//     is consumed; the SM's other CTA covers the wait). Same shared memory formula as below.
 //   f32 (the test instantiation, no fp32 mma): same CTA tile and key loop, one stage (each
-//     K/V tile is waited for before it is used); two threads per query row, each holding half
-//     of head_dim of q and of the output accumulator, scoring 8 keys per online-softmax update.
+//     K/V tile is waited for before it is used); two threads per query row up to d128, each
+//     holding half of head_dim of q and of the output accumulator (64 + 64 registers at d128),
+//     scoring 8 keys per online-softmax update. d256: four threads per row keep those 64 + 64,
+//     so 128 threads cover 32 rows and the 64-row tile runs in two passes over its keys (the
+//     second is skipped when the tile has <= 32 rows).
 // Softmax in fp32, base 2, scores scaled by scale * log2 e.
 //
 // Launch geometry: grid (max over requests of ceil(query_len / 64), num_reqs, num_heads),
 // block 128 (CTAs past their request's rows exit at once). Dynamic shared memory:
-//   f16/bf16: (64 + 2 * 32) * (head_dim + 8) * sizeof(T)  (34,816 bytes at head_dim 128)
-//   f32:      2 * 32 * head_dim * 4                        (32,768 bytes at head_dim 128)
-// (prefill_smem_bytes in runtime/kernels/attention.py), under the 48 KiB default limit.
+//   f16/bf16: (64 + 2 * 32) * (head_dim + 8) * sizeof(T)  (34,816 bytes at d128, 67,584 at d256)
+//   f32:      2 * 32 * head_dim * 4                        (32,768 bytes at d128, 65,536 at d256)
+// (prefill_smem_bytes in runtime/kernels/attention.py). Under the 48 KiB default up to d128;
+// at d256 the wrapper sets the kernel's max_dynamic_shared_size_bytes first (opt_in_smem).
+// Two d256 CTAs need 135 KB: they fit an SM on sm_80 (164 KB) and sm_90 (228 KB).
 //
-// Instantiations: paged_attention_prefill_{f32,f16,bf16}_d{64,128}. block_size is a runtime
+// Instantiations: paged_attention_prefill_{f32,f16,bf16}_d{64,128,256}. block_size is a runtime
 // power of two (16, 32, 64 accepted by the wrapper: attention.py's SUPPORTED_BLOCK_SIZES).
 // Scalars: float scale; int num_heads, num_kv_heads, group_size, block_size_log2,
 // max_blocks_per_seq, sliding_window (0: none).
@@ -51,8 +63,11 @@
 // num_heads, num_kv_heads, group_size, block_size_log2, max_blocks_per_seq, sliding_window).
 // Launched by runtime/kernels/attention.py: paged_prefill_attention.
 //
-// Register budget: 192 per thread at 128 threads (d128: 32 registers of Q fragments, 64 of
-// output accumulators); the gate must show 0 spill bytes.
+// Register budget: 240 per thread at 128 threads; the gate must show 0 spill bytes. Measured
+// (nvcc 13.0, sm_80/sm_90): d64/d128 96-168 (d128 mma: 32 registers of Q fragments, 64 of
+// output accumulators); d256 mma 227-229 (128 of accumulators, Q reloaded from smem), d256 f32
+// 213-220. Anything <= 255 keeps two CTAs per SM at 128 threads, which is also what d256's
+// shared memory allows on sm_80; 240 leaves the gate a margin to flag growth before a spill.
 // Measured: no GPU numbers yet (benchmarks/kernels/bench_attention.py writes them).
 #include "common.cuh"
 #include "ptx.cuh"
@@ -167,9 +182,16 @@ __device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __rest
     constexpr int S_TILES = kBlockN / 8;          // mma n-tiles of S
     constexpr int CHUNKS_PER_ROW = HEAD_DIM * sizeof(T) / kChunk;
     constexpr int ELEMS_PER_CHUNK = kChunk / sizeof(T);
+    // Up to d128, Q's A fragments live in registers (K_STEPS x 4) next to the output
+    // accumulators (D_TILES x 4): 32 + 64 at d128. At d256 that would be 64 + 128 and leave
+    // ptxas at 253-255 registers, one compiler version from spilling; there Q stays in shared
+    // memory and each k-step reloads its A fragment (one more ldmatrix_x4 per two of K).
+    constexpr bool Q_IN_SMEM = HEAD_DIM > 128;
+    constexpr int STAGES = Q_IN_SMEM ? 1 : 2;  // K/V stages in flight
     DYNAMIC_SMEM(T, smem);
     // Q's rows are needed only until its fragments are in registers; then the same space is
     // the second K/V stage (kBlockM == 2 * kBlockN rows: exactly one K tile plus one V tile).
+    // With Q_IN_SMEM the Q rows stay, and one stage is all there is (same smem size).
     static_assert(kBlockM == 2 * kBlockN, "the Q tile doubles as the second K/V stage");
     // Stage z holds kBlockN K rows then kBlockN V rows at stage_k(z); stage 0 sits after Q,
     // stage 1 on top of Q. (Arithmetic, not a pointer table: a table indexed by the runtime
@@ -201,13 +223,16 @@ __device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __rest
     load_kv_tile<T, HEAD_DIM>(stage_k(0) + V_OFFSET, ROW, v_cache, c.kv_begin, c, num_kv_heads,
                               block_size_log2);
     cp_async_commit();
-    cp_async_wait<1>();  // Q landed
-    __syncthreads();
-    uint32_t q_frag[K_STEPS][4];
+    // A fragment of k-step kk from the warp's 16 Q rows.
+    const T* q_frag_src = s_q + (warp * 16 + lane % 16) * ROW + (lane / 16) * 8;
+    uint32_t q_frag[Q_IN_SMEM ? 1 : K_STEPS][4];
+    if constexpr (!Q_IN_SMEM) {
+        cp_async_wait<1>();  // Q landed
+        __syncthreads();
 #pragma unroll
-    for (int kk = 0; kk < K_STEPS; ++kk)
-        ldmatrix_x4(q_frag[kk], s_q + (warp * 16 + lane % 16) * ROW + kk * 16 + (lane / 16) * 8);
-    __syncthreads();  // every warp has its Q fragments: the Q rows become stage 1
+        for (int kk = 0; kk < K_STEPS; ++kk) ldmatrix_x4(q_frag[kk], q_frag_src + kk * 16);
+        __syncthreads();  // every warp has its Q fragments: the Q rows become stage 1
+    }
 
     float o[D_TILES][4];
 #pragma unroll
@@ -224,11 +249,14 @@ __device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __rest
         q_pos[h] = c.first_q_pos + c.tile_row0 + warp * 16 + quad_row + 8 * h;
 
     // Two-stage pipeline: tile i + 1 is in flight while tile i is computed. Every iteration
-    // commits one group (empty past the last tile) so wait<1> always means "tile i landed".
-    for (int kv0 = c.kv_begin, stage = 0; kv0 < c.kv_end; kv0 += kBlockN, stage ^= 1) {
+    // commits one group (empty past the last tile) so wait<STAGES - 1> always means "tile i
+    // landed". One stage (Q_IN_SMEM): tile i + 1 is issued after tile i is consumed, and the
+    // other CTA on the SM hides the wait.
+    for (int kv0 = c.kv_begin, stage = 0; kv0 < c.kv_end;
+         kv0 += kBlockN, stage ^= (STAGES - 1)) {
         const T* s_k = stage_k(stage);
         const T* s_v = s_k + V_OFFSET;
-        if (kv0 + kBlockN < c.kv_end) {
+        if (STAGES == 2 && kv0 + kBlockN < c.kv_end) {
             T* next_k = stage_k(stage ^ 1);
             load_kv_tile<T, HEAD_DIM>(next_k, ROW, k_cache, kv0 + kBlockN, c, num_kv_heads,
                                       block_size_log2);
@@ -236,7 +264,7 @@ __device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __rest
                                       num_kv_heads, block_size_log2);
         }
         cp_async_commit();
-        cp_async_wait<1>();  // tile i landed (tile i + 1 may still be in flight)
+        cp_async_wait<STAGES - 1>();  // tile i (and with Q_IN_SMEM, Q) landed
         __syncthreads();
 
         float s[S_TILES][4];
@@ -246,6 +274,13 @@ __device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __rest
             for (int j = 0; j < 4; ++j) s[n][j] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < K_STEPS; ++kk) {
+            uint32_t a[4];
+            if constexpr (Q_IN_SMEM) {
+                ldmatrix_x4(a, q_frag_src + kk * 16);
+            } else {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) a[j] = q_frag[kk][j];
+            }
 #pragma unroll
             for (int np = 0; np < S_TILES / 2; ++np) {
                 uint32_t b[4];
@@ -253,8 +288,8 @@ __device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __rest
                                    ((lane / 8) % 2) * 8);
                 const uint32_t b0[2] = {b[0], b[1]};
                 const uint32_t b1[2] = {b[2], b[3]};
-                mma_m16n8k16_acc<T>(s[2 * np], q_frag[kk], b0);
-                mma_m16n8k16_acc<T>(s[2 * np + 1], q_frag[kk], b1);
+                mma_m16n8k16_acc<T>(s[2 * np], a, b0);
+                mma_m16n8k16_acc<T>(s[2 * np + 1], a, b1);
             }
         }
 
@@ -314,6 +349,12 @@ __device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __rest
             }
         }
         __syncthreads();  // the next iteration's cp.async overwrites this stage
+        if (STAGES == 1 && kv0 + kBlockN < c.kv_end) {  // committed at the loop's top
+            load_kv_tile<T, HEAD_DIM>(stage_k(0), ROW, k_cache, kv0 + kBlockN, c, num_kv_heads,
+                                      block_size_log2);
+            load_kv_tile<T, HEAD_DIM>(stage_k(0) + V_OFFSET, ROW, v_cache, kv0 + kBlockN, c,
+                                      num_kv_heads, block_size_log2);
+        }
     }
 
 #pragma unroll
@@ -331,23 +372,20 @@ __device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __rest
 }
 
 // ------------------------------------------------------------------ SIMT path (f32)
-template <int HEAD_DIM>
-__device__ __forceinline__ void prefill_simt(float* __restrict__ out, const float* __restrict__ q,
-                                             const float* __restrict__ k_cache,
-                                             const float* __restrict__ v_cache,
-                                             const TileCoords& c, float scale, int num_heads,
-                                             int num_kv_heads, int block_size_log2) {
-    constexpr int HALF = HEAD_DIM / 2;  // dims per thread: two threads share a query row
-    DYNAMIC_SMEM(float, smem);
-    float* s_k = smem;                       // [kBlockN][HEAD_DIM]
-    float* s_v = s_k + kBlockN * HEAD_DIM;   // [kBlockN][HEAD_DIM]
-
+// One pass of the SIMT path: this thread's HALF dims of query row `row` over every key tile.
+template <int HEAD_DIM, int ROW_THREADS>
+__device__ __forceinline__ void prefill_simt_rows(float* __restrict__ out,
+                                                  const float* __restrict__ q,
+                                                  const float* __restrict__ k_cache,
+                                                  const float* __restrict__ v_cache,
+                                                  float* s_k, float* s_v, const TileCoords& c,
+                                                  int row, int dim0, float scale_log2,
+                                                  int num_heads, int num_kv_heads,
+                                                  int block_size_log2) {
+    constexpr int HALF = HEAD_DIM / ROW_THREADS;
     const int head = blockIdx.z;
-    const int row = c.tile_row0 + threadIdx.x / 2;
-    const int dim0 = (threadIdx.x % 2) * HALF;
     const bool row_valid = row < c.query_len;
     const int q_pos = c.first_q_pos + row;
-    const float scale_log2 = scale * kLog2e;
 
     float q_reg[HALF], acc[HALF];
     const float* q_row =
@@ -378,7 +416,9 @@ __device__ __forceinline__ void prefill_simt(float* __restrict__ out, const floa
                 float dot = 0.f;
 #pragma unroll
                 for (int i = 0; i < HALF; ++i) dot = fmaf(q_reg[i], k_row[i], dot);
-                dot += __shfl_xor_sync(kFullMask, dot, 1);
+#pragma unroll
+                for (int offset = 1; offset < ROW_THREADS; offset *= 2)
+                    dot += __shfl_xor_sync(kFullMask, dot, offset);
                 s[j] = key_visible(kv0 + j0 + j, q_pos, c.sliding_window) ? dot : -CUDART_INF_F;
                 sub_max = fmaxf(sub_max, s[j]);
             }
@@ -406,6 +446,41 @@ __device__ __forceinline__ void prefill_simt(float* __restrict__ out, const floa
         out + (static_cast<long long>(c.q_row0 + row) * num_heads + head) * HEAD_DIM + dim0;
 #pragma unroll
     for (int i = 0; i < HALF; ++i) out_row[i] = acc[i] * inv_l;
+}
+
+template <int HEAD_DIM>
+__device__ __forceinline__ void prefill_simt(float* __restrict__ out, const float* __restrict__ q,
+                                             const float* __restrict__ k_cache,
+                                             const float* __restrict__ v_cache,
+                                             const TileCoords& c, float scale, int num_heads,
+                                             int num_kv_heads, int block_size_log2) {
+    // Threads sharing a query row, each holding HALF dims of q and of the accumulator: two up
+    // to d128 (64 + 64 registers at d128); four at d256, which keeps the same 64 + 64 but
+    // covers only 32 of the tile's rows at once, so the tile runs in two passes over its keys.
+    constexpr int ROW_THREADS = HEAD_DIM > 128 ? 4 : 2;
+    constexpr int HALF = HEAD_DIM / ROW_THREADS;  // dims per thread
+    constexpr int PASS_ROWS = kThreads / ROW_THREADS;
+    static_assert(kBlockM % PASS_ROWS == 0, "whole passes per row tile");
+    DYNAMIC_SMEM(float, smem);
+    float* s_k = smem;                       // [kBlockN][HEAD_DIM]
+    float* s_v = s_k + kBlockN * HEAD_DIM;   // [kBlockN][HEAD_DIM]
+
+    const int dim0 = (threadIdx.x % ROW_THREADS) * HALF;
+    const int thread_row = c.tile_row0 + static_cast<int>(threadIdx.x) / ROW_THREADS;
+    const float scale_log2 = scale * kLog2e;
+    if constexpr (PASS_ROWS == kBlockM) {
+        prefill_simt_rows<HEAD_DIM, ROW_THREADS>(out, q, k_cache, v_cache, s_k, s_v, c,
+                                                 thread_row, dim0, scale_log2, num_heads,
+                                                 num_kv_heads, block_size_log2);
+    } else {
+#pragma unroll 1
+        for (int pass_row0 = 0; pass_row0 < kBlockM; pass_row0 += PASS_ROWS) {
+            if (c.tile_row0 + pass_row0 >= c.query_len) break;  // CTA-uniform: no rows left
+            prefill_simt_rows<HEAD_DIM, ROW_THREADS>(out, q, k_cache, v_cache, s_k, s_v, c,
+                                                     thread_row + pass_row0, dim0, scale_log2,
+                                                     num_heads, num_kv_heads, block_size_log2);
+        }
+    }
 }
 
 template <typename T, int HEAD_DIM>
@@ -448,3 +523,6 @@ PAGEDRUN_PREFILL_KERNEL(f16, __half, 64)
 PAGEDRUN_PREFILL_KERNEL(f16, __half, 128)
 PAGEDRUN_PREFILL_KERNEL(bf16, __nv_bfloat16, 64)
 PAGEDRUN_PREFILL_KERNEL(bf16, __nv_bfloat16, 128)
+PAGEDRUN_PREFILL_KERNEL(f32, float, 256)
+PAGEDRUN_PREFILL_KERNEL(f16, __half, 256)
+PAGEDRUN_PREFILL_KERNEL(bf16, __nv_bfloat16, 256)

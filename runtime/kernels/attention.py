@@ -25,7 +25,7 @@ import numpy as np
 from .kernel_args import (UnsupportedKernelShape, array_module, ceil_div, device_num_sms,
                           dtype_suffix, log2_exact, require, require_contiguous, require_int32)
 
-SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_BLOCK_SIZES = (16, 32, 64)
 # Decode instantiations per kv-head group; a group runs on the smallest one that holds it.
 DECODE_GROUPS = (1, 2, 4, 8)
@@ -37,6 +37,9 @@ PREFILL_BLOCK_M = 64    # query rows per CTA (cuda/paged_attention_prefill.cu kB
 PREFILL_BLOCK_N = 32    # keys per tile (kBlockN)
 PREFILL_SMEM_PAD = 8    # elements of padding per shared row on the mma path (kPad)
 FLOAT32_BYTES = 4
+# Dynamic shared memory a launch gets without opting in (CUDA's default per-block limit);
+# above it the wrapper sets the kernel's max_dynamic_shared_size_bytes first (prefill at d256).
+DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024
 
 # Split-K plan. Partitions are whole multiples of 256 tokens, so of every block size.
 PARTITION_GRANULE_TOKENS = 256
@@ -91,9 +94,19 @@ def decode_smem_bytes(group: int, head_dim: int) -> int:
 
 
 def prefill_smem_bytes(dtype_name: str, head_dim: int) -> int:
+    """Dynamic shared memory of a prefill CTA: f32, one K and one V tile; f16/bf16, the Q tile
+    plus one K/V stage (padded rows; below d256 the Q rows double as the second stage).
+    Over DEFAULT_DYNAMIC_SMEM_LIMIT at d256: 65,536 (f32), 67,584 (f16/bf16) bytes."""
     if dtype_name == "f32":
         return 2 * PREFILL_BLOCK_N * head_dim * FLOAT32_BYTES
     return (PREFILL_BLOCK_M + 2 * PREFILL_BLOCK_N) * (head_dim + PREFILL_SMEM_PAD) * 2
+
+
+def opt_in_smem(kernel, nbytes: int) -> None:
+    """Raises the kernel's dynamic shared memory limit to nbytes when the default is too small
+    (cupy.RawKernel / Function attribute; the sim harness checks the same attribute)."""
+    if nbytes > DEFAULT_DYNAMIC_SMEM_LIMIT:
+        kernel.max_dynamic_shared_size_bytes = nbytes
 
 
 def window_arg(sliding_window: int | None) -> np.int32:
@@ -101,28 +114,30 @@ def window_arg(sliding_window: int | None) -> np.int32:
     if sliding_window is None:
         return np.int32(0)
     require(isinstance(sliding_window, (int, np.integer)) and 0 < sliding_window < 2 ** 31,
-            f"sliding_window must be a positive int32 or None, got {sliding_window!r}")
+            lambda: f"sliding_window must be a positive int32 or None, got {sliding_window!r}")
     return np.int32(sliding_window)
 
 
 def _check_attention(q, k_cache, v_cache, block_tables) -> tuple[str, int, int, int]:
     """Returns (dtype suffix, group_size, block_size_log2, head_dim)."""
-    require(q.ndim == 3, f"q must be [tokens, num_heads, head_dim], got shape {q.shape}")
+    require(q.ndim == 3, lambda: f"q must be [tokens, num_heads, head_dim], got shape {q.shape}")
     require(k_cache.ndim == 4 and k_cache.shape == v_cache.shape,
-            f"k_cache {k_cache.shape} / v_cache {v_cache.shape}: expected equal "
+            lambda: f"k_cache {k_cache.shape} / v_cache {v_cache.shape}: expected equal "
             "[num_blocks, block_size, num_kv_heads, head_dim]")
     require(q.dtype == k_cache.dtype == v_cache.dtype,
-            f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+            lambda: f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, "
+                    f"{v_cache.dtype}")
     suffix = dtype_suffix(q)
     num_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     require(head_dim in SUPPORTED_HEAD_DIMS,
-            f"head_dim {head_dim} not supported (instantiated: {SUPPORTED_HEAD_DIMS})")
-    require(cache_head_dim == head_dim, f"cache head_dim {cache_head_dim} != q head_dim {head_dim}")
+            lambda: f"head_dim {head_dim} not supported (instantiated: {SUPPORTED_HEAD_DIMS})")
+    require(cache_head_dim == head_dim, lambda: f"cache head_dim {cache_head_dim} != q head_dim "
+                                                f"{head_dim}")
     require(block_size in SUPPORTED_BLOCK_SIZES,
-            f"block_size {block_size} not supported (supported: {SUPPORTED_BLOCK_SIZES})")
+            lambda: f"block_size {block_size} not supported (supported: {SUPPORTED_BLOCK_SIZES})")
     require(num_heads % num_kv_heads == 0,
-            f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
+            lambda: f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         require_contiguous(name, x)
     require_int32("block_tables", block_tables, 2)
@@ -149,7 +164,8 @@ def paged_decode_attention(module, q, k_cache, v_cache, block_tables, context_le
     num_kv_heads = k_cache.shape[2]
     require_int32("context_lens", context_lens, 1)
     require(context_lens.shape[0] == num_seqs and block_tables.shape[0] == num_seqs,
-            f"context_lens {context_lens.shape} / block_tables {block_tables.shape} rows must "
+            lambda: f"context_lens {context_lens.shape} / block_tables {block_tables.shape} "
+                    f"rows must "
             f"match q's {num_seqs} sequences")
     if out is None:
         out = xp.empty_like(q)
@@ -160,7 +176,7 @@ def paged_decode_attention(module, q, k_cache, v_cache, block_tables, context_le
     if max_context_len is None:
         max_context_len = int(context_lens.max())
     require(max_context_len <= block_tables.shape[1] << block_size_log2,
-            f"context of {max_context_len} tokens exceeds the block table's "
+            lambda: f"context of {max_context_len} tokens exceeds the block table's "
             f"{block_tables.shape[1]} blocks")
     window = window_arg(sliding_window)
     # Keys a query sees: the whole context, or its last sliding_window tokens.
@@ -170,7 +186,7 @@ def paged_decode_attention(module, q, k_cache, v_cache, block_tables, context_le
                                   num_sms or device_num_sms(xp))
     require(split.num_splits >= 1 and split.partition_size >= 1 and
             split.num_splits * split.partition_size >= max_visible,
-            f"split {split} does not cover {max_visible} visible tokens")
+            lambda: f"split {split} does not cover {max_visible} visible tokens")
 
     group = decode_group_instantiation(group_size)
     kernel = module.get_function(f"paged_attention_decode_{suffix}_d{head_dim}_g{group}")
@@ -219,7 +235,8 @@ def paged_prefill_attention(module, q, k_cache, v_cache, block_tables, query_sta
     require_int32("context_lens", context_lens, 1)
     num_reqs = context_lens.shape[0]
     require(query_start_loc.shape[0] == num_reqs + 1 and block_tables.shape[0] == num_reqs,
-            f"query_start_loc {query_start_loc.shape} must be [num_reqs + 1] and block_tables "
+            lambda: f"query_start_loc {query_start_loc.shape} must be [num_reqs + 1] and "
+                    f"block_tables "
             f"{block_tables.shape} [num_reqs, max_blocks] for {num_reqs} requests")
     if out is None:
         out = xp.zeros_like(q)
@@ -232,11 +249,13 @@ def paged_prefill_attention(module, q, k_cache, v_cache, block_tables, query_sta
     if max_query_len <= 0:
         return out
     kernel = module.get_function(f"paged_attention_prefill_{suffix}_d{head_dim}")
+    smem = prefill_smem_bytes(suffix, head_dim)
+    opt_in_smem(kernel, smem)
     num_row_tiles = ceil_div(max_query_len, PREFILL_BLOCK_M)
     kernel((num_row_tiles, num_reqs, num_heads), (PREFILL_THREADS,),
            (out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
             np.float32(scale), np.int32(num_heads), np.int32(num_kv_heads),
             np.int32(group_size), np.int32(block_size_log2), np.int32(block_tables.shape[1]),
             window),
-           shared_mem=prefill_smem_bytes(suffix, head_dim))
+           shared_mem=smem)
     return out

@@ -42,7 +42,7 @@ def run_decode(rng, dt, context_lens, *, num_kv_heads=NUM_KV_HEADS, group=4, hea
 
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("group", (1, 4, 8))
-@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("head_dim", (64, 128, 256))
 def test_decode_matches_reference(rng, dt, group, head_dim):
     run_decode(rng, dt, AWKWARD_CONTEXTS, group=group, head_dim=head_dim,
                num_kv_heads=1 if group == 8 else NUM_KV_HEADS)
@@ -88,6 +88,16 @@ def test_decode_sliding_window(rng, dt, window, split):
     run_decode(rng, dt, (1, 17, 40, 111, 64), sliding_window=window, split=split)
 
 
+@pytest.mark.parametrize("dt", DTYPES)
+def test_decode_d256_split_and_window(rng, dt):
+    # Gemma 3's shape (head_dim 256, 2 query heads per kv head: the g2 instantiation; f32 gives
+    # each lane two 16-byte vectors of a row), split over 32-token partitions, then a sliding
+    # window walked by two splits.
+    run_decode(rng, dt, AWKWARD_CONTEXTS, group=2, head_dim=256, split=DecodeSplitPlan(4, 32))
+    run_decode(rng, dt, (1, 17, 40, 111), group=2, head_dim=256, sliding_window=40,
+               split=DecodeSplitPlan(2, 32))
+
+
 def _inputs(dt="f16", num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, num_seqs=2):
     np_dt = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[dt]
     q = np.zeros((num_seqs, num_heads, head_dim), np_dt)
@@ -107,6 +117,7 @@ def _call(**overrides):
 
 @pytest.mark.parametrize("case,overrides", [
     ("head_dim 96", _inputs(head_dim=96)),
+    ("head_dim 512", _inputs(head_dim=512)),
     ("block_size 8", _inputs(block_size=8)),
     ("block_size 24", _inputs(block_size=24)),
     ("group 16", _inputs(num_heads=16, num_kv_heads=1)),

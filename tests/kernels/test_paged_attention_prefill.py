@@ -50,7 +50,7 @@ def run_prefill(rng, dt, requests, *, num_kv_heads=2, group=4, head_dim=64, bloc
 
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("group", (1, 4, 8))
-@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("head_dim", (64, 128, 256))
 def test_prefill_matches_reference(rng, dt, group, head_dim):
     run_prefill(rng, dt, MIXED_BATCH, group=group, head_dim=head_dim,
                 num_kv_heads=1 if group == 8 else 2)
@@ -90,6 +90,13 @@ def test_prefill_sliding_window(rng, dt, window):
     run_prefill(rng, dt, MIXED_BATCH, sliding_window=window)
 
 
+@pytest.mark.parametrize("dt", DTYPES)
+def test_prefill_d256_sliding_window(rng, dt):
+    # head_dim 256 (Gemma 3): f32 runs each 64-row tile in two 32-row passes, f16/bf16 reload Q
+    # from shared memory with one K/V stage; a 33-token window over the mixed batch.
+    run_prefill(rng, dt, MIXED_BATCH, group=2, head_dim=256, sliding_window=33)
+
+
 def _call(dt=np.float16, head_dim=64, block_size=16, num_heads=4, num_kv_heads=2, **overrides):
     args = dict(q=np.zeros((4, num_heads, head_dim), dt),
                 k_cache=np.zeros((4, block_size, num_kv_heads, head_dim), dt),
@@ -105,6 +112,7 @@ def _call(dt=np.float16, head_dim=64, block_size=16, num_heads=4, num_kv_heads=2
 
 @pytest.mark.parametrize("case,overrides", [
     ("head_dim 80", dict(head_dim=80)),
+    ("head_dim 512", dict(head_dim=512)),
     ("block_size 128", dict(block_size=128)),
     ("float64", dict(dt=np.float64)),
     ("heads not a multiple", dict(num_heads=3)),
