@@ -57,6 +57,20 @@ def test_cuda_bf16_logits_within_tolerance(sim_model):
     assert np.all(err <= BF16_LOGIT_ATOL + BF16_LOGIT_RTOL * np.abs(expected)), err.max()
 
 
+def _default_model_installed() -> bool:
+    from pagedrun.runtime.default_model import default_gguf_path
+    from pagedrun.runtime.errors import PagedRunError
+
+    try:
+        default_gguf_path()
+    except PagedRunError:
+        return False
+    return True
+
+
+# The default model (94 MB) does not fit what travels to a leased GPU machine (64 MiB): there
+# the tiny random model above carries the check, and this one runs where the package is.
+@pytest.mark.skipif(not _default_model_installed(), reason="default model package not installed")
 def test_default_model_greedy_cuda_equals_cpu():
     from pagedrun import LLM
 

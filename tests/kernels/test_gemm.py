@@ -134,8 +134,11 @@ def test_row_views_off_a_16_byte_boundary(rng, dt):
     full, full_ref = as_kernel_dtype(rng.standard_normal((M + 1, K)), dt)
     w, w_ref = as_kernel_dtype(rng.standard_normal((N, K)), dt)
     flat = np.concatenate([np.zeros(4 // full.itemsize, full.dtype), full.ravel()])
-    a = flat[4 // full.itemsize:].reshape(M + 1, K)[1:]  # starts 4 bytes past an aligned row
-    assert a.flags.c_contiguous and (a.ctypes.data % 16) != 0
+    # Views of a device copy (a host view sent to a GPU would be copied to aligned memory).
+    a = to_device(flat)[4 // full.itemsize:].reshape(M + 1, K)[1:]  # 4 bytes past a row start
+    w = to_device(w)
+    address = a.data.ptr if BACKEND == "cuda" else a.ctypes.data
+    assert a.flags.c_contiguous and address % 16 != 0
     out = gemm(module(), a, w, num_sms=SIM_NUM_SMS)
     expected = full_ref[1:].astype(np.float64) @ w_ref.astype(np.float64).T
     assert_close(result_f32(out, dt), expected, _tol(dt, K), f"misaligned {dt}")
