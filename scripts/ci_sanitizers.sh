@@ -3,7 +3,9 @@
 # runtime preloaded into Python. SimModule sees the loaded runtime and builds every kernel
 # module with the matching -fsanitize flags (runtime/kernels/sim_module.py), so the tests run
 # unchanged:
-#   1. ASan + UBSan over tests/sim and tests/kernels (measured 1-3 min on 2 cores).
+#   1. ASan + UBSan over tests/sim and tests/kernels (measured 1-3 min on 2 cores), under a
+#      shuffled harness schedule (--sim-schedule-seed random: block and thread order drawn
+#      afresh, the seed printed for a replay), so a race that index order hides can surface.
 #   2. TSan over tests/sim and tests/kernels minus the tests selected away by TSAN_KERNEL_SKIP
 #      (a pytest -k expression; default: the statistical sampling tests, which launch large
 #      grids many times and take 2+ min alone under TSan). Measured 3 min on 2 cores.
@@ -29,7 +31,7 @@ echo "--- ASan + UBSan: ${KERNEL_TESTS[*]}"
 LD_PRELOAD="$LIBASAN" \
 ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1" \
 UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" \
-  "$PY" -m pytest -q -s -p no:cacheprovider "${KERNEL_TESTS[@]}"
+  "$PY" -m pytest -q -s -p no:cacheprovider "${KERNEL_TESTS[@]}" --sim-schedule-seed random
 
 echo "--- TSan: ${KERNEL_TESTS[*]} (without: $TSAN_KERNEL_SKIP)"
 LD_PRELOAD="$LIBTSAN" \

@@ -9,6 +9,7 @@ lets test modules write e.g. `import pagedrun_tests_tiny_gguf as tiny_gguf`.
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -41,3 +42,21 @@ def pytest_addoption(parser) -> None:
     parser.addoption("--engine-backends", default="all", metavar="NAMES",
                      help="comma-separated engine test backends (cpu, cpu-bf16, sim) or 'all'; "
                           "CI's later tiers re-run the engine tests on cpu only")
+    # The CPU harness's schedule (cuda/sim/runtime.cpp, "Schedule randomisation"): 0 runs
+    # blocks and threads in index order; a seed, or "random" (one drawn and printed), shuffles
+    # them so a race whose outcome index order fixes shows up. CI's sanitizer tier runs the
+    # kernel tests with "random".
+    parser.addoption("--sim-schedule-seed", default="0", metavar="SEED",
+                     help="CPU harness block/thread order: 0 (index order), an int, or random")
+
+
+def pytest_configure(config) -> None:
+    value = config.getoption("--sim-schedule-seed")
+    seed = int.from_bytes(os.urandom(8), "little") if value == "random" \
+        else int(value)
+    if seed:
+        from pagedrun.runtime.kernels import sim_module
+
+        sim_module.set_schedule_seed(seed)
+        # Printed where -q and captured output still show it, so a failure replays.
+        sys.stderr.write(f"CPU harness schedule seed {seed} (--sim-schedule-seed {seed})\n")

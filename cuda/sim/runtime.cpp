@@ -164,6 +164,29 @@ struct Launch {
 Launch* g_L = nullptr;
 uint64_t g_block_serial = 0;  // bumped per block: twins' side state keyed by it resets itself
 
+// Schedule randomisation (pagedrun_sim_set_schedule_seed): 0 runs blocks in grid order and,
+// in each scheduling round, the runnable threads in thread order -- deterministic, and
+// blind to a race whose outcome that order happens to fix (a read of a value another thread
+// wrote without a barrier between them sees it whenever the writer's index is lower). A
+// non-zero seed shuffles the block order of each launch and the thread order of every round,
+// as a GPU's warp scheduler is free to, so such races show up under some seeds; each launch
+// draws a fresh permutation from (seed, launch count), so a seed replays exactly.
+uint64_t g_schedule_seed = 0;
+uint64_t g_schedule_state = 0;
+uint64_t g_launch_serial = 0;
+
+uint64_t next_random() {  // splitmix64
+    uint64_t z = (g_schedule_state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+template <typename T>
+void shuffle(std::vector<T>& v) {  // Fisher-Yates
+    for (std::size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[next_random() % i]);
+}
+
 // Static __shared__ variables are `static thread_local` (see sim.cuh: GCC drops section
 // attributes on template-instantiated statics, but every thread_local of the module lands
 // in its PT_TLS segment). This anchor forces the segment to exist in the calling thread.
@@ -413,11 +436,15 @@ void run_block() {
         init_fiber_stack(f);
     }
     tsan_release(&L.tsan_block_start);
+    std::vector<unsigned> order(L.nthreads);
+    for (unsigned i = 0; i < L.nthreads; ++i) order[i] = i;
     unsigned done = 0;
     while (done < L.nthreads) {
         bool progress = false;
         done = 0;
-        for (auto& f : L.fibers) {
+        if (g_schedule_seed) shuffle(order);
+        for (unsigned i : order) {
+            Fiber& f = L.fibers[i];
             if (f.state == State::WaitCond) {
                 tsan_acquire(&L.tsan_cond_token);  // the predicate reads what waiters released
                 if (f.ready(f.ready_ctx)) f.state = State::Runnable;
@@ -503,6 +530,22 @@ struct FaultGuard {
 
 void run_grid(const unsigned* grid) {
     Launch& L = *g_L;
+    ++g_launch_serial;
+    if (g_schedule_seed) {
+        g_schedule_state = g_schedule_seed ^ (g_launch_serial * 0xd1b54a32d192ed03ull);
+        std::vector<uint3> blocks;
+        blocks.reserve(std::size_t(grid[0]) * grid[1] * grid[2]);
+        for (unsigned z = 0; z < grid[2]; ++z)
+            for (unsigned y = 0; y < grid[1]; ++y)
+                for (unsigned x = 0; x < grid[0]; ++x) blocks.push_back({x, y, z});
+        shuffle(blocks);
+        for (const uint3& b : blocks) {
+            if (L.failed) break;
+            g_launch.block_idx = b;
+            run_block();
+        }
+        return;
+    }
     for (unsigned z = 0; z < grid[2] && !L.failed; ++z)
         for (unsigned y = 0; y < grid[1] && !L.failed; ++y)
             for (unsigned x = 0; x < grid[0] && !L.failed; ++x) {
@@ -791,3 +834,10 @@ int launch(const char* kernel_name, KernelBody body, void* fn, const unsigned* g
 }
 
 }  // namespace pagedrun_sim
+
+// Python (runtime/kernels/sim_module.py: set_schedule_seed) sets it in each loaded module's
+// copy of this runtime before a launch; 0 restores the deterministic order.
+extern "C" __attribute__((visibility("default"))) void pagedrun_sim_set_schedule_seed(
+    unsigned long long seed) {
+    pagedrun_sim::g_schedule_seed = seed;
+}

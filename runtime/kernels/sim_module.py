@@ -179,6 +179,23 @@ def _runtime_object(mode: str) -> Path:
     return target
 
 
+# The harness's schedule (cuda/sim/runtime.cpp, "Schedule randomisation"): 0 runs blocks and
+# threads in index order; any other value shuffles both, reproducibly per seed.
+_schedule_seed = 0
+
+
+def set_schedule_seed(seed: int) -> None:
+    """Randomise the block and thread order of every later launch (0: index order)."""
+    global _schedule_seed
+    if not 0 <= int(seed) < 2 ** 64:
+        raise ValueError(f"schedule seed must be in [0, 2**64), got {seed}")
+    _schedule_seed = int(seed)
+
+
+def schedule_seed() -> int:
+    return _schedule_seed
+
+
 class SimFunction:
     """One kernel of a SimModule; call as fn(grid, block, args, shared_mem=0)."""
 
@@ -230,6 +247,7 @@ class SimFunction:
             ptrs[i] = ctypes.cast(ctypes.pointer(holder), ctypes.c_void_p)
         err = ctypes.create_string_buffer(_ERR_LEN)
         with _LAUNCH_LOCK:
+            self.module.apply_schedule_seed()
             rc = self._launch((ctypes.c_uint * 3)(*grid3), (ctypes.c_uint * 3)(*block3),
                               int(shared_mem), ptrs, err, _ERR_LEN)
         if rc != 0:
@@ -309,6 +327,16 @@ class SimModule:
         _atomic_build(self.path, build)
         self._lib = ctypes.CDLL(str(self.path))
         self._functions: dict[str, SimFunction] = {}
+        self._set_schedule_seed = self._lib.pagedrun_sim_set_schedule_seed
+        self._set_schedule_seed.argtypes = [ctypes.c_ulonglong]
+        self._set_schedule_seed.restype = None
+        self._schedule_seed = 0  # what this module's runtime copy holds
+
+    def apply_schedule_seed(self) -> None:
+        """Bring this module's runtime to the process-wide seed (set_schedule_seed)."""
+        if self._schedule_seed != _schedule_seed:
+            self._set_schedule_seed(_schedule_seed)
+            self._schedule_seed = _schedule_seed
 
     def get_function(self, name: str) -> SimFunction:
         if name not in self._functions:

@@ -209,3 +209,54 @@ def test_launch_bounds_are_enforced(smoke):
     np.testing.assert_array_equal(y, np.arange(64))
     with pytest.raises(SimKernelError, match="exceeds its __launch_bounds__ of 64"):
         fn(1, (32, 3), (np.zeros(96, np.int32),))
+
+
+@pytest.fixture
+def schedule_seed():
+    """Sets the harness's schedule seed for one test and restores the session's afterwards."""
+    from pagedrun.runtime.kernels import sim_module
+
+    before = sim_module.schedule_seed()
+    yield sim_module.set_schedule_seed
+    sim_module.set_schedule_seed(before)
+
+
+def _racy(smoke, threads=64):
+    data = np.zeros(threads, np.int32)
+    out = np.full(threads, -1, np.int32)
+    smoke.get_function("racy_neighbour_read")((1,), (threads,), (data, out))
+    return out
+
+
+def _block_order(smoke, blocks=40):
+    counter = np.zeros(1, np.int32)
+    order = np.full(blocks, -1, np.int32)
+    smoke.get_function("block_order")((blocks,), (32,), (counter, order))
+    return order
+
+
+def test_index_order_schedule_hides_the_race(smoke, schedule_seed):
+    schedule_seed(0)
+    out = _racy(smoke)
+    t = np.arange(64)
+    np.testing.assert_array_equal(out, np.where(t % 2 == 0, 0, t))  # even first, always
+    np.testing.assert_array_equal(_block_order(smoke), np.arange(40))
+
+
+def test_random_schedule_exposes_the_race(smoke, schedule_seed):
+    t = np.arange(64)
+    index_order = np.where(t % 2 == 0, 0, t)
+    schedule_seed(12345)
+    first = _racy(smoke), _block_order(smoke)
+    # 32 pairs per launch, each run in either order: all even-first is a 2^-32 event.
+    assert (first[0] != index_order).any()
+    assert sorted(first[1]) == list(range(40)) and (first[1] != np.arange(40)).any()
+    # Every outcome is one a GPU may produce: a pair reads (0, even + 1) or (odd + 1, 0).
+    even, odd = first[0][0::2], first[0][1::2]
+    assert (((even == 0) & (odd == t[0::2] + 1)) | ((even == t[0::2] + 2) & (odd == 0))).all()
+
+
+@pytest.mark.parametrize("seed", (1, 2, 3))
+def test_race_free_kernels_agree_under_random_schedules(smoke, rng, schedule_seed, seed):
+    schedule_seed(seed)
+    test_block_reverse_through_shared_memory(smoke, rng, 989, 256)

@@ -116,3 +116,17 @@ constexpr int kThreads = 64;
 extern "C" __global__ void __launch_bounds__(smoke_bounds::kThreads, 2) bounded_iota(int* y) {
     y[threadIdx.x] = int(threadIdx.x);
 }
+
+// A planted race for the harness's schedule randomisation: each thread writes its slot and,
+// with no barrier, reads its neighbour's (t ^ 1). Index order always runs the even thread
+// first, so it reads 0 and the odd one reads the even's value; any order is legal on a GPU.
+extern "C" __global__ void racy_neighbour_read(int* data, int* out) {
+    const int t = threadIdx.x;
+    data[t] = t + 1;
+    out[t] = data[t ^ 1];
+}
+
+// Block execution order, as seen by an atomic ticket (thread 0 of each block).
+extern "C" __global__ void block_order(int* counter, int* order) {
+    if (threadIdx.x == 0) order[atomicAdd(counter, 1)] = blockIdx.x;
+}
