@@ -230,6 +230,14 @@ def apply_penalties(logits: np.ndarray, params: Sequence[SamplingParams],
                 row[output_ids] -= np.float32(p.presence_penalty)
 
 
+def may_process(p: SamplingParams) -> bool:
+    """Whether steps 1-4 can change a row of these params (False: they leave it untouched; a
+    superset, since e.g. a bad word may not complete this step)."""
+    return bool(p.allowed_token_ids is not None or p.bad_words_token_ids or p.min_tokens
+                or p.logit_bias or p.repetition_penalty != 1.0 or p.frequency_penalty
+                or p.presence_penalty)
+
+
 def apply_logits_processors(logits: np.ndarray, params: Sequence[SamplingParams],
                             prompt_token_ids: Sequence[np.ndarray],
                             output_token_ids: Sequence[Sequence[int]],
@@ -404,14 +412,20 @@ class Sampler:
         values = raw_values(logits[want] if raw_mode and want else None, want,
                             self.logprobs_mode)  # fancy indexing: a copy
 
-        processed = logits.copy()
-        apply_logits_processors(processed, params, prompt_token_ids, output_token_ids,
-                                self.eos_token_ids)
+        # Steps 1-4 work on a copy, made only when some row has a processor: at large batches
+        # the [rows, vocab] copy was most of a greedy step's sampling time.
+        processed = logits
+        if any(may_process(p) for p in params):
+            processed = logits.copy()
+            apply_logits_processors(processed, params, prompt_token_ids, output_token_ids,
+                                    self.eos_token_ids)
 
         token_ids = np.empty(num_rows, dtype=np.int32)
         greedy = np.array([p.greedy for p in params], dtype=bool)
-        if greedy.any():
-            token_ids[greedy] = np.argmax(processed[greedy], axis=1)  # first max: lowest id
+        if greedy.all():  # no fancy-index copy of the whole batch
+            token_ids[:] = np.argmax(processed, axis=1)  # first max: lowest id
+        elif greedy.any():
+            token_ids[greedy] = np.argmax(processed[greedy], axis=1)
         if not raw_mode:
             values.update((i, processed[i]) for i in want if greedy[i])
         sampled_rows = np.flatnonzero(~greedy)
