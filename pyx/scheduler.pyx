@@ -12,6 +12,12 @@ What this module owns
   `SchedulerOutput` of flat int32 numpy arrays ready for one host-to-device copy.
 - `update_from_output()`: advances `num_computed_tokens`, appends sampled tokens, offers newly
   full blocks to the prefix cache, finishes requests and frees their blocks.
+- Adapter admission (multi-LoRA): with `max_loras` > 0, at most that many distinct adapters
+  (nonzero `lora_id`s) are held by running requests, the device slots the model runner has. A
+  waiting request whose adapter is not running while every slot is taken is skipped (it stays
+  waiting, not failed) and later requests may still be admitted; a count per active adapter is
+  kept, changed wherever a request enters or leaves `running` (admit, fork, finish, abort,
+  preempt). `SchedulerOutput.lora_ids` gives each row's adapter.
 - Invariant checks (`check_invariants()`, and after every step when
   `SchedulerConfig.check_invariants`): violations raise `SchedulerInvariantError`.
 
@@ -59,6 +65,7 @@ cdef struct ReqState:
     int64_t arrival_seq
     uint64_t cache_salt
     int32_t num_prompt_tokens
+    int32_t lora_id             # the request's adapter (lora_int_id); 0: the base model
 
 
 class SchedulerInvariantError(AssertionError):
@@ -72,7 +79,7 @@ class SchedulerConfig:
                  max_num_batched_tokens: int = 2048, max_model_len: int = 8192,
                  enable_prefix_caching: bool = True, num_cpu_blocks: int = 0,
                  preemption_mode: str = "recompute", long_prefill_token_threshold: int = 0,
-                 check_invariants: bool = False):
+                 check_invariants: bool = False, max_loras: int = 0):
         self.num_gpu_blocks = int(num_gpu_blocks)
         self.block_size = int(block_size)
         self.max_num_seqs = int(max_num_seqs)
@@ -83,12 +90,15 @@ class SchedulerConfig:
         self.preemption_mode = preemption_mode
         self.long_prefill_token_threshold = int(long_prefill_token_threshold)
         self.check_invariants = bool(check_invariants)
+        self.max_loras = int(max_loras)  # 0: no adapter limit (LoRA off)
         for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
                      "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if self.num_cpu_blocks < 0 or self.long_prefill_token_threshold < 0:
-            raise ValueError("num_cpu_blocks and long_prefill_token_threshold must be >= 0")
+        if (self.num_cpu_blocks < 0 or self.long_prefill_token_threshold < 0
+                or self.max_loras < 0):
+            raise ValueError("num_cpu_blocks, long_prefill_token_threshold and max_loras must "
+                             "be >= 0")
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode: must be one of {PREEMPTION_MODES}, "
                              f"got {preemption_mode!r}")
@@ -120,6 +130,7 @@ cdef class SchedulerOutput:
     cdef readonly object preempted_ids          # int64 [k]
     cdef readonly object new_req_ids            # int64 [m]
     cdef readonly object num_prefix_cached_tokens  # int32 [m]
+    cdef readonly object lora_ids               # int32 [num_reqs], 0: no adapter
     cdef readonly int64_t step_id
     cdef object _slots                          # int32 [num_reqs] scheduler slots
     cdef object _slot_gens                      # uint32 [num_reqs]
@@ -176,6 +187,11 @@ cdef class Scheduler:
     cdef bint in_hot_loop              # a GIL-free section runs (see _enter)
     # counters
     cdef int64_t num_preemptions, prefix_queries, prefix_hits
+    # adapters held by running requests: (lora_id, count) pairs, max_loras of them at most
+    cdef int32_t max_loras
+    cdef int32_t* active_lora_ids      # [max_loras]
+    cdef int32_t* active_lora_counts   # [max_loras]
+    cdef int32_t num_active_loras
 
     def __cinit__(self, config):
         self.reqs = NULL
@@ -188,6 +204,8 @@ cdef class Scheduler:
         self.new_num_cached = NULL
         self.preempted_slots = NULL
         self.finished_slots = NULL
+        self.active_lora_ids = NULL
+        self.active_lora_counts = NULL
         self.num_slots = 0
 
     def __init__(self, config: SchedulerConfig):
@@ -211,7 +229,13 @@ cdef class Scheduler:
         self.row_num_computed = <int32_t*>malloc(n * sizeof(int32_t))
         self.new_num_cached = <int32_t*>malloc(n * sizeof(int32_t))
         self.finished_slots = <int32_t*>malloc(n * sizeof(int32_t))
-        if (self.running == NULL or self.row_slot == NULL or self.row_query_len == NULL
+        self.max_loras = config.max_loras
+        self.num_active_loras = 0
+        # One entry per running request at most, whatever max_loras says.
+        self.active_lora_ids = <int32_t*>malloc(n * sizeof(int32_t))
+        self.active_lora_counts = <int32_t*>malloc(n * sizeof(int32_t))
+        if (self.active_lora_ids == NULL or self.active_lora_counts == NULL
+                or self.running == NULL or self.row_slot == NULL or self.row_query_len == NULL
                 or self.row_num_computed == NULL or self.new_num_cached == NULL
                 or self.finished_slots == NULL):
             raise MemoryError("Scheduler: out of host memory")
@@ -239,6 +263,7 @@ cdef class Scheduler:
         free(self.free_slots); free(self.waiting); free(self.running); free(self.row_slot)
         free(self.row_query_len); free(self.row_num_computed); free(self.new_num_cached)
         free(self.preempted_slots); free(self.finished_slots)
+        free(self.active_lora_ids); free(self.active_lora_counts)
 
     cdef int _grow_slots(self, int32_t num_slots) except -1:
         cdef int32_t old = self.num_slots
@@ -315,10 +340,49 @@ cdef class Scheduler:
                 n[0] -= 1
                 return
 
+    # ---------------------------------------------------------------- adapters
+    cdef inline int32_t _lora_index(self, int32_t lora_id) noexcept nogil:
+        cdef int32_t i
+        for i in range(self.num_active_loras):
+            if self.active_lora_ids[i] == lora_id:
+                return i
+        return -1
+
+    cdef inline bint _lora_can_run(self, int32_t lora_id) noexcept nogil:
+        """Whether a request of this adapter may enter `running` now."""
+        return (lora_id == 0 or self.max_loras == 0 or self.num_active_loras < self.max_loras
+                or self._lora_index(lora_id) >= 0)
+
+    cdef void _lora_enter(self, int32_t lora_id) noexcept nogil:
+        """A request of this adapter entered `running`."""
+        if lora_id == 0:
+            return
+        cdef int32_t i = self._lora_index(lora_id)
+        if i < 0:
+            i = self.num_active_loras
+            self.active_lora_ids[i] = lora_id
+            self.active_lora_counts[i] = 0
+            self.num_active_loras += 1
+        self.active_lora_counts[i] += 1
+
+    cdef void _lora_leave(self, int32_t lora_id) noexcept nogil:
+        """A request of this adapter left `running` (finished, aborted, preempted)."""
+        if lora_id == 0:
+            return
+        cdef int32_t i = self._lora_index(lora_id)
+        if i < 0:
+            return  # unreachable: check_invariants compares the table with `running`
+        self.active_lora_counts[i] -= 1
+        if self.active_lora_counts[i] == 0:
+            self.num_active_loras -= 1
+            self.active_lora_ids[i] = self.active_lora_ids[self.num_active_loras]
+            self.active_lora_counts[i] = self.active_lora_counts[self.num_active_loras]
+
     # ---------------------------------------------------------------- Python API
     def add_request(self, request_id: int, prompt_token_ids, max_tokens: int,
-                    priority: int = 0, cache_salt: int = 0) -> None:
-        """Queue a request. prompt_token_ids: int32 [num_prompt_tokens] (converted if not)."""
+                    priority: int = 0, cache_salt: int = 0, lora_id: int = 0) -> None:
+        """Queue a request. prompt_token_ids: int32 [num_prompt_tokens] (converted if not);
+        lora_id: its adapter's lora_int_id (0: the base model)."""
         self._enter()
         if self.awaiting_update:
             raise RuntimeError("add_request between schedule() and update_from_output()")
@@ -333,6 +397,11 @@ cdef class Scheduler:
             raise ValueError(f"request {request_id}: max_tokens must be >= 1, got {max_tokens}")
         if request_id in self.slot_of:
             raise ValueError(f"request {request_id}: duplicate live request id")
+        if not 0 <= lora_id < 2**31:
+            raise ValueError(f"request {request_id}: lora_id must be in [0, 2**31), got {lora_id}")
+        if lora_id and self.max_loras == 0:
+            raise ValueError(f"request {request_id}: an adapter (lora_id {lora_id}) needs "
+                             f"max_loras > 0")
         cdef int64_t longest = min(<int64_t>n + max_tokens, <int64_t>self.max_model_len)
         if cdiv(<int32_t>longest, self.block_size) > self.kv.gpu_pool.num_blocks:
             raise ValueError(f"request {request_id}: up to {longest} tokens can never fit in "
@@ -358,6 +427,7 @@ cdef class Scheduler:
         r.arrival_seq = self.next_arrival_seq
         self.next_arrival_seq += 1
         r.cache_salt = <uint64_t>(cache_salt & 0xFFFFFFFFFFFFFFFF)
+        r.lora_id = lora_id
         r.status = WAITING
         self.slot_of[request_id] = s
         self._enqueue_waiting(s)
@@ -374,6 +444,7 @@ cdef class Scheduler:
     cdef void _drop(self, int32_t s) noexcept nogil:
         if self.reqs[s].status == RUNNING:
             self._remove_from(self.running, &self.num_running_, s)
+            self._lora_leave(self.reqs[s].lora_id)
         else:
             self._remove_from(self.waiting, &self.num_waiting_, s)
         self.kv.free_blocks(s)
@@ -415,6 +486,7 @@ cdef class Scheduler:
                 raise MemoryError("fork: out of host memory")
             self.running[self.num_running_] = c
             self.num_running_ += 1
+            self._lora_enter(rc.lora_id)  # the parent's adapter: already active
         else:
             rc.num_computed_tokens = 0
             rc.status = WAITING
@@ -494,6 +566,7 @@ cdef class Scheduler:
 
     cdef void _preempt(self, int32_t s) noexcept nogil:
         """Take s (already removed from `running`) back to the waiting queue."""
+        self._lora_leave(self.reqs[s].lora_id)
         if self.swap_enabled and self.kv.can_swap_out(s):
             self.kv.swap_out(s)
             self.reqs[s].status = SWAPPED
@@ -526,14 +599,16 @@ cdef class Scheduler:
         # So a long prompt never starves running decodes; it advances by whatever is left.
         # New requests are then admitted from the waiting queue while budget, `max_num_seqs`
         # and free blocks last (head-of-line: the first one that does not fit stops admission;
-        # the admitted one gets min(its remaining tokens, threshold, budget left)).
+        # the admitted one gets min(its remaining tokens, threshold, budget left)). A request
+        # whose adapter cannot run (max_loras other adapters are running) is skipped, not a
+        # stop: it keeps its place and the ones behind it may go.
         # Blocks: when a running request cannot get blocks for its chunk, the most recently
         # admitted running request is preempted (it may be the request itself) until it can.
         # No request is admitted in a step that preempted (it would be the next victim, and it
         # keeps swap-in and swap-out out of the same step).
         cdef int32_t budget = self.max_num_batched_tokens
         cdef int32_t threshold = self.long_prefill_token_threshold
-        cdef int32_t i, s, n, victim, remaining, num_hits
+        cdef int32_t i, s, n, victim, remaining, num_hits, w
         cdef int32_t num_decodes_left = 0
         cdef bint preempted_self
         cdef ReqState* r
@@ -576,9 +651,13 @@ cdef class Scheduler:
             i += 1
         if self.num_preempted > 0:
             return
-        while self.num_waiting_ > 0 and budget > 0 and self.num_running_ < self.max_num_seqs:
-            s = self.waiting[self.num_waiting_ - 1]
+        w = self.num_waiting_ - 1
+        while w >= 0 and budget > 0 and self.num_running_ < self.max_num_seqs:
+            s = self.waiting[w]
             r = &self.reqs[s]
+            if not self._lora_can_run(r.lora_id):
+                w -= 1
+                continue
             num_hits = 0
             if r.status == SWAPPED:
                 n = _chunk_len(r.num_tokens - r.num_computed_tokens, threshold, budget)
@@ -594,7 +673,12 @@ cdef class Scheduler:
                 r.num_computed_tokens = num_hits * self.block_size
                 self.prefix_queries += r.num_tokens
                 self.prefix_hits += num_hits * self.block_size
+            # Out of the queue at w (the entries after it are skipped ones: shift them down).
+            memmove(&self.waiting[w], &self.waiting[w + 1],
+                    (self.num_waiting_ - w - 1) * sizeof(int32_t))
             self.num_waiting_ -= 1
+            w -= 1
+            self._lora_enter(r.lora_id)
             r.status = RUNNING
             self.running[self.num_running_] = s
             self.num_running_ += 1
@@ -626,6 +710,7 @@ cdef class Scheduler:
         ncb_arr = np.empty(R, dtype=np.int32)
         bt_arr = np.empty((R, max_blocks), dtype=np.int32)
         sample_arr = np.empty(R, dtype=np.uint8)
+        lora_arr = np.empty(R, dtype=np.int32)
         slots_arr = np.empty(R, dtype=np.int32)
         gens_arr = np.empty(R, dtype=np.uint32)
         cdef int64_t[::1] req_ids = req_ids_arr
@@ -638,6 +723,7 @@ cdef class Scheduler:
         cdef int32_t[::1] ncb = ncb_arr
         cdef int32_t[:, ::1] bt = bt_arr
         cdef uint8_t[::1] sample = sample_arr
+        cdef int32_t[::1] row_lora = lora_arr
         cdef int32_t[::1] slots = slots_arr
         cdef uint32_t[::1] gens = gens_arr
         cdef ReqState* r
@@ -661,6 +747,7 @@ cdef class Scheduler:
                 ctx[k] = start + q
                 qsl[k + 1] = qsl[k] + q
                 sample[k] = (start + q == r.num_tokens)
+                row_lora[k] = r.lora_id
                 for j in range(q):
                     pos = start + j
                     input_ids[t] = r.token_ids[pos]
@@ -682,6 +769,7 @@ cdef class Scheduler:
         out.num_computed_tokens_before = ncb_arr
         out.block_tables = bt_arr
         out.sample_mask = sample_arr.view(np.bool_)
+        out.lora_ids = lora_arr
         out._slots = slots_arr
         out._slot_gens = gens_arr
         ops = self.kv.ops()
@@ -779,6 +867,7 @@ cdef class Scheduler:
             if (stops[k] or r.num_output_tokens >= r.max_tokens
                     or r.num_tokens >= self.max_model_len):
                 r.status = SLOT_FREE  # out of `running`; the slot is released by the caller
+                self._lora_leave(r.lora_id)
                 self.finished_slots[num_finished] = s
                 num_finished += 1
         if num_finished > 0:
@@ -825,6 +914,7 @@ cdef class Scheduler:
                 raise SchedulerInvariantError(
                     f"running request {r.req_id}: {rb.num_blocks} blocks cannot hold "
                     f"{r.num_computed_tokens} computed tokens")
+        self._check_loras()
         for i in range(self.num_waiting_):
             s = self.waiting[i]
             r = &self.reqs[s]
@@ -847,6 +937,27 @@ cdef class Scheduler:
                 raise SchedulerInvariantError(f"free slot {i} still holds {self.kv.reqs[i].num_blocks} blocks")
             if r.status != SLOT_FREE and r.num_tokens > self.max_model_len:
                 raise SchedulerInvariantError(f"request {r.req_id}: {r.num_tokens} tokens > max_model_len")
+
+    def _check_loras(self) -> None:
+        """The active-adapter table counts exactly the running requests of each adapter."""
+        cdef int32_t i
+        counts = {}
+        for i in range(self.num_running_):
+            lora_id = self.reqs[self.running[i]].lora_id
+            if lora_id:
+                counts[lora_id] = counts.get(lora_id, 0) + 1
+        table = {self.active_lora_ids[i]: self.active_lora_counts[i]
+                 for i in range(self.num_active_loras)}
+        if table != counts or len(table) != self.num_active_loras:
+            raise SchedulerInvariantError(f"active adapters {table} != running requests' "
+                                          f"adapters {counts}")
+        if self.max_loras and self.num_active_loras > self.max_loras:
+            raise SchedulerInvariantError(f"{self.num_active_loras} adapters running > "
+                                          f"max_loras={self.max_loras}")
+
+    def get_active_lora_ids(self) -> list:
+        """The adapters running requests hold (lora_ids, no order)."""
+        return [self.active_lora_ids[i] for i in range(self.num_active_loras)]
 
     def _check_step(self, SchedulerOutput out) -> None:
         """Per-step checks of a fresh output: budget, max_num_seqs, slots, no shared writes."""

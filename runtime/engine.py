@@ -12,6 +12,13 @@ Inside, each of a request's n sequences is one scheduler request (an int id). A 
      it), tell the scheduler (`update_from_output` frees finished blocks at once), fork the
      siblings of n > 1 requests onto the parent's blocks, and return each request's output as
      its output_kind asks (deltas by default).
+Multi-LoRA (EngineConfig.enable_lora): a request may name an adapter (`lora_request=`). The
+scheduler admits at most max_loras distinct adapters into `running` (a request whose adapter
+finds no slot waits); after each schedule() the engine pins exactly the scheduler's active
+adapters in the AdapterCache (so a slot always exists), has the runner fill newly placed slots,
+and passes each row's slot to the forward. An adapter request's blocks are hashed under the salt
+LORA_SALT_BIT | lora_int_id, so the prefix cache never shares KV across adapters or with the
+base model.
 KV capacity is fixed at construction and logged; requests that can never run are rejected at
 admission with a RequestError, never discovered mid-flight. Faults are contained per request
 and per step (`step`'s docstring, docs/engine_api.md "Failures"). The device is the backend's
@@ -39,6 +46,10 @@ from pagedrun.runtime.engine_config import EngineConfig
 from pagedrun.runtime.errors import (ERR_CAPACITY, ERR_DUPLICATE, ERR_EMPTY,  # noqa: F401
                                      ERR_INVALID, ERR_TOO_LONG, DeviceNotAvailableError,
                                      PagedRunError, RequestError)
+from pagedrun.runtime.lora.adapter_cache import AdapterCache
+from pagedrun.runtime.lora.errors import LoRAInUseError
+# LoRARequest is public API here too (add_request takes it; the server imports it from here).
+from pagedrun.runtime.lora.lora_request import LoRARequest  # noqa: F401
 from pagedrun.runtime.kv_capacity import (num_swap_blocks, plan_num_kv_blocks,
                                           resolve_max_model_len)
 from pagedrun.runtime.model_config import ModelConfig
@@ -61,6 +72,9 @@ log = logging.getLogger("pagedrun.engine")
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 # Longest exception text carried into RequestOutput.error (and so onto the wire).
 MAX_ERROR_CHARS = 500
+# Prefix-cache salt of an adapter's requests: this bit | lora_int_id. The high bit keeps them
+# apart from the prompt-logprobs salts (1, 2, ...) and from the base model's 0.
+LORA_SALT_BIT = 1 << 63
 
 
 class EngineDeadError(PagedRunError):
@@ -118,6 +132,7 @@ class LLMEngine:
         self.backend.check_model(model_config, config.block_size)  # not mid-step
         self.block_size = config.block_size
         self.max_model_len = resolve_max_model_len(model_config, config.max_model_len)
+        self.lora_config = config.lora_config()  # None: LoRA off
         self.runner = self._start_runner(weights)
         self.num_kv_blocks = self.runner.num_gpu_blocks
         self.num_cpu_blocks = self.runner.num_cpu_blocks
@@ -132,7 +147,15 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_prefix_caching=config.enable_prefix_caching,
             num_cpu_blocks=self.num_cpu_blocks, preemption_mode=config.preemption_mode,
-            check_invariants=config.check_invariants))
+            check_invariants=config.check_invariants,
+            max_loras=self.lora_config.max_loras if self.lora_config else 0))
+        # Which adapter sits in which device slot; loads go through the runner (its device's
+        # part of the adapter: a tensor-parallel rank 0 loads its shard).
+        self.adapters = (AdapterCache(self.lora_config, load=self.runner.load_adapter)
+                         if self.lora_config else None)
+        self._lora_pinned: set[int] = set()        # adapters pinned for the scheduler's running
+        self._lora_users: dict[int, int] = {}      # lora_int_id -> live requests naming it
+        self._request_lora: dict[str, LoRARequest] = {}
         # The backend's sampler: numpy on cpu, the sampling kernels on sim / cuda (same draws).
         self.sampler = self.backend.sampler(sorted(self.eos_token_ids), seed=config.seed,
                                             logprobs_mode=config.logprobs_mode)
@@ -166,7 +189,8 @@ class LLMEngine:
             return start_tensor_parallel(config, self.model_config, self.backend,
                                          self.max_model_len)
         runner = ModelRunner(self.model_config, weights, block_size=self.block_size,
-                             max_model_len=self.max_model_len, ops=self.backend)
+                             max_model_len=self.max_model_len, ops=self.backend,
+                             lora_config=self.lora_config)
         bytes_per_block = runner.kv_bytes_per_block()
         max_step_tokens = min(config.max_num_batched_tokens, self.max_model_len)
         num_blocks = plan_num_kv_blocks(config, self.backend, bytes_per_block, self.max_model_len,
@@ -195,7 +219,103 @@ class LLMEngine:
             "eos_token_ids": sorted(self.eos_token_ids),
             "device": self.device,
             "dtype": self.backend.dtype_name,
+            "enable_lora": self.lora_config is not None,
+            "lora_adapters": [{"name": r.lora_name, "id": r.lora_int_id}
+                              for r in self.list_lora_requests()],
         }
+
+    # ------------------------------------------------------------------ adapters
+
+    def _require_lora(self) -> AdapterCache:
+        if self.adapters is None:
+            raise RequestError(ERR_INVALID, "LoRA is not enabled on this engine "
+                                            "(enable_lora=True / --enable-lora)")
+        return self.adapters
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register and load an adapter ahead of use (vLLM's add_lora). Raises RequestError
+        (ERR_INVALID) when LoRA is off or the adapter cannot be served, naming the reason."""
+        cache = self._require_lora()
+        if not isinstance(lora_request, LoRARequest):
+            raise RequestError(ERR_INVALID, "lora_request must be a LoRARequest")
+        try:
+            cache.add(lora_request)
+        except (ValueError, PagedRunError) as exc:
+            raise RequestError(ERR_INVALID, str(exc)) from None
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (frees its slot and host copy); False if it is not known.
+        Refused (LoRAInUseError) while a live request -- running or waiting -- names it."""
+        cache = self._require_lora()
+        if self._lora_users.get(lora_int_id):
+            name = next((r.lora_name for r in cache.known() if r.lora_int_id == lora_int_id),
+                        str(lora_int_id))
+            raise LoRAInUseError(f"adapter {name!r} (lora_int_id {lora_int_id}) is in use by "
+                                 f"{self._lora_users[lora_int_id]} live request(s)")
+        self._sync_lora_pins()  # unpin what the scheduler no longer runs (e.g. after a reset)
+        try:
+            cache.remove(lora_int_id)
+        except KeyError:
+            return False
+        return True
+
+    def list_loras(self) -> set[int]:
+        """lora_int_ids of the known adapters (vLLM's list_loras)."""
+        return {r.lora_int_id for r in self.list_lora_requests()}
+
+    def list_lora_requests(self) -> list[LoRARequest]:
+        """Every adapter added (or used) and not removed, by lora_int_id."""
+        if self.adapters is None:
+            return []
+        return sorted(self.adapters.known(), key=lambda r: r.lora_int_id)
+
+    def _sync_lora_pins(self) -> list[tuple[int, str]]:
+        """Pin exactly the adapters the scheduler's running requests hold: unpin the others
+        first, then pin the new ones, resident ones before those needing a slot (the
+        scheduler keeps them within max_loras, so every pin finds a slot). Returns (id, why)
+        of the adapters that failed to load (their requests must fail)."""
+        cache = self.adapters
+        active = set(self.scheduler.get_active_lora_ids())
+        for lora_id in self._lora_pinned - active:
+            cache.release(lora_id)
+        self._lora_pinned &= active
+        known = {r.lora_int_id: r for r in cache.known()}
+        known.update((r.lora_int_id, r) for r in self._request_lora.values())
+        broken = []
+        for lora_id in sorted(active - self._lora_pinned,
+                              key=lambda i: cache.slot_of(i) is None):
+            try:
+                slot = cache.acquire(known[lora_id])
+            except Exception as exc:  # noqa: BLE001 -- this adapter's requests fail
+                broken.append((lora_id, _describe(f"loading adapter {lora_id}", exc)))
+                continue
+            if slot is None:  # the scheduler's max_loras rule makes this unreachable
+                raise AssertionError(f"no device slot for adapter {lora_id}")
+            self._lora_pinned.add(lora_id)
+        return broken
+
+    def _lora_slots(self, out, failed: dict[str, str]) -> np.ndarray | None:
+        """Each row's adapter slot (-1: none) with the slots filled on the runner, or None
+        when no row has an adapter (then the step is exactly the base model's)."""
+        if self.adapters is None:
+            return None
+        broken = self._sync_lora_pins()
+        writes = self.adapters.take_slot_writes()
+        if writes:
+            self.runner.apply_lora_writes(writes)
+        lora_ids = out.lora_ids
+        if not lora_ids.any():
+            return None
+        slots = np.full(out.num_reqs, -1, np.int32)
+        for lora_id in np.unique(lora_ids[lora_ids > 0]).tolist():
+            slot = self.adapters.slot_of(lora_id)
+            if slot is not None:
+                slots[lora_ids == lora_id] = slot
+        for lora_id, message in broken:
+            for row in np.flatnonzero(lora_ids == lora_id):
+                failed.setdefault(self._seqs[int(out.req_ids[row])][0].request_id, message)
+        return slots
 
     # ------------------------------------------------------------------ admission
 
@@ -203,12 +323,15 @@ class LLMEngine:
                     prompt_token_ids: list[int] | None = None, messages: list[dict] | None = None,
                     sampling_params: SamplingParams | None = None,
                     arrival_time: float | None = None,
-                    chat_options: ChatOptions | None = None) -> None:
+                    chat_options: ChatOptions | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Admit a request or raise RequestError (then nothing of it was admitted).
 
         The request runs on its own copy of `sampling_params` (admission sets fields derived
         from the model on it: the bad words' token ids), so callers may share one object
         between requests. `chat_options` (messages only) say how the chat template renders.
+        `lora_request`: run under that adapter (LoRA must be enabled; it is loaded now if it is
+        not known yet, so a bad adapter fails here, not mid-flight).
         Checks, in order: the parameters alone (SamplingParams.validate); the prompt (rendered,
         tokenized, cut to `truncate_prompt_tokens`); the parameters against the model (vLLM's
         SamplingParams.verify: token ids in the vocabulary, logprobs within `max_logprobs`,
@@ -228,6 +351,12 @@ class LLMEngine:
         verify_params(params, self.model_config.vocab_size, self.config.max_logprobs,
                       self.tokenizer)
         self._check_admissible(token_ids, params)
+        lora_id = 0
+        if lora_request is not None:
+            known = {r.lora_int_id: r for r in self.list_lora_requests()}
+            if known.get(getattr(lora_request, "lora_int_id", None)) != lora_request:
+                self.add_lora(lora_request)  # loaded (and checked) now, or a conflicting id
+            lora_id = lora_request.lora_int_id
 
         request = Request(request_id, token_ids, params,
                           arrival_time if arrival_time is not None else time.monotonic())
@@ -235,14 +364,18 @@ class LLMEngine:
             request.prompt_logprobs = [None]  # token 0 has no context
         parent = self._new_sequence(request, 0)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
-        salt = next(self._salts) if params.prompt_logprobs is not None else 0
+        salt = (next(self._salts) if params.prompt_logprobs is not None
+                else LORA_SALT_BIT | lora_id if lora_id else 0)
         try:
             self.scheduler.add_request(parent.seq_id, np.asarray(token_ids, dtype=np.int32),
-                                       max_tokens, cache_salt=salt)
+                                       max_tokens, cache_salt=salt, lora_id=lora_id)
         except ValueError as exc:
             del self._seqs[parent.seq_id]
             raise RequestError(ERR_CAPACITY, str(exc)) from None
         self._requests[request_id] = request
+        if lora_id:
+            self._request_lora[request_id] = lora_request
+            self._lora_users[lora_id] = self._lora_users.get(lora_id, 0) + 1
         self._prompt_tokens_total += len(token_ids)
 
     def _prompt_token_ids(self, prompt, prompt_token_ids, messages, chat_options) -> list[int]:
@@ -330,6 +463,12 @@ class LLMEngine:
         for seq in request.seqs:
             self._seqs.pop(seq.seq_id, None)
         del self._requests[request.request_id]
+        lora_request = self._request_lora.pop(request.request_id, None)
+        if lora_request is not None:
+            lora_id = lora_request.lora_int_id
+            self._lora_users[lora_id] -= 1
+            if not self._lora_users[lora_id]:
+                del self._lora_users[lora_id]
 
     # ------------------------------------------------------------------ step
 
@@ -359,7 +498,12 @@ class LLMEngine:
             failed: dict[str, str] = {}  # request id -> why, for faults of one request
             try:
                 batch = self._plan_sampling(scheduled, failed)       # SamplingBatch
-                executed = self.runner.execute(scheduled, batch.prompt_logit_rows)
+                lora_slots = self._lora_slots(scheduled, failed)     # None: no adapters
+                if lora_slots is None:  # a step without adapters: the runner's base call
+                    executed = self.runner.execute(scheduled, batch.prompt_logit_rows)
+                else:
+                    executed = self.runner.execute(scheduled, batch.prompt_logit_rows,
+                                                   row_lora_slots=lora_slots)
                 sampled = self._sample(batch, executed, failed)      # SamplerOutput
             except Exception as exc:  # noqa: BLE001 -- belongs to no single request
                 self._fail_step(scheduled, exc, touched)

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedrun.runtime.lora.errors import LoRAConfigError
+from pagedrun.runtime.lora.lora_config import (DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS,
+                                               LoRAConfig)
+
 DEVICES = ("auto", "cpu", "sim", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BLOCK_SIZES = (8, 16, 32, 64)
@@ -53,6 +57,13 @@ class EngineConfig:
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"
     check_invariants: bool = False  # scheduler invariants after every step (tests turn this on)
+    # Multi-LoRA (vLLM's names; runtime/lora/): serve PEFT adapters per request. max_loras
+    # device slots (distinct adapters per step), ranks up to max_lora_rank, max_cpu_loras
+    # adapters kept loaded on the host (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = DEFAULT_MAX_LORAS
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -76,3 +87,15 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise EngineConfigError(
                 f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.enable_lora:
+            self.lora_config()  # the settings' errors now, naming the field
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRA settings when enable_lora, else None."""
+        if not self.enable_lora:
+            return None
+        try:
+            return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                              max_cpu_loras=self.max_cpu_loras)
+        except LoRAConfigError as exc:
+            raise EngineConfigError(str(exc)) from None

@@ -6,6 +6,11 @@ RequestOutput per prompt in input order. Every request runs with output_kind FIN
 copy of the caller's SamplingParams, whatever output_kind they carry): the engine hands back
 each request's whole output once, and no per-step deltas are built for an offline batch.
 `_merge` accumulates streaming deltas into a total (the tests' and clients' drivers use it).
+
+Multi-LoRA with vLLM's names: `LLM(..., enable_lora=True, max_loras=4, max_lora_rank=16,
+max_cpu_loras=8)` (EngineConfig fields), then `generate(..., lora_request=LoRARequest(name, id,
+path))` -- one adapter for every prompt, or a list with one entry (or None) per prompt; `chat`
+takes the same keyword.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from pagedrun.runtime.engine import LLMEngine
 from pagedrun.runtime.engine_config import EngineConfig
 from pagedrun.runtime.outputs import CompletionOutput, RequestOutput
 from pagedrun.runtime.chat_options import ChatOptions
+from pagedrun.runtime.lora.lora_request import LoRARequest
 from pagedrun.runtime.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | Sequence[int]
@@ -84,25 +90,29 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[RequestOutput]:
-        """prompts: a string, a list of strings, one token-id list, or a list of token-id lists."""
+        """prompts: a string, a list of strings, one token-id list, or a list of token-id lists.
+        lora_request: the adapter of every prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
         return self._run([("prompt_token_ids" if not isinstance(p, str) else "prompt", p)
-                          for p in prompts], sampling_params)
+                          for p in prompts], sampling_params, lora_request=lora_request)
 
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """messages: one conversation ([{"role", "content"}, ...]) or a list of them. The chat
         options (vLLM's LLM.chat keywords) apply to every conversation: `chat_template`
         replaces the model's template, `continue_final_message` continues the last
         (assistant) message instead of opening a new turn (then add_generation_prompt must be
         False), `tools` and `chat_template_kwargs` become template variables. An invalid
-        combination raises ChatOptionsError (a ValueError)."""
+        combination raises ChatOptionsError (a ValueError). `lora_request` as in generate."""
         options = ChatOptions(chat_template=chat_template,
                               add_generation_prompt=add_generation_prompt,
                               continue_final_message=continue_final_message, tools=tools,
@@ -110,26 +120,35 @@ class LLM:
         if messages and isinstance(messages[0], dict):
             messages = [messages]
         return self._run([("messages", list(m)) for m in messages], sampling_params,
-                         chat_options=options)
+                         chat_options=options, lora_request=lora_request)
 
     def _run(self, inputs: list[tuple[str, object]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-             chat_options: ChatOptions | None = None) -> list[RequestOutput]:
+             chat_options: ChatOptions | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(inputs)
         else:
             params = list(sampling_params)
             if len(params) != len(inputs):
                 raise ValueError(f"{len(inputs)} prompts but {len(params)} sampling_params")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(inputs)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(inputs):
+                raise ValueError(f"{len(inputs)} prompts but {len(loras)} lora_requests")
         extra = {} if chat_options is None else {"chat_options": chat_options}
         ids = []
         try:
-            for (kind, value), p in zip(inputs, params):
+            for (kind, value), p, lora in zip(inputs, params, loras):
+                adapter = {} if lora is None else {"lora_request": lora}
                 request_id = f"offline-{self._counter}"
                 self._counter += 1
                 self.engine.add_request(request_id, sampling_params=_final_only(p),
                                         **{kind: list(value) if kind != "prompt" else value},
-                                        **extra)
+                                        **extra, **adapter)
                 ids.append(request_id)
         except Exception:
             for request_id in ids:  # all or nothing: the batch is refused as a whole

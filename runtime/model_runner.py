@@ -5,6 +5,13 @@ host swap pool), executes a step's block moves (swap out, swap in, copy-on-write
 the scheduler's contract names) before the forward, and returns logits only where they are
 needed: the last token of each row that samples, plus every query token of the rows whose request
 asked for prompt logprobs.
+
+Multi-LoRA: with a LoRAConfig the runner also owns the adapters' device slots (a
+LoRAWeightStack sized max_loras x max_lora_rank). The engine's AdapterCache decides which adapter
+sits in which slot; the runner loads an adapter's part for its device (`load_adapter`: the whole
+adapter, or a tensor-parallel rank's shard), fills slots between steps (`apply_lora_writes`) and,
+given each row's slot (`execute(..., row_lora_slots=)`, -1: none), groups the step's tokens by
+slot once for every layer. A step in which no row has an adapter runs exactly the base forward.
 """
 from __future__ import annotations
 
@@ -12,6 +19,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pagedrun.runtime.lora.lora_config import LoRAConfig
+from pagedrun.runtime.lora.lora_ops import LoRABatch
+from pagedrun.runtime.lora.peft_loader import load_peft_adapter
+from pagedrun.runtime.lora.weight_stack import LoRAWeightStack
 from pagedrun.runtime.model_config import ModelConfig
 from pagedrun.runtime.models.llama import AttentionInputs, LlamaModel
 from pagedrun.runtime.weights import ModelWeights
@@ -84,6 +95,14 @@ def build_attention_inputs(query_start_loc: np.ndarray, query_lens: np.ndarray,
     )
 
 
+@dataclass
+class LoRAStep:
+    """The adapters of one step, as LlamaModel.forward reads them."""
+
+    stack: LoRAWeightStack   # every slot's weights
+    batch: object            # the backend's lora_batch of the step's LoRABatch
+
+
 class ModelRunner:
     """Weights, KV pools and the step's forward on one device, through its backend (`ops`).
 
@@ -95,14 +114,18 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, weights: ModelWeights | None, *, block_size: int,
                  max_model_len: int, ops, num_gpu_blocks: int | None = None,
                  num_cpu_blocks: int = 0, model=None,
-                 logits_on_device: bool | None = None) -> None:
+                 logits_on_device: bool | None = None, lora_config: LoRAConfig | None = None,
+                 load_adapter=None) -> None:
         """`model`: a prebuilt forward to use instead of LlamaModel(config, weights) (a
         tensor-parallel rank's shard; `config` is then that rank's config, see
         runtime/distributed/sharding.py, so the KV pools hold only its KV heads).
         `num_gpu_blocks`: allocate the KV pools now (else call `allocate_kv_cache` later).
         `logits_on_device`: RunnerOutput.logits stays the backend's float32 array (its sampler
         reads it where it is; only token ids come back) instead of a numpy copy; default: what
-        the backend says (`ops.logits_on_device`)."""
+        the backend says (`ops.logits_on_device`).
+        `lora_config`: serve adapters (slot stacks for this runner's `config`); `load_adapter`
+        (LoRARequest -> LoRAAdapter for this device, default: the whole adapter for `config`)
+        is what a tensor-parallel rank replaces with its shard's loader."""
         self.config = config
         self.ops = ops
         self.logits_on_device = (ops.logits_on_device if logits_on_device is None
@@ -111,12 +134,44 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.model = model if model is not None else LlamaModel(config, weights, ops,
                                                                 max_position=max_model_len)
+        self.lora_config = lora_config
+        self.lora_stack = None
+        self._load_adapter = load_adapter
+        if lora_config is not None:
+            dtype, xp = ops.lora_weights
+            self.lora_stack = LoRAWeightStack(config, lora_config.max_loras,
+                                              lora_config.max_lora_rank, dtype=dtype, xp=xp)
         self.num_gpu_blocks = self.num_cpu_blocks = 0
         self.k_caches: list = []
         self.v_caches: list = []
         self.cpu_caches: list[np.ndarray] = []
         if num_gpu_blocks is not None:
             self.allocate_kv_cache(num_gpu_blocks, num_cpu_blocks)
+
+    # ------------------------------------------------------------------ adapters
+    def load_adapter(self, lora_request):
+        """This device's part of an adapter (host arrays; LoRALoadError when unusable)."""
+        if self.lora_config is None:
+            raise ValueError("this runner was built without LoRA (lora_config is None)")
+        if self._load_adapter is not None:
+            return self._load_adapter(lora_request)
+        return load_peft_adapter(lora_request, self.config, self.lora_config.max_lora_rank)
+
+    def apply_lora_writes(self, writes) -> None:
+        """Fill device slots before the next step: each write has .slot and .adapter (this
+        device's part, AdapterCache's load result)."""
+        for write in writes:
+            self.lora_stack.write_slot(write.slot, write.adapter)
+
+    def _lora_step(self, out, row_lora_slots) -> LoRAStep | None:
+        """The step's LoRA inputs, or None when no row has an adapter (the base forward)."""
+        if row_lora_slots is None or self.lora_stack is None:
+            return None
+        slots = np.asarray(row_lora_slots)
+        if not (slots >= 0).any():
+            return None
+        batch = LoRABatch.from_request_slots(slots, out.query_lens, self.lora_stack.max_loras)
+        return LoRAStep(self.lora_stack, self.ops.lora_batch(batch))
 
     def kv_bytes_per_block(self) -> int:
         """Bytes one block takes on this runner's device, all layers, K and V."""
@@ -179,8 +234,10 @@ class ModelRunner:
         if len(out.block_copies):
             self.ops.copy_blocks(self.k_caches, self.v_caches, out.block_copies)
 
-    def execute(self, out, prompt_logit_rows: tuple[int, ...] = ()) -> RunnerOutput:
-        """Run one scheduled step. `out` is a pagedrun.pyx.scheduler.SchedulerOutput."""
+    def execute(self, out, prompt_logit_rows: tuple[int, ...] = (),
+                row_lora_slots=None) -> RunnerOutput:
+        """Run one scheduled step. `out` is a pagedrun.pyx.scheduler.SchedulerOutput;
+        row_lora_slots: None, or int [num_reqs] each row's adapter slot (-1: none)."""
         self._move_blocks(out)
         sample_rows = np.flatnonzero(out.sample_mask)
         vocab = self.config.vocab_size
@@ -191,7 +248,8 @@ class ModelRunner:
         # Uploaded once here, read by every layer (runtime/backends/step_inputs.py).
         step = self.ops.step_inputs(out.positions, out.slot_mapping, attn)
         x, residual = self.model.forward(out.input_token_ids, step.positions, step.slot_mapping,
-                                         step.attn, self.k_caches, self.v_caches)
+                                         step.attn, self.k_caches, self.v_caches,
+                                         lora=self._lora_step(out, row_lora_slots))
         qsl = out.query_start_loc
         last_token = qsl[sample_rows + 1] - 1
         logits = self.model.logits(x[last_token], residual[last_token])

@@ -468,6 +468,15 @@ class Client(_FollowsServer):
     def stats(self) -> dict:
         return self._call(MsgType.STATS)
 
+    def load_lora(self, lora_name: str, lora_path: str) -> dict:
+        """Load a PEFT adapter directory (a path on the server) under `lora_name` (1.4);
+        returns the LORA_REPLY ({lora_name, lora_int_id, loaded: true})."""
+        return self._call(MsgType.LOAD_LORA, {"lora_name": lora_name, "lora_path": lora_path})
+
+    def unload_lora(self, lora_name: str) -> dict:
+        """Unload an adapter (refused while requests use it); LORA_REPLY, loaded: false."""
+        return self._call(MsgType.UNLOAD_LORA, {"lora_name": lora_name})
+
     def abort(self, request_id: str) -> bool:
         """True if the server still had the request in flight (its stream then ends with a
         FINAL whose finish_reason is "abort")."""
@@ -485,13 +494,14 @@ class Client(_FollowsServer):
     def stream(self, prompt: str | None = None, *, prompt_token_ids=None, messages=None,
                sampling_params=None, request_id: str | None = None, chat_template=None,
                add_generation_prompt=None, continue_final_message=None, tools=None,
-               chat_template_kwargs=None) -> Stream:
+               chat_template_kwargs=None, lora_name: str | None = None) -> Stream:
         """A streamed GENERATE. The chat options (vLLM's LLM.chat keywords; only with
-        `messages`) are sent when not None; the server checks them."""
+        `messages`) are sent when not None; the server checks them. `lora_name` (1.4): run
+        under that loaded adapter."""
         rid = request_id or uuid.uuid4().hex
         chat = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message, tools=tools,
-                    chat_template_kwargs=chat_template_kwargs)
+                    chat_template_kwargs=chat_template_kwargs, lora_name=lora_name)
         self._register(rid)
         self._send(MsgType.GENERATE, _generate_body(rid, prompt, prompt_token_ids, messages,
                                                     sampling_params, True, chat))
@@ -501,13 +511,13 @@ class Client(_FollowsServer):
                  sampling_params=None, request_id: str | None = None,
                  stream: bool = False, chat_template=None, add_generation_prompt=None,
                  continue_final_message=None, tools=None,
-                 chat_template_kwargs=None) -> Completion:
+                 chat_template_kwargs=None, lora_name: str | None = None) -> Completion:
         """Blocking generation; `stream=True` uses DELTA frames underneath (same result).
-        Chat options as in `stream`."""
+        Chat options and `lora_name` as in `stream`."""
         rid = request_id or uuid.uuid4().hex
         chat = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message, tools=tools,
-                    chat_template_kwargs=chat_template_kwargs)
+                    chat_template_kwargs=chat_template_kwargs, lora_name=lora_name)
         if stream:
             s = self.stream(prompt, prompt_token_ids=prompt_token_ids, messages=messages,
                             sampling_params=sampling_params, request_id=rid, **chat)
@@ -547,11 +557,11 @@ class Client(_FollowsServer):
                                  "(not connected?)") from None
         self._live.sent(msg_type, time.monotonic())
 
-    def _call(self, msg_type: MsgType) -> dict:
+    def _call(self, msg_type: MsgType, fields: dict | None = None) -> dict:
         rid = uuid.uuid4().hex
         self._register(rid)
         try:
-            self._send(msg_type, {"request_id": rid})
+            self._send(msg_type, {"request_id": rid, **(fields or {})})
             got, body = self._recv_for(rid)
         finally:
             self._unregister(rid)

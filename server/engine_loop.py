@@ -8,7 +8,9 @@ the GIL in their kernels), and a slow client never delays a step.
 
 Events posted (tuples): ("outputs", list[RequestOutput]) -- a request that failed alone is an
 output with `error` set --, ("rejected", engine_request_id, code, message), ("failed", message,
-engine_dead: True, the server must fail everything and exit). After
+engine_dead: True, the server must fail everything and exit), ("lora", op, token, lora_request,
+error message or None) -- the outcome of a `lora` command (op "load": engine.add_lora, "unload":
+engine.remove_lora; `token` is the server's, handed back). After
 each step a fresh `engine.get_stats()` snapshot is stored in `latest_stats` *before* the step's
 outputs are posted, so a client that saw its final frame and then asks for stats sees the blocks
 of its request already freed.
@@ -46,6 +48,11 @@ class EngineLoop:
     def abort(self, engine_request_id: str) -> None:
         self.commands.put(("abort", engine_request_id))
 
+    def lora(self, op: str, token, lora_request) -> None:
+        """Load ("load") or unload ("unload") an adapter between steps; a "lora" event says
+        how it went."""
+        self.commands.put(("lora", op, token, lora_request))
+
     def stop(self, timeout_s: float = 10.0) -> None:
         self.commands.put(("stop",))
         self._thread.join(timeout_s)
@@ -56,6 +63,18 @@ class EngineLoop:
             self._stopped = True
         elif kind == "abort":
             self.engine.abort_request(cmd[1])
+        elif kind == "lora":
+            _, op, token, lora_request = cmd
+            error = None
+            try:
+                if op == "load":
+                    self.engine.add_lora(lora_request)
+                elif not self.engine.remove_lora(lora_request.lora_int_id):
+                    error = f"adapter {lora_request.lora_name!r} is not loaded"
+            except Exception as exc:  # noqa: BLE001 -- a bad adapter or one in use: reported
+                error = str(exc) or type(exc).__name__
+            self.events.put(("lora", op, token, lora_request, error))
+            self.notify()
         elif kind == "add":
             try:
                 self.engine.add_request(cmd[1], **cmd[2])

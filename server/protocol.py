@@ -28,8 +28,9 @@ PROTOCOL_VERSION = 1
 # it, for clients that want to know which reply fields to expect (1.1: prompt_logprobs; 1.2:
 # server_id in replies, documented ranges enforced, heartbeats that follow lease_s; 1.3: vLLM's
 # sampling fields and ranges, chat options, logprobs entries with rank and decoded_token,
-# cumulative_logprob).
-PROTOCOL_REVISION = "1.3"
+# cumulative_logprob; 1.4: LoRA adapters -- GENERATE `lora_name`, LOAD_LORA / UNLOAD_LORA,
+# MODEL_INFO_REPLY `lora_adapters`).
+PROTOCOL_REVISION = "1.4"
 HEADER_BYTES = 2
 
 # Where a server listens and a client connects when told nothing else (docs/protocol.md:
@@ -77,6 +78,8 @@ class MsgType(enum.IntEnum):
     PING = 0x03
     MODEL_INFO = 0x04
     STATS = 0x05
+    LOAD_LORA = 0x06     # 1.4
+    UNLOAD_LORA = 0x07   # 1.4
     # server -> client
     DELTA = 0x81
     FINAL = 0x82
@@ -84,11 +87,15 @@ class MsgType(enum.IntEnum):
     PONG = 0x84
     MODEL_INFO_REPLY = 0x85
     STATS_REPLY = 0x86
+    LORA_REPLY = 0x87    # 1.4
     ERROR = 0xFF
 
 
 CLIENT_TYPES = frozenset({MsgType.GENERATE, MsgType.ABORT, MsgType.PING, MsgType.MODEL_INFO,
-                          MsgType.STATS})
+                          MsgType.STATS, MsgType.LOAD_LORA, MsgType.UNLOAD_LORA})
+# Longest adapter name (GENERATE `lora_name`, LOAD_LORA / UNLOAD_LORA) and adapter path.
+MAX_LORA_NAME_CHARS = 128
+MAX_LORA_PATH_CHARS = 4096
 
 
 class ErrorCode(str, enum.Enum):

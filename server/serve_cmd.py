@@ -74,6 +74,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                      help="raw: from the model's logits; processed: after bias, penalties, "
                           "temperature and the top-k / top-p / min-p filters")
     # None: ServerConfig's default (server/server.py imports zmq, too slow for `--help`).
+    lora = p.add_argument_group("LoRA adapters (vLLM names)")
+    lora.add_argument("--enable-lora", action="store_true", default=engine.enable_lora,
+                      help="serve PEFT LoRA adapters (GENERATE lora_name)")
+    lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                      help="adapters loaded at start (more with LOAD_LORA messages)")
+    lora.add_argument("--max-loras", type=int, default=engine.max_loras,
+                      help="adapters one step can run (device slots)")
+    lora.add_argument("--max-lora-rank", type=int, default=engine.max_lora_rank)
+    lora.add_argument("--max-cpu-loras", type=int, default=engine.max_cpu_loras,
+                      help="adapters kept loaded in host memory (default: --max-loras)")
     srv = p.add_argument_group("server")
     srv.add_argument("--max-queued-requests", type=int, default=None,
                      help="requests in flight before new ones get `overloaded`")
@@ -137,7 +147,24 @@ def build_engine(args):
         tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
         master_addr=args.master_addr, tp_secret_file=args.tp_secret_file,
         tp_curve=args.tp_curve, seed=args.seed, max_logprobs=args.max_logprobs,
-        logprobs_mode=args.logprobs_mode))
+        logprobs_mode=args.logprobs_mode, enable_lora=args.enable_lora,
+        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras))
+
+
+def lora_modules(specs: list[str]) -> list:
+    """--lora-modules NAME=PATH ... as LoRARequests with lora_int_ids 1, 2, ..."""
+    from pagedrun.runtime.engine import LoRARequest
+
+    out = []
+    for i, spec in enumerate(specs):
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"paged-run serve: --lora-modules takes NAME=PATH, got {spec!r}")
+        out.append(LoRARequest(name, i + 1, path))
+    if len({r.lora_name for r in out}) != len(out):
+        raise SystemExit("paged-run serve: --lora-modules names must be distinct")
+    return out
 
 
 def startup_summary(info: dict, endpoint: str, curve: bool) -> str:
@@ -232,12 +259,21 @@ def run(args) -> int:
     config = server_config_from_args(args)
     if args.api_key is not None and args.http_port is None:
         raise SystemExit("paged-run serve: --api-key protects the HTTP API: give --http-port")
+    adapters = lora_modules(args.lora_modules)
+    if adapters and not args.enable_lora:
+        raise SystemExit("paged-run serve: --lora-modules needs --enable-lora")
     if args.http_port is not None and config.curve is not None:
         raise SystemExit("paged-run serve: --http-port with CURVE: run the gateway as "
                          "`paged-run http --curve-server-key ... --curve-client-key ...`")
     engine = build_engine(args)
     gateways: list = []  # the HTTP gateway, once started (by the announcing thread)
     try:
+        for adapter in adapters:  # a bad adapter stops the start, naming the file and why
+            try:
+                engine.add_lora(adapter)
+            except Exception as exc:  # noqa: BLE001 -- reported as the exit message
+                raise SystemExit(f"paged-run serve: --lora-modules {adapter.lora_name}: "
+                                 f"{exc}") from None
         server = Server(engine, config)
 
         def announce():  # once bound, so the endpoint printed is the real one (port 0 / '*')

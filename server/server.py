@@ -17,6 +17,10 @@ answered `internal_error`; no message ends the server. Every DELTA, FINAL, ERROR
 MODEL_INFO_REPLY carries `server_id`, random per server start, so clients can tell a restart.
 Logprobs (1.3): the engine's per-position {token_id: Logprob} dicts become the wire's entries
 (protocol.position_to_wire), and completions carry `cumulative_logprob` when logprobs were asked.
+LoRA adapters (1.4): the adapter registry (name -> LoRARequest) lives here, in the I/O thread;
+GENERATE's `lora_name` is resolved against it (unknown: `invalid_request`), LOAD_LORA /
+UNLOAD_LORA go to the engine thread (EngineLoop.lora) and are answered LORA_REPLY or ERROR
+when the engine has loaded the adapter or refused.
 Shutdown: the first request_shutdown() drains; force_shutdown() (a second signal) answers every
 in-flight request `shutting_down` and returns at once.
 """
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from pagedrun.runtime.engine import LoRARequest  # the engine API takes it
 from pagedrun.runtime.sampling_params import MAX_LOGPROBS
 from pagedrun.server.auth import CurveConfig, start_curve_server
 from pagedrun.server.engine_loop import EngineLoop
@@ -40,7 +45,8 @@ from pagedrun.server.protocol import (DEFAULT_MAX_MESSAGE_BYTES, HARD_LIMIT_FACT
                                       is_loopback_endpoint, new_server_id, position_to_wire,
                                       valid_request_id)
 from pagedrun.server.validation import (GenerateRequest, ModelLimits, check_fields,
-                                        check_prompt_len, parse_generate, truncate_prompt)
+                                        check_prompt_len, parse_generate, parse_lora_message,
+                                        truncate_prompt)
 
 log = logging.getLogger("pagedrun.server")
 
@@ -61,7 +67,7 @@ FORCED_LINGER_MS = 500
 FORCED_ENGINE_JOIN_S = 0.5
 # Replies that carry the server instance id (protocol 1.2).
 TAGGED_REPLIES = frozenset({MsgType.DELTA, MsgType.FINAL, MsgType.ERROR, MsgType.PONG,
-                            MsgType.MODEL_INFO_REPLY})
+                            MsgType.MODEL_INFO_REPLY, MsgType.LORA_REPLY})
 
 
 @dataclass
@@ -132,6 +138,12 @@ class Server:
         self._apply_template = (getattr(tokenizer, "apply_chat_template", None)
                                 if use and getattr(tokenizer, "chat_template", None) else None)
         self.metrics = ServerMetrics()
+        # LoRA adapters by name (1.4): those the engine has at start (--lora-modules), then
+        # LOAD_LORA / UNLOAD_LORA. New adapters get lora_int_ids above every known one.
+        self.lora_enabled = bool(info.get("enable_lora"))
+        known = getattr(engine, "list_lora_requests", list)()
+        self._adapters: dict[str, LoRARequest] = {r.lora_name: r for r in known}
+        self._next_lora_id = max((r.lora_int_id for r in known), default=0) + 1
         self._requests: dict[str, _Request] = {}          # engine id -> request
         self._by_client: dict[tuple[bytes, str], str] = {}  # (identity, client id) -> engine id
         self._by_identity: dict[bytes, set[str]] = {}
@@ -316,6 +328,9 @@ class Server:
             if msg_type == MsgType.GENERATE:
                 self._on_generate(identity, parse_generate(body, self.limits))
                 return
+            if msg_type in (MsgType.LOAD_LORA, MsgType.UNLOAD_LORA):
+                self._on_lora(identity, msg_type, *parse_lora_message(msg_type, body))
+                return
             rid = check_fields(msg_type, body)
             if msg_type == MsgType.ABORT:
                 engine_id = self._by_client.get((identity, rid))
@@ -368,6 +383,8 @@ class Server:
                                 f"{self.config.max_queued_requests}); retry later", rid)
         params = req.sampling_params
         kwargs: dict = {"sampling_params": params}
+        if req.lora_name is not None:
+            kwargs["lora_request"] = self._adapter(req.lora_name, rid)
         if req.prompt is not None and self._encode is not None:
             ids = list(self._encode(req.prompt))
             if not ids:
@@ -403,6 +420,56 @@ class Server:
         self._by_identity.setdefault(identity, set()).add(engine_id)
         self._loop.add(engine_id, kwargs)
 
+    def _adapter(self, name: str, rid: str | None) -> LoRARequest:
+        """The loaded adapter called `name`, or an `invalid_request` naming what is loaded."""
+        if not self.lora_enabled:
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, "lora_name: LoRA is not enabled on "
+                                "this server (paged-run serve --enable-lora)", rid)
+        adapter = self._adapters.get(name)
+        if adapter is None:
+            loaded = ", ".join(repr(n) for n in sorted(self._adapters)[:16]) or "none"
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"lora_name: unknown adapter "
+                                f"{name!r} (loaded: {loaded})", rid)
+        return adapter
+
+    def _on_lora(self, identity: bytes, msg_type: MsgType, rid: str | None, name: str,
+                 path: str | None) -> None:
+        """LOAD_LORA / UNLOAD_LORA: checked here, done by the engine thread; the reply is
+        sent when its "lora" event comes back (_drain_events)."""
+        if msg_type == MsgType.LOAD_LORA:
+            if not self.lora_enabled:
+                raise ProtocolError(ErrorCode.INVALID_REQUEST, "LoRA is not enabled on this "
+                                    "server (paged-run serve --enable-lora)", rid)
+            known = self._adapters.get(name)
+            if known is not None and known.lora_path != path:
+                raise ProtocolError(ErrorCode.INVALID_REQUEST, f"lora_name: adapter {name!r} "
+                                    "is already loaded from another path; unload it first", rid)
+            adapter = known or LoRARequest(name, self._next_lora_id, path)
+            if known is None:
+                self._next_lora_id += 1
+            self._loop.lora("load", (identity, rid), adapter)
+        else:
+            adapter = self._adapter(name, rid)
+            # Gone from the registry now, so no new GENERATE names it while the engine
+            # unloads; put back if the engine refuses (in use).
+            del self._adapters[name]
+            self._loop.lora("unload", (identity, rid), adapter)
+
+    def _on_lora_done(self, op: str, token: tuple, adapter: LoRARequest,
+                      error: str | None) -> None:
+        identity, rid = token
+        if error is None and op == "load":
+            self._adapters[adapter.lora_name] = adapter
+        elif error is not None and op == "unload":
+            self._adapters[adapter.lora_name] = adapter
+        if error is not None:
+            self._reject(identity, ErrorCode.INVALID_REQUEST, f"{op} adapter "
+                         f"{adapter.lora_name!r}: {error}", rid)
+            return
+        self._send(identity, MsgType.LORA_REPLY, {
+            "request_id": rid, "lora_name": adapter.lora_name,
+            "lora_int_id": adapter.lora_int_id, "loaded": op == "load"})
+
     def _render_chat(self, req: GenerateRequest, rid: str) -> list[int]:
         """The prompt ids of a chat request, rendered here exactly as LLMEngine.add_request
         would (the same Tokenizer.apply_chat_template call, chat options included: 1.3)."""
@@ -428,6 +495,10 @@ class Server:
                           "max_message_bytes": self.config.max_message_bytes,
                           "max_queued_requests": self.config.max_queued_requests,
                           "max_logprobs": self.limits.max_logprobs}
+        info["enable_lora"] = self.lora_enabled
+        info["lora_adapters"] = [{"name": r.lora_name, "id": r.lora_int_id}
+                                 for r in sorted(self._adapters.values(),
+                                                 key=lambda r: r.lora_int_id)]
         info["request_id"] = rid
         return info
 
@@ -444,6 +515,8 @@ class Server:
                         log.exception("failed to forward the output of request %s",
                                       getattr(out, "request_id", "?"))
                         self._fail_request(getattr(out, "request_id", None))
+            elif event[0] == "lora":
+                self._on_lora_done(*event[1:])
             elif event[0] == "rejected":
                 _, engine_id, code, message = event
                 req = self._forget(engine_id)

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pagedrun.runtime.chat_options import ChatOptions, ChatOptionsError
 from pagedrun.runtime.sampling_params import (MAX_LOGPROBS, RequestOutputKind, SamplingParams,
                                               SamplingParamsError)
-from pagedrun.server.protocol import (CHAT_ROLES, MAX_CHAT_MESSAGES, MAX_REQUEST_ID_CHARS,
+from pagedrun.server.protocol import (CHAT_ROLES, MAX_CHAT_MESSAGES, MAX_LORA_NAME_CHARS,
+                                      MAX_LORA_PATH_CHARS, MAX_REQUEST_ID_CHARS,
                                       MAX_ROLE_CHARS, ErrorCode, MsgType, ProtocolError, is_int,
                                       safe_repr)
 
@@ -77,16 +78,19 @@ class GenerateRequest:
     prompt_token_ids: list[int] | None = None
     messages: list[dict] | None = None
     chat_options: ChatOptions | None = None  # only with messages, only when any was sent
+    lora_name: str | None = None  # (1.4) the adapter to run under; None: the base model
 
 
 # Allowed fields per message type; anything else is an error that names it.
 FIELDS = {
     MsgType.GENERATE: {"request_id", "prompt", "prompt_token_ids", "messages",
-                       "sampling_params", "stream", *CHAT_OPTION_FIELDS},
+                       "sampling_params", "stream", "lora_name", *CHAT_OPTION_FIELDS},
     MsgType.ABORT: {"request_id"},
     MsgType.PING: {"request_id"},
     MsgType.MODEL_INFO: {"request_id"},
     MsgType.STATS: {"request_id"},
+    MsgType.LOAD_LORA: {"request_id", "lora_name", "lora_path"},
+    MsgType.UNLOAD_LORA: {"request_id", "lora_name"},
 }
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
 
@@ -147,6 +151,8 @@ def parse_generate(body: dict, limits: ModelLimits) -> GenerateRequest:
         _bad("stream: must be a boolean", rid)
     params = parse_sampling_params(body.get("sampling_params", {}), limits, rid)
     req = GenerateRequest(request_id=rid, sampling_params=params, stream=stream)
+    if body.get("lora_name") is not None:
+        req.lora_name = _check_text("lora_name", body["lora_name"], MAX_LORA_NAME_CHARS, rid)
     options = [f for f in CHAT_OPTION_FIELDS if f in body]
     if options and "messages" not in body:
         _bad(f"{', '.join(options)}: chat options go with messages only (this request has "
@@ -174,6 +180,22 @@ def parse_generate(body: dict, limits: ModelLimits) -> GenerateRequest:
         if options:
             req.chat_options = parse_chat_options({f: body[f] for f in options}, rid)
     return req
+
+
+def _check_text(field: str, value, max_chars: int, rid: str | None) -> str:
+    if not isinstance(value, str) or not 1 <= len(value) <= max_chars:
+        _bad(f"{field}: must be a string of 1 to {max_chars} characters", rid)
+    return value
+
+
+def parse_lora_message(msg_type: MsgType, body: dict) -> tuple[str | None, str, str | None]:
+    """(request_id, lora_name, lora_path) of a LOAD_LORA (path required) or UNLOAD_LORA."""
+    rid = check_fields(msg_type, body)
+    name = _check_text("lora_name", body.get("lora_name"), MAX_LORA_NAME_CHARS, rid)
+    path = None
+    if msg_type == MsgType.LOAD_LORA:
+        path = _check_text("lora_path", body.get("lora_path"), MAX_LORA_PATH_CHARS, rid)
+    return rid, name, path
 
 
 def parse_chat_options(raw: dict, rid: str) -> ChatOptions:

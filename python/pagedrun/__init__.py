@@ -37,6 +37,7 @@ del _root
 _LAZY = {
     "LLM": ("pagedrun.runtime.llm", "LLM"),
     "SamplingParams": ("pagedrun.runtime.sampling_params", "SamplingParams"),
+    "LoRARequest": ("pagedrun.runtime.lora.lora_request", "LoRARequest"),
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pagedrun.runtime.lora import lora_ops
 from pagedrun.runtime.sampler import Sampler
 
 from . import numpy_ops
@@ -35,6 +36,17 @@ class NumpyBackend:
     swap_blocks = staticmethod(numpy_ops.swap_blocks)
     moe_route = staticmethod(numpy_ops.moe_route)
     moe_experts = staticmethod(numpy_ops.moe_experts)
+    lora_weights = (np.float32, np)   # slot stacks: float32 numpy, like the weights
+
+    @staticmethod
+    def lora_batch(batch):
+        """The step's LoRABatch itself (lora_ops reads its host arrays)."""
+        return batch
+
+    @staticmethod
+    def add_lora(y, x, lora_a, lora_b, batch, slice_starts):
+        """y [T, out] += LoRA(x [T, in]) in place, float32 (lora_ops.add_lora); returns y."""
+        return lora_ops.add_lora(y, x, lora_a, lora_b, batch, slice_starts)
 
     @staticmethod
     def linear(x, weight, bias=None, *, out_dtype=None):

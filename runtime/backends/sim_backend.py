@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagedrun.runtime.kernels import attention, cache_ops, fused_ops, gemm, moe
+from pagedrun.runtime.kernels import attention, cache_ops, fused_ops, gemm, lora, moe
 from pagedrun.runtime.kernels.attention import SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS
 from pagedrun.runtime.kernels.kernel_args import (UnsupportedKernelShape, from_bf16_bits,
                                                   to_bf16_bits)
@@ -35,7 +35,7 @@ _SOURCES = {"gemm": ("gemm.cu", "gemm_skinny.cu"), "norm": ("rms_norm.cu",),
             "activation": ("activation.cu",), "embedding": ("embedding.cu",),
             "rotary": ("rotary_cache_write.cu",), "decode": ("paged_attention_decode.cu",),
             "prefill": ("paged_attention_prefill.cu",), "blocks": ("block_copy.cu",),
-            "sampling": ("sampling.cu",), "moe": ("moe.cu",)}
+            "sampling": ("sampling.cu",), "moe": ("moe.cu",), "lora": ("lora.cu",)}
 
 
 class KernelBackend:
@@ -211,6 +211,21 @@ class KernelBackend:
             self.module("prefill"), self.xp.ascontiguousarray(q), k_cache, v_cache,
             self._ints(block_tables), self._ints(query_start_loc), self._ints(context_lens),
             scale, max_query_len=max_query_len, sliding_window=sliding_window)
+
+    @property
+    def lora_weights(self) -> tuple:
+        """Slot stacks in the activation dtype (lora.cu takes x, y, A and B in one dtype)."""
+        return self.act_dtype, self.xp
+
+    def lora_batch(self, batch):
+        """The step's LoRATilePlan, uploaded once for every layer's shrink and expand."""
+        return lora.lora_tile_plan(batch, self.xp)
+
+    def add_lora(self, y, x, lora_a, lora_b, batch, slice_starts):
+        """y [T, out] += LoRA(x [T, in]) in place on cuda/lora.cu; `batch`: lora_batch's plan.
+        y is `linear`'s fresh contiguous output, so the in-place add is safe."""
+        return lora.add_lora(self.module("lora"), y, self.xp.ascontiguousarray(x), lora_a,
+                             lora_b, batch, slice_starts)
 
     def copy_blocks(self, k_caches, v_caches, block_copies) -> None:
         pairs = self._ints(np.asarray(block_copies).reshape(-1, 2))

@@ -180,7 +180,7 @@ def start_tensor_parallel(config, model_config, backend, max_model_len: int
         num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_swap_blocks(config, bytes_per_block),
         nnodes=config.nnodes, master_addr=config.master_addr, ops=backend,
         secret_file=getattr(config, "tp_secret_file", None),
-        curve=getattr(config, "tp_curve", False))
+        curve=getattr(config, "tp_curve", False), lora_config=config.lora_config())
 
 
 class TensorParallelExecutor:
@@ -191,17 +191,22 @@ class TensorParallelExecutor:
                  nnodes: int = 1, master_addr: str | None = None,
                  rendezvous_timeout_s: float = DEFAULT_RENDEZVOUS_TIMEOUT_S,
                  collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, ops=None,
-                 secret_file: str | None = None, curve: bool = False) -> None:
+                 secret_file: str | None = None, curve: bool = False,
+                 lora_config=None) -> None:
         """model: as EngineConfig.model (a directory, a .gguf, None for the default model);
         every rank resolves it on its own node, so the default model and converted GGUFs need
         no shared path across nodes (a directory must exist at the same path on each).
         secret_file: the group's shared secret (auth.read_secret_file), required when nnodes
         > 1; on one node a random secret per executor is used when it is None.
-        curve: CURVE-encrypt the control and communicator sockets (auth.py)."""
+        curve: CURVE-encrypt the control and communicator sockets (auth.py).
+        lora_config: a LoRAConfig to serve adapters with (every rank holds the slots of its
+        shard; slot fills travel with the next step, each rank loading its own shard)."""
         check_shardable(model_config, tp_size)
         self.tp_size = tp_size
         self.dead: str | None = None  # why, once a rank is lost
         self._seq = 0
+        self.lora_config = lora_config
+        self._lora_writes: list = []  # (slot, LoRARequest) to send with the next step
         self._procs: dict[int, subprocess.Popen] = {}
         self._peers: dict[bytes, _Peer] = {}  # authenticated identity -> its rank and session
         self._identities: dict[int, bytes] = {}  # rank -> identity
@@ -247,7 +252,11 @@ class TensorParallelExecutor:
                 "device": device, "dtype": dtype, "block_size": block_size,
                 "max_model_len": max_model_len, "num_gpu_blocks": num_gpu_blocks,
                 "num_cpu_blocks": num_cpu_blocks, "collective_timeout_s": collective_timeout_s,
-                "nccl_unique_id": None, "local_rank": 0}
+                "nccl_unique_id": None, "local_rank": 0,
+                "lora": None if self.lora_config is None else {
+                    "max_loras": self.lora_config.max_loras,
+                    "max_lora_rank": self.lora_config.max_lora_rank,
+                    "max_cpu_loras": self.lora_config.max_cpu_loras}}
         if ops is None:
             ops = make_backend(device, dtype, device_id=0)
         if ops.communicator == "nccl":
@@ -476,18 +485,29 @@ class TensorParallelExecutor:
 
     # ------------------------------------------------------------------ steps
 
-    def execute(self, out, prompt_logit_rows: tuple[int, ...] = ()):
+    def load_adapter(self, lora_request):
+        """Rank 0's shard of an adapter (the engine's AdapterCache keeps it on the host)."""
+        return self.runner.load_adapter(lora_request)
+
+    def apply_lora_writes(self, writes) -> None:
+        """Fill rank 0's slots now; the other ranks fill theirs from the next step's header."""
+        self.runner.apply_lora_writes(writes)
+        self._lora_writes.extend((w.slot, w.lora_request) for w in writes)
+
+    def execute(self, out, prompt_logit_rows: tuple[int, ...] = (), row_lora_slots=None):
         """Broadcast the step, run rank 0's forward; the RunnerOutput of ModelRunner.execute."""
         if self.dead is not None:
             raise PeerLostError(f"tensor parallel group is down: {self.dead}")
         try:
             self._check_alive()
             self._seq += 1
-            frames = encode_step(self._seq, out, prompt_logit_rows)
+            frames = encode_step(self._seq, out, prompt_logit_rows, self._lora_writes,
+                                 row_lora_slots)
+            self._lora_writes = []
             step_digest = auth.digest(frames)  # hashed once, MACed per worker
             for identity in self._identities.values():
                 self._send(identity, frames, step_digest)
-            return self.runner.execute(out, prompt_logit_rows)
+            return self.runner.execute(out, prompt_logit_rows, row_lora_slots)
         except BaseException as exc:
             # Whatever broke, the ranks are out of step now: the group cannot continue.
             self.dead = f"{type(exc).__name__}: {exc}"

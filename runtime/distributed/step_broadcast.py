@@ -7,13 +7,18 @@ the runner reads travel; the request ids, the sampling bookkeeping and the prefi
 stay with the scheduler on the driver. A decode step of 256 sequences with 128-block tables is
 about 140 KB, mostly the block table (benchmarks/bench_step_broadcast.py measures the cost).
 
+Multi-LoRA adds two header fields: `lora_writes`, the device slots to fill before this step's
+forward ([slot, lora_name, lora_int_id, lora_path] each: every rank loads its own shard of the
+adapter from lora_path), and `row_lora_slots`, each row's adapter slot (-1: none) or None when no
+row has one.
+
 On the wire the executor seals these frames per worker (auth.Channel: one more frame, a counter
 and an HMAC over the frames' SHA-256, computed once per step); the worker opens them before
 `decode_step`, so only steps from the driver it authenticated run.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgpack
 import numpy as np
@@ -44,14 +49,22 @@ class StepInputs:
     block_copies: np.ndarray
     swap_out: np.ndarray
     swap_in: np.ndarray
+    lora_writes: list = field(default_factory=list)   # [[slot, name, id, path], ...]
+    row_lora_slots: np.ndarray | None = None          # int32 [num_reqs], -1: no adapter
 
 
-def encode_step(seq: int, out, prompt_logit_rows: tuple[int, ...]) -> list:
-    """Frames of one step; `out` is a SchedulerOutput (or a StepInputs)."""
+def encode_step(seq: int, out, prompt_logit_rows: tuple[int, ...], lora_writes=(),
+                row_lora_slots=None) -> list:
+    """Frames of one step; `out` is a SchedulerOutput (or a StepInputs). lora_writes:
+    [(slot, LoRARequest)]; row_lora_slots: int [num_reqs] or None."""
     arrays = [np.ascontiguousarray(getattr(out, name)) for name in STEP_ARRAYS]
     header = {"seq": seq, "num_batched_tokens": int(out.num_batched_tokens),
               "prompt_logit_rows": [int(r) for r in prompt_logit_rows],
-              "arrays": [[a.dtype.str, list(a.shape)] for a in arrays]}
+              "arrays": [[a.dtype.str, list(a.shape)] for a in arrays],
+              "lora_writes": [[int(slot), r.lora_name, r.lora_int_id, r.lora_path]
+                              for slot, r in lora_writes],
+              "row_lora_slots": (None if row_lora_slots is None
+                                 else [int(s) for s in row_lora_slots])}
     return [STEP, msgpack.packb(header), *arrays]
 
 
@@ -63,5 +76,8 @@ def decode_step(frames: list) -> StepInputs:
     header = msgpack.unpackb(bytes(buf(frames[1])))
     arrays = {name: np.frombuffer(buf(f), dtype=dtype).reshape(shape)
               for name, (dtype, shape), f in zip(STEP_ARRAYS, header["arrays"], frames[2:])}
+    slots = header.get("row_lora_slots")
     return StepInputs(seq=header["seq"], num_batched_tokens=header["num_batched_tokens"],
-                      prompt_logit_rows=tuple(header["prompt_logit_rows"]), **arrays)
+                      prompt_logit_rows=tuple(header["prompt_logit_rows"]), **arrays,
+                      lora_writes=header.get("lora_writes", []),
+                      row_lora_slots=None if slots is None else np.asarray(slots, np.int32))

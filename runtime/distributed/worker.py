@@ -86,12 +86,23 @@ def build_rank(plan: dict, rank: int, comm, ops=None):
     local_config = rank_config(config, spec)
     weights = load_shard(model_dir, config, spec)
     model = ShardedLlamaModel(local_config, weights, ops, plan["max_model_len"], spec, comm)
+    lora_config = load_adapter = None
+    if plan.get("lora") is not None:  # adapters: this rank's shard of each, from the full config
+        from functools import partial
+
+        from pagedrun.runtime.lora.lora_config import LoRAConfig
+        from pagedrun.runtime.lora.peft_loader import load_peft_adapter
+
+        lora_config = LoRAConfig(**plan["lora"])
+        load_adapter = partial(load_peft_adapter, config=config,
+                               max_lora_rank=lora_config.max_lora_rank, shard=spec)
     return ModelRunner(local_config, None, block_size=plan["block_size"],
                        num_gpu_blocks=plan["num_gpu_blocks"],
                        num_cpu_blocks=plan["num_cpu_blocks"],
                        max_model_len=plan["max_model_len"], ops=ops, model=model,
                        # rank 0 samples: where its backend's sampler reads them
-                       logits_on_device=rank == 0 and ops.logits_on_device)
+                       logits_on_device=rank == 0 and ops.logits_on_device,
+                       lora_config=lora_config, load_adapter=load_adapter)
 
 
 def make_communicator(plan: dict, rank: int, context: zmq.Context, auth_key: bytes | None = None,
@@ -230,7 +241,22 @@ def _serve_steps(control, watch: ConnectionWatch, channel: auth.Channel, runner,
         if step.seq != expected_seq:
             raise RuntimeError(f"rank {rank}: step {step.seq} arrived, expected {expected_seq}")
         expected_seq += 1
-        runner.execute(step, step.prompt_logit_rows)
+        if step.lora_writes:
+            runner.apply_lora_writes(lora_slot_writes(runner, step.lora_writes))
+        runner.execute(step, step.prompt_logit_rows, step.row_lora_slots)
+
+
+def lora_slot_writes(runner, lora_writes: list) -> list:
+    """The step header's [slot, name, id, path] entries as SlotWrites of this rank's shards
+    (each loaded from lora_path here: the driver's host cache is not shared)."""
+    from pagedrun.runtime.lora.adapter_cache import SlotWrite
+    from pagedrun.runtime.lora.lora_request import LoRARequest
+
+    writes = []
+    for slot, name, lora_int_id, path in lora_writes:
+        request = LoRARequest(name, lora_int_id, path)
+        writes.append(SlotWrite(slot, request, runner.load_adapter(request)))
+    return writes
 
 
 def main(argv=None) -> int:

@@ -22,6 +22,14 @@ Gemma 3 is config fields too: embeddings times `embedding_scale`, the attention 
 normed (`attn_out_norm`, `mlp_out_norm`) before the fused add-norm takes them into the residual
 stream, GeGLU (`ops.gelu_tanh_and_mul`), `softmax_scale`, and per layer a sliding window and a
 rotary table (local layers have their own base). The (1 + w) norms come folded from the loader.
+
+Multi-LoRA (`forward(..., lora=)`, runtime/lora/): right after each of the four GEMMs, the step's
+adapters add their low-rank deltas to the GEMM's fresh output, in place: y += B_slot (A_slot x)
+for the tokens whose request has an adapter slot (`ops.add_lora`, one shrink/expand pair per
+adapter present, none at all in a step without adapters). The o_proj and down_proj deltas are
+added before the all-reduce, so under tensor parallelism they are partial sums like the base
+output (the adapter's A is sharded by input features there). MoE layers have no dense MLP
+targets (the weight stack returns None for them).
 """
 from __future__ import annotations
 
@@ -33,6 +41,9 @@ from pagedrun.runtime.model_config import ModelConfig
 from pagedrun.runtime.models.moe import MoeBlock
 from pagedrun.runtime.rope import build_cos_sin_cache, model_inv_freq
 from pagedrun.runtime.weights import ModelWeights
+
+# The four LoRA targets, by the fused GEMM they ride on (runtime/lora/adapter_weights.py).
+LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN = "qkv", "o", "gate_up", "down"
 
 
 @dataclass
@@ -142,14 +153,17 @@ class LlamaModel:
                             else ops.gelu_tanh_and_mul)
 
     def forward(self, token_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
-                attn: AttentionInputs, k_caches: list[np.ndarray], v_caches: list[np.ndarray]
-                ) -> tuple[np.ndarray, np.ndarray]:
+                attn: AttentionInputs, k_caches: list[np.ndarray], v_caches: list[np.ndarray],
+                lora=None) -> tuple[np.ndarray, np.ndarray]:
         """Run the decoder over one step's tokens, writing their K/V into the paged cache.
 
         token_ids, positions, slot_mapping: [num_tokens] int32
         k_caches, v_caches: per layer [num_blocks, block_size, num_kv_heads, head_dim] float32
         Returns (x, residual), each [num_tokens, hidden] float32: the last layer's output and the
         residual stream, still to be added and normed (only sampled rows need that, see `logits`).
+        lora: None, or the step's adapters: `.stack` (a LoRAWeightStack: per layer and target
+        the slot weights) and `.batch` (the backend's `lora_batch` of the step's tokens grouped
+        by slot); the model runner passes None when no token of the step has an adapter.
         """
         ops, cfg = self.ops, self.config
         num_tokens = token_ids.shape[0]
@@ -159,14 +173,15 @@ class LlamaModel:
             # Gemma: the lookup times sqrt(hidden) (the tied LM head keeps the unscaled table).
             x = ops.scale_activations(x, cfg.embedding_scale)
         residual = None
-        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
+        for index, (layer, k_cache, v_cache) in enumerate(zip(self.layers, k_caches, v_caches)):
             if residual is None:
                 residual = x
                 h = ops.rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             else:
                 h, residual = ops.fused_add_rms_norm(x, residual, layer.input_norm,
                                                      cfg.rms_norm_eps)
-            qkv = ops.linear(h, layer.qkv_t.T, layer.qkv_bias)
+            qkv = self._lora(lora, index, LORA_QKV, ops.linear(h, layer.qkv_t.T, layer.qkv_bias),
+                             h)
             q = qkv[:, :q_size].reshape(num_tokens, cfg.num_attention_heads, cfg.head_dim)
             k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, cfg.num_key_value_heads,
                                                         cfg.head_dim)
@@ -177,20 +192,34 @@ class LlamaModel:
             q, _ = ops.rotary_embedding_and_cache_write(q, k, v, positions, layer.cos_sin_cache,
                                                         k_cache, v_cache, slot_mapping)
             attn_out = self._attention(q, k_cache, v_cache, attn, layer.sliding_window)
-            x = self.all_reduce(ops.linear(attn_out.reshape(num_tokens, q_size), layer.o_t.T,
-                                           layer.o_bias))
+            o_in = attn_out.reshape(num_tokens, q_size)
+            x = self.all_reduce(self._lora(lora, index, LORA_O,
+                                           ops.linear(o_in, layer.o_t.T, layer.o_bias), o_in))
             if layer.attn_out_norm is not None:
                 x = ops.rms_norm(x, layer.attn_out_norm, cfg.rms_norm_eps)
             h, residual = ops.fused_add_rms_norm(x, residual, layer.post_norm, cfg.rms_norm_eps)
             if layer.moe is not None:
                 mlp_out = layer.moe(ops, h)
             else:
-                mlp_out = ops.linear(self.act_and_mul(ops.linear(h, layer.gate_up_t.T)),
-                                     layer.down_t.T)
+                gate_up = self._lora(lora, index, LORA_GATE_UP,
+                                     ops.linear(h, layer.gate_up_t.T), h)
+                act = self.act_and_mul(gate_up)
+                mlp_out = self._lora(lora, index, LORA_DOWN, ops.linear(act, layer.down_t.T), act)
             x = self.all_reduce(mlp_out)
             if layer.mlp_out_norm is not None:
                 x = ops.rms_norm(x, layer.mlp_out_norm, cfg.rms_norm_eps)
         return x, residual
+
+    def _lora(self, lora, index: int, target: str, y, x):
+        """y (a GEMM's fresh [num_tokens, out] output) plus the step's LoRA deltas of layer
+        `index`'s `target` for input x [num_tokens, in]; y itself without adapters."""
+        if lora is None:
+            return y
+        module = lora.stack.module(index, target)
+        if module is None:  # an MoE layer's experts: no LoRA
+            return y
+        lora_a, lora_b, slice_starts = module
+        return self.ops.add_lora(y, x, lora_a, lora_b, lora.batch, slice_starts)
 
     def _head_norm(self, x, weight: np.ndarray):
         """RMSNorm of every head: x [num_tokens, heads, head_dim] (a strided view of qkv) ->

@@ -244,7 +244,7 @@ def test_api_stream_generate_concurrency_errors(c_lib, server_process, tmp_path,
     want = expected_tokens(list(prompt.encode()), max_tokens)
     info = dict(kv.split("=", 1) for kv in out["INFO"].split())
     assert info["model"] == "fake-byte-model" and info["max_model_len"] == "256"
-    assert float(info["lease"]) == 30.0 and info["revision"] == "1.3"
+    assert float(info["lease"]) == 30.0 and info["revision"] == "1.4"
     assert len(info["server_id"]) == 16
     assert _ints(out["STREAM_TOKENS"]) == want and out["STREAM_TEXT"] == bytes(want).decode()
     assert out["STREAM_FINISH"] == "length" and out["STREAM_DELTAS"] == str(max_tokens)

@@ -187,7 +187,7 @@ def test_ping_model_info_stats(start_server, zmq_ctx):
     kind, pong = recv(s)
     assert kind == MsgType.PONG and pong["status"] == "ok" and pong["request_id"] is None
     assert pong["protocol_version"] == PROTOCOL_VERSION and pong["lease_s"] == 7.5
-    assert pong["protocol_revision"] == PROTOCOL_REVISION == "1.3"
+    assert pong["protocol_revision"] == PROTOCOL_REVISION == "1.4"
     assert_server_id(pong["server_id"])
     assert abs(pong["server_time"] - time.time()) < 60
     send(s, MsgType.MODEL_INFO, {"request_id": "mi"})

@@ -351,5 +351,5 @@ def test_a_broken_request_template_is_invalid_request(start_server):
 def test_revision_is_advertised(start_server):
     _, ep = start_server()
     with Client(ep, timeout_s=10) as c:
-        assert c.ping()["protocol_revision"] == PROTOCOL_REVISION == "1.3"
-        assert c.model_info()["server"]["protocol_revision"] == "1.3"
+        assert c.ping()["protocol_revision"] == PROTOCOL_REVISION == "1.4"
+        assert c.model_info()["server"]["protocol_revision"] == "1.4"
