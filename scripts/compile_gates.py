@@ -130,12 +130,14 @@ class FunctionStats:
     spill_stores: int = 0
     spill_loads: int = 0
     stack_frame: int = 0
+    static_smem: int = 0  # "N bytes smem" on the "Used" line: __shared__ arrays, not dynamic
 
 
 _COMPILING = re.compile(r"Compiling entry function '([^']+)' for '(\w+)'")
 _PROPERTIES = re.compile(r"Function properties for (\S+)")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")
 
 
 def parse_ptxas(output: str) -> dict[str, FunctionStats]:
@@ -156,6 +158,8 @@ def parse_ptxas(output: str) -> dict[str, FunctionStats]:
         elif m := _USED.search(line):
             if current_entry is not None:
                 current_entry.registers = int(m.group(1))
+                if sm := _SMEM.search(line):
+                    current_entry.static_smem = int(sm.group(1))
     return stats
 
 
@@ -172,15 +176,21 @@ def check_stats(stats: dict[str, FunctionStats], budget: int | None) -> list[str
     return problems
 
 
+def nvcc_cubin(nvcc: Path, path: Path, arch: str, cubin: str) -> subprocess.CompletedProcess:
+    """Compiles one kernel file to `cubin` with ptxas -v (its report is in stdout + stderr);
+    scripts/kernel_report.py builds its sm_90a cubins through here too."""
+    cmd = [str(nvcc), "-cubin", f"-arch={arch}", "-std=c++17", f"-I{CUDA_DIR}",
+           f"-I{path.parent}",
+           "-Xptxas", "-v", "-o", cubin, str(path)]
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
 def nvcc_gate(nvcc: Path, path: Path, arch: str) -> GateResult:
     source = path.read_text()
     m = BUDGET.search(source)
     budget = int(m.group(1)) if m else None
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [str(nvcc), "-cubin", f"-arch={arch}", "-std=c++17", f"-I{CUDA_DIR}",
-               f"-I{path.parent}",
-               "-Xptxas", "-v", "-o", os.path.join(tmp, "out.cubin"), str(path)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = nvcc_cubin(nvcc, path, arch, os.path.join(tmp, "out.cubin"))
     res = GateResult(f"nvcc {path.name} {arch}", proc.returncode == 0)
     if proc.returncode != 0:
         res.lines += (proc.stdout + proc.stderr).splitlines()[-40:]
