@@ -499,11 +499,8 @@ class LLMEngine:
             try:
                 batch = self._plan_sampling(scheduled, failed)       # SamplingBatch
                 lora_slots = self._lora_slots(scheduled, failed)     # None: no adapters
-                if lora_slots is None:  # a step without adapters: the runner's base call
-                    executed = self.runner.execute(scheduled, batch.prompt_logit_rows)
-                else:
-                    executed = self.runner.execute(scheduled, batch.prompt_logit_rows,
-                                                   row_lora_slots=lora_slots)
+                executed = self.runner.execute(scheduled, batch.prompt_logit_rows,
+                                               row_lora_slots=lora_slots)
                 sampled = self._sample(batch, executed, failed)      # SamplerOutput
             except Exception as exc:  # noqa: BLE001 -- belongs to no single request
                 self._fail_step(scheduled, exc, touched)

@@ -121,8 +121,8 @@ def greedy_run(engine: LLMEngine, prompt_ids: list[list[int]], max_tokens: int =
     step_logits = []
     execute = engine.runner.execute
 
-    def recording_execute(out, prompt_logit_rows=()):
-        result = execute(out, prompt_logit_rows)
+    def recording_execute(out, prompt_logit_rows=(), **kwargs):
+        result = execute(out, prompt_logit_rows, **kwargs)
         step_logits.append(np.array(result.logits))
         return result
 

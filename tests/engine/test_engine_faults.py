@@ -183,11 +183,11 @@ def test_failed_step_fails_its_requests_and_the_engine_keeps_serving(tiny_cpu_mo
     execute = engine.runner.execute
     calls = {"n": 0}
 
-    def faulty(out, *args):
+    def faulty(out, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 3:
             raise InjectedFault("kernel launch failed")
-        return execute(out, *args)
+        return execute(out, *args, **kwargs)
 
     monkeypatch.setattr(engine.runner, "execute", faulty)
     requests = _requests()
