@@ -46,7 +46,8 @@ def rejection_sample(module, target_weights, draft_token_ids, num_draft_tokens, 
     require(u.ndim == 2 and u.shape[0] == num_reqs and u.shape[1] >= positions,
             lambda: f"uniforms {u.shape}, need [{num_reqs}, >= {positions}]")
     u = xp.ascontiguousarray(u[:, :positions])
-    host_counts = np.asarray(num_draft_tokens)
+    # Counts index the draft rows in the kernel: always checked (a [B] read from a device).
+    host_counts = num_draft if xp is np else num_draft.get()
     require(bool(((host_counts >= 0) & (host_counts <= max_draft)).all()),
             lambda: f"num_draft_tokens must be in [0, {max_draft}]")
     if isinstance(draft_token_ids, np.ndarray):  # host ids are checked; device ids trusted
