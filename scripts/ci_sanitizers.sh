@@ -8,7 +8,8 @@
 #      afresh, the seed printed for a replay), so a race that index order hides can surface.
 #   2. TSan over tests/sim and tests/kernels minus the tests selected away by TSAN_KERNEL_SKIP
 #      (a pytest -k expression; default: the statistical sampling tests, which launch large
-#      grids many times and take 2+ min alone under TSan). Measured 3 min on 2 cores.
+#      grids many times and take 2+ min alone under TSan, and the head_dim-256 attention cases,
+#      ~40 s under TSan, which the ASan pass still runs). Measured 3-4 min on 2 cores.
 # A sanitizer report aborts the process, so any report fails this script.
 #   bash scripts/ci_sanitizers.sh
 set -euo pipefail
@@ -19,7 +20,7 @@ PY="$(${PYTHON:-python3} -c 'import sys; print(sys.executable)')"
 CXX="${CXX:-g++}"
 LIBASAN="$($CXX -print-file-name=libasan.so)"
 LIBTSAN="$($CXX -print-file-name=libtsan.so)"
-TSAN_KERNEL_SKIP="${TSAN_KERNEL_SKIP:-draw_distribution}"
+TSAN_KERNEL_SKIP="${TSAN_KERNEL_SKIP:-draw_distribution or (attention and 256)}"
 KERNEL_TESTS=(tests/sim)
 [ -d tests/kernels ] && KERNEL_TESTS+=(tests/kernels)
 # OpenBLAS's own thread pool (numpy, uninstrumented) shows up as false races under TSan.
