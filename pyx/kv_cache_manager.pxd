@@ -47,6 +47,7 @@ cdef class KVCacheManager:
     cdef bint allocate_slots(self, int32_t slot, int32_t num_computed_tokens,
                              int32_t num_new_tokens) noexcept nogil
     cdef void free_blocks(self, int32_t slot) noexcept nogil
+    cdef void trim_blocks(self, int32_t slot, int32_t num_tokens) noexcept nogil
     cdef void cache_full_blocks(self, int32_t slot, const int32_t* token_ids,
                                 int32_t num_computed_tokens, uint64_t extra_key) noexcept nogil
     cdef bint fork(self, int32_t parent_slot, int32_t child_slot) noexcept nogil

@@ -212,6 +212,18 @@ cdef class KVCacheManager:
         rb.on_host = False
         rb.may_share_partial = False
 
+    cdef void trim_blocks(self, int32_t s, int32_t num_tokens) noexcept nogil:
+        """Drop the blocks past the first cdiv(num_tokens, block_size), last first: a
+        speculative step's blocks that hold only rejected tokens (never offered to the prefix
+        cache, since only computed -- verified -- tokens are hashed)."""
+        cdef ReqBlocks* rb = &self.reqs[s]
+        cdef int32_t keep = cdiv(num_tokens, self.block_size)
+        while rb.num_blocks > keep:
+            rb.num_blocks -= 1
+            self.gpu_pool.decref(rb.block_ids[rb.num_blocks])
+        if rb.num_hashed_blocks > rb.num_blocks:
+            rb.num_hashed_blocks = rb.num_blocks
+
     cdef void cache_full_blocks(self, int32_t s, const int32_t* token_ids,
                                 int32_t num_computed_tokens, uint64_t extra_key) noexcept nogil:
         """Offer the blocks that are full of computed KV to the prefix cache."""
@@ -323,6 +335,10 @@ cdef class KVCacheManager:
                           int32_t num_new_tokens) -> bool:
         self._check_slot(slot)
         return self.allocate_slots(slot, num_computed_tokens, num_new_tokens)
+
+    def py_trim(self, int32_t slot, int32_t num_tokens) -> None:
+        self._check_slot(slot)
+        self.trim_blocks(slot, num_tokens)
 
     def py_free(self, int32_t slot) -> None:
         self._check_slot(slot)

@@ -18,6 +18,15 @@ What this module owns
   waiting, not failed) and later requests may still be admitted; a count per active adapter is
   kept, changed wherever a request enters or leaves `running` (admit, fork, finish, abort,
   preempt). `SchedulerOutput.lora_ids` gives each row's adapter.
+- Speculative decoding: with `num_speculative_tokens` K > 0, `set_draft_tokens` gives running
+  decodes up to K proposed tokens for the next `schedule()` only. A decode row then queries
+  1 + k tokens (its last sampled token and k drafts, k cut to the budget left after the other
+  decodes' one token each, to what the request may still emit, and to 0 when its blocks do not
+  fit -- a draft never preempts anyone); its slots are allocated before the step.
+  `update_from_output(..., num_accepted=, accepted_token_ids=)` then appends the accepted drafts
+  and the final token, advances `num_computed_tokens` by 1 + accepted (the rejected positions'
+  KV is garbage and gets overwritten), hashes only verified tokens into the prefix cache, and
+  returns the blocks that hold only rejected tokens to the pool.
 - Invariant checks (`check_invariants()`, and after every step when
   `SchedulerConfig.check_invariants`): violations raise `SchedulerInvariantError`.
 
@@ -79,7 +88,8 @@ class SchedulerConfig:
                  max_num_batched_tokens: int = 2048, max_model_len: int = 8192,
                  enable_prefix_caching: bool = True, num_cpu_blocks: int = 0,
                  preemption_mode: str = "recompute", long_prefill_token_threshold: int = 0,
-                 check_invariants: bool = False, max_loras: int = 0):
+                 check_invariants: bool = False, max_loras: int = 0,
+                 num_speculative_tokens: int = 0):
         self.num_gpu_blocks = int(num_gpu_blocks)
         self.block_size = int(block_size)
         self.max_num_seqs = int(max_num_seqs)
@@ -91,14 +101,16 @@ class SchedulerConfig:
         self.long_prefill_token_threshold = int(long_prefill_token_threshold)
         self.check_invariants = bool(check_invariants)
         self.max_loras = int(max_loras)  # 0: no adapter limit (LoRA off)
+        # Most draft tokens per request and step (0: speculative decoding off).
+        self.num_speculative_tokens = int(num_speculative_tokens)
         for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
                      "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if (self.num_cpu_blocks < 0 or self.long_prefill_token_threshold < 0
-                or self.max_loras < 0):
-            raise ValueError("num_cpu_blocks, long_prefill_token_threshold and max_loras must "
-                             "be >= 0")
+                or self.max_loras < 0 or self.num_speculative_tokens < 0):
+            raise ValueError("num_cpu_blocks, long_prefill_token_threshold, max_loras and "
+                             "num_speculative_tokens must be >= 0")
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode: must be one of {PREEMPTION_MODES}, "
                              f"got {preemption_mode!r}")
@@ -131,6 +143,9 @@ cdef class SchedulerOutput:
     cdef readonly object new_req_ids            # int64 [m]
     cdef readonly object num_prefix_cached_tokens  # int32 [m]
     cdef readonly object lora_ids               # int32 [num_reqs], 0: no adapter
+    cdef readonly object num_draft_tokens       # int32 [num_reqs], k of a speculating row
+                                                # (its query: last token + k drafts), else 0
+    cdef readonly int total_draft_tokens
     cdef readonly int64_t step_id
     cdef object _slots                          # int32 [num_reqs] scheduler slots
     cdef object _slot_gens                      # uint32 [num_reqs]
@@ -192,6 +207,12 @@ cdef class Scheduler:
     cdef int32_t* active_lora_ids      # [max_loras]
     cdef int32_t* active_lora_counts   # [max_loras]
     cdef int32_t num_active_loras
+    # Speculative decoding: per request slot, up to max_draft proposed tokens for the next
+    # schedule() (set_draft_tokens); kept outside ReqState so fork's memcpy cannot share them.
+    cdef int32_t max_draft
+    cdef int32_t* draft_tokens         # [num_slots, max_draft]
+    cdef int32_t* num_drafts           # [num_slots]
+    cdef int32_t* row_num_draft        # [max_num_seqs] drafts scheduled in each row
 
     def __cinit__(self, config):
         self.reqs = NULL
@@ -206,6 +227,9 @@ cdef class Scheduler:
         self.finished_slots = NULL
         self.active_lora_ids = NULL
         self.active_lora_counts = NULL
+        self.draft_tokens = NULL
+        self.num_drafts = NULL
+        self.row_num_draft = NULL
         self.num_slots = 0
 
     def __init__(self, config: SchedulerConfig):
@@ -231,13 +255,15 @@ cdef class Scheduler:
         self.finished_slots = <int32_t*>malloc(n * sizeof(int32_t))
         self.max_loras = config.max_loras
         self.num_active_loras = 0
+        self.max_draft = config.num_speculative_tokens
+        self.row_num_draft = <int32_t*>malloc(n * sizeof(int32_t))
         # One entry per running request at most, whatever max_loras says.
         self.active_lora_ids = <int32_t*>malloc(n * sizeof(int32_t))
         self.active_lora_counts = <int32_t*>malloc(n * sizeof(int32_t))
         if (self.active_lora_ids == NULL or self.active_lora_counts == NULL
                 or self.running == NULL or self.row_slot == NULL or self.row_query_len == NULL
                 or self.row_num_computed == NULL or self.new_num_cached == NULL
-                or self.finished_slots == NULL):
+                or self.finished_slots == NULL or self.row_num_draft == NULL):
             raise MemoryError("Scheduler: out of host memory")
         self.slot_of = {}
         self.num_running_ = 0
@@ -264,6 +290,7 @@ cdef class Scheduler:
         free(self.row_query_len); free(self.row_num_computed); free(self.new_num_cached)
         free(self.preempted_slots); free(self.finished_slots)
         free(self.active_lora_ids); free(self.active_lora_counts)
+        free(self.draft_tokens); free(self.num_drafts); free(self.row_num_draft)
 
     cdef int _grow_slots(self, int32_t num_slots) except -1:
         cdef int32_t old = self.num_slots
@@ -275,6 +302,16 @@ cdef class Scheduler:
         cdef int32_t* free_slots = <int32_t*>realloc(self.free_slots, num_slots * sizeof(int32_t))
         cdef int32_t* waiting = <int32_t*>realloc(self.waiting, num_slots * sizeof(int32_t))
         cdef int32_t* preempted = <int32_t*>realloc(self.preempted_slots, num_slots * sizeof(int32_t))
+        cdef int32_t* num_drafts = <int32_t*>realloc(self.num_drafts, num_slots * sizeof(int32_t))
+        cdef int32_t* drafts = <int32_t*>realloc(
+            self.draft_tokens, (num_slots * self.max_draft + 1) * sizeof(int32_t))
+        if num_drafts != NULL:
+            self.num_drafts = num_drafts
+            memset(&num_drafts[old], 0, (num_slots - old) * sizeof(int32_t))
+        if drafts != NULL:
+            self.draft_tokens = drafts
+        if num_drafts == NULL or drafts == NULL:
+            raise MemoryError("Scheduler: out of host memory")
         if free_slots != NULL:
             self.free_slots = free_slots
         if waiting != NULL:
@@ -429,6 +466,7 @@ cdef class Scheduler:
         r.cache_salt = <uint64_t>(cache_salt & 0xFFFFFFFFFFFFFFFF)
         r.lora_id = lora_id
         r.status = WAITING
+        self.num_drafts[s] = 0
         self.slot_of[request_id] = s
         self._enqueue_waiting(s)
 
@@ -478,6 +516,7 @@ cdef class Scheduler:
         rc.gen = gen
         rc.token_ids = tokens
         rc.req_id = child_id
+        self.num_drafts[c] = 0
         if child_last_token_id is not None:
             rc.token_ids[rc.num_tokens - 1] = child_last_token_id
         self.slot_of[child_id] = c
@@ -491,6 +530,58 @@ cdef class Scheduler:
             rc.num_computed_tokens = 0
             rc.status = WAITING
             self._enqueue_waiting(c)
+
+    def set_draft_tokens(self, request_ids, draft_token_ids, num_draft_tokens) -> None:
+        """Proposed tokens for the next schedule() only (speculative decoding); replaces any
+        earlier proposal. request_ids int64 [m] (live requests), draft_token_ids int32 [m, >= k]
+        (row i's first num_draft_tokens[i] entries), num_draft_tokens int [m] in
+        [0, num_speculative_tokens]. A request that is not a running decode when schedule()
+        runs ignores its drafts; schedule() drops every proposal once it has run."""
+        self._enter()
+        if self.awaiting_update:
+            raise RuntimeError("set_draft_tokens between schedule() and update_from_output()")
+        ids = np.ascontiguousarray(request_ids, dtype=np.int64).reshape(-1)
+        counts = np.ascontiguousarray(num_draft_tokens, dtype=np.int32).reshape(-1)
+        tokens = np.ascontiguousarray(draft_token_ids, dtype=np.int32)
+        cdef int32_t m = ids.shape[0]
+        if counts.shape[0] != m or (m and (tokens.ndim != 2 or tokens.shape[0] != m)):
+            raise ValueError(f"set_draft_tokens: {m} request ids need num_draft_tokens [{m}] "
+                             f"and draft_token_ids [{m}, k], got {counts.shape} and "
+                             f"{tokens.shape}")
+        if m and (counts.min() < 0 or counts.max() > self.max_draft
+                  or counts.max() > tokens.shape[1]):
+            raise ValueError(f"set_draft_tokens: counts must lie in [0, "
+                             f"num_speculative_tokens={self.max_draft}] and within the rows")
+        if m and counts.max() > 0 and tokens[np.arange(tokens.shape[1])[None, :]
+                                             < counts[:, None]].min() < 0:
+            raise ValueError("set_draft_tokens: negative token id")
+        slots = [self._slot(int(i)) for i in ids]  # KeyError names a request that is not live
+        self._clear_drafts()
+        cdef const int32_t[:, ::1] tok = tokens if m else np.zeros((0, 1), np.int32)
+        cdef int32_t i, j, s, k
+        for i in range(m):
+            s = slots[i]
+            k = counts[i]
+            self.num_drafts[s] = k
+            for j in range(k):
+                self.draft_tokens[s * self.max_draft + j] = tok[i, j]
+
+    cdef void _clear_drafts(self) noexcept nogil:
+        if self.max_draft > 0:
+            memset(self.num_drafts, 0, self.num_slots * sizeof(int32_t))
+
+    def get_decode_request_ids(self):
+        """int64 [m]: the running requests whose every token but the last is computed (those
+        a proposer may give drafts), in running order."""
+        out = np.empty(self.num_running_, dtype=np.int64)
+        cdef int32_t i, m = 0
+        cdef ReqState* r
+        for i in range(self.num_running_):
+            r = &self.reqs[self.running[i]]
+            if r.num_tokens - r.num_computed_tokens == 1:
+                out[m] = r.req_id
+                m += 1
+        return out[:m]
 
     @property
     def num_running(self) -> int:
@@ -554,6 +645,7 @@ cdef class Scheduler:
         try:
             with nogil:
                 self._schedule_core()
+                self._clear_drafts()  # a proposal is good for one step
             self.step_id += 1
             self.awaiting_update = True
             out = self._build_output()  # also drops the GIL while filling the arrays
@@ -579,9 +671,10 @@ cdef class Scheduler:
         self.num_preempted += 1
         self.num_preemptions += 1
 
-    cdef inline void _add_row(self, int32_t s, int32_t n) noexcept nogil:
+    cdef inline void _add_row(self, int32_t s, int32_t n, int32_t num_draft=0) noexcept nogil:
         self.row_slot[self.num_rows] = s
         self.row_query_len[self.num_rows] = n
+        self.row_num_draft[self.num_rows] = num_draft
         self.row_num_computed[self.num_rows] = self.reqs[s].num_computed_tokens
         self.num_rows += 1
 
@@ -606,9 +699,12 @@ cdef class Scheduler:
         # admitted running request is preempted (it may be the request itself) until it can.
         # No request is admitted in a step that preempted (it would be the next victim, and it
         # keeps swap-in and swap-out out of the same step).
+        # Drafts (speculative decoding): a running decode with k proposed tokens queries 1 + k
+        # when the budget left after the decodes behind it allows (else fewer drafts) and its
+        # blocks fit without preempting anyone (else none); drafts only ever use what is spare.
         cdef int32_t budget = self.max_num_batched_tokens
         cdef int32_t threshold = self.long_prefill_token_threshold
-        cdef int32_t i, s, n, victim, remaining, num_hits, w
+        cdef int32_t i, s, n, victim, remaining, num_hits, w, k
         cdef int32_t num_decodes_left = 0
         cdef bint preempted_self
         cdef ReqState* r
@@ -625,9 +721,18 @@ cdef class Scheduler:
             s = self.running[i]
             r = &self.reqs[s]
             remaining = r.num_tokens - r.num_computed_tokens
+            k = 0
             if remaining == 1:
                 num_decodes_left -= 1
                 n = 1
+                if self.num_drafts[s] > 0:
+                    k = self._draft_len(s, budget - 1 - num_decodes_left)
+                    if k > 0 and self.kv.allocate_slots(s, r.num_computed_tokens, 1 + k):
+                        self._add_row(s, 1 + k, k)
+                        budget -= 1 + k
+                        i += 1
+                        continue
+                    k = 0
             else:
                 n = _chunk_len(remaining, threshold, budget - num_decodes_left)
                 if n <= 0:
@@ -687,9 +792,23 @@ cdef class Scheduler:
             self._add_row(s, n)
             budget -= n
 
+    cdef inline int32_t _draft_len(self, int32_t s, int32_t spare) noexcept nogil:
+        """How many of slot s's drafts a step may verify: what it proposed, cut to the spare
+        budget and to what the request may still emit after the step's final token (max_tokens,
+        max_model_len)."""
+        cdef ReqState* r = &self.reqs[s]
+        cdef int32_t k = self.num_drafts[s]
+        if k > spare:
+            k = spare
+        if k > r.max_tokens - r.num_output_tokens - 1:
+            k = r.max_tokens - r.num_output_tokens - 1
+        if k > self.max_model_len - r.num_tokens - 1:
+            k = self.max_model_len - r.num_tokens - 1
+        return k if k > 0 else 0
+
     cdef object _build_output(self):
         cdef int32_t R = self.num_rows
-        cdef int32_t T = 0, max_blocks = 0, k, nb, j, t, pos, q, start, s
+        cdef int32_t T = 0, max_blocks = 0, k, nb, j, t, pos, q, start, s, nd, total_draft = 0
         cdef int32_t bs = self.block_size
         for k in range(R):
             T += self.row_query_len[k]
@@ -711,6 +830,7 @@ cdef class Scheduler:
         bt_arr = np.empty((R, max_blocks), dtype=np.int32)
         sample_arr = np.empty(R, dtype=np.uint8)
         lora_arr = np.empty(R, dtype=np.int32)
+        draft_arr = np.empty(R, dtype=np.int32)
         slots_arr = np.empty(R, dtype=np.int32)
         gens_arr = np.empty(R, dtype=np.uint32)
         cdef int64_t[::1] req_ids = req_ids_arr
@@ -724,6 +844,8 @@ cdef class Scheduler:
         cdef int32_t[:, ::1] bt = bt_arr
         cdef uint8_t[::1] sample = sample_arr
         cdef int32_t[::1] row_lora = lora_arr
+        cdef int32_t[::1] row_draft = draft_arr
+        cdef const int32_t* drafts
         cdef int32_t[::1] slots = slots_arr
         cdef uint32_t[::1] gens = gens_arr
         cdef ReqState* r
@@ -746,11 +868,19 @@ cdef class Scheduler:
                 ncb[k] = start
                 ctx[k] = start + q
                 qsl[k + 1] = qsl[k] + q
-                sample[k] = (start + q == r.num_tokens)
+                nd = self.row_num_draft[k]
+                row_draft[k] = nd
+                total_draft += nd
+                sample[k] = (start + q - nd == r.num_tokens)
                 row_lora[k] = r.lora_id
+                drafts = &self.draft_tokens[s * self.max_draft]
                 for j in range(q):
                     pos = start + j
-                    input_ids[t] = r.token_ids[pos]
+                    # Positions past the request's tokens are its drafts.
+                    if pos < r.num_tokens:
+                        input_ids[t] = r.token_ids[pos]
+                    else:
+                        input_ids[t] = drafts[pos - r.num_tokens]
                     positions[t] = pos
                     slot_mapping[t] = table[pos // bs] * bs + pos % bs
                     t += 1
@@ -770,6 +900,8 @@ cdef class Scheduler:
         out.block_tables = bt_arr
         out.sample_mask = sample_arr.view(np.bool_)
         out.lora_ids = lora_arr
+        out.num_draft_tokens = draft_arr
+        out.total_draft_tokens = total_draft
         out._slots = slots_arr
         out._slot_gens = gens_arr
         ops = self.kv.ops()
@@ -788,9 +920,16 @@ cdef class Scheduler:
         out.num_prefix_cached_tokens = cached
         return out
 
-    def update_from_output(self, SchedulerOutput out, sampled_token_ids, stop_mask=None) -> list:
+    def update_from_output(self, SchedulerOutput out, sampled_token_ids, stop_mask=None,
+                           num_accepted=None, accepted_token_ids=None) -> list:
         """Advance the step's requests; sampled_token_ids int32 [num_reqs] (read where
-        out.sample_mask), stop_mask bool [num_reqs] or None. Returns finished request ids."""
+        out.sample_mask), stop_mask bool [num_reqs] or None. Returns finished request ids.
+
+        Speculating rows (out.num_draft_tokens > 0): num_accepted int32 [num_reqs] says how many
+        of the row's drafts were accepted (a <= k; the engine may pass fewer when a stop came
+        earlier) and accepted_token_ids int32 [sum(num_accepted)] are those drafts, row after
+        row (they must equal the row's first a drafts); the row emits them, then its sampled
+        token. None: no draft accepted anywhere."""
         self._enter()
         if not self.awaiting_update or out.step_id != self.step_id:
             raise RuntimeError(f"update_from_output: expected the output of step {self.step_id} "
@@ -810,6 +949,31 @@ cdef class Scheduler:
         cdef const int32_t[::1] slots = out._slots
         cdef const uint32_t[::1] gens = out._slot_gens
         cdef const int32_t[::1] qlens = out.query_lens
+        accepted_counts = np.zeros(R, dtype=np.int32)
+        if num_accepted is not None:
+            accepted_counts = np.ascontiguousarray(num_accepted, dtype=np.int32)
+            if (accepted_counts.shape != (R,) or (accepted_counts < 0).any()
+                    or (accepted_counts > out.num_draft_tokens).any()):
+                raise ValueError(f"num_accepted must be int32 [{R}] within each row's drafts")
+        accepted_flat = np.ascontiguousarray(
+            np.zeros(0, np.int32) if accepted_token_ids is None else accepted_token_ids,
+            dtype=np.int32).reshape(-1)
+        if accepted_flat.shape[0] != int(accepted_counts.sum()):
+            raise ValueError(f"accepted_token_ids must hold {int(accepted_counts.sum())} tokens, "
+                             f"got {accepted_flat.shape[0]}")
+        if accepted_flat.shape[0]:
+            qsl = out.query_start_loc
+            rows = np.flatnonzero(accepted_counts)
+            expected = np.concatenate([out.input_token_ids[qsl[k] + 1:qsl[k] + 1
+                                                           + accepted_counts[k]] for k in rows])
+            if not np.array_equal(expected, accepted_flat):
+                raise ValueError("accepted_token_ids differ from the drafts the step verified")
+            accepted_flat = np.concatenate((accepted_flat, np.zeros(1, np.int32)))
+        else:
+            accepted_flat = np.zeros(1, np.int32)  # a valid pointer for the C loop
+        cdef const int32_t[::1] acc_counts = accepted_counts
+        cdef const int32_t[::1] acc_tokens = accepted_flat
+        cdef const int32_t[::1] row_drafts = out.num_draft_tokens
         cdef int32_t num_finished = 0
         self.in_hot_loop = True
         with nogil:
@@ -817,7 +981,10 @@ cdef class Scheduler:
                                              &gens[0] if R > 0 else NULL,
                                              &qlens[0] if R > 0 else NULL,
                                              &sampled_view[0] if R > 0 else NULL,
-                                             &stop_view[0] if R > 0 else NULL)
+                                             &stop_view[0] if R > 0 else NULL,
+                                             &row_drafts[0] if R > 0 else NULL,
+                                             &acc_counts[0] if R > 0 else NULL,
+                                             &acc_tokens[0])
         self.in_hot_loop = False
         if num_finished < 0:
             raise MemoryError("Scheduler: out of host memory")
@@ -837,30 +1004,49 @@ cdef class Scheduler:
 
     cdef int32_t _update_core(self, int32_t R, const int32_t* slots, const uint32_t* gens,
                               const int32_t* qlens, const int32_t* sampled,
-                              const uint8_t* stops) noexcept nogil:
-        cdef int32_t k, s, i, j, cap, num_finished = 0
+                              const uint8_t* stops, const int32_t* row_drafts,
+                              const int32_t* acc_counts,
+                              const int32_t* acc_tokens) noexcept nogil:
+        cdef int32_t k, s, i, j, cap, num_finished = 0, num_new, advance
+        cdef int32_t acc_offset = 0
         cdef int32_t* grown
         cdef ReqState* r
         cdef int32_t bs = self.block_size
         for k in range(R):
             s = slots[k]
             r = &self.reqs[s]
+            num_new = acc_counts[k]  # accepted drafts: emitted before the sampled token
+            acc_offset += num_new
             if r.gen != gens[k] or r.status != RUNNING:
                 continue  # aborted (or the slot reused) since schedule()
-            r.num_computed_tokens += qlens[k]
+            # The KV that holds: the query minus its rejected drafts.
+            advance = qlens[k] - row_drafts[k] + num_new
+            if r.num_computed_tokens + advance == r.num_tokens + num_new:
+                # Room for the accepted drafts and the sampled token, appended before hashing
+                # (the accepted drafts' blocks are hashed with them).
+                if r.num_tokens + num_new + 1 > r.token_capacity:
+                    cap = r.token_capacity * 2
+                    while cap < r.num_tokens + num_new + 1:
+                        cap *= 2
+                    grown = <int32_t*>realloc(r.token_ids, cap * sizeof(int32_t))
+                    if grown == NULL:
+                        return -1
+                    r.token_ids = grown
+                    r.token_capacity = cap
+                memcpy(&r.token_ids[r.num_tokens], &acc_tokens[acc_offset - num_new],
+                       num_new * sizeof(int32_t))
+                r.num_tokens += num_new
+                r.num_output_tokens += num_new
+            r.num_computed_tokens += advance
             # Blocks became full this step: offer them to the prefix cache (this test, not the
             # manager's num_hashed_blocks, keeps a decode step off the manager's memory).
-            if r.num_computed_tokens // bs != (r.num_computed_tokens - qlens[k]) // bs:
+            if r.num_computed_tokens // bs != (r.num_computed_tokens - advance) // bs:
                 self.kv.cache_full_blocks(s, r.token_ids, r.num_computed_tokens, r.cache_salt)
+            if row_drafts[k] > num_new:
+                # Blocks holding only rejected drafts go back to the pool now.
+                self.kv.trim_blocks(s, r.num_computed_tokens + 1)
             if r.num_computed_tokens != r.num_tokens:
                 continue  # a prefill chunk: nothing sampled
-            if r.num_tokens == r.token_capacity:
-                cap = r.token_capacity * 2
-                grown = <int32_t*>realloc(r.token_ids, cap * sizeof(int32_t))
-                if grown == NULL:
-                    return -1
-                r.token_ids = grown
-                r.token_capacity = cap
             r.token_ids[r.num_tokens] = sampled[k]
             r.num_tokens += 1
             r.num_output_tokens += 1

@@ -19,6 +19,11 @@ adapters in the AdapterCache (so a slot always exists), has the runner fill newl
 and passes each row's slot to the forward. An adapter request's blocks are hashed under the salt
 LORA_SALT_BIT | lora_int_id, so the prefix cache never shares KV across adapters or with the
 base model.
+Speculative decoding (EngineConfig.speculative_config, method "ngram"): before each schedule()
+the Speculator (runtime/spec_decode/speculator.py) gives running decodes drafts; a row that
+verifies k drafts gets the logits of its 1 + k positions and the rejection sampler's tokens
+(accepted drafts, then a correction or bonus token), appended and stop-checked one at a time, so
+no stop is overshot; the scheduler keeps only the verified KV (docs/spec_decode.md).
 KV capacity is fixed at construction and logged; requests that can never run are rejected at
 admission with a RequestError, never discovered mid-flight. Faults are contained per request
 and per step (`step`'s docstring, docs/engine_api.md "Failures"). The device is the backend's
@@ -60,6 +65,7 @@ from pagedrun.runtime.request import Request, Sequence
 from pagedrun.runtime.sampler import (SamplerOutput, log_softmax, make_request_generator,
                                       token_logprobs)
 from pagedrun.runtime.sampling_params import SamplingParams, SamplingParamsError
+from pagedrun.runtime.spec_decode.speculator import Speculator, SpecRow
 from pagedrun.runtime.stop_checker import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH,
                                            FINISH_STOP, check_token_stop, find_stop_string)
 from pagedrun.runtime.weights import ModelWeights
@@ -102,12 +108,26 @@ class SamplingBatch:
         sample row of the batch; the n sequences of an n > 1 request's first token share one);
     forks: (parent, siblings) of each n > 1 request expanded this step;
     prompt_logit_rows: batch rows whose every query token's logits are wanted (prompt logprobs).
+    spec: the rows that verify drafts (speculative decoding), in batch order; they are not in
+        `targets` (the rejection sampler, not the plain one, gives their tokens).
     """
 
     targets: list[tuple[int, Sequence, Request]] = field(default_factory=list)
     row_index: list[int] = field(default_factory=list)
     forks: list[tuple[Sequence, list[Sequence]]] = field(default_factory=list)
     prompt_logit_rows: tuple[int, ...] = ()
+    spec: list[SpecRow] = field(default_factory=list)
+
+
+@dataclass
+class VerifiedRows:
+    """The rejection sampler's result for SamplingBatch.spec: per spec row, the emitted tokens
+    (accepted drafts, then the final token) and their logprobs entries (None: not asked for, or
+    the row failed: then no tokens)."""
+
+    tokens: list[list[int]] = field(default_factory=list)
+    logprobs: list[list | None] = field(default_factory=list)
+    num_accepted: list[int] = field(default_factory=list)  # before any stop cut the row short
 
 
 class LLMEngine:
@@ -133,6 +153,10 @@ class LLMEngine:
         self.block_size = config.block_size
         self.max_model_len = resolve_max_model_len(model_config, config.max_model_len)
         self.lora_config = config.lora_config()  # None: LoRA off
+        spec_config = config.spec_config()  # None: speculative decoding off
+        if spec_config is not None and spec_config.method != "ngram":
+            raise PagedRunError(f"speculative_config: method {spec_config.method!r} is not "
+                                f"served yet (ngram is)")
         self.runner = self._start_runner(weights)
         self.num_kv_blocks = self.runner.num_gpu_blocks
         self.num_cpu_blocks = self.runner.num_cpu_blocks
@@ -148,7 +172,8 @@ class LLMEngine:
             max_model_len=self.max_model_len, enable_prefix_caching=config.enable_prefix_caching,
             num_cpu_blocks=self.num_cpu_blocks, preemption_mode=config.preemption_mode,
             check_invariants=config.check_invariants,
-            max_loras=self.lora_config.max_loras if self.lora_config else 0))
+            max_loras=self.lora_config.max_loras if self.lora_config else 0,
+            num_speculative_tokens=spec_config.num_speculative_tokens if spec_config else 0))
         # Which adapter sits in which device slot; loads go through the runner (its device's
         # part of the adapter: a tensor-parallel rank 0 loads its shard).
         self.adapters = (AdapterCache(self.lora_config, load=self.runner.load_adapter)
@@ -160,6 +185,9 @@ class LLMEngine:
         self.sampler = self.backend.sampler(sorted(self.eos_token_ids), seed=config.seed,
                                             logprobs_mode=config.logprobs_mode)
         self._token_texts = TokenTexts(tokenizer)  # Logprob.decoded_token, cached per id
+        self.speculator = (Speculator(spec_config, sorted(self.eos_token_ids),
+                                      config.logprobs_mode)
+                           if spec_config is not None else None)
         self._seq_ids = itertools.count(1)
         # Salts that keep prompt-logprob requests out of the prefix cache (every prompt position
         # must be computed to have its logits); 0 is everyone else's shared salt.
@@ -490,6 +518,8 @@ class LLMEngine:
         touched: dict[str, Request] = {r.request_id: r for r in self._pending_final}
         self._pending_final = []
         if self._requests:
+            if self.speculator is not None:
+                self._propose()
             try:
                 scheduled = self.scheduler.schedule()                # SchedulerOutput
             except Exception as exc:  # noqa: BLE001 -- the scheduler's state is unknown now
@@ -502,10 +532,12 @@ class LLMEngine:
                 executed = self.runner.execute(scheduled, batch.prompt_logit_rows,
                                                row_lora_slots=lora_slots)
                 sampled = self._sample(batch, executed, failed)      # SamplerOutput
+                verified = self._verify(batch, executed, failed)     # VerifiedRows
             except Exception as exc:  # noqa: BLE001 -- belongs to no single request
                 self._fail_step(scheduled, exc, touched)
             else:
-                self._postprocess(scheduled, batch, executed, sampled, failed, touched)
+                self._postprocess(scheduled, batch, executed, sampled, failed, touched,
+                                  verified)
                 self._num_failed_steps = 0
         return self._outputs(touched)
 
@@ -534,8 +566,19 @@ class LLMEngine:
             row for row in range(out.num_reqs) if self._wants_prompt_logits(
                 int(req_ids[row]), int(out.num_computed_tokens_before[row]),
                 int(out.query_lens[row]))))
-        for i, row in enumerate(np.flatnonzero(out.sample_mask)):  # RunnerOutput.sample_rows
+        sample_rows = np.flatnonzero(out.sample_mask)  # RunnerOutput.sample_rows
+        logits_start = np.arange(sample_rows.size)  # RunnerOutput.logits_start, if any
+        if out.total_draft_tokens:
+            logits_start = np.cumsum(out.num_draft_tokens[sample_rows] + 1) - (
+                out.num_draft_tokens[sample_rows] + 1)
+        for row, start in zip(sample_rows.tolist(), logits_start.tolist()):
             request, seq = self._seqs[int(req_ids[row])]
+            num_draft = int(out.num_draft_tokens[row])
+            if num_draft:  # verifies its drafts: the query tokens after its last token
+                first = int(out.query_start_loc[row]) + 1
+                batch.spec.append(SpecRow(row, seq, request, start,
+                                          out.input_token_ids[first:first + num_draft]))
+                continue
             sequences = [seq]
             if request.params.n > 1 and not request.forked:
                 request.forked = True
@@ -549,8 +592,79 @@ class LLMEngine:
                 sequences += siblings
             for s in sequences:
                 batch.targets.append((int(row), s, request))
-                batch.row_index.append(i)
+                batch.row_index.append(start)
         return batch
+
+    # ------------------------------------------------------------------ speculative decoding
+
+    def _propose(self) -> None:
+        """Drafts for the next schedule(); a proposer failure costs this step its drafts only."""
+        try:
+            self.speculator.propose(self.scheduler, self._max_draft)
+        except Exception as exc:  # noqa: BLE001 -- belongs to no request: plain decoding
+            log.error("speculative proposal failed, decoding without drafts: %s",
+                      _describe("proposing", exc), exc_info=exc)
+
+    def _max_draft(self, seq_id: int) -> int:
+        """How many drafts this sequence may verify in one step: what it may still emit
+        after the step's final token; none when its logprobs are asked in a processed mode
+        (the verification weights are not those values) or it is unknown (finished)."""
+        entry = self._seqs.get(seq_id)
+        if entry is None:
+            return 0
+        request, seq = entry
+        params = request.params
+        if params.logprobs is not None and not self.config.logprobs_mode.startswith("raw"):
+            return 0
+        max_new = params.max_tokens if params.max_tokens is not None else self.max_model_len
+        return max_new - len(seq.output_token_ids) - 1
+
+    def _verify(self, batch: SamplingBatch, executed: RunnerOutput,
+                failed: dict[str, str]) -> VerifiedRows:
+        """The spec rows' emitted tokens. If the batch fails, each request's rows are
+        verified alone so the one at fault is found (and failed), as in _sample."""
+        rows = batch.spec
+        verified = VerifiedRows([[] for _ in rows], [None] * len(rows), [0] * len(rows))
+        if not rows:
+            return verified
+        logits = executed.logits
+        # Host rows of every spec row's positions, in batch order.
+        index = np.concatenate([np.arange(r.logits_start, r.logits_start + r.draft_token_ids.size
+                                          + 1) for r in rows])
+        host = np.asarray(self.backend.to_host(logits[index]) if self.backend.logits_on_device
+                          else logits[index], dtype=np.float32)
+        offsets = np.concatenate(([0], np.cumsum([r.draft_token_ids.size + 1 for r in rows])))
+        groups = {None: list(range(len(rows)))}
+        while groups:
+            retry: dict[str, list[int]] = {}
+            for request_id, own in groups.items():
+                own = [j for j in own if rows[j].request.request_id not in failed]
+                if not own:
+                    continue
+                try:
+                    part = self.speculator.verify(
+                        np.concatenate([host[offsets[j]:offsets[j + 1]] for j in own]),
+                        [rows[j] for j in own], self.sampler.generator)
+                    for b, j in enumerate(own):
+                        tokens = part.emitted(b).tolist()
+                        verified.tokens[j] = tokens
+                        verified.num_accepted[j] = len(tokens) - 1
+                        num_top = rows[j].request.params.logprobs
+                        if num_top is not None:
+                            verified.logprobs[j] = [
+                                self.speculator.logprobs(host[offsets[j] + i], t, num_top)
+                                for i, t in enumerate(tokens)]
+                except Exception as exc:  # noqa: BLE001
+                    if request_id is None:
+                        for j in own:
+                            retry.setdefault(rows[j].request.request_id, []).append(j)
+                    else:
+                        failed[request_id] = _describe("verifying drafts", exc)
+                    continue
+            groups = retry
+        self.speculator.record(np.array([r.draft_token_ids.size for r in rows]),
+                               np.array(verified.num_accepted))
+        return verified
 
     def _sample(self, batch: SamplingBatch, executed: RunnerOutput,
                 failed: dict[str, str]) -> SamplerOutput:
@@ -590,7 +704,7 @@ class LLMEngine:
 
     def _postprocess(self, out, batch: SamplingBatch, executed: RunnerOutput,
                      sampled: SamplerOutput, failed: dict[str, str],
-                     touched: dict[str, Request]) -> None:
+                     touched: dict[str, Request], verified: VerifiedRows | None = None) -> None:
         """Prompt logprobs; append, detokenize and stop-check every new token; fail the
         requests at fault; tell the scheduler (finished blocks are freed at once); fork the
         siblings of n > 1 requests; finish the requests whose every sequence has finished."""
@@ -619,6 +733,28 @@ class LLMEngine:
             if request.first_token_time is None:
                 request.first_token_time = now
             touched[request.request_id] = request
+        # Spec rows: their tokens one at a time, up to the first that ends the sequence (so a
+        # stop is never overshot); `emitted` is what the scheduler appends.
+        emitted: list[list[int]] = []
+        for j, spec in enumerate(batch.spec):
+            request, seq = spec.request, spec.seq
+            emitted.append([])
+            if request.request_id in failed:
+                continue
+            try:
+                for i, token in enumerate(verified.tokens[j]):
+                    if verified.logprobs[j] is not None:
+                        entry = verified.logprobs[j][i]
+                        seq.logprobs.append(position_logprobs(entry, self._token_texts))
+                        seq.cumulative_logprob += entry.logprob
+                    self._append_token(request, seq, int(token))
+                    emitted[j].append(int(token))
+                    if seq.finished:
+                        break
+            except Exception as exc:  # noqa: BLE001 -- this request's fault only
+                failed[request.request_id] = _describe("postprocessing a token", exc)
+                continue
+            touched[request.request_id] = request
         self._fail_requests(failed, touched)  # aborted now: update_from_output skips their rows
         # Scheduler rows: sampled token and stop flag. An n > 1 parent that stops on its first
         # token while a sibling lives stays running until the siblings are forked from it.
@@ -631,8 +767,20 @@ class LLMEngine:
             token_ids[row] = seq.output_token_ids[-1]
             live_sibs = any(not s.finished for s in siblings_of.get(id(seq), ()))
             stop_mask[row] = seq.finished and not live_sibs
+        num_accepted, accepted = None, []
+        if batch.spec:
+            num_accepted = np.zeros(out.num_reqs, dtype=np.int32)
+            for spec, tokens in zip(batch.spec, emitted):
+                if not tokens:
+                    continue  # failed before its first token: the scheduler skips the row
+                token_ids[spec.row] = tokens[-1]
+                num_accepted[spec.row] = len(tokens) - 1
+                accepted += tokens[:-1]
+                stop_mask[spec.row] = spec.seq.finished
         try:
-            finished_ids = self.scheduler.update_from_output(out, token_ids, stop_mask)
+            finished_ids = self.scheduler.update_from_output(
+                out, token_ids, stop_mask, num_accepted,
+                np.array(accepted, dtype=np.int32) if accepted else None)
         except Exception as exc:  # noqa: BLE001 -- the scheduler's state is unknown now
             self._reset(exc, touched)
             return
@@ -798,4 +946,14 @@ class LLMEngine:
             "num_total_blocks": s["num_total_blocks"],
             "prompt_tokens_total": self._prompt_tokens_total,
             "generation_tokens_total": self._generation_tokens_total,
+            **self._spec_stats(),
         }
+
+    def _spec_stats(self) -> dict:
+        """vLLM's spec_decode counters (empty when speculation is off)."""
+        if self.speculator is None:
+            return {}
+        stats = self.speculator.stats
+        return {"spec_decode_num_drafts": stats.num_drafts,
+                "spec_decode_num_draft_tokens": stats.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": stats.num_accepted_tokens}

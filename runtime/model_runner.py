@@ -46,11 +46,16 @@ class RunnerOutput:
         (numpy; the backend's array -- cupy on cuda -- when the runner keeps logits on device).
     prompt_logits: batch row -> [query_len, vocab] float32 logits of every query token of that
         row (rows asked for in `execute`'s `prompt_logit_rows` only).
+    logits_start: None when no row verifies drafts (logits row i is sample row i's); else
+        int64 [num_sampled + 1]: sample row i's logits are rows logits_start[i] ..
+        logits_start[i + 1] - 1, one per query position from its last sampled token on (1 + k
+        for a row verifying k drafts, speculative decoding).
     """
 
     sample_rows: np.ndarray
     logits: np.ndarray
     prompt_logits: dict[int, np.ndarray]
+    logits_start: np.ndarray | None = None
 
 
 def _rows(mask: np.ndarray) -> slice | np.ndarray:
@@ -252,6 +257,15 @@ class ModelRunner:
                                          lora=self._lora_step(out, row_lora_slots))
         qsl = out.query_start_loc
         last_token = qsl[sample_rows + 1] - 1
+        logits_start = None
+        drafts = getattr(out, "num_draft_tokens", None)
+        if drafts is not None and drafts.any():
+            # A row verifying k drafts needs the logits of its last 1 + k query tokens.
+            counts = drafts[sample_rows].astype(np.int64) + 1
+            logits_start = np.concatenate(([0], np.cumsum(counts)))
+            last_token = (np.repeat(last_token - counts + 1, counts)
+                          + np.arange(int(logits_start[-1])) - np.repeat(logits_start[:-1],
+                                                                         counts))
         logits = self.model.logits(x[last_token], residual[last_token])
         if not self.logits_on_device:
             logits = self.ops.to_host(logits)
@@ -259,4 +273,4 @@ class ModelRunner:
         for row in prompt_logit_rows:
             rows = slice(int(qsl[row]), int(qsl[row + 1]))
             prompt_logits[row] = self.ops.to_host(self.model.logits(x[rows], residual[rows]))
-        return RunnerOutput(sample_rows, logits, prompt_logits)
+        return RunnerOutput(sample_rows, logits, prompt_logits, logits_start)

@@ -51,6 +51,8 @@ class StepInputs:
     swap_in: np.ndarray
     lora_writes: list = field(default_factory=list)   # [[slot, name, id, path], ...]
     row_lora_slots: np.ndarray | None = None          # int32 [num_reqs], -1: no adapter
+    # int32 [num_reqs] drafts verified per row (speculative decoding); None: none this step
+    num_draft_tokens: np.ndarray | None = None
 
 
 def encode_step(seq: int, out, prompt_logit_rows: tuple[int, ...], lora_writes=(),
@@ -64,8 +66,17 @@ def encode_step(seq: int, out, prompt_logit_rows: tuple[int, ...], lora_writes=(
               "lora_writes": [[int(slot), r.lora_name, r.lora_int_id, r.lora_path]
                               for slot, r in lora_writes],
               "row_lora_slots": (None if row_lora_slots is None
-                                 else [int(s) for s in row_lora_slots])}
+                                 else [int(s) for s in row_lora_slots]),
+              "num_draft_tokens": _draft_counts(out)}
     return [STEP, msgpack.packb(header), *arrays]
+
+
+def _draft_counts(out) -> list[int] | None:
+    """The step's per-row draft counts, or None when no row verifies drafts."""
+    counts = getattr(out, "num_draft_tokens", None)
+    if counts is None or not np.any(counts):
+        return None
+    return [int(c) for c in counts]
 
 
 def decode_step(frames: list) -> StepInputs:
@@ -77,7 +88,9 @@ def decode_step(frames: list) -> StepInputs:
     arrays = {name: np.frombuffer(buf(f), dtype=dtype).reshape(shape)
               for name, (dtype, shape), f in zip(STEP_ARRAYS, header["arrays"], frames[2:])}
     slots = header.get("row_lora_slots")
+    drafts = header.get("num_draft_tokens")
     return StepInputs(seq=header["seq"], num_batched_tokens=header["num_batched_tokens"],
                       prompt_logit_rows=tuple(header["prompt_logit_rows"]), **arrays,
                       lora_writes=header.get("lora_writes", []),
-                      row_lora_slots=None if slots is None else np.asarray(slots, np.int32))
+                      row_lora_slots=None if slots is None else np.asarray(slots, np.int32),
+                      num_draft_tokens=None if drafts is None else np.asarray(drafts, np.int32))

@@ -1,0 +1,190 @@
+"""The engine's side of speculative decoding: drafts before the step, verification after it,
+and the policy that says when speculation is off.
+
+Per step (LLMEngine.step):
+  1. `propose`: the scheduler's running decodes get the n-gram proposer's drafts
+     (`Scheduler.set_draft_tokens`), up to `max_draft(seq_id)` each -- the engine says how many a
+     sequence may take (0: none, e.g. its logprobs are asked in a processed mode);
+  2. the scheduler gives each such row a query of 1 + k tokens (k cut to the spare budget and
+     blocks), the runner returns the logits of those 1 + k positions;
+  3. `verify`: the target's per-position weights (target_probs.verification_weights: the plain
+     sampler's processors and filters, with each position's history) and the rejection sampler
+     (numpy reference, or cuda/rejection_sample.cu on the kernel backends) give each row its
+     emitted tokens: the accepted drafts, then a correction or bonus token;
+  4. `record`: counters (vLLM's spec_decode_num_drafts / _num_draft_tokens /
+     _num_accepted_tokens) and the acceptance average the policy reads.
+
+Policy (logged when it changes): no drafts in a step whose running decodes number
+`disable_by_batch_size` or more (verification's extra tokens cost compute that a large batch
+no longer has spare), nor for PAUSE_STEPS steps after the acceptance rate -- an exponential
+average over steps with drafts, weight ACCEPTANCE_EMA_WEIGHT -- falls below
+MIN_ACCEPTANCE_RATE (rejected drafts are pure cost); after the pause it probes again from a
+fresh average.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..sampler import log_softmax, token_logprobs
+from ..sampling_params import SamplingParams
+from .ngram_proposer import NgramProposer
+from .rejection_sampler import RejectionOutput, draw_spec_uniforms, rejection_sample
+from .spec_config import SpeculativeConfig
+from .target_probs import verification_weights
+
+log = logging.getLogger("pagedrun.engine")
+
+# Below this average share of accepted drafts, speculation pauses (a step with k drafts costs
+# about k extra query tokens; at 25% acceptance and k = 4 it emits about 1.3 tokens).
+MIN_ACCEPTANCE_RATE = 0.25
+ACCEPTANCE_EMA_WEIGHT = 0.1
+PAUSE_STEPS = 64
+# Steps with drafts before the average may pause speculation (one unlucky step is no trend).
+MIN_STEPS_BEFORE_PAUSE = 8
+
+
+@dataclass
+class SpecRow:
+    """One speculating row of a step: the batch row, its logits rows [start, start + k + 1)
+    in RunnerOutput.logits, and the k drafts it verified (the row's query tokens after the
+    first)."""
+
+    row: int
+    seq: object       # runtime.request.Sequence
+    request: object   # runtime.request.Request
+    logits_start: int
+    draft_token_ids: np.ndarray  # int32 [k]
+
+
+@dataclass
+class SpecStats:
+    num_drafts: int = 0           # rows that verified at least one draft
+    num_draft_tokens: int = 0     # drafts verified
+    num_accepted_tokens: int = 0  # drafts accepted
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, eos_token_ids: Sequence[int],
+                 logprobs_mode: str, rejection_kernel: Callable | None = None) -> None:
+        """rejection_kernel: None (numpy reference) or a function with
+        rejection_sampler.rejection_sample's signature (the backend's kernel)."""
+        if config.method != "ngram":
+            raise ValueError(f"speculative_config: method {config.method!r} is not served yet "
+                             "(ngram is)")
+        self.config = config
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.proposer = NgramProposer.from_config(config)
+        self.eos_token_ids = list(eos_token_ids)
+        self.logprobs_mode = logprobs_mode
+        self.rejection_kernel = rejection_kernel
+        self.stats = SpecStats()
+        self._acceptance: float | None = None  # average over steps with drafts
+        self._steps_with_drafts = 0
+        self._paused_steps_left = 0
+        self._off_reason: str | None = None
+
+    # ------------------------------------------------------------------ policy
+
+    def _why_off(self, num_decodes: int) -> str | None:
+        limit = self.config.disable_by_batch_size
+        if limit is not None and num_decodes >= limit:
+            return f"{num_decodes} running decodes >= disable_by_batch_size {limit}"
+        if self._paused_steps_left > 0:
+            self._paused_steps_left -= 1
+            return (f"acceptance rate below {MIN_ACCEPTANCE_RATE:.0%}: paused for "
+                    f"{PAUSE_STEPS} steps")
+        return None
+
+    def _set_off_reason(self, reason: str | None) -> None:
+        if reason == self._off_reason:
+            return
+        if reason is None:
+            log.info("speculative decoding on")
+        elif self._off_reason is None or reason.split(":")[0] != self._off_reason.split(":")[0]:
+            log.info("speculative decoding off: %s", reason)
+        self._off_reason = reason
+
+    @property
+    def off_reason(self) -> str | None:
+        """Why the last step proposed nothing (None: it was allowed to)."""
+        return self._off_reason
+
+    # ------------------------------------------------------------------ 1. propose
+
+    def propose(self, scheduler, max_draft: Callable[[int], int]) -> int:
+        """Give the scheduler's running decodes their drafts for the next schedule(); returns
+        how many drafts were set. max_draft(seq_id): the most this sequence may take."""
+        seq_ids = scheduler.get_decode_request_ids()
+        reason = self._why_off(len(seq_ids))
+        self._set_off_reason(reason)
+        if reason is not None or not len(seq_ids):
+            return 0
+        caps = np.array([min(max_draft(int(i)), self.num_speculative_tokens)
+                         for i in seq_ids], dtype=np.int64)
+        rows = np.flatnonzero(caps > 0)
+        if rows.size == 0:
+            return 0
+        ids = seq_ids[rows]
+        proposals = self.proposer.propose([scheduler.get_token_ids(int(i)) for i in ids],
+                                          caps[rows])
+        counts = np.array([p.size for p in proposals], dtype=np.int32)
+        if not counts.any():
+            return 0
+        drafts = np.zeros((ids.size, int(counts.max())), dtype=np.int32)
+        for j, p in enumerate(proposals):
+            drafts[j, :p.size] = p
+        scheduler.set_draft_tokens(ids, drafts, counts)
+        return int(counts.sum())
+
+    # ------------------------------------------------------------------ 3. verify
+
+    def verify(self, logits: np.ndarray, rows: Sequence[SpecRow],
+               engine_generator: np.random.Generator) -> RejectionOutput:
+        """The emitted tokens of `rows` (in order). logits: [sum_b (k_b + 1), vocab] float32
+        host rows, row after row (each SpecRow's logits, concatenated)."""
+        params: list[SamplingParams] = [r.request.params for r in rows]
+        drafts = [r.draft_token_ids for r in rows]
+        weights = verification_weights(
+            logits, params, [r.request.prompt_token_ids for r in rows],
+            [r.seq.output_token_ids for r in rows], drafts, self.eos_token_ids)
+        counts = np.array([d.size for d in drafts], dtype=np.int32)
+        padded = np.zeros((len(rows), weights.shape[1] - 1), dtype=np.int32)
+        for b, d in enumerate(drafts):
+            padded[b, :d.size] = d
+        greedy = np.array([p.greedy for p in params], dtype=bool)
+        uniforms = draw_spec_uniforms(engine_generator, params,
+                                      [r.seq.generator for r in rows], counts)
+        sample = self.rejection_kernel or rejection_sample
+        return sample(weights, padded, counts, None, greedy, uniforms)
+
+    def logprobs(self, logits_row: np.ndarray, token: int, num_top: int):
+        """The target's logprobs entry of one emitted token (raw modes only: the engine gives
+        no drafts to rows whose logprobs are asked in a processed mode)."""
+        values = logits_row if self.logprobs_mode == "raw_logits" else log_softmax(
+            logits_row[None, :])[0]
+        return token_logprobs(values, token, num_top)
+
+    # ------------------------------------------------------------------ 4. record
+
+    def record(self, num_draft_tokens: np.ndarray, num_accepted: np.ndarray) -> None:
+        """One step's verified rows: drafts per row and how many were accepted."""
+        drafted = int(np.sum(num_draft_tokens))
+        if drafted == 0:
+            return
+        accepted = int(np.sum(num_accepted))
+        self.stats.num_drafts += int(np.count_nonzero(num_draft_tokens))
+        self.stats.num_draft_tokens += drafted
+        self.stats.num_accepted_tokens += accepted
+        rate = accepted / drafted
+        self._steps_with_drafts += 1
+        self._acceptance = rate if self._acceptance is None else (
+            (1 - ACCEPTANCE_EMA_WEIGHT) * self._acceptance + ACCEPTANCE_EMA_WEIGHT * rate)
+        if (self._steps_with_drafts >= MIN_STEPS_BEFORE_PAUSE
+                and self._acceptance < MIN_ACCEPTANCE_RATE):
+            self._paused_steps_left = PAUSE_STEPS
+            self._acceptance = None
+            self._steps_with_drafts = 0
