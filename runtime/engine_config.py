@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pagedrun.runtime.lora.errors import LoRAConfigError
 from pagedrun.runtime.lora.lora_config import (DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS,
                                                LoRAConfig)
+from pagedrun.runtime.spec_decode.spec_config import SpeculativeConfig, SpeculativeConfigError
 
 DEVICES = ("auto", "cpu", "sim", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -64,6 +65,10 @@ class EngineConfig:
     max_loras: int = DEFAULT_MAX_LORAS
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK
     max_cpu_loras: int | None = None
+    # Speculative decoding (vLLM's speculative_config; runtime/spec_decode/spec_config.py): a
+    # dict of SpeculativeConfig's fields, e.g. {"method": "ngram", "num_speculative_tokens": 4},
+    # or a SpeculativeConfig. None: off. Read through spec_config().
+    speculative_config: dict | SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -89,6 +94,8 @@ class EngineConfig:
                 f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.enable_lora:
             self.lora_config()  # the settings' errors now, naming the field
+        if self.speculative_config is not None:
+            self.spec_config()  # likewise
 
     def lora_config(self) -> LoRAConfig | None:
         """The LoRA settings when enable_lora, else None."""
@@ -98,4 +105,17 @@ class EngineConfig:
             return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
                               max_cpu_loras=self.max_cpu_loras)
         except LoRAConfigError as exc:
+            raise EngineConfigError(str(exc)) from None
+
+    def spec_config(self) -> SpeculativeConfig | None:
+        """The speculative decoding settings, or None when speculative_config is None (off)."""
+        value = self.speculative_config
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise EngineConfigError(f"speculative_config: must be a dict or a SpeculativeConfig, "
+                                    f"got {type(value).__name__}")
+        try:
+            return SpeculativeConfig.from_dict(value)
+        except SpeculativeConfigError as exc:
             raise EngineConfigError(str(exc)) from None

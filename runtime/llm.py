@@ -11,6 +11,10 @@ Multi-LoRA with vLLM's names: `LLM(..., enable_lora=True, max_loras=4, max_lora_
 max_cpu_loras=8)` (EngineConfig fields), then `generate(..., lora_request=LoRARequest(name, id,
 path))` -- one adapter for every prompt, or a list with one entry (or None) per prompt; `chat`
 takes the same keyword.
+
+Speculative decoding with vLLM's name (EngineConfig's speculative_config, a dict or a
+SpeculativeConfig; docs/engine_api.md): `LLM(model=..., speculative_config={"method": "ngram",
+"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2})`.
 """
 from __future__ import annotations
 

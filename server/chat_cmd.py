@@ -20,6 +20,7 @@ IN_PROCESS_MAX_MODEL_LEN = 2048
 def add_parser(subparsers) -> argparse.ArgumentParser:
     from pagedrun.runtime.engine_config import DEVICES, EngineConfig
     from pagedrun.server.protocol import DEFAULT_HOST, DEFAULT_PORT
+    from pagedrun.server.serve_cmd import add_speculative_config_option
 
     p = subparsers.add_parser("chat", help="interactive streaming chat (server or in-process)",
                               description=__doc__.split("\n\n")[1].replace("\n", " "))
@@ -31,6 +32,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="with --in-process: model dir or .gguf")
     p.add_argument("--device", default=EngineConfig().device, choices=DEVICES)
     p.add_argument("--max-model-len", type=int, default=IN_PROCESS_MAX_MODEL_LEN)
+    add_speculative_config_option(p)  # with --in-process (a server has its own)
     p.add_argument("-p", "--prompt", default=None, help="ask one question and exit")
     p.add_argument("--system", default=None, help="system message")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -40,14 +42,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def in_process_engine_config(args):
+    """The EngineConfig `--in-process` loads."""
+    from pagedrun.runtime.engine_config import EngineConfig
+
+    return EngineConfig(model=args.model, device=args.device, max_model_len=args.max_model_len,
+                        speculative_config=args.speculative_config)
+
+
 def _start_in_process(args):
     from pagedrun.runtime.engine import LLMEngine
-    from pagedrun.runtime.engine_config import EngineConfig
     from pagedrun.server.protocol import DEFAULT_HOST
     from pagedrun.server.server import Server, ServerConfig
 
-    engine = LLMEngine(EngineConfig(model=args.model, device=args.device,
-                                    max_model_len=args.max_model_len))
+    engine = LLMEngine(in_process_engine_config(args))
     server = Server(engine, ServerConfig(endpoint=f"tcp://{DEFAULT_HOST}:*"))  # any free port
     return server, server.start()
 
@@ -72,6 +80,9 @@ def run(args, stdin=None, stdout=None) -> int:
     stdin = stdin or sys.stdin
     stdout = stdout or sys.stdout
     server = None
+    if args.speculative_config is not None and not args.in_process:
+        raise SystemExit("paged-run chat: --speculative-config needs --in-process (a server "
+                         "takes it at `paged-run serve`)")
     if args.in_process:
         server, endpoint = _start_in_process(args)
     else:

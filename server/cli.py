@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--threads", type=int, default=None, metavar="N",
                           help="CPU threads for the numpy math (default: the BLAS library's "
                           "choice; 1 is steadier on a busy shared machine)")
+    # The one definition of the flag, shared with serve and chat (light: argparse only).
+    from pagedrun.server.serve_cmd import add_speculative_config_option
+
+    add_speculative_config_option(generate)
     generate.set_defaults(func=cmd_generate)
 
     convert = commands.add_parser(
@@ -173,6 +177,15 @@ def limit_blas_threads(num_threads: int) -> None:
         os.environ[name] = str(num_threads)
 
 
+def generate_engine_config(args: argparse.Namespace, model: str) -> Any:
+    """The EngineConfig `generate` runs: one request; max_model_len: EngineConfig's default (the
+    model's own, capped)."""
+    from pagedrun.runtime.engine_config import EngineConfig
+
+    return EngineConfig(model=model, device=args.device, dtype=args.dtype, max_num_seqs=1,
+                        speculative_config=args.speculative_config)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         print("paged-run generate: error: --max-tokens must be at least 1", file=sys.stderr)
@@ -186,15 +199,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             return EXIT_USAGE
         limit_blas_threads(args.threads)
     from pagedrun.runtime.engine import LLMEngine
-    from pagedrun.runtime.engine_config import EngineConfig
     from pagedrun.runtime.sampling_params import SamplingParams
 
     from pagedrun.runtime.model_loader import resolve_model_dir
 
-    model_dir = resolve_model_dir(args.model)
-    # One request; max_model_len: EngineConfig's default (the model's own, capped).
-    engine = LLMEngine(EngineConfig(model=str(model_dir), device=args.device, dtype=args.dtype,
-                                    max_num_seqs=1))
+    engine = LLMEngine(generate_engine_config(args, str(resolve_model_dir(args.model))))
     # The engine tokenizes: the prompt as text, or (chat models) as a user message through the
     # chat template; it stops at the model's and the tokenizer's EOS unless --ignore-eos.
     tokenizer = engine.tokenizer

@@ -73,6 +73,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     eng.add_argument("--logprobs-mode", default=engine.logprobs_mode, choices=LOGPROBS_MODES,
                      help="raw: from the model's logits; processed: after bias, penalties, "
                           "temperature and the top-k / top-p / min-p filters")
+    add_speculative_config_option(eng)
     # None: ServerConfig's default (server/server.py imports zmq, too slow for `--help`).
     lora = p.add_argument_group("LoRA adapters (vLLM names)")
     lora.add_argument("--enable-lora", action="store_true", default=engine.enable_lora,
@@ -134,11 +135,32 @@ def server_config_from_args(args):
                         **{name: value for name, value in given.items() if value is not None})
 
 
-def build_engine(args):
-    from pagedrun.runtime.engine import LLMEngine
+def speculative_config_arg(text: str):
+    """argparse `type=` of --speculative-config: the JSON as a SpeculativeConfig; a bad value is
+    a usage error (exit 2) that names the field."""
+    # Through engine_config: the server's one door into the engine's configuration.
+    from pagedrun.runtime.engine_config import SpeculativeConfig, SpeculativeConfigError
+
+    try:
+        return SpeculativeConfig.from_json(text)
+    except SpeculativeConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_speculative_config_option(group) -> None:
+    """--speculative-config JSON, shared by serve, generate and chat --in-process."""
+    group.add_argument(
+        "--speculative-config", type=speculative_config_arg, default=None, metavar="JSON",
+        help="speculative decoding (vLLM's speculative_config), e.g. '{\"method\": \"ngram\", "
+             "\"num_speculative_tokens\": 4}'; fields: method (ngram | draft_model), "
+             "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, model, "
+             "disable_by_batch_size (docs/engine_api.md)")
+
+
+def engine_config_from_args(args):
     from pagedrun.runtime.engine_config import EngineConfig
 
-    return LLMEngine(EngineConfig(
+    return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -149,7 +171,13 @@ def build_engine(args):
         tp_curve=args.tp_curve, seed=args.seed, max_logprobs=args.max_logprobs,
         logprobs_mode=args.logprobs_mode, enable_lora=args.enable_lora,
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        max_cpu_loras=args.max_cpu_loras))
+        max_cpu_loras=args.max_cpu_loras, speculative_config=args.speculative_config)
+
+
+def build_engine(args):
+    from pagedrun.runtime.engine import LLMEngine
+
+    return LLMEngine(engine_config_from_args(args))
 
 
 def lora_modules(specs: list[str]) -> list:

@@ -7,6 +7,10 @@ configure, with vLLM's field names (vllm/config SpeculativeConfig).
     prompt_lookup_max       ngram: the longest n-gram matched (>= 1)
     prompt_lookup_min       ngram: the shortest n-gram matched (1 <= min <= max)
     model                   draft_model: the draft's path (required there, refused for ngram)
+    disable_by_batch_size   a step whose running decoding sequences number this many or more
+                            runs without speculation (a large batch is compute-bound, and
+                            verifying k extra tokens per request costs more than it saves);
+                            None: never off by batch size (>= 1 when given)
 
 As vLLM does for "ngram": when neither lookup bound is given both default to
 DEFAULT_PROMPT_LOOKUP; when one is given the other copies it. Messages start with the field's
@@ -34,6 +38,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     model: str | None = None
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method is None and self.model is not None:
@@ -43,6 +48,8 @@ class SpeculativeConfig:
                 f"method: must be one of {list(METHODS)} (or omitted with a draft 'model'), "
                 f"got {self.method!r}")
         _need_int(self.num_speculative_tokens, "num_speculative_tokens", minimum=1)
+        if self.disable_by_batch_size is not None:
+            _need_int(self.disable_by_batch_size, "disable_by_batch_size", minimum=1)
         if self.method == "ngram":
             self._fill_lookup_bounds()
             if self.model is not None:

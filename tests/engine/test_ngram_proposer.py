@@ -171,3 +171,16 @@ def test_config_json_errors():
         SpeculativeConfig.from_json("{method: ngram}")
     with pytest.raises(SpeculativeConfigError, match="JSON object"):
         SpeculativeConfig.from_json("[1, 2]")
+
+
+def test_config_disable_by_batch_size():
+    base = {"method": "ngram", "num_speculative_tokens": 2}
+    assert SpeculativeConfig.from_dict(base).disable_by_batch_size is None  # never off
+    assert SpeculativeConfig.from_dict({**base, "disable_by_batch_size": 8}) \
+        .disable_by_batch_size == 8
+    assert SpeculativeConfig.from_dict({**base, "disable_by_batch_size": 1}) \
+        .disable_by_batch_size == 1
+    for bad in (0, -1, True, "3", 2.0):
+        with pytest.raises(SpeculativeConfigError) as info:
+            SpeculativeConfig.from_dict({**base, "disable_by_batch_size": bad})
+        assert str(info.value).startswith("disable_by_batch_size:"), str(info.value)

@@ -178,3 +178,54 @@ def test_non_utf8_stdout_and_closed_pipe_do_not_crash(tmp_path):
     stderr = process.stderr.read().decode()
     assert process.wait(timeout=120) in (0, 141)
     assert "Traceback" not in stderr
+
+
+# -- --speculative-config JSON (vLLM's flag): parsed in-process into the EngineConfig each
+# command builds, no model loaded.
+
+SPEC_JSON = '{"method":"ngram","num_speculative_tokens":3}'
+
+
+def parse_cli(*argv: str):
+    from pagedrun.server.cli import build_parser
+
+    return build_parser().parse_args(list(argv))
+
+
+def test_speculative_config_reaches_each_commands_engine_config():
+    from pagedrun.server import chat_cmd, cli, serve_cmd
+
+    configs = [
+        serve_cmd.engine_config_from_args(parse_cli("serve", "--speculative-config", SPEC_JSON)),
+        cli.generate_engine_config(parse_cli("generate", "hi", "--speculative-config",
+                                             SPEC_JSON), "some/model"),
+        chat_cmd.in_process_engine_config(parse_cli("chat", "--in-process",
+                                                    "--speculative-config", SPEC_JSON)),
+    ]
+    for config in configs:
+        spec = config.spec_config()
+        assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max) == \
+            ("ngram", 3, 5)   # vLLM's default lookup bounds when neither is given
+    assert serve_cmd.engine_config_from_args(parse_cli("serve")).spec_config() is None
+    assert cli.generate_engine_config(parse_cli("generate", "hi"), "m").spec_config() is None
+
+
+@pytest.mark.parametrize("command", [["serve"], ["generate", "hi"], ["chat", "--in-process"]])
+@pytest.mark.parametrize("value,message", [
+    ("{method: ngram}", "speculative_config: not valid JSON"),
+    ('{"method":"ngram","num_speculative_tokens":3,"k":1}', "unknown key(s) ['k']"),
+    ('{"method":"ngram","num_speculative_tokens":0}', "num_speculative_tokens: must be >= 1"),
+])
+def test_bad_speculative_config_is_a_usage_error(capsys, command, value, message):
+    with pytest.raises(SystemExit) as info:
+        parse_cli(*command, "--speculative-config", value)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --speculative-config:" in err and message in err, err
+
+
+def test_chat_speculative_config_needs_in_process():
+    from pagedrun.server import chat_cmd
+
+    with pytest.raises(SystemExit, match="--in-process"):
+        chat_cmd.run(parse_cli("chat", "--speculative-config", SPEC_JSON))
