@@ -699,9 +699,10 @@ cdef class Scheduler:
         # admitted running request is preempted (it may be the request itself) until it can.
         # No request is admitted in a step that preempted (it would be the next victim, and it
         # keeps swap-in and swap-out out of the same step).
-        # Drafts (speculative decoding): a running decode with k proposed tokens queries 1 + k
-        # when the budget left after the decodes behind it allows (else fewer drafts) and its
-        # blocks fit without preempting anyone (else none); drafts only ever use what is spare.
+        # Drafts (speculative decoding): once every running row has its tokens and blocks, a
+        # running decode with k proposed tokens queries 1 + k when the budget left allows (else
+        # fewer drafts) and the extra blocks fit (else none): drafts only use what is spare,
+        # never preempt, and go before admissions (running requests are served first).
         cdef int32_t budget = self.max_num_batched_tokens
         cdef int32_t threshold = self.long_prefill_token_threshold
         cdef int32_t i, s, n, victim, remaining, num_hits, w, k
@@ -721,18 +722,9 @@ cdef class Scheduler:
             s = self.running[i]
             r = &self.reqs[s]
             remaining = r.num_tokens - r.num_computed_tokens
-            k = 0
             if remaining == 1:
                 num_decodes_left -= 1
                 n = 1
-                if self.num_drafts[s] > 0:
-                    k = self._draft_len(s, budget - 1 - num_decodes_left)
-                    if k > 0 and self.kv.allocate_slots(s, r.num_computed_tokens, 1 + k):
-                        self._add_row(s, 1 + k, k)
-                        budget -= 1 + k
-                        i += 1
-                        continue
-                    k = 0
             else:
                 n = _chunk_len(remaining, threshold, budget - num_decodes_left)
                 if n <= 0:
@@ -756,6 +748,20 @@ cdef class Scheduler:
             i += 1
         if self.num_preempted > 0:
             return
+        # Drafts: after every running row has its tokens and blocks, from what is spare.
+        if self.max_draft > 0:
+            for i in range(self.num_rows):
+                if budget <= 0:
+                    break
+                s = self.row_slot[i]
+                r = &self.reqs[s]
+                if self.num_drafts[s] == 0 or r.num_tokens - r.num_computed_tokens != 1:
+                    continue
+                k = self._draft_len(s, budget)
+                if k > 0 and self.kv.allocate_slots(s, r.num_computed_tokens, 1 + k):
+                    self.row_query_len[i] = 1 + k
+                    self.row_num_draft[i] = k
+                    budget -= k
         w = self.num_waiting_ - 1
         while w >= 0 and budget > 0 and self.num_running_ < self.max_num_seqs:
             s = self.waiting[w]
@@ -1043,8 +1049,9 @@ cdef class Scheduler:
             if r.num_computed_tokens // bs != (r.num_computed_tokens - advance) // bs:
                 self.kv.cache_full_blocks(s, r.token_ids, r.num_computed_tokens, r.cache_salt)
             if row_drafts[k] > num_new:
-                # Blocks holding only rejected drafts go back to the pool now.
-                self.kv.trim_blocks(s, r.num_computed_tokens + 1)
+                # Blocks past the computed tokens' go back to the pool now: the table is what
+                # a plain decode step would have left (a fork shares nothing beyond it).
+                self.kv.trim_blocks(s, r.num_computed_tokens)
             if r.num_computed_tokens != r.num_tokens:
                 continue  # a prefill chunk: nothing sampled
             r.token_ids[r.num_tokens] = sampled[k]

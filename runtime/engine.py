@@ -608,12 +608,15 @@ class LLMEngine:
     def _max_draft(self, seq_id: int) -> int:
         """How many drafts this sequence may verify in one step: what it may still emit
         after the step's final token; none when its logprobs are asked in a processed mode
-        (the verification weights are not those values) or it is unknown (finished)."""
+        (the verification weights are not those values), when its next sample is an n > 1
+        request's first (which forks the siblings) or when it is unknown (finished)."""
         entry = self._seqs.get(seq_id)
         if entry is None:
             return 0
         request, seq = entry
         params = request.params
+        if params.n > 1 and not request.forked:
+            return 0  # its first sample forks the siblings: a plain row
         if params.logprobs is not None and not self.config.logprobs_mode.startswith("raw"):
             return 0
         max_new = params.max_tokens if params.max_tokens is not None else self.max_model_len
