@@ -186,7 +186,7 @@ class LLMEngine:
                                             logprobs_mode=config.logprobs_mode)
         self._token_texts = TokenTexts(tokenizer)  # Logprob.decoded_token, cached per id
         self.speculator = (Speculator(spec_config, sorted(self.eos_token_ids),
-                                      config.logprobs_mode)
+                                      config.logprobs_mode, self.backend.rejection_sampler())
                            if spec_config is not None else None)
         self._seq_ids = itertools.count(1)
         # Salts that keep prompt-logprob requests out of the prefix cache (every prompt position

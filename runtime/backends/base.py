@@ -52,6 +52,7 @@ class Backend(Protocol):
                               gpu_memory_utilization: float) -> int: ...
     def sampler(self, eos_token_ids, seed: int = 0,
                 logprobs_mode: str = "raw_logprobs"): ...  # Sampler's interface
+    def rejection_sampler(self): ...  # None (numpy reference) or the kernel's rejection_sample
     def step_inputs(self, positions, slot_mapping, attn): ...  # StepInputs, uploaded once
 
     def zeros(self, shape, dtype): ...

@@ -88,3 +88,9 @@ class NumpyBackend:
     def sampler(eos_token_ids, seed: int = 0, logprobs_mode: str = "raw_logprobs") -> Sampler:
         """The numpy sampler (the kernel backends return their KernelSampler, same draws)."""
         return Sampler(eos_token_ids, seed=seed, logprobs_mode=logprobs_mode)
+
+    @staticmethod
+    def rejection_sampler():
+        """None: speculative decoding verifies with the numpy reference
+        (spec_decode/rejection_sampler.py); the kernel backends return their kernel's."""
+        return None

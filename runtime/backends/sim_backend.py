@@ -35,7 +35,8 @@ _SOURCES = {"gemm": ("gemm.cu", "gemm_skinny.cu"), "norm": ("rms_norm.cu",),
             "activation": ("activation.cu",), "embedding": ("embedding.cu",),
             "rotary": ("rotary_cache_write.cu",), "decode": ("paged_attention_decode.cu",),
             "prefill": ("paged_attention_prefill.cu",), "blocks": ("block_copy.cu",),
-            "sampling": ("sampling.cu",), "moe": ("moe.cu",), "lora": ("lora.cu",)}
+            "sampling": ("sampling.cu",), "moe": ("moe.cu",), "lora": ("lora.cu",),
+            "rejection": ("rejection_sample.cu",)}
 
 
 class KernelBackend:
@@ -238,6 +239,24 @@ class KernelBackend:
                 logprobs_mode: str = "raw_logprobs") -> KernelSampler:
         return KernelSampler(self.module("sampling"), eos_token_ids, seed, xp=self.xp,
                              logprobs_mode=logprobs_mode)
+
+    def rejection_sampler(self):
+        """Speculative decoding's verification on cuda/rejection_sample.cu: a function with
+        spec_decode.rejection_sampler.rejection_sample's arguments (host arrays are copied to
+        the device; the result comes back to the host)."""
+        from pagedrun.runtime.kernels import rejection
+
+        module = self.module("rejection")
+
+        def sample(target_weights, draft_token_ids, num_draft_tokens, draft_weights, greedy,
+                   uniforms):
+            xp = self.xp
+            return rejection.rejection_sample(
+                module, xp.ascontiguousarray(xp.asarray(target_weights, dtype=np.float32)),
+                draft_token_ids, num_draft_tokens,
+                None if draft_weights is None else xp.ascontiguousarray(
+                    xp.asarray(draft_weights, dtype=np.float32)), greedy, uniforms)
+        return sample
 
 
 class SimBackend(KernelBackend):
