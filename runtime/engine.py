@@ -65,6 +65,7 @@ from pagedrun.runtime.request import Request, Sequence
 from pagedrun.runtime.sampler import (SamplerOutput, log_softmax, make_request_generator,
                                       token_logprobs)
 from pagedrun.runtime.sampling_params import SamplingParams, SamplingParamsError
+from pagedrun.runtime.spec_decode.draft_model import DraftModelProposer
 from pagedrun.runtime.spec_decode.speculator import Speculator, SpecRow
 from pagedrun.runtime.stop_checker import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH,
                                            FINISH_STOP, check_token_stop, find_stop_string)
@@ -132,11 +133,14 @@ class VerifiedRows:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, model_config: ModelConfig | None = None,
-                 weights: ModelWeights | None = None, tokenizer=None) -> None:
+                 weights: ModelWeights | None = None, tokenizer=None,
+                 draft_model: tuple[ModelConfig, ModelWeights] | None = None) -> None:
         """Load the model (or take an in-memory one), size the KV pools, start the scheduler.
 
         `model_config` + `weights` (+ optional `tokenizer`) bypass loading `config.model`; tests
         use this. Without a tokenizer, prompts must be token ids and stop strings are refused.
+        `draft_model`: (config, weights) of the speculative draft model instead of loading
+        speculative_config's `model` path (method "draft_model" only).
         """
         from pagedrun.pyx.scheduler import Scheduler, SchedulerConfig
 
@@ -154,13 +158,11 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(model_config, config.max_model_len)
         self.lora_config = config.lora_config()  # None: LoRA off
         spec_config = config.spec_config()  # None: speculative decoding off
-        if spec_config is not None and spec_config.method != "ngram":
-            raise PagedRunError(f"speculative_config: method {spec_config.method!r} is not "
-                                f"served yet (ngram is)")
+        self.draft_runner = self._draft_runner(spec_config, draft_model)  # None: no draft
         self.runner = self._start_runner(weights)
         self.num_kv_blocks = self.runner.num_gpu_blocks
         self.num_cpu_blocks = self.runner.num_cpu_blocks
-        self.bytes_per_block = self.runner.kv_bytes_per_block()
+        self.bytes_per_block = self.runner.kv_bytes_per_block() + self._draft_bytes_per_block()
         # The model's EOS ids plus the tokenizer's (chat models end turns with the latter).
         tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | (
@@ -185,9 +187,13 @@ class LLMEngine:
         self.sampler = self.backend.sampler(sorted(self.eos_token_ids), seed=config.seed,
                                             logprobs_mode=config.logprobs_mode)
         self._token_texts = TokenTexts(tokenizer)  # Logprob.decoded_token, cached per id
-        self.speculator = (Speculator(spec_config, sorted(self.eos_token_ids),
-                                      config.logprobs_mode, self.backend.rejection_sampler())
-                           if spec_config is not None else None)
+        self.speculator = None
+        if spec_config is not None:
+            draft = (DraftModelProposer(self.draft_runner, sorted(self.eos_token_ids))
+                     if self.draft_runner is not None else None)
+            self.speculator = Speculator(spec_config, sorted(self.eos_token_ids),
+                                         config.logprobs_mode, self.backend.rejection_sampler(),
+                                         draft)
         self._seq_ids = itertools.count(1)
         # Salts that keep prompt-logprob requests out of the prefix cache (every prompt position
         # must be computed to have its logits); 0 is everyone else's shared salt.
@@ -219,19 +225,51 @@ class LLMEngine:
         runner = ModelRunner(self.model_config, weights, block_size=self.block_size,
                              max_model_len=self.max_model_len, ops=self.backend,
                              lora_config=self.lora_config)
-        bytes_per_block = runner.kv_bytes_per_block()
+        # A draft model's KV shares the block ids: a block costs both models' bytes.
+        bytes_per_block = runner.kv_bytes_per_block() + self._draft_bytes_per_block()
         max_step_tokens = min(config.max_num_batched_tokens, self.max_model_len)
         num_blocks = plan_num_kv_blocks(config, self.backend, bytes_per_block, self.max_model_len,
                                         profile=partial(runner.profile_run, max_step_tokens))
-        runner.allocate_kv_cache(num_blocks, num_swap_blocks(config, bytes_per_block))
+        num_swap = num_swap_blocks(config, bytes_per_block)
+        runner.allocate_kv_cache(num_blocks, num_swap)
+        if self.draft_runner is not None:
+            self.draft_runner.allocate_kv_cache(num_blocks, num_swap)
         return runner
+
+    def _draft_runner(self, spec_config, draft_model) -> ModelRunner | None:
+        """The speculative draft model's runner (KV pools placed with the target's), or None
+        unless the method is "draft_model". It must share the target's vocabulary."""
+        if spec_config is None or spec_config.method != "draft_model":
+            if draft_model is not None:
+                raise PagedRunError("draft_model given but speculative_config's method is not "
+                                    "'draft_model'")
+            return None
+        if self.config.tensor_parallel_size > 1:
+            raise PagedRunError("speculative_config: a draft model runs with "
+                                "tensor_parallel_size 1 only (ngram works with any)")
+        if draft_model is None:
+            draft_config, draft_weights, _ = load_model(spec_config.model)
+        else:
+            draft_config, draft_weights = draft_model
+        if draft_config.vocab_size != self.model_config.vocab_size:
+            raise PagedRunError(f"speculative_config: the draft model's vocabulary "
+                                f"({draft_config.vocab_size}) differs from the target's "
+                                f"({self.model_config.vocab_size}); it must share the tokenizer")
+        self.backend.check_model(draft_config, self.block_size)
+        return ModelRunner(draft_config, draft_weights, block_size=self.block_size,
+                           max_model_len=self.max_model_len, ops=self.backend)
+
+    def _draft_bytes_per_block(self) -> int:
+        return self.draft_runner.kv_bytes_per_block() if self.draft_runner is not None else 0
 
     def _log_capacity(self) -> None:
         info = self.model_info()
-        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/block); "
+        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/block%s); "
                  "max_model_len %d -> max concurrency at max length %.2f; device %s",
                  self.num_kv_blocks, self.block_size, info["kv_capacity_tokens"],
                  self.num_kv_blocks * self.bytes_per_block / 2**20, self.bytes_per_block,
+                 f", of which the draft model's {self._draft_bytes_per_block()}"
+                 if self.draft_runner is not None else "",
                  self.max_model_len, info["max_concurrency_at_max_len"], self.device)
 
     def model_info(self) -> dict:
@@ -527,12 +565,13 @@ class LLMEngine:
                 return self._outputs(touched)
             failed: dict[str, str] = {}  # request id -> why, for faults of one request
             try:
+                draft_weights = self._run_draft(scheduled)           # None: no draft model
                 batch = self._plan_sampling(scheduled, failed)       # SamplingBatch
                 lora_slots = self._lora_slots(scheduled, failed)     # None: no adapters
                 executed = self.runner.execute(scheduled, batch.prompt_logit_rows,
                                                row_lora_slots=lora_slots)
                 sampled = self._sample(batch, executed, failed)      # SamplerOutput
-                verified = self._verify(batch, executed, failed)     # VerifiedRows
+                verified = self._verify(batch, executed, failed, draft_weights)
             except Exception as exc:  # noqa: BLE001 -- belongs to no single request
                 self._fail_step(scheduled, exc, touched)
             else:
@@ -622,8 +661,22 @@ class LLMEngine:
         max_new = params.max_tokens if params.max_tokens is not None else self.max_model_len
         return max_new - len(seq.output_token_ids) - 1
 
+    def _run_draft(self, out) -> dict[int, np.ndarray] | None:
+        """The draft model's part of the step (draft_model.py): its KV for every scheduled
+        token, and the drafts of the speculating rows written into `out`. Returns batch row ->
+        the draft's weights q of its drafts."""
+        if self.speculator is None or self.speculator.draft is None:
+            return None
+        histories = {}
+        for row in np.flatnonzero(out.num_draft_tokens).tolist():
+            request, seq = self._seqs[int(out.req_ids[row])]
+            histories[row] = (request.params, request.prompt_token_ids, seq.output_token_ids,
+                              seq.generator)
+        return self.speculator.draft.run(out, histories, self.sampler.generator)
+
     def _verify(self, batch: SamplingBatch, executed: RunnerOutput,
-                failed: dict[str, str]) -> VerifiedRows:
+                failed: dict[str, str],
+                draft_weights: dict[int, np.ndarray] | None = None) -> VerifiedRows:
         """The spec rows' emitted tokens. If the batch fails, each request's rows are
         verified alone so the one at fault is found (and failed), as in _sample."""
         rows = batch.spec
@@ -647,7 +700,7 @@ class LLMEngine:
                 try:
                     part = self.speculator.verify(
                         np.concatenate([host[offsets[j]:offsets[j + 1]] for j in own]),
-                        [rows[j] for j in own], self.sampler.generator)
+                        [rows[j] for j in own], self.sampler.generator, draft_weights)
                     for b, j in enumerate(own):
                         tokens = part.emitted(b).tolist()
                         verified.tokens[j] = tokens

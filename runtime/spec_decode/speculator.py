@@ -4,9 +4,11 @@ and the policy that says when speculation is off.
 Per step (LLMEngine.step):
   1. `propose`: the scheduler's running decodes get the n-gram proposer's drafts
      (`Scheduler.set_draft_tokens`), up to `max_draft(seq_id)` each -- the engine says how many a
-     sequence may take (0: none, e.g. its logprobs are asked in a processed mode);
+     sequence may take (0: none, e.g. its logprobs are asked in a processed mode); with a draft
+     model, placeholders: how many drafts each may take (the tokens come after schedule());
   2. the scheduler gives each such row a query of 1 + k tokens (k cut to the spare budget and
-     blocks), the runner returns the logits of those 1 + k positions;
+     blocks); a draft model then writes its k drafts into the step (draft_model.py); the
+     runner returns the logits of those 1 + k positions;
   3. `verify`: the target's per-position weights (target_probs.verification_weights: the plain
      sampler's processors and filters, with each position's history) and the rejection sampler
      (numpy reference, or cuda/rejection_sample.cu on the kernel backends) give each row its
@@ -31,6 +33,7 @@ import numpy as np
 
 from ..sampler import log_softmax, token_logprobs
 from ..sampling_params import SamplingParams
+from .draft_model import DraftModelProposer
 from .ngram_proposer import NgramProposer
 from .rejection_sampler import RejectionOutput, draw_spec_uniforms, rejection_sample
 from .spec_config import SpeculativeConfig
@@ -69,15 +72,18 @@ class SpecStats:
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, eos_token_ids: Sequence[int],
-                 logprobs_mode: str, rejection_kernel: Callable | None = None) -> None:
+                 logprobs_mode: str, rejection_kernel: Callable | None = None,
+                 draft: DraftModelProposer | None = None) -> None:
         """rejection_kernel: None (numpy reference) or a function with
-        rejection_sampler.rejection_sample's signature (the backend's kernel)."""
-        if config.method != "ngram":
-            raise ValueError(f"speculative_config: method {config.method!r} is not served yet "
-                             "(ngram is)")
+        rejection_sampler.rejection_sample's signature (the backend's kernel). draft: the
+        draft model's proposer (method "draft_model"), None for "ngram"."""
+        if (config.method == "draft_model") != (draft is not None):
+            raise ValueError(f"speculative_config: method {config.method!r} with"
+                             f"{'' if draft is not None else 'out'} a draft model")
         self.config = config
         self.num_speculative_tokens = config.num_speculative_tokens
-        self.proposer = NgramProposer.from_config(config)
+        self.draft = draft
+        self.proposer = NgramProposer.from_config(config) if draft is None else None
         self.eos_token_ids = list(eos_token_ids)
         self.logprobs_mode = logprobs_mode
         self.rejection_kernel = rejection_kernel
@@ -129,8 +135,11 @@ class Speculator:
         if rows.size == 0:
             return 0
         ids = seq_ids[rows]
-        proposals = self.proposer.propose([scheduler.get_token_ids(int(i)) for i in ids],
-                                          caps[rows])
+        if self.draft is not None:  # how many each may take; the draft fills them in later
+            proposals = [np.zeros(int(c), dtype=np.int32) for c in caps[rows]]
+        else:
+            proposals = self.proposer.propose([scheduler.get_token_ids(int(i)) for i in ids],
+                                              caps[rows])
         counts = np.array([p.size for p in proposals], dtype=np.int32)
         if not counts.any():
             return 0
@@ -143,9 +152,11 @@ class Speculator:
     # ------------------------------------------------------------------ 3. verify
 
     def verify(self, logits: np.ndarray, rows: Sequence[SpecRow],
-               engine_generator: np.random.Generator) -> RejectionOutput:
+               engine_generator: np.random.Generator,
+               draft_weights: dict[int, np.ndarray] | None = None) -> RejectionOutput:
         """The emitted tokens of `rows` (in order). logits: [sum_b (k_b + 1), vocab] float32
-        host rows, row after row (each SpecRow's logits, concatenated)."""
+        host rows, row after row (each SpecRow's logits, concatenated). draft_weights: batch
+        row -> q [k_row, vocab] (a draft model's), None: n-gram drafts (point masses)."""
         params: list[SamplingParams] = [r.request.params for r in rows]
         drafts = [r.draft_token_ids for r in rows]
         weights = verification_weights(
@@ -158,8 +169,13 @@ class Speculator:
         greedy = np.array([p.greedy for p in params], dtype=bool)
         uniforms = draw_spec_uniforms(engine_generator, params,
                                       [r.seq.generator for r in rows], counts)
+        q = None
+        if draft_weights is not None:
+            q = np.zeros((len(rows), padded.shape[1], weights.shape[2]), dtype=np.float32)
+            for b, r in enumerate(rows):
+                q[b, :counts[b]] = draft_weights[r.row]
         sample = self.rejection_kernel or rejection_sample
-        return sample(weights, padded, counts, None, greedy, uniforms)
+        return sample(weights, padded, counts, q, greedy, uniforms)
 
     def logprobs(self, logits_row: np.ndarray, token: int, num_top: int):
         """The target's logprobs entry of one emitted token (raw modes only: the engine gives

@@ -329,13 +329,84 @@ def test_policy_batch_size_and_low_acceptance(tiny_cpu_model, caplog):
     assert any("speculative decoding off: acceptance" in r.getMessage() for r in caplog.records)
 
 
-def test_draft_model_method_is_refused_clearly(tiny_cpu_model):
-    from pagedrun.runtime.errors import PagedRunError
+DRAFT = {"method": "draft_model", "model": "in-memory", "num_speculative_tokens": K}
 
-    with pytest.raises(PagedRunError, match="draft_model"):
-        make_engine(tiny_cpu_model, speculative_config={"method": "draft_model",
-                                                        "model": "/nonexistent",
-                                                        "num_speculative_tokens": 2})
+
+def draft_engine(model, draft, **config):
+    """An engine over the tiny model whose speculative draft is `draft` ((config, weights))."""
+    from pagedrun.runtime.engine import LLMEngine
+    from pagedrun.runtime.engine_config import EngineConfig
+
+    config.setdefault("device", "cpu")
+    config.setdefault("check_invariants", True)
+    return LLMEngine(EngineConfig(speculative_config=DRAFT, **config), model_config=model[0],
+                     weights=model[1], draft_model=draft)
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_draft_model_equal_to_target_accepts_every_draft(tiny_cpu_model, preemption_mode):
+    """The target as its own draft: every draft is accepted, so the draft's KV (indexed by the
+    target's block tables) was right at every position through chunked prefill, prefix hits,
+    preemption (recompute or swap) and copy-on-write -- a stale or missing draft KV entry
+    would make the draft guess differently from the target."""
+    rng = np.random.default_rng(23)
+    max_tokens = 20
+    shared = rng.integers(3, 300, 20).tolist()
+    prompts = random_prompts(rng, 300, 6, 36, shared_prefix=shared)
+    engine = draft_engine(tiny_cpu_model, tiny_cpu_model, block_size=16, num_kv_blocks=6,
+                          max_num_batched_tokens=24, max_num_seqs=4,
+                          preemption_mode=preemption_mode, swap_space_bytes=1 << 22)
+    totals = run_requests(engine, [(i // 2, f"d{i}", {"prompt_token_ids": p,
+                                                      "sampling_params": greedy(max_tokens)})
+                                   for i, p in enumerate(prompts)])
+    for i, prompt in enumerate(prompts):
+        assert totals[f"d{i}"].outputs[0].token_ids == reference_greedy(tiny_cpu_model, prompt,
+                                                                        max_tokens)
+    stats = engine.get_stats()
+    assert stats["num_preemptions_total"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["spec_decode_num_draft_tokens"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
+    assert_all_blocks_free(engine)
+
+
+def test_small_random_draft_model(tiny_cpu_model):
+    """A different, one-layer random draft: greedy tokens equal the reference, sampled seeded
+    requests run through q-weighted verification reproducibly, every block is freed, and a
+    block costs both models' KV bytes."""
+    from engine_helpers import random_weights, tiny_config
+
+    draft_config = tiny_config(num_hidden_layers=1, num_attention_heads=2,
+                               num_key_value_heads=1)
+    draft = (draft_config, random_weights(draft_config, seed=7))
+    prompts = [list(range(10, 30)), list(range(50, 57))]
+    requests = [(0, "g", {"prompt_token_ids": prompts[0], "sampling_params": greedy(24)}),
+                (1, "s", {"prompt_token_ids": prompts[1],
+                          "sampling_params": SamplingParams(temperature=0.9, top_p=0.8,
+                                                            seed=5, max_tokens=24)})]
+    runs = []
+    for _ in range(2):
+        engine = draft_engine(tiny_cpu_model, draft)
+        totals = run_requests(engine, requests)
+        assert totals["g"].outputs[0].token_ids == reference_greedy(tiny_cpu_model, prompts[0],
+                                                                    24)
+        runs.append(totals["s"].outputs[0].token_ids)
+        stats = engine.get_stats()
+        assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"]
+        assert_all_blocks_free(engine)
+    assert runs[0] == runs[1] and len(runs[0]) == 24
+    assert engine.bytes_per_block == (engine.runner.kv_bytes_per_block()
+                                      + engine.draft_runner.kv_bytes_per_block())
+
+
+def test_draft_model_refusals(tiny_cpu_model):
+    from pagedrun.runtime.errors import PagedRunError
+    from engine_helpers import random_weights, tiny_config
+
+    other = tiny_config(vocab_size=200)
+    with pytest.raises(PagedRunError, match="vocabulary"):
+        draft_engine(tiny_cpu_model, (other, random_weights(other)))
+    with pytest.raises(PagedRunError, match="no such model"):
+        make_engine(tiny_cpu_model, speculative_config={**DRAFT, "model": "/nonexistent"})
 
 
 def test_sim_verification_kernel_equals_numpy():
