@@ -62,3 +62,34 @@ def test_swap_fork_prompt_logprobs_match_tp1(tmp_path):
 def _flat(positions) -> list[float]:
     """Every logprob of a list of {token_id: Logprob} positions, in order."""
     return [lp.logprob for position in positions for lp in position.values()]
+
+
+def test_speculative_decoding_matches_tp1(tmp_path):
+    """n-gram speculation at TP=2: the rows' draft counts reach the workers (every rank
+    gathers the logits of every verified position), and greedy and seeded sampled requests
+    produce exactly TP=1's tokens with the same acceptance."""
+    model_dir = write_model_dir(tmp_path / "m", vocab_size=VOCAB, num_key_value_heads=2)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
+            "prompt_lookup_min": 1}
+    rng = np.random.default_rng(4)
+    phrase = rng.integers(3, VOCAB, 4).tolist()
+    prompt_ids = [phrase * 5, (phrase[::-1] * 4)[:13]]
+    params = [SamplingParams(temperature=0.0, max_tokens=16),
+              SamplingParams(temperature=0.7, seed=9, max_tokens=16)]
+    results = []
+    for tp in (1, 2):
+        engine = make_engine(model_dir, tp, speculative_config=spec)
+        try:
+            for i, ids in enumerate(prompt_ids):
+                engine.add_request(f"s{i}", prompt_token_ids=ids, sampling_params=params[i])
+            tokens = {}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+            stats = engine.get_stats()
+        finally:
+            engine.close()
+        results.append((tokens, stats["spec_decode_num_draft_tokens"],
+                        stats["spec_decode_num_accepted_tokens"]))
+    assert results[1] == results[0]
+    assert results[0][1] > 0
