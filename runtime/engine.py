@@ -718,8 +718,8 @@ class LLMEngine:
                         failed[request_id] = _describe("verifying drafts", exc)
                     continue
             groups = retry
-        self.speculator.record(np.array([r.draft_token_ids.size for r in rows]),
-                               np.array(verified.num_accepted))
+        self.speculator.record([r.seq.seq_id for r in rows],
+                               [r.draft_token_ids.size for r in rows], verified.num_accepted)
         return verified
 
     def _sample(self, batch: SamplingBatch, executed: RunnerOutput,

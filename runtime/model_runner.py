@@ -67,16 +67,34 @@ def _rows(mask: np.ndarray) -> slice | np.ndarray:
 
 
 def build_attention_inputs(query_start_loc: np.ndarray, query_lens: np.ndarray,
-                           context_lens: np.ndarray, block_tables: np.ndarray) -> AttentionInputs:
+                           context_lens: np.ndarray, block_tables: np.ndarray,
+                           num_draft_tokens: np.ndarray | None = None) -> AttentionInputs:
     """Split a step's rows into decode rows (query_len 1) and prefill rows, with token indices.
 
     query_start_loc: [num_reqs + 1] int32; query_lens, context_lens: [num_reqs] int32;
-    block_tables: [num_reqs, max_blocks] int32.
+    block_tables: [num_reqs, max_blocks] int32; num_draft_tokens: [num_reqs] int32 or None.
+    A row verifying k drafts (speculative decoding) becomes 1 + k decode rows, one per query
+    token, each seeing the context up to its own position (the step writes every token's KV
+    before attention): decode attention over a few queries per sequence costs far less than
+    the prefill path for such short queries.
     """
     num_tokens = int(query_start_loc[-1])
     is_decode = query_lens == _DECODE_QUERY_LEN
-    num_decode = int(is_decode.sum())
-    num_prefill = int(is_decode.size - num_decode)
+    if num_draft_tokens is not None and num_draft_tokens.any():
+        is_decode = is_decode | (num_draft_tokens > 0)
+        spec = is_decode & (query_lens > 1)
+        repeats = np.where(spec, query_lens, 1)[is_decode]
+        rows = np.repeat(np.flatnonzero(is_decode), repeats)
+        # Each virtual row's context ends at its own token: the row's first token's context
+        # length, then one more per token.
+        first = np.repeat(np.concatenate(([0], np.cumsum(repeats)[:-1])), repeats)
+        offsets = np.arange(rows.size) - first
+        decode_tables = block_tables[rows]
+        decode_context = (context_lens[rows] - query_lens[rows] + 1 + offsets).astype(np.int32)
+    else:
+        decode_tables, decode_context = block_tables[is_decode], context_lens[is_decode]
+    num_decode = int(decode_context.size)
+    num_prefill = int(is_decode.size - is_decode.sum())
     token_is_decode = np.repeat(is_decode, query_lens)
     if num_prefill == 0:
         decode_rows, prefill_rows = slice(0, num_tokens), slice(0, 0)
@@ -89,8 +107,8 @@ def build_attention_inputs(query_start_loc: np.ndarray, query_lens: np.ndarray,
     np.cumsum(prefill_lens, out=prefill_qsl[1:])
     return AttentionInputs(
         decode_token_rows=decode_rows,
-        decode_block_tables=block_tables[is_decode],
-        decode_context_lens=context_lens[is_decode],
+        decode_block_tables=decode_tables,
+        decode_context_lens=decode_context,
         prefill_token_rows=prefill_rows,
         prefill_block_tables=block_tables[~is_decode],
         prefill_query_start_loc=prefill_qsl,
@@ -249,7 +267,7 @@ class ModelRunner:
         if out.num_batched_tokens == 0:
             return RunnerOutput(sample_rows, np.empty((0, vocab), np.float32), {})
         attn = build_attention_inputs(out.query_start_loc, out.query_lens, out.context_lens,
-                                      out.block_tables)
+                                      out.block_tables, getattr(out, "num_draft_tokens", None))
         # Uploaded once here, read by every layer (runtime/backends/step_inputs.py).
         step = self.ops.step_inputs(out.positions, out.slot_mapping, attn)
         x, residual = self.model.forward(out.input_token_ids, step.positions, step.slot_mapping,

@@ -16,12 +16,13 @@ Per step (LLMEngine.step):
   4. `record`: counters (vLLM's spec_decode_num_drafts / _num_draft_tokens /
      _num_accepted_tokens) and the acceptance average the policy reads.
 
-Policy (logged when it changes): no drafts in a step whose running decodes number
-`disable_by_batch_size` or more (verification's extra tokens cost compute that a large batch
-no longer has spare), nor for PAUSE_STEPS steps after the acceptance rate -- an exponential
-average over steps with drafts, weight ACCEPTANCE_EMA_WEIGHT -- falls below
-MIN_ACCEPTANCE_RATE (rejected drafts are pure cost); after the pause it probes again from a
-fresh average.
+Policy (logged): no drafts in a step whose running decodes number `disable_by_batch_size` or
+more (verification's extra tokens cost compute that a large batch no longer has spare); and per
+sequence, none for PAUSE_STEPS of its steps after its acceptance rate -- an exponential average
+over its steps with drafts, weight ACCEPTANCE_EMA_WEIGHT, judged after MIN_STEPS_BEFORE_PAUSE
+of them -- falls below MIN_ACCEPTANCE_RATE (rejected drafts are pure cost); then it probes
+again from a fresh average. Per sequence, because one request's text (code, a summary) says
+nothing about whether another one (a copy) repeats itself.
 """
 from __future__ import annotations
 
@@ -64,6 +65,15 @@ class SpecRow:
 
 
 @dataclass
+class _Acceptance:
+    """One sequence's acceptance average and pause (the policy in the module docstring)."""
+
+    rate: float | None = None
+    steps: int = 0
+    paused_steps_left: int = 0
+
+
+@dataclass
 class SpecStats:
     num_drafts: int = 0           # rows that verified at least one draft
     num_draft_tokens: int = 0     # drafts verified
@@ -88,9 +98,7 @@ class Speculator:
         self.logprobs_mode = logprobs_mode
         self.rejection_kernel = rejection_kernel
         self.stats = SpecStats()
-        self._acceptance: float | None = None  # average over steps with drafts
-        self._steps_with_drafts = 0
-        self._paused_steps_left = 0
+        self._acceptance: dict[int, _Acceptance] = {}  # seq_id -> its policy state
         self._off_reason: str | None = None
 
     # ------------------------------------------------------------------ policy
@@ -98,11 +106,7 @@ class Speculator:
     def _why_off(self, num_decodes: int) -> str | None:
         limit = self.config.disable_by_batch_size
         if limit is not None and num_decodes >= limit:
-            return f"{num_decodes} running decodes >= disable_by_batch_size {limit}"
-        if self._paused_steps_left > 0:
-            self._paused_steps_left -= 1
-            return (f"acceptance rate below {MIN_ACCEPTANCE_RATE:.0%}: paused for "
-                    f"{PAUSE_STEPS} steps")
+            return f"running decodes >= disable_by_batch_size {limit}"
         return None
 
     def _set_off_reason(self, reason: str | None) -> None:
@@ -110,9 +114,17 @@ class Speculator:
             return
         if reason is None:
             log.info("speculative decoding on")
-        elif self._off_reason is None or reason.split(":")[0] != self._off_reason.split(":")[0]:
+        else:
             log.info("speculative decoding off: %s", reason)
         self._off_reason = reason
+
+    def _paused(self, seq_id: int) -> bool:
+        """Whether this sequence sits out this step (counting the step off its pause)."""
+        state = self._acceptance.get(seq_id)
+        if state is None or state.paused_steps_left == 0:
+            return False
+        state.paused_steps_left -= 1
+        return True
 
     @property
     def off_reason(self) -> str | None:
@@ -125,11 +137,15 @@ class Speculator:
         """Give the scheduler's running decodes their drafts for the next schedule(); returns
         how many drafts were set. max_draft(seq_id): the most this sequence may take."""
         seq_ids = scheduler.get_decode_request_ids()
+        live = set(seq_ids.tolist())
+        for gone in [i for i in self._acceptance if i not in live]:
+            del self._acceptance[gone]  # finished or preempted: its average goes with it
         reason = self._why_off(len(seq_ids))
         self._set_off_reason(reason)
         if reason is not None or not len(seq_ids):
             return 0
-        caps = np.array([min(max_draft(int(i)), self.num_speculative_tokens)
+        caps = np.array([0 if self._paused(int(i)) else
+                         min(max_draft(int(i)), self.num_speculative_tokens)
                          for i in seq_ids], dtype=np.int64)
         rows = np.flatnonzero(caps > 0)
         if rows.size == 0:
@@ -186,21 +202,22 @@ class Speculator:
 
     # ------------------------------------------------------------------ 4. record
 
-    def record(self, num_draft_tokens: np.ndarray, num_accepted: np.ndarray) -> None:
-        """One step's verified rows: drafts per row and how many were accepted."""
-        drafted = int(np.sum(num_draft_tokens))
-        if drafted == 0:
-            return
-        accepted = int(np.sum(num_accepted))
-        self.stats.num_drafts += int(np.count_nonzero(num_draft_tokens))
-        self.stats.num_draft_tokens += drafted
-        self.stats.num_accepted_tokens += accepted
-        rate = accepted / drafted
-        self._steps_with_drafts += 1
-        self._acceptance = rate if self._acceptance is None else (
-            (1 - ACCEPTANCE_EMA_WEIGHT) * self._acceptance + ACCEPTANCE_EMA_WEIGHT * rate)
-        if (self._steps_with_drafts >= MIN_STEPS_BEFORE_PAUSE
-                and self._acceptance < MIN_ACCEPTANCE_RATE):
-            self._paused_steps_left = PAUSE_STEPS
-            self._acceptance = None
-            self._steps_with_drafts = 0
+    def record(self, seq_ids: Sequence[int], num_draft_tokens: Sequence[int],
+               num_accepted: Sequence[int]) -> None:
+        """One step's verified rows: each row's sequence, drafts and accepted drafts."""
+        for seq_id, drafted, accepted in zip(seq_ids, num_draft_tokens, num_accepted):
+            if drafted == 0:
+                continue
+            self.stats.num_drafts += 1
+            self.stats.num_draft_tokens += int(drafted)
+            self.stats.num_accepted_tokens += int(accepted)
+            state = self._acceptance.setdefault(int(seq_id), _Acceptance())
+            rate = accepted / drafted
+            state.steps += 1
+            state.rate = rate if state.rate is None else (
+                (1 - ACCEPTANCE_EMA_WEIGHT) * state.rate + ACCEPTANCE_EMA_WEIGHT * rate)
+            if state.steps >= MIN_STEPS_BEFORE_PAUSE and state.rate < MIN_ACCEPTANCE_RATE:
+                log.info("speculative decoding paused for sequence %d for %d steps: its "
+                         "acceptance rate %.0f%% < %.0f%%", seq_id, PAUSE_STEPS,
+                         100 * state.rate, 100 * MIN_ACCEPTANCE_RATE)
+                self._acceptance[int(seq_id)] = _Acceptance(paused_steps_left=PAUSE_STEPS)

@@ -29,15 +29,17 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3,
 
 class ScriptedProposer:
     """Proposes a request's true continuation: `mode` "right" (every token), "wrong" (the first
-    token already differs) or "mixed" (a random number right, then wrong)."""
+    token already differs) or "mixed" (a random number right, then wrong); or a dict of one
+    mode per prompt (tuple)."""
 
-    def __init__(self, continuations: dict[tuple, list[int]], vocab: int, mode: str,
+    def __init__(self, continuations: dict[tuple, list[int]], vocab: int, mode,
                  seed: int = 0) -> None:
         self.continuations = continuations
         self.vocab = vocab
         self.mode = mode
         self.rng = np.random.default_rng(seed)
         self.num_calls = 0
+        self.max_k = K
 
     def _continuation(self, tokens: list[int]) -> tuple[list[int], int]:
         for prompt, cont in self.continuations.items():
@@ -54,9 +56,12 @@ class ScriptedProposer:
             if pos < 0:
                 out.append(np.zeros(0, dtype=np.int32))
                 continue
-            k = int(self.rng.integers(1, K + 1))
+            mode = self.mode
+            if isinstance(mode, dict):
+                mode = next(m for p, m in mode.items() if tuple(tokens[:len(p)]) == p)
+            k = int(self.rng.integers(1, self.max_k + 1))
             k = min(k, int(cap))
-            right = {"right": k, "wrong": 0}.get(self.mode, int(self.rng.integers(0, k + 1)))
+            right = {"right": k, "wrong": 0}.get(mode, int(self.rng.integers(0, k + 1)))
             draft = list(cont[pos:pos + right])
             while len(draft) < k:
                 token = int(self.rng.integers(3, self.vocab))
@@ -67,7 +72,7 @@ class ScriptedProposer:
         return out
 
 
-def script(engine, prompts: list[list[int]], max_tokens: int, model, mode: str,
+def script(engine, prompts: list[list[int]], max_tokens: int, model, mode,
            seed: int = 0) -> ScriptedProposer:
     continuations = {tuple(p): reference_greedy(model, p, max_tokens) for p in prompts}
     proposer = ScriptedProposer(continuations, model[0].vocab_size, mode, seed)
@@ -308,7 +313,8 @@ class _HistoryProposer:
 
 def test_policy_batch_size_and_low_acceptance(tiny_cpu_model, caplog):
     """disable_by_batch_size: no drafts while that many decodes run; a proposer that is
-    always wrong pauses speculation after MIN_STEPS_BEFORE_PAUSE verified steps (logged)."""
+    always wrong pauses a sequence's speculation after MIN_STEPS_BEFORE_PAUSE verified steps
+    (logged) while another sequence whose drafts are right keeps speculating."""
     prompts = [list(range(10 + i, 30 + i)) for i in range(3)]
     engine = make_engine(tiny_cpu_model, speculative_config={**NGRAM,
                                                             "disable_by_batch_size": 3})
@@ -319,14 +325,23 @@ def test_policy_batch_size_and_low_acceptance(tiny_cpu_model, caplog):
 
     caplog.set_level(logging.INFO, logger="pagedrun.engine")
     engine = make_engine(tiny_cpu_model, speculative_config=NGRAM)
-    script(engine, prompts[:1], 60, tiny_cpu_model, "wrong")
+    proposer = script(engine, prompts[:2], 60, tiny_cpu_model,
+                      {tuple(prompts[0]): "wrong", tuple(prompts[1]): "right"})
+    proposer.max_k = 1  # one draft per step: right or wrong
     totals = run_requests(engine, [(0, "w", {"prompt_token_ids": prompts[0],
+                                             "sampling_params": greedy(60)}),
+                                   (0, "r", {"prompt_token_ids": prompts[1],
                                              "sampling_params": greedy(60)})])
-    assert totals["w"].outputs[0].token_ids == reference_greedy(tiny_cpu_model, prompts[0], 60)
+    for name, prompt in (("w", prompts[0]), ("r", prompts[1])):
+        assert totals[name].outputs[0].token_ids == reference_greedy(tiny_cpu_model, prompt, 60)
     stats = engine.get_stats()
-    assert stats["spec_decode_num_accepted_tokens"] == 0
-    assert stats["spec_decode_num_drafts"] == speculator_module.MIN_STEPS_BEFORE_PAUSE
-    assert any("speculative decoding off: acceptance" in r.getMessage() for r in caplog.records)
+    # The right one: a draft every step, all accepted (59 tokens after the first, 2 a step);
+    # the wrong one: MIN_STEPS_BEFORE_PAUSE rejected drafts, then paused for the rest.
+    assert stats["spec_decode_num_accepted_tokens"] == 59 // 2
+    assert stats["spec_decode_num_drafts"] == (speculator_module.MIN_STEPS_BEFORE_PAUSE
+                                              + 59 // 2)
+    assert any("speculative decoding paused for sequence" in r.getMessage()
+               for r in caplog.records)
 
 
 DRAFT = {"method": "draft_model", "model": "in-memory", "num_speculative_tokens": K}
@@ -382,7 +397,8 @@ def test_small_random_draft_model(tiny_cpu_model):
     requests = [(0, "g", {"prompt_token_ids": prompts[0], "sampling_params": greedy(24)}),
                 (1, "s", {"prompt_token_ids": prompts[1],
                           "sampling_params": SamplingParams(temperature=0.9, top_p=0.8,
-                                                            seed=5, max_tokens=24)})]
+                                                            seed=5, max_tokens=24,
+                                                            ignore_eos=True)})]
     runs = []
     for _ in range(2):
         engine = draft_engine(tiny_cpu_model, draft)
