@@ -56,6 +56,11 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--disable-by-batch-size", type=int, default=None,
                         help="speculative_config's disable_by_batch_size (default: unset)")
     parser.add_argument("--workloads", default="copy,free,batch")
+    parser.add_argument("--draft", choices=["self", "random"], default=None,
+                        help="speculate with a draft model instead of n-grams: the default "
+                             "model itself (every draft accepted in float32: an upper bound) "
+                             "or a 2-layer random-weight model of the same vocabulary (a "
+                             "lower bound)")
     parser.add_argument("--quick", action="store_true",
                         help="1 prompt of each kind, max_tokens 16, batch 4, 1 repeat")
     parser.add_argument("--profile", choices=["copy", "free", "batch"], default=None,
@@ -150,10 +155,18 @@ class CountedLLM:
     """An LLM whose engine counts its step() calls (the instance attribute shadows the
     method; LLM._run is the only caller here)."""
 
-    def __init__(self, **kw) -> None:
+    def __init__(self, draft=None, **kw) -> None:
+        """kw: LLM's keywords; draft: (config, weights) of an in-memory draft model (the
+        speculative_config in kw then names method draft_model)."""
         from pagedrun import LLM
 
-        self.llm = LLM(**kw)
+        if draft is None:
+            self.llm = LLM(**kw)
+        else:
+            from pagedrun.runtime.engine import LLMEngine
+            from pagedrun.runtime.engine_config import EngineConfig
+
+            self.llm = LLM.from_engine(LLMEngine(EngineConfig(**kw), draft_model=draft))
         self.engine = self.llm.engine
         self.num_steps = 0
         inner = self.engine.step
@@ -301,6 +314,43 @@ def _table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _draft_model(kind: str):
+    """(ModelConfig, ModelWeights) of the draft: the default model, or a random 2-layer model
+    (hidden 128) with its vocabulary, scaled like the tests' tiny models."""
+    import numpy as np
+
+    from pagedrun.runtime.model_config import ModelConfig
+    from pagedrun.runtime.model_loader import load_model
+    from pagedrun.runtime.weights import LayerWeights, ModelWeights
+
+    target_config, weights, _ = load_model(None)
+    if kind == "self":
+        return target_config, weights
+    config = ModelConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": target_config.vocab_size,
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "max_position_embeddings": MAX_MODEL_LEN,
+        "tie_word_embeddings": False, "eos_token_id": target_config.eos_token_ids[0]})
+    rng = np.random.default_rng(0)
+
+    def mat(rows, cols):
+        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+
+    hidden, inter = config.hidden_size, config.intermediate_size
+    layers = [LayerWeights(
+        input_layernorm=np.ones(hidden, np.float32), q_proj=mat(config.q_size, hidden),
+        k_proj=mat(config.kv_size, hidden), v_proj=mat(config.kv_size, hidden),
+        o_proj=mat(hidden, config.q_size), q_bias=None, k_bias=None, v_bias=None, o_bias=None,
+        post_attention_layernorm=np.ones(hidden, np.float32), gate_proj=mat(inter, hidden),
+        up_proj=mat(inter, hidden), down_proj=mat(hidden, inter))
+        for _ in range(config.num_hidden_layers)]
+    embed = rng.standard_normal((config.vocab_size, hidden)).astype(np.float32)
+    return config, ModelWeights(config=config, embed_tokens=embed, layers=layers,
+                                norm=np.ones(hidden, np.float32),
+                                lm_head=4.0 * mat(config.vocab_size, hidden))
+
+
 def main() -> int:
     args = ARGS
     if args.quick:
@@ -320,6 +370,11 @@ def main() -> int:
 
     spec_config = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
                    "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    draft = None
+    if args.draft is not None:
+        spec_config = {"method": "draft_model", "model": f"<{args.draft}>",
+                       "num_speculative_tokens": args.num_speculative_tokens}
+        draft = _draft_model(args.draft)
     if args.disable_by_batch_size is not None:
         spec_config["disable_by_batch_size"] = args.disable_by_batch_size
     # Enough KV for the batch at full length: no preemption in either engine.
@@ -328,7 +383,7 @@ def main() -> int:
                   num_kv_blocks=num_kv_blocks, enable_prefix_caching=False,
                   max_num_seqs=max(args.batch, 1))
     engines = {"base": CountedLLM(**common),
-               "spec": CountedLLM(**common, speculative_config=spec_config)}
+               "spec": CountedLLM(draft=draft, **common, speculative_config=spec_config)}
     for engine in engines.values():  # warm-up: kernels, allocator, tokenizer, chat template
         _run(engine, [_conversation(FREE_PROMPTS[0])], 4)
 

@@ -266,8 +266,10 @@ class ModelRunner:
         vocab = self.config.vocab_size
         if out.num_batched_tokens == 0:
             return RunnerOutput(sample_rows, np.empty((0, vocab), np.float32), {})
+        drafts = (getattr(out, "num_draft_tokens", None)
+                  if getattr(self.ops, "verify_as_decode_rows", False) else None)
         attn = build_attention_inputs(out.query_start_loc, out.query_lens, out.context_lens,
-                                      out.block_tables, getattr(out, "num_draft_tokens", None))
+                                      out.block_tables, drafts)
         # Uploaded once here, read by every layer (runtime/backends/step_inputs.py).
         step = self.ops.step_inputs(out.positions, out.slot_mapping, attn)
         x, residual = self.model.forward(out.input_token_ids, step.positions, step.slot_mapping,

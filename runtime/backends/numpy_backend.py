@@ -21,6 +21,9 @@ class NumpyBackend:
     kv_dtype = np.dtype(np.float32)
     xp = np
     logits_on_device = False  # logits are numpy already
+    # Speculative verification rows run as 1 + k decode rows (the numpy decode attention over a
+    # few queries per sequence is ~2.4x cheaper than the prefill path; model_runner.py).
+    verify_as_decode_rows = True
     communicator = "cpu"
 
     embedding = staticmethod(numpy_ops.embedding)

@@ -46,6 +46,9 @@ class KernelBackend:
     loader_backend = "sim"
     # The kernel sampler reads logits where they are; only token ids come back.
     logits_on_device = True
+    # Verification rows take the prefill kernel: it reads a sequence's KV once for its 1 + k
+    # queries, where 1 + k decode rows would read it 1 + k times (bandwidth is the GPU's limit).
+    verify_as_decode_rows = False
     communicator = "cpu"
 
     def __init__(self, dtype_name: str, xp) -> None:
