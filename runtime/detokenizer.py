@@ -14,14 +14,25 @@ until a later token completes it. Decoding a short window keeps each step O(wind
 O(sequence). `finish()` hands out whatever is still held (an incomplete tail becomes U+FFFD,
 exactly as a full decode shows it), so the concatenated deltas always equal a full decode.
 
+`DeferredText` runs the same detokenizer later, off the engine's step: a sequence without stop
+strings needs no text inside the engine, so each of its outputs carries a mark (how many of its
+tokens its text covers) and the text is made from the marks when the output's `text` is first
+read, on the reader's thread (the server's I/O thread). vLLM makes the same cut: its engine core
+hands out token ids and its front-end process detokenizes.
+
 Also here: the text of single tokens for logprobs (`TokenTexts`, vLLM's `decoded_token`) and the
 conversion of a sampler's TokenLogprobs into the {token_id: Logprob} dict users see.
 """
 from __future__ import annotations
 
+import logging
+import threading
+from array import array
 from typing import Any, Callable, Iterable, Sequence
 
 from pagedrun.runtime.outputs import Logprob, PositionLogprobs, TokenLogprobs
+
+log = logging.getLogger("pagedrun.detokenizer")
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded before the first generated token, so that context-dependent decoders
@@ -85,6 +96,70 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset = len(self.token_ids)
         self.text += delta
         return delta
+
+
+# DeferredText mark of a finished sequence's text: its last token added, then finish().
+FINAL_MARK = -1
+
+
+class DeferredText:
+    """The text of one sequence, detokenized only when someone reads it.
+
+    A mark says how much of the text an output covers: `n` -- the first n output tokens added
+    with IncrementalDetokenizer.add_token, exactly as the engine would have added them step by
+    step; FINAL_MARK -- the first `final_num_tokens` added, then finish() (a sequence that the
+    engine ended: the token stop rules may leave its last token out of the text). An output's
+    text is `text(start, end)` between its marks; the marks only grow, so the detokenizer runs
+    over each token once whatever order the outputs are read in, and `char_ends` (the text's
+    length after each token) turns any older mark back into a character offset.
+
+    Threads: the engine thread appends to `token_ids` (the sequence's output_token_ids) and
+    sets `final_num_tokens` before it hands out FINAL_MARK; readers detokenize under the lock
+    and only ever read tokens below a mark already handed out.
+    """
+
+    __slots__ = ("detokenizer", "token_ids", "final_num_tokens", "char_ends", "_finished",
+                 "_failed", "_lock")
+
+    def __init__(self, detokenizer: IncrementalDetokenizer, token_ids: list[int]) -> None:
+        self.detokenizer = detokenizer
+        self.token_ids = token_ids
+        self.final_num_tokens: int | None = None
+        self.char_ends = array("q", [len(detokenizer.text)])
+        self._finished = False
+        self._failed = False
+        self._lock = threading.Lock()
+
+    def text(self, start: int, end: int) -> str:
+        """The text between marks `start` and `end` (start <= end)."""
+        with self._lock:
+            self._advance(end)
+            text = self.detokenizer.text
+            return text[self._char_end(start):self._char_end(end)]
+
+    def _char_end(self, mark: int) -> int:
+        # A mark past char_ends: detokenizing failed before it (the text stopped there).
+        if mark == FINAL_MARK or mark >= len(self.char_ends):
+            return len(self.detokenizer.text)
+        return self.char_ends[mark]
+
+    def _advance(self, mark: int) -> None:
+        if self._finished or self._failed:
+            return
+        num_tokens = self.final_num_tokens if mark == FINAL_MARK else mark
+        detokenizer, char_ends = self.detokenizer, self.char_ends
+        try:
+            for i in range(len(char_ends) - 1, num_tokens):
+                detokenizer.add_token(self.token_ids[i])
+                char_ends.append(len(detokenizer.text))
+            if mark == FINAL_MARK:
+                detokenizer.finish()
+                self._finished = True
+        except Exception:  # noqa: BLE001 -- a reader must not fail for the tokenizer's fault
+            # Inside the engine this failed the request; out here its tokens are already out.
+            # The text stops where it was, for this output and every later one.
+            log.exception("detokenizing deferred text failed; the text stops here")
+            self._failed = True
 
 
 class TokenTexts:

@@ -68,7 +68,8 @@ from pagedrun.runtime.sampling_params import SamplingParams, SamplingParamsError
 from pagedrun.runtime.spec_decode.draft_model import DraftModelProposer
 from pagedrun.runtime.spec_decode.speculator import Speculator, SpecRow
 from pagedrun.runtime.stop_checker import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH,
-                                           FINISH_STOP, check_token_stop, find_stop_string)
+                                           FINISH_STOP, find_stop_string, needs_text,
+                                           token_stop)
 from pagedrun.runtime.weights import ModelWeights
 
 log = logging.getLogger("pagedrun.engine")
@@ -191,9 +192,10 @@ class LLMEngine:
         if spec_config is not None:
             draft = (DraftModelProposer(self.draft_runner, sorted(self.eos_token_ids))
                      if self.draft_runner is not None else None)
-            self.speculator = Speculator(spec_config, sorted(self.eos_token_ids),
-                                         config.logprobs_mode, self.backend.rejection_sampler(),
-                                         draft)
+            self.speculator = Speculator(
+                spec_config, sorted(self.eos_token_ids), config.logprobs_mode,
+                self.backend.rejection_sampler(), draft,
+                getattr(self.backend, "spec_disable_by_batch_size", None))
         self._seq_ids = itertools.count(1)
         # Salts that keep prompt-logprob requests out of the prefix cache (every prompt position
         # must be computed to have its logits); 0 is everyone else's shared salt.
@@ -774,21 +776,24 @@ class LLMEngine:
             except Exception as exc:  # noqa: BLE001 -- this request's fault only
                 failed.setdefault(request.request_id, _describe("prompt logprobs", exc))
         now = time.monotonic()
+        sampled_ids = sampled.token_ids.tolist()  # Python ints, one conversion per step
+        append_token = self._append_token
         for j, (_, seq, request) in enumerate(batch.targets):
-            if request.request_id in failed:
+            request_id = request.request_id
+            if request_id in failed:
                 continue
             try:
                 if seq.logprobs is not None:
                     entry = sampled.logprobs[j]  # TokenLogprobs
                     seq.logprobs.append(position_logprobs(entry, self._token_texts))
                     seq.cumulative_logprob += entry.logprob
-                self._append_token(request, seq, int(sampled.token_ids[j]))
+                append_token(request, seq, sampled_ids[j])
             except Exception as exc:  # noqa: BLE001 -- this request's fault only
-                failed[request.request_id] = _describe("postprocessing a token", exc)
+                failed[request_id] = _describe("postprocessing a token", exc)
                 continue
             if request.first_token_time is None:
                 request.first_token_time = now
-            touched[request.request_id] = request
+            touched[request_id] = request
         # Spec rows: their tokens one at a time, up to the first that ends the sequence (so a
         # stop is never overshot); `emitted` is what the scheduler appends.
         emitted: list[list[int]] = []
@@ -814,15 +819,20 @@ class LLMEngine:
         self._fail_requests(failed, touched)  # aborted now: update_from_output skips their rows
         # Scheduler rows: sampled token and stop flag. An n > 1 parent that stops on its first
         # token while a sibling lives stays running until the siblings are forked from it.
-        token_ids = np.zeros(out.num_reqs, dtype=np.int32)
-        stop_mask = np.zeros(out.num_reqs, dtype=bool)
+        # Built as lists (a numpy element write costs more than the rest of the row).
+        row_seq_ids = req_ids.tolist()
+        row_tokens = [0] * len(row_seq_ids)
+        row_stops = [False] * len(row_seq_ids)
         siblings_of = {id(parent): sibs for parent, sibs in batch.forks}
         for row, seq, request in batch.targets:
-            if seq.seq_id != int(req_ids[row]) or request.finished:
+            if seq.seq_id != row_seq_ids[row] or request.finished:
                 continue  # a sibling (not a scheduler row yet), or failed
-            token_ids[row] = seq.output_token_ids[-1]
-            live_sibs = any(not s.finished for s in siblings_of.get(id(seq), ()))
-            stop_mask[row] = seq.finished and not live_sibs
+            row_tokens[row] = seq.output_token_ids[-1]
+            if seq.finish_reason is not None:
+                row_stops[row] = not (siblings_of and any(
+                    not s.finished for s in siblings_of.get(id(seq), ())))
+        token_ids = np.array(row_tokens, dtype=np.int32)
+        stop_mask = np.array(row_stops, dtype=bool)
         num_accepted, accepted = None, []
         if batch.spec:
             num_accepted = np.zeros(out.num_reqs, dtype=np.int32)
@@ -956,24 +966,35 @@ class LLMEngine:
     def _append_token(self, request: Request, seq: Sequence, token: int) -> None:
         """Append one sampled token: the token stop checks first (they decide whether its
         text is shown), then detokenization, then the stop strings on the new text
-        (runtime/stop_checker.py has the rules and their order)."""
+        (runtime/stop_checker.py has the rules and their order). Without stop strings nothing
+        here reads the text: it is left to whoever reads the outputs (request.py), and only
+        where it ends is recorded."""
         params = request.params
-        seq.output_token_ids.append(token)
+        output_token_ids = seq.output_token_ids
+        output_token_ids.append(token)
         self._generation_tokens_total += 1
-        num_output = len(seq.output_token_ids)
-        decision = check_token_stop(params, token, num_output,
-                                    len(request.prompt_token_ids) + num_output,
-                                    self.eos_token_ids, self.max_model_len)
-        seq.finish_reason, seq.stop_reason = decision.finish_reason, decision.stop_reason
+        num_output = len(output_token_ids)
+        stop = token_stop(params, token, num_output, len(request.prompt_token_ids) + num_output,
+                          self.eos_token_ids, self.max_model_len)
+        if stop is None:
+            seq.finish_reason = seq.stop_reason = None
+        else:
+            seq.finish_reason, seq.stop_reason = stop
         detokenizer = seq.detokenizer
         if detokenizer is None:
             return
+        shows_token = (stop is None or stop[0] != FINISH_STOP
+                       or params.include_stop_str_in_output)
+        if not needs_text(params):
+            if stop is not None:  # its text: the tokens up to here (or before), then finish()
+                seq.final_text_tokens = num_output if shows_token else num_output - 1
+            return
         text_before = len(seq.text)
-        if decision.finish_reason != FINISH_STOP or params.include_stop_str_in_output:
+        if shows_token:
             seq.text += detokenizer.add_token(token)
-        if seq.finished:  # bytes held for earlier tokens (never the skipped stop token's)
+        if stop is not None:  # bytes held for earlier tokens (never the skipped stop token's)
             seq.text += detokenizer.finish()
-        if not params.stop or num_output <= params.min_tokens:
+        if num_output <= params.min_tokens:
             return
         hit = find_stop_string(seq.text, len(seq.text) - text_before, params.stop,
                                params.include_stop_str_in_output)

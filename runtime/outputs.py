@@ -57,6 +57,35 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None  # None while running; "stop", "length", "abort", "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that matched
+    # Not a field: (DeferredText, start mark, end mark), from which `text` is made when first
+    # read (pagedrun.runtime.detokenizer: the engine leaves the detokenization of a sequence
+    # without stop strings to whoever reads its text); None: `text` is as given.
+    deferred_text = None
+
+    def __getstate__(self) -> dict:  # copies and pickles carry the text itself
+        state = dict(self.__dict__)
+        state["_text"], state["deferred_text"] = self.text, None
+        return state
+
+
+def _completion_text(self: CompletionOutput) -> str:
+    deferred = self.deferred_text
+    if deferred is not None:
+        owner, start, end = deferred
+        self._text = owner.text(start, end)
+        self.deferred_text = None
+    return self._text
+
+
+def _set_completion_text(self: CompletionOutput, text: str) -> None:
+    self._text = text
+    self.deferred_text = None
+
+
+# After the dataclass is made: `text` stays a field (the constructor's third argument, in
+# __eq__ and __repr__), read and written through the property.
+CompletionOutput.text = property(_completion_text, _set_completion_text,
+                                 doc="The text (of this delta, or all of it).")
 
 
 @dataclass

@@ -8,6 +8,11 @@ prompt's first token is sampled, so all n share the prompt's KV blocks.
 What a step hands back for a request follows its `output_kind` (vLLM's RequestOutputKind):
 DELTA -- what is new since the last output (the engine's default: see docs/engine_api.md);
 CUMULATIVE -- everything so far; FINAL_ONLY -- nothing until the request has finished.
+
+Text: a sequence with stop strings is detokenized by the engine token by token (the stop strings
+read the text, and the stream holds back what could become one); any other sequence's outputs
+carry marks into a DeferredText instead, and the detokenizer runs when their `text` is read
+(stop_checker.needs_text), which gives the same text.
 """
 from __future__ import annotations
 
@@ -15,10 +20,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedrun.runtime.detokenizer import FINAL_MARK, DeferredText
 from pagedrun.runtime.outputs import (CompletionOutput, PositionLogprobs, PromptLogprobs,
                                       RequestOutput, Usage)
 from pagedrun.runtime.sampling_params import RequestOutputKind, SamplingParams
-from pagedrun.runtime.stop_checker import stream_holdback_chars
+from pagedrun.runtime.stop_checker import needs_text, stream_holdback_chars
+
+# The output kinds as plain ints, for the check every request makes at every step (an enum
+# member lookup costs more than the comparison).
+_DELTA = int(RequestOutputKind.DELTA)
+_FINAL_ONLY = int(RequestOutputKind.FINAL_ONLY)
 
 
 @dataclass
@@ -39,29 +50,54 @@ class Sequence:
     # Streaming cursors: how much of output_token_ids / logprobs / text the caller has seen.
     num_tokens_emitted: int = 0
     num_chars_emitted: int = 0
+    # Deferred text (no stop strings): the sequence's DeferredText, made on its first output;
+    # the mark the last output's text ended at; and, once the engine has ended the sequence,
+    # how many output tokens its text covers (the token stop rules may leave the last one out).
+    deferred_text: DeferredText | None = None
+    text_mark: int = 0
+    final_text_tokens: int | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def take_output(self, holdback_chars: int, cumulative: bool) -> CompletionOutput:
+    def take_output(self, holdback_chars: int, cumulative: bool,
+                    defer_text: bool = False) -> CompletionOutput:
         """What is new since the last call (or, `cumulative`, everything so far); text within
         `holdback_chars` of the end waits (it could become part of a stop string) unless the
-        sequence has finished. cumulative_logprob is always the total so far."""
-        text_end = len(self.text) if self.finished else max(
-            self.num_chars_emitted, len(self.text) - holdback_chars)
+        sequence has finished. cumulative_logprob is always the total so far. `defer_text`:
+        the engine has not detokenized the sequence, and the output's text is made when read
+        (between the last output's mark and this one's; nothing is held back)."""
+        token_ids = self.output_token_ids
+        num_tokens = len(token_ids)
         first_token = 0 if cumulative else self.num_tokens_emitted
-        first_char = 0 if cumulative else self.num_chars_emitted
+        logprobs = self.logprobs
+        detokenizer = self.detokenizer
+        # Positional: this runs for every sequence at every step (a keyword call costs more).
         out = CompletionOutput(
-            index=self.index,
-            token_ids=self.output_token_ids[first_token:],
-            text=self.text[first_char:text_end],
-            logprobs=None if self.logprobs is None else self.logprobs[first_token:],
-            cumulative_logprob=None if self.logprobs is None else self.cumulative_logprob,
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-        )
-        self.num_tokens_emitted = len(self.output_token_ids)
+            self.index, token_ids[first_token:], "",
+            None if logprobs is None else logprobs[first_token:],
+            None if logprobs is None else self.cumulative_logprob,
+            self.finish_reason, self.stop_reason)
+        self.num_tokens_emitted = num_tokens
+        if defer_text and detokenizer is not None:
+            deferred = self.deferred_text
+            if deferred is None:
+                deferred = self.deferred_text = DeferredText(detokenizer, token_ids)
+            if self.final_text_tokens is None:
+                end = num_tokens
+            else:  # ended by the engine: its held bytes come out too
+                deferred.final_num_tokens = self.final_text_tokens
+                end = FINAL_MARK
+            start = 0 if cumulative else self.text_mark
+            if start != end:  # (a delta without new tokens keeps "")
+                out.deferred_text = (deferred, start, end)
+            self.text_mark = end
+            return out
+        text = self.text
+        text_end = len(text) if self.finish_reason is not None else max(
+            self.num_chars_emitted, len(text) - holdback_chars)
+        out.text = text[0 if cumulative else self.num_chars_emitted:text_end]
         self.num_chars_emitted = text_end
         return out
 
@@ -90,32 +126,37 @@ class Request:
     error: str | None = None
 
     def usage(self) -> Usage:
-        return Usage(prompt_tokens=len(self.prompt_token_ids),
-                     cached_prompt_tokens=self.num_cached_prompt_tokens,
-                     completion_tokens=sum(len(s.output_token_ids) for s in self.seqs))
-
-    def _output(self, completions: list[CompletionOutput], prompt_logprobs) -> RequestOutput:
-        return RequestOutput(
-            request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
-            outputs=completions, finished=self.finished, usage=self.usage(),
-            prompt_logprobs=prompt_logprobs, arrival_time=self.arrival_time,
-            first_scheduled_time=self.first_scheduled_time,
-            first_token_time=self.first_token_time, finished_time=self.finished_time,
-            error=self.error)
+        return Usage(len(self.prompt_token_ids), self.num_cached_prompt_tokens,
+                     sum(len(s.output_token_ids) for s in self.seqs))
 
     def take_output(self) -> RequestOutput | None:
         """This step's output for the request's output_kind (None: nothing to hand out yet, a
         FINAL_ONLY request still running). Prompt logprobs come once the whole prompt has
         run: on the first DELTA, on every CUMULATIVE output, on the FINAL_ONLY one."""
-        kind = self.params.output_kind
-        if kind == RequestOutputKind.FINAL_ONLY and not self.finished:
+        params = self.params
+        kind = params.output_kind
+        finished = self.finished
+        if kind == _FINAL_ONLY and not finished:
             return None
-        cumulative = kind != RequestOutputKind.DELTA
-        holdback = stream_holdback_chars(self.params)
+        cumulative = kind != _DELTA
+        defer_text = not needs_text(params)
+        holdback = 0 if defer_text else stream_holdback_chars(params)
         prompt_logprobs = None
         if (self.prompt_logprobs is not None and (cumulative or not self.prompt_logprobs_emitted)
                 and len(self.prompt_logprobs) == len(self.prompt_token_ids)):
             prompt_logprobs = list(self.prompt_logprobs)
             self.prompt_logprobs_emitted = True
-        return self._output([s.take_output(holdback, cumulative) for s in self.seqs],
-                            prompt_logprobs)
+        seqs = self.seqs
+        if len(seqs) == 1:  # usage() without its generator: this runs for every request
+            seq = seqs[0]
+            completions = [seq.take_output(holdback, cumulative, defer_text)]
+            usage = Usage(len(self.prompt_token_ids), self.num_cached_prompt_tokens,
+                          len(seq.output_token_ids))
+        else:
+            completions = [s.take_output(holdback, cumulative, defer_text) for s in seqs]
+            usage = self.usage()
+        # Positional, in RequestOutput's field order (a keyword call costs twice as much).
+        return RequestOutput(self.request_id, self.prompt_token_ids, completions, finished,
+                             usage, prompt_logprobs, self.arrival_time,
+                             self.first_scheduled_time, self.first_token_time,
+                             self.finished_time, self.error)

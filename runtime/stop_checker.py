@@ -3,8 +3,9 @@
 
 Two checks, in this order, each on its own input:
 
-`check_token_stop` -- on the token alone, BEFORE it is detokenized (vLLM's
-vllm/v1/core/sched/utils.py check_stop), each later rule only if no earlier one fired:
+`check_token_stop` (`token_stop`, without the object) -- on the token alone, BEFORE it is
+detokenized (vLLM's vllm/v1/core/sched/utils.py check_stop), each later rule only if no earlier
+one fired:
   1. `max_tokens` generated, or prompt + output reached `max_model_len` -> "length" (first:
      an EOS sampled as the last allowed token ends the sequence with "length");
   2. fewer than `min_tokens` generated -> keep going;
@@ -20,6 +21,9 @@ END in text produced after the min_tokens-th token. Stop strings are tried in th
 the same request stops the same way here and there). The text is cut at the match start (or its
 end with `include_stop_str_in_output`); a match turns the finish reason into "stop" with the
 string as stop_reason, even on the token where rule 1 said "length".
+
+A request without stop strings needs neither this check nor the text (`needs_text`): its
+detokenization waits for whoever reads the output's text.
 
 Each stop string is searched only in the window its match could end in (the new characters plus
 its own length minus one before them), so the check costs O(new text) per step even for long
@@ -43,21 +47,37 @@ class StopDecision:
     stop_reason: int | str | None = None
 
 
+# token_stop's answers that need no stop reason (shared: the check runs for every token).
+_STOP_LENGTH = (FINISH_LENGTH, None)
+_STOP_EOS = (FINISH_STOP, None)
+
+
+def token_stop(params: SamplingParams, token_id: int, num_output_tokens: int,
+               num_total_tokens: int, eos_token_ids: frozenset[int],
+               max_model_len: int) -> tuple[str, int | None] | None:
+    """check_token_stop without an object per token (the engine's per-token call):
+    (finish_reason, stop_reason), or None to keep generating."""
+    max_tokens = params.max_tokens
+    if num_total_tokens >= max_model_len or (
+            max_tokens is not None and num_output_tokens >= max_tokens):
+        return _STOP_LENGTH
+    if num_output_tokens < params.min_tokens:
+        return None
+    if not params.ignore_eos and token_id in eos_token_ids:
+        return _STOP_EOS
+    if params.stop_token_ids and token_id in params.stop_token_ids:
+        return FINISH_STOP, token_id
+    return None
+
+
 def check_token_stop(params: SamplingParams, token_id: int, num_output_tokens: int,
                      num_total_tokens: int, eos_token_ids: frozenset[int],
                      max_model_len: int) -> StopDecision:
     """Whether the sequence ends on `token_id` (already counted in both sizes), from the token
     alone. `num_total_tokens` is prompt plus output."""
-    if num_total_tokens >= max_model_len or (
-            params.max_tokens is not None and num_output_tokens >= params.max_tokens):
-        return StopDecision(FINISH_LENGTH)
-    if num_output_tokens < params.min_tokens:
-        return StopDecision()
-    if not params.ignore_eos and token_id in eos_token_ids:
-        return StopDecision(FINISH_STOP, None)
-    if token_id in params.stop_token_ids:
-        return StopDecision(FINISH_STOP, token_id)
-    return StopDecision()
+    stop = token_stop(params, token_id, num_output_tokens, num_total_tokens, eos_token_ids,
+                      max_model_len)
+    return StopDecision() if stop is None else StopDecision(*stop)
 
 
 def find_stop_string(text: str, num_new_chars: int, stop: list[str],
@@ -71,6 +91,13 @@ def find_stop_string(text: str, num_new_chars: int, stop: list[str],
         if idx != -1:
             return s, (idx + len(s) if include_stop_str else idx)
     return None
+
+
+def needs_text(params: SamplingParams) -> bool:
+    """Whether the engine must detokenize a sequence as it goes: only its stop strings read
+    the text. Without them the text waits until an output's `text` is read
+    (detokenizer.DeferredText), and no text is held back from a stream."""
+    return bool(params.stop)
 
 
 def stream_holdback_chars(params: SamplingParams) -> int:

@@ -46,6 +46,7 @@ class Backend(Protocol):
     xp: object             # the array module of activations and logits (numpy or cupy)
     logits_on_device: bool  # the sampler reads logits in xp; False: they come back as numpy
     verify_as_decode_rows: bool  # speculative verification rows as decode rows (else prefill)
+    spec_disable_by_batch_size: int | None  # default of speculative_config's (None: no limit)
     communicator: str      # "cpu" (ZeroMQ collectives) | "nccl": what tensor-parallel ranks share
 
     def check_model(self, model_config, block_size: int) -> None: ...  # raise if not served

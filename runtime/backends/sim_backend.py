@@ -49,6 +49,9 @@ class KernelBackend:
     # Verification rows take the prefill kernel: it reads a sequence's KV once for its 1 + k
     # queries, where 1 + k decode rows would read it 1 + k times (bandwidth is the GPU's limit).
     verify_as_decode_rows = False
+    # None: a GPU's decode step is bandwidth-bound, so verification's extra tokens are nearly
+    # free at any batch the engine runs (speculative_config may still set a limit).
+    spec_disable_by_batch_size = None
     communicator = "cpu"
 
     def __init__(self, dtype_name: str, xp) -> None:

@@ -10,7 +10,8 @@ configure, with vLLM's field names (vllm/config SpeculativeConfig).
     disable_by_batch_size   a step whose running decoding sequences number this many or more
                             runs without speculation (a large batch is compute-bound, and
                             verifying k extra tokens per request costs more than it saves);
-                            None: never off by batch size (>= 1 when given)
+                            None: the backend's default (4 on the cpu backends, none on
+                            sim/cuda); >= 1 when given
 
 As vLLM does for "ngram": when neither lookup bound is given both default to
 DEFAULT_PROMPT_LOOKUP; when one is given the other copies it. Messages start with the field's

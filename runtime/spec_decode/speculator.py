@@ -17,7 +17,8 @@ Per step (LLMEngine.step):
      _num_accepted_tokens) and the acceptance average the policy reads.
 
 Policy (logged): no drafts in a step whose running decodes number `disable_by_batch_size` or
-more (verification's extra tokens cost compute that a large batch no longer has spare); and per
+more (verification's extra tokens cost compute that a large batch no longer has spare; when the
+config sets none, the backend's default: 4 on the cpu backends, none on sim/cuda); and per
 sequence, none for PAUSE_STEPS of its steps after its acceptance rate -- an exponential average
 over its steps with drafts, weight ACCEPTANCE_EMA_WEIGHT, judged after MIN_STEPS_BEFORE_PAUSE
 of them -- falls below MIN_ACCEPTANCE_RATE (rejected drafts are pure cost); then it probes
@@ -83,14 +84,19 @@ class SpecStats:
 class Speculator:
     def __init__(self, config: SpeculativeConfig, eos_token_ids: Sequence[int],
                  logprobs_mode: str, rejection_kernel: Callable | None = None,
-                 draft: DraftModelProposer | None = None) -> None:
+                 draft: DraftModelProposer | None = None,
+                 default_disable_by_batch_size: int | None = None) -> None:
         """rejection_kernel: None (numpy reference) or a function with
         rejection_sampler.rejection_sample's signature (the backend's kernel). draft: the
-        draft model's proposer (method "draft_model"), None for "ngram"."""
+        draft model's proposer (method "draft_model"), None for "ngram".
+        default_disable_by_batch_size: the backend's limit when the config sets none."""
         if (config.method == "draft_model") != (draft is not None):
             raise ValueError(f"speculative_config: method {config.method!r} with"
                              f"{'' if draft is not None else 'out'} a draft model")
         self.config = config
+        self.disable_by_batch_size = (config.disable_by_batch_size
+                                      if config.disable_by_batch_size is not None
+                                      else default_disable_by_batch_size)
         self.num_speculative_tokens = config.num_speculative_tokens
         self.draft = draft
         self.proposer = NgramProposer.from_config(config) if draft is None else None
@@ -104,7 +110,7 @@ class Speculator:
     # ------------------------------------------------------------------ policy
 
     def _why_off(self, num_decodes: int) -> str | None:
-        limit = self.config.disable_by_batch_size
+        limit = self.disable_by_batch_size
         if limit is not None and num_decodes >= limit:
             return f"running decodes >= disable_by_batch_size {limit}"
         return None

@@ -23,8 +23,10 @@ from pagedrun.runtime.sampling_params import SamplingParams
 from pagedrun.runtime.spec_decode import speculator as speculator_module
 
 K = 4
+# disable_by_batch_size above any batch here: the cpu backends' default (4) would turn
+# speculation off in the mixes these tests exist to check.
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3,
-         "prompt_lookup_min": 1}
+         "prompt_lookup_min": 1, "disable_by_batch_size": 64}
 
 
 class ScriptedProposer:
@@ -322,6 +324,18 @@ def test_policy_batch_size_and_low_acceptance(tiny_cpu_model, caplog):
     run_requests(engine, [(0, f"b{i}", {"prompt_token_ids": p, "sampling_params": greedy(10)})
                           for i, p in enumerate(prompts)])
     assert engine.get_stats()["spec_decode_num_draft_tokens"] == 0
+    # Unset, the cpu backend's default applies (4 decodes: off; 3: on).
+    unset = {k: v for k, v in NGRAM.items() if k != "disable_by_batch_size"}
+    drafted = []
+    for num in (4, 3):
+        more = [list(range(40 + i, 60 + i)) for i in range(num)]
+        engine = make_engine(tiny_cpu_model, speculative_config=unset)
+        script(engine, more, 10, tiny_cpu_model, "right")
+        run_requests(engine, [(0, f"c{i}", {"prompt_token_ids": p,
+                                            "sampling_params": greedy(10)})
+                              for i, p in enumerate(more)])
+        drafted.append(engine.get_stats()["spec_decode_num_draft_tokens"])
+    assert drafted[0] == 0 < drafted[1]
 
     caplog.set_level(logging.INFO, logger="pagedrun.engine")
     engine = make_engine(tiny_cpu_model, speculative_config=NGRAM)
@@ -344,7 +358,8 @@ def test_policy_batch_size_and_low_acceptance(tiny_cpu_model, caplog):
                for r in caplog.records)
 
 
-DRAFT = {"method": "draft_model", "model": "in-memory", "num_speculative_tokens": K}
+DRAFT = {"method": "draft_model", "model": "in-memory", "num_speculative_tokens": K,
+         "disable_by_batch_size": 64}
 
 
 def draft_engine(model, draft, **config):
