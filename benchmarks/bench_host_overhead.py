@@ -22,6 +22,12 @@ LM head: every op call), sampling, and postprocessing (detokenize, token bookkee
 checks, scheduler update, output objects, the rest); medians over the measured steps, in
 microseconds (the total is the median of step totals, not the sum of the medians).
 
+After each step the benchmark reads every output's `text`, as the server's I/O thread does, and
+times that apart ("text read", microseconds per step, not part of the step; it includes the
+detokenize timer's wrapper, once per token): the engine detokenizes a request without stop
+strings only when its text is read (runtime/detokenizer.py DeferredText), so without `--stop`
+that is where the detokenizer's time goes, and the step's "detokenize" is 0.
+
 Usage: python benchmarks/bench_host_overhead.py [--levels 1,64,256,1024] [--steps 20]
            [--backends null,recording] [--json [PATH]] [--smoke]
 `--json PATH` writes the results there (the table still goes to stdout); a bare `--json`
@@ -40,6 +46,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 from contextlib import contextmanager
 
 import numpy as np
@@ -198,8 +205,13 @@ def _run_decode_steps(engine, clock: StepPhases, level: int, wanted: int,
     row one token); returns their records."""
     decode = []
     for _ in range(max_steps):
-        engine.step()
+        outputs = engine.step()
         record = clock.steps[-1]
+        start = time.perf_counter_ns()
+        for output in outputs:  # what the server's I/O thread reads of each output
+            for completion in output.outputs:
+                completion.text
+        record["text_read_ns"] = time.perf_counter_ns() - start
         if record["num_reqs"] == level and record["num_batched_tokens"] == level:
             decode.append(record)
             if len(decode) == wanted:
@@ -216,7 +228,8 @@ def _summarize(kind: str, level: int, steps: list[dict]) -> dict:
     per_step = [phases(s["raw"]) for s in steps]
     median_us = {p: _median(s[p] for s in per_step) / 1e3 for p in PHASES}
     result = {"backend": kind, "num_seqs": level, "steps_measured": len(steps),
-              "median_us": median_us, "total_us_per_seq": median_us["total"] / level}
+              "median_us": median_us, "total_us_per_seq": median_us["total"] / level,
+              "text_read_us": _median(s["text_read_ns"] for s in steps) / 1e3}
     if kind == "null":
         result["op_calls_per_step"] = _median(s["op_calls"] for s in steps)
     else:
@@ -241,7 +254,7 @@ def _table(results: dict) -> str:
     cols = ("schedule", "input_prep", "launches", "sampling", "postprocess", "detokenize",
             "stop_checks", "scheduler_update", "output_objects", "other", "total")
     head = ("| seqs | backend | " + " | ".join(cols)
-            + " | us/seq | launches/step | arg bytes/step |")
+            + " | us/seq | launches/step | arg bytes/step | text read |")
     lines = [f"CPU: {results['cpu']}; load average {results['load_average_start']} at start, "
              f"{results['load_average_end']} at end; median microseconds per decode step",
              head, "|" + "---|" * (head.count("|") - 1)]
@@ -253,7 +266,8 @@ def _table(results: dict) -> str:
         lines.append(f"| {run['num_seqs']} | {run['backend']} | "
                      + " | ".join(f"{m[c]:.0f}" for c in cols)
                      + f" | {run['total_us_per_seq']:.1f} | {launches:.0f}{unit} | "
-                     + ("-" if arg_bytes is None else f"{arg_bytes:.0f}") + " |")
+                     + ("-" if arg_bytes is None else f"{arg_bytes:.0f}")
+                     + f" | {run['text_read_us']:.0f} |")
     return "\n".join(lines)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from array import array
 from typing import Any, Callable, Iterable, Sequence
 
@@ -62,6 +63,11 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(context)
         self.text = ""
+        # The text of the window [prefix_offset:read_offset] while the offsets stay (None: not
+        # decoded yet), and the tokenizer's one-token texts: once every token completes a
+        # character, that window is the previous token alone, so a step costs one decode.
+        self._prefix_text: str | None = None
+        self._single_texts = _single_token_texts(tokenizer, skip_special_tokens)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -71,16 +77,32 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
+    def _prefix_window_text(self) -> str:
+        """decode(token_ids[prefix_offset:read_offset]), decoded once per pair of offsets."""
+        text = self._prefix_text
+        if text is None:
+            start, end = self.prefix_offset, self.read_offset
+            if end - start == 1:
+                token_id = self.token_ids[start]
+                text = self._single_texts.get(token_id)
+                if text is None:
+                    text = self._single_texts[token_id] = self._decode([token_id])
+            else:
+                text = self._decode(self.token_ids[start:end])
+            self._prefix_text = text
+        return text
+
     def add_token(self, token_id: int) -> str:
         """Append one id; return the text it completes (often "", never a partial character)."""
         self.token_ids.append(int(token_id))
-        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        prefix_text = self._prefix_window_text()
         new_text = self._decode(self.token_ids[self.prefix_offset:])
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
             return ""
         delta = new_text[len(prefix_text):]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.token_ids)
+        self._prefix_text = None
         self.text += delta
         return delta
 
@@ -90,12 +112,26 @@ class IncrementalDetokenizer:
 
     def finish(self) -> str:
         """Hand out what is held back at the end of the sequence (incomplete bytes -> U+FFFD)."""
-        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        prefix_text = self._prefix_window_text()
         new_text = self._decode(self.token_ids[self.prefix_offset:])
         delta = new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
         self.prefix_offset = self.read_offset = len(self.token_ids)
+        self._prefix_text = None
         self.text += delta
         return delta
+
+
+# tokenizer -> {skip_special_tokens: {token_id: decode([token_id])}}, shared by every sequence
+# (bounded by the vocabulary; gone with the tokenizer).
+_SINGLE_TOKEN_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _single_token_texts(tokenizer: Any, skip_special_tokens: bool) -> dict[int, str]:
+    try:
+        per_tokenizer = _SINGLE_TOKEN_TEXTS.setdefault(tokenizer, {})
+    except TypeError:  # a tokenizer that cannot be weakly referenced or hashed: its own cache
+        return {}
+    return per_tokenizer.setdefault(skip_special_tokens, {})
 
 
 # DeferredText mark of a finished sequence's text: its last token added, then finish().
@@ -132,25 +168,30 @@ class DeferredText:
 
     def text(self, start: int, end: int) -> str:
         """The text between marks `start` and `end` (start <= end)."""
-        with self._lock:
-            self._advance(end)
+        lock = self._lock
+        lock.acquire()  # (not `with`: half the cost, once per output read)
+        try:
+            char_ends = self.char_ends
+            if end == FINAL_MARK or end >= len(char_ends):
+                self._advance(end)
             text = self.detokenizer.text
-            return text[self._char_end(start):self._char_end(end)]
-
-    def _char_end(self, mark: int) -> int:
-        # A mark past char_ends: detokenizing failed before it (the text stopped there).
-        if mark == FINAL_MARK or mark >= len(self.char_ends):
-            return len(self.detokenizer.text)
-        return self.char_ends[mark]
+            # A mark past char_ends: detokenizing failed before it (the text stopped there).
+            last = len(char_ends) - 1
+            first_char = len(text) if start == FINAL_MARK or start > last else char_ends[start]
+            end_char = len(text) if end == FINAL_MARK or end > last else char_ends[end]
+            return text[first_char:end_char]
+        finally:
+            lock.release()
 
     def _advance(self, mark: int) -> None:
+        """Detokenize up to `mark`."""
         if self._finished or self._failed:
             return
         num_tokens = self.final_num_tokens if mark == FINAL_MARK else mark
-        detokenizer, char_ends = self.detokenizer, self.char_ends
+        detokenizer, char_ends, token_ids = self.detokenizer, self.char_ends, self.token_ids
         try:
             for i in range(len(char_ends) - 1, num_tokens):
-                detokenizer.add_token(self.token_ids[i])
+                detokenizer.add_token(token_ids[i])
                 char_ends.append(len(detokenizer.text))
             if mark == FINAL_MARK:
                 detokenizer.finish()

@@ -7,9 +7,10 @@ Inside, each of a request's n sequences is one scheduler request (an int id). A 
      token and returns logits of the rows that sample (plus prompt-logprob rows);
   3. the sampler draws one token per sampling sequence (n tokens from the parent's first logits
      row of an n > 1 request, one per sibling, each with its own generator);
-  4. postprocess: append, check the token stops, detokenize, check the stop strings (vLLM's
-     order, runtime/stop_checker.py; a stop string ends the request in the step that completes
-     it), tell the scheduler (`update_from_output` frees finished blocks at once), fork the
+  4. postprocess: append, check the token stops, then -- for requests with stop strings only --
+     detokenize and check the stop strings (vLLM's order, runtime/stop_checker.py; a stop string
+     ends the request in the step that completes it; other requests' text is decoded when an
+     output's .text is first read, detokenizer.DeferredText), tell the scheduler (`update_from_output` frees finished blocks at once), fork the
      siblings of n > 1 requests onto the parent's blocks, and return each request's output as
      its output_kind asks (deltas by default).
 Multi-LoRA (EngineConfig.enable_lora): a request may name an adapter (`lora_request=`). The
@@ -68,8 +69,8 @@ from pagedrun.runtime.sampling_params import SamplingParams, SamplingParamsError
 from pagedrun.runtime.spec_decode.draft_model import DraftModelProposer
 from pagedrun.runtime.spec_decode.speculator import Speculator, SpecRow
 from pagedrun.runtime.stop_checker import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH,
-                                           FINISH_STOP, find_stop_string, needs_text,
-                                           token_stop)
+                                           FINISH_STOP, check_token_stop, find_stop_string,
+                                           needs_text)
 from pagedrun.runtime.weights import ModelWeights
 
 log = logging.getLogger("pagedrun.engine")
@@ -974,8 +975,9 @@ class LLMEngine:
         output_token_ids.append(token)
         self._generation_tokens_total += 1
         num_output = len(output_token_ids)
-        stop = token_stop(params, token, num_output, len(request.prompt_token_ids) + num_output,
-                          self.eos_token_ids, self.max_model_len)
+        stop = check_token_stop(params, token, num_output,
+                                len(request.prompt_token_ids) + num_output, self.eos_token_ids,
+                                self.max_model_len)
         if stop is None:
             seq.finish_reason = seq.stop_reason = None
         else:

@@ -3,9 +3,8 @@
 
 Two checks, in this order, each on its own input:
 
-`check_token_stop` (`token_stop`, without the object) -- on the token alone, BEFORE it is
-detokenized (vLLM's vllm/v1/core/sched/utils.py check_stop), each later rule only if no earlier
-one fired:
+`check_token_stop` -- on the token alone, BEFORE it is detokenized (vLLM's
+vllm/v1/core/sched/utils.py check_stop), each later rule only if no earlier one fired:
   1. `max_tokens` generated, or prompt + output reached `max_model_len` -> "length" (first:
      an EOS sampled as the last allowed token ends the sequence with "length");
   2. fewer than `min_tokens` generated -> keep going;
@@ -31,8 +30,6 @@ outputs, and a stop string spanning token boundaries is still found.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from pagedrun.runtime.sampling_params import SamplingParams
 
 FINISH_STOP = "stop"
@@ -41,22 +38,17 @@ FINISH_ABORT = "abort"
 FINISH_ERROR = "error"
 
 
-@dataclass
-class StopDecision:
-    finish_reason: str | None = None  # None: keep generating
-    stop_reason: int | str | None = None
-
-
-# token_stop's answers that need no stop reason (shared: the check runs for every token).
+# check_token_stop's answers that carry no stop reason (made once: the check runs per token).
 _STOP_LENGTH = (FINISH_LENGTH, None)
 _STOP_EOS = (FINISH_STOP, None)
 
 
-def token_stop(params: SamplingParams, token_id: int, num_output_tokens: int,
-               num_total_tokens: int, eos_token_ids: frozenset[int],
-               max_model_len: int) -> tuple[str, int | None] | None:
-    """check_token_stop without an object per token (the engine's per-token call):
-    (finish_reason, stop_reason), or None to keep generating."""
+def check_token_stop(params: SamplingParams, token_id: int, num_output_tokens: int,
+                     num_total_tokens: int, eos_token_ids: frozenset[int],
+                     max_model_len: int) -> tuple[str, int | None] | None:
+    """Whether the sequence ends on `token_id` (already counted in both sizes), from the token
+    alone: (finish_reason, stop_reason), or None to keep generating. `num_total_tokens` is
+    prompt plus output."""
     max_tokens = params.max_tokens
     if num_total_tokens >= max_model_len or (
             max_tokens is not None and num_output_tokens >= max_tokens):
@@ -68,16 +60,6 @@ def token_stop(params: SamplingParams, token_id: int, num_output_tokens: int,
     if params.stop_token_ids and token_id in params.stop_token_ids:
         return FINISH_STOP, token_id
     return None
-
-
-def check_token_stop(params: SamplingParams, token_id: int, num_output_tokens: int,
-                     num_total_tokens: int, eos_token_ids: frozenset[int],
-                     max_model_len: int) -> StopDecision:
-    """Whether the sequence ends on `token_id` (already counted in both sizes), from the token
-    alone. `num_total_tokens` is prompt plus output."""
-    stop = token_stop(params, token_id, num_output_tokens, num_total_tokens, eos_token_ids,
-                      max_model_len)
-    return StopDecision() if stop is None else StopDecision(*stop)
 
 
 def find_stop_string(text: str, num_new_chars: int, stop: list[str],
