@@ -10,9 +10,10 @@ Inside, each of a request's n sequences is one scheduler request (an int id). A 
   4. postprocess: append, check the token stops, then -- for requests with stop strings only --
      detokenize and check the stop strings (vLLM's order, runtime/stop_checker.py; a stop string
      ends the request in the step that completes it; other requests' text is decoded when an
-     output's .text is first read, detokenizer.DeferredText), tell the scheduler (`update_from_output` frees finished blocks at once), fork the
-     siblings of n > 1 requests onto the parent's blocks, and return each request's output as
-     its output_kind asks (deltas by default).
+     output's .text is first read, detokenizer.DeferredText), tell the scheduler
+     (`update_from_output` frees finished blocks at once), fork the siblings of n > 1 requests
+     onto the parent's blocks, and return each request's output as its output_kind asks
+     (deltas by default).
 Multi-LoRA (EngineConfig.enable_lora): a request may name an adapter (`lora_request=`). The
 scheduler admits at most max_loras distinct adapters into `running` (a request whose adapter
 finds no slot waits); after each schedule() the engine pins exactly the scheduler's active

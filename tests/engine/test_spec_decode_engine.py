@@ -82,6 +82,19 @@ def script(engine, prompts: list[list[int]], max_tokens: int, model, mode,
     return proposer
 
 
+def run_greedy_checked(engine, model, prompts: list[list[int]], max_tokens: int,
+                       arrivals=None) -> None:
+    """Serve every prompt greedily (prompt i arriving at step arrivals[i], default 0) and
+    check each completion against the reference's tokens."""
+    arrivals = arrivals or [0] * len(prompts)
+    totals = run_requests(engine, [(arrivals[i], f"p{i}", {"prompt_token_ids": p,
+                                                           "sampling_params": greedy(max_tokens)})
+                                   for i, p in enumerate(prompts)])
+    for i, prompt in enumerate(prompts):
+        assert totals[f"p{i}"].outputs[0].token_ids == reference_greedy(model, prompt,
+                                                                        max_tokens), f"p{i}"
+
+
 def assert_all_blocks_free(engine) -> None:
     stats = engine.get_stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
@@ -151,12 +164,7 @@ def test_ngram_proposer_on_repetitive_prompts(tiny_cpu_model):
         prompts.append((phrase * 6)[:2 + 5 * length])
     max_tokens = 40
     engine = make_engine(tiny_cpu_model, speculative_config=NGRAM)
-    totals = run_requests(engine, [(0, f"p{i}", {"prompt_token_ids": p,
-                                                 "sampling_params": greedy(max_tokens)})
-                                   for i, p in enumerate(prompts)])
-    for i, prompt in enumerate(prompts):
-        assert totals[f"p{i}"].outputs[0].token_ids == reference_greedy(tiny_cpu_model, prompt,
-                                                                        max_tokens)
+    run_greedy_checked(engine, tiny_cpu_model, prompts, max_tokens)
     stats = engine.get_stats()
     assert stats["spec_decode_num_accepted_tokens"] > 0
     assert_all_blocks_free(engine)
@@ -386,12 +394,8 @@ def test_draft_model_equal_to_target_accepts_every_draft(tiny_cpu_model, preempt
     engine = draft_engine(tiny_cpu_model, tiny_cpu_model, block_size=16, num_kv_blocks=6,
                           max_num_batched_tokens=24, max_num_seqs=4,
                           preemption_mode=preemption_mode, swap_space_bytes=1 << 22)
-    totals = run_requests(engine, [(i // 2, f"d{i}", {"prompt_token_ids": p,
-                                                      "sampling_params": greedy(max_tokens)})
-                                   for i, p in enumerate(prompts)])
-    for i, prompt in enumerate(prompts):
-        assert totals[f"d{i}"].outputs[0].token_ids == reference_greedy(tiny_cpu_model, prompt,
-                                                                        max_tokens)
+    run_greedy_checked(engine, tiny_cpu_model, prompts, max_tokens,
+                       arrivals=[i // 2 for i in range(len(prompts))])
     stats = engine.get_stats()
     assert stats["num_preemptions_total"] > 0 and stats["prefix_cache_hits"] > 0
     assert stats["spec_decode_num_draft_tokens"] > 0
