@@ -6,8 +6,10 @@
 
 y = bf16(x) @ bf16(W).T (+ bias), accumulated in float32: x is rounded to bf16 (RNE) once per
 call, W once at packing (layout in pyx/cpu_gemm_kernels.h). The kernel runs without the GIL;
-`threads=2` splits the output tiles in two halves, one on a pooled worker thread and one on
-the calling thread (the pool's thread sleeps on a queue between calls, it never spins).
+`threads=2` splits the output tiles in two halves, one on a helper thread and one on the
+calling thread: pool "native" (the default) is a C++ thread that polls for work for up to
+300 us after each job and then sleeps (cpu_gemm_kernels.h says why), "python" a
+ThreadPoolExecutor worker that sleeps on a queue.
 
 Paths: "avx512bf16" (vdpbf16ps), "avx2" (bf16 widened to float32, FMA), "portable" (scalar
 C, any CPU); "auto" picks the first of these the CPU runs. Tests force each.
@@ -42,11 +44,12 @@ cdef extern from "cpu_gemm_kernels.h" namespace "pagedrun_gemm" nogil:
 
 PATHS = ("portable", "avx512bf16", "avx2")
 _PATH_CODE = {"portable": 0, "avx512bf16": 1, "avx2": 2}
-# Below these the second thread costs more (a queue hand-off, ~40 us measured) than it saves:
-# tiles per thread (4 tiles = 64 outputs) and multiply-adds per call (2^22 take ~45 us on one
-# Zen 4 core; a one-token decode GEMM of SmolLM2 is 0.3-1.8 M).
+# Below these the second thread costs more than it saves: tiles per thread (4 tiles = 64
+# outputs) and multiply-adds per call. The native helper's polled hand-off costs ~1 us, so a
+# one-token decode GEMM of SmolLM2 (0.3-1.8 M multiply-adds, 20-100 us) splits; the python
+# pool's queue hand-off (~40 us measured) pays only from 2^22 (~45 us on one Zen 4 core).
 MIN_TILES_PER_THREAD = 4
-MIN_MACS_PER_THREADED_CALL = 1 << 22
+MIN_MACS_PER_THREADED_CALL = {"native": 1 << 17, "python": 1 << 22}
 
 cdef int _HAS_BF16 = cpu_has_avx512bf16()
 cdef int _HAS_AVX2 = cpu_has_avx2_fma()
@@ -214,7 +217,7 @@ def gemm_bf16(x, packed, bias=None, *, path="auto", threads=2, pool="native"):
     wp = packed.packed.reshape(-1)
     num_tiles = packed.num_tiles
     if (threads < 2 or num_tiles < 2 * MIN_TILES_PER_THREAD
-            or x.shape[0] * packed.n * packed.k < MIN_MACS_PER_THREADED_CALL):
+            or x.shape[0] * packed.n * packed.k < MIN_MACS_PER_THREADED_CALL[pool]):
         _run_tiles(xb, wp, packed.n, 0, num_tiles, bias, y, code)
         return y
     # An even split point keeps both halves on the two-tile micro-kernel.

@@ -62,6 +62,51 @@ def test_gemm_shapes(rng, path, m, n, k):
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("m", [2, 3, 4, 5])
+def test_gemm_decode_rows(rng, path, m):
+    # M 1-4 take the streaming decode kernel (one or two tiles, full K, two accumulator sets),
+    # M 5 the blocked one: odd K (the odd last pair), N with a partial tile after an odd tile
+    # count (the one-tile remainder), and the threaded split.
+    for n, k in ((33, 577), (16, 2), (1000, 64), (49, 1)):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        bias = rng.standard_normal(n).astype(np.float32) if n % 2 else None
+        packed = cpu_gemm.PackedWeight(w)
+        for threads in (1, 2):
+            check_gemm(cpu_gemm.gemm_bf16(x, packed, bias, path=path, threads=threads), x, w,
+                       bias)
+
+
+def test_gemm_helper_handoff_sleeps_wakes_and_serializes(rng):
+    # The native helper polls for work for a while after a job, then sleeps: calls back to back,
+    # after a pause past the poll window, and from several Python threads at once (one split at
+    # a time) must all give the one-thread result bit for bit (the split changes which thread
+    # computes a tile, not its arithmetic).
+    import threading
+    import time
+
+    x = rng.standard_normal((3, 200)).astype(np.float32)
+    packed = cpu_gemm.PackedWeight(rng.standard_normal((700, 200)).astype(np.float32))
+    want = cpu_gemm.gemm_bf16(x, packed, threads=1)
+    for pause in (0.0, 0.0, 0.002, 0.0, 0.002):
+        time.sleep(pause)
+        np.testing.assert_array_equal(cpu_gemm.gemm_bf16(x, packed, threads=2), want)
+    failures = []
+
+    def caller():
+        for _ in range(20):
+            if not np.array_equal(cpu_gemm.gemm_bf16(x, packed, threads=2), want):
+                failures.append(1)
+
+    threads = [threading.Thread(target=caller) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_gemm_bias_strided_and_unaligned_inputs(rng, path):
     k, n = 131, 77
     w = rng.standard_normal((n, k)).astype(np.float32)
