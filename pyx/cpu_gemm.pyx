@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from libc.stdint cimport uint16_t
+from libc.stdint cimport int8_t, uint16_t
 from libc.stdlib cimport free, malloc
 
 cdef extern from "cpu_gemm_kernels.h" namespace "pagedrun_gemm" nogil:
@@ -35,11 +35,14 @@ cdef extern from "cpu_gemm_kernels.h" namespace "pagedrun_gemm" nogil:
         const uint16_t* xb
         int M, kp
         const uint16_t* wp
+        const int8_t* wq
+        const float* scales
         int N, tile_begin, tile_end
         const float* bias
         float* y
         long ldy
     void init_helper()
+    void run_job(const TileJob& job)
     void run_split(const TileJob& mine, const TileJob& theirs)
 
 PATHS = ("portable", "avx512bf16", "avx2")
@@ -130,46 +133,108 @@ class PackedWeight:
         return self.packed.nbytes
 
 
-def _run_tiles(const uint16_t[:, ::1] xb, const uint16_t[::1] wp, int n, int tile_begin,
-               int tile_end, bias, float[:, ::1] y, int path):
+
+class PackedInt8Weight:
+    """A [N, K] weight quantized to int8 per output channel, in the kernel's tiled layout
+    (cpu_gemm_kernels.h, "int8 weights"): W[n] ~= scales[n] * q[n], q = round(W[n] / scales[n])
+    in [-127, 127], scales[n] = max |W[n]| / 127 (a zero row: scale 0, q 0).
+
+    packed: [num_tiles, ceil(K / 2), TILE_N, 2] int8, zero past N and K; scales:
+    [num_tiles * TILE_N] float32, zero past N. Non-finite weights are refused.
+    """
+
+    def __init__(self, weight):
+        w = np.asarray(weight, dtype=np.float32)
+        if w.ndim != 2:
+            raise ValueError(f"weight must be [N, K], got shape {w.shape}")
+        self.n, self.k = int(w.shape[0]), int(w.shape[1])
+        if self.n < 1 or self.k < 1:
+            raise ValueError(f"weight must be non-empty, got shape {w.shape}")
+        if not np.isfinite(w).all():
+            raise ValueError("weight has non-finite values: int8 quantization needs finite ones")
+        q, scales = quantize_int8(w)
+        tile = TILE_N
+        num_tiles = -(-self.n // tile)
+        kp = -(-self.k // 2)
+        padded = np.zeros((num_tiles * tile, kp * 2), dtype=np.int8)
+        padded[:self.n, :self.k] = q
+        self.packed = np.ascontiguousarray(
+            padded.reshape(num_tiles, tile, kp, 2).transpose(0, 2, 1, 3))
+        self.scales = np.zeros(num_tiles * tile, dtype=np.float32)
+        self.scales[:self.n] = scales
+        self.num_tiles, self.kp = num_tiles, kp
+
+    @property
+    def nbytes(self):
+        return self.packed.nbytes + self.scales.nbytes
+
+    def dequantized(self):
+        """The [N, K] float32 weight this packing computes with: scales[:, None] * q."""
+        q = self.packed.transpose(0, 2, 1, 3).reshape(self.num_tiles * TILE_N, self.kp * 2)
+        return (q[:self.n, :self.k].astype(np.float32)
+                * self.scales[:self.n, None]).astype(np.float32)
+
+
+def quantize_int8(w):
+    """Symmetric per-row int8: w [N, K] float32 -> (q [N, K] int8 in [-127, 127], scales [N]
+    float32) with q = round-half-even(w / scales), scales = max |w| / 127 per row (0: q 0)."""
+    w = np.asarray(w, dtype=np.float32)
+    scales = (np.abs(w).max(axis=1) / np.float32(127.0)).astype(np.float32)
+    safe = np.where(scales > 0, scales, np.float32(1.0))
+    q = np.clip(np.rint(w / safe[:, None]), -127, 127).astype(np.int8)
+    return q, scales
+
+cdef TileJob _job(const uint16_t[:, ::1] xb, packed, bias, float[:, ::1] y, int path,
+                  int tile_begin, int tile_end) except *:
+    """The kernel's job for tiles [tile_begin, tile_end) of y = x @ packed (+ bias). The
+    pointers borrow from xb, y and the packed weight's arrays: the caller keeps them alive."""
+    cdef TileJob job
+    cdef const float[::1] b
+    cdef const uint16_t[::1] wp
+    cdef const int8_t[::1] wq
+    cdef const float[::1] scales
+    job.path = path
+    job.xb = &xb[0, 0]
+    job.M = xb.shape[0]
+    job.kp = xb.shape[1] // 2
+    job.wp = NULL
+    job.wq = NULL
+    job.scales = NULL
+    if isinstance(packed, PackedInt8Weight):
+        wq = packed.packed.reshape(-1)
+        scales = packed.scales
+        job.wq = &wq[0]
+        job.scales = &scales[0]
+    else:
+        wp = packed.packed.reshape(-1)
+        job.wp = &wp[0]
+    job.N = packed.n
+    job.tile_begin = tile_begin
+    job.tile_end = tile_end
+    job.bias = NULL
+    if bias is not None:
+        b = bias
+        job.bias = &b[0]
+    job.y = &y[0, 0]
+    job.ldy = y.shape[1]
+    return job
+
+
+def _run_tiles(xb, packed, bias, y, int path, int tile_begin, int tile_end):
     """One thread's share: tiles [tile_begin, tile_end) of y, without the GIL."""
-    cdef const float[::1] b
-    cdef const float* bias_ptr = NULL
-    if bias is not None:
-        b = bias
-        bias_ptr = &b[0]
-    cdef int m = xb.shape[0]
-    cdef int kp = xb.shape[1] // 2
-    if m == 0 or tile_end <= tile_begin:
+    if xb.shape[0] == 0 or tile_end <= tile_begin:
         return
+    cdef TileJob job = _job(xb, packed, bias, y, path, tile_begin, tile_end)
     with nogil:
-        gemm_tiles(path, &xb[0, 0], m, kp, &wp[0], n, tile_begin, tile_end, bias_ptr,
-                   &y[0, 0], y.shape[1])
+        run_job(job)
 
 
-def _run_split(const uint16_t[:, ::1] xb, const uint16_t[::1] wp, int n, int split,
-               int num_tiles, bias, float[:, ::1] y, int path):
+def _run_split(xb, packed, bias, y, int path, int split):
     """Tiles [0, split) on the calling thread, [split, num_tiles) on the native helper."""
-    cdef const float[::1] b
-    cdef const float* bias_ptr = NULL
-    if bias is not None:
-        b = bias
-        bias_ptr = &b[0]
-    cdef TileJob mine, theirs
-    mine.path = path
-    mine.xb = &xb[0, 0]
-    mine.M = xb.shape[0]
-    mine.kp = xb.shape[1] // 2
-    mine.wp = &wp[0]
-    mine.N = n
-    mine.tile_begin = 0
-    mine.tile_end = split
-    mine.bias = bias_ptr
-    mine.y = &y[0, 0]
-    mine.ldy = y.shape[1]
-    theirs = mine
+    cdef TileJob mine = _job(xb, packed, bias, y, path, 0, split)
+    cdef TileJob theirs = mine
     theirs.tile_begin = split
-    theirs.tile_end = num_tiles
+    theirs.tile_end = packed.num_tiles
     with nogil:
         run_split(mine, theirs)
 
@@ -194,10 +259,24 @@ def gemm_bf16(x, packed, bias=None, *, path="auto", threads=2, pool="native"):
     """y = bf16(x) @ W.T (+ bias), float32 accumulation.
 
     x: [M, K] float32 (any strides; other float dtypes are converted); packed: PackedWeight of
-    W [N, K]; bias: [N] float32 or None. Returns a new [M, N] float32 array. threads 2 splits
-    the tiles with a helper thread: pool "native" (a C++ thread on a condition variable) or
-    "python" (a ThreadPoolExecutor worker); benchmarks measure both.
+    W [N, K] (or a PackedInt8Weight: then `gemm_int8`); bias: [N] float32 or None. Returns a
+    new [M, N] float32 array. threads 2 splits the tiles with a helper thread: pool "native" (a
+    C++ thread, polled hand-off) or "python" (a ThreadPoolExecutor worker); benchmarks measure
+    both.
     """
+    return _gemm(x, packed, bias, path, threads, pool)
+
+
+def gemm_int8(x, packed, bias=None, *, path="auto", threads=2, pool="native"):
+    """y = (bf16(x) @ q.T) * scales (+ bias) for a PackedInt8Weight (W ~= scales[:, None] * q),
+    float32 accumulation; gemm_bf16's arguments. The "avx2" path runs the portable loop (the
+    int8 format has no AVX2 kernel)."""
+    if not isinstance(packed, PackedInt8Weight):
+        raise TypeError(f"gemm_int8 takes a PackedInt8Weight, got {type(packed).__name__}")
+    return _gemm(x, packed, bias, path, threads, pool)
+
+
+def _gemm(x, packed, bias, path, threads, pool):
     if pool not in POOLS:
         raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
     cdef int code = _resolve_path(path)
@@ -214,21 +293,20 @@ def gemm_bf16(x, packed, bias=None, *, path="auto", threads=2, pool="native"):
             raise ValueError(f"bias must be [{packed.n}], got shape {bias.shape}")
     xb = _convert(x, packed.kp * 2)
     y = np.empty((x.shape[0], packed.n), dtype=np.float32)
-    wp = packed.packed.reshape(-1)
     num_tiles = packed.num_tiles
     if (threads < 2 or num_tiles < 2 * MIN_TILES_PER_THREAD
             or x.shape[0] * packed.n * packed.k < MIN_MACS_PER_THREADED_CALL[pool]):
-        _run_tiles(xb, wp, packed.n, 0, num_tiles, bias, y, code)
+        _run_tiles(xb, packed, bias, y, code, 0, num_tiles)
         return y
     # An even split point keeps both halves on the two-tile micro-kernel.
     split = (num_tiles // 2 + 1) & ~1
     if pool == "native":
-        _run_split(xb, wp, packed.n, split, num_tiles, bias, y, code)
+        _run_split(xb, packed, bias, y, code, split)
         return y
     global _pool
     if _pool is None:
         _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedrun-gemm")
-    job = _pool.submit(_run_tiles, xb, wp, packed.n, split, num_tiles, bias, y, code)
-    _run_tiles(xb, wp, packed.n, 0, split, bias, y, code)
+    job = _pool.submit(_run_tiles, xb, packed, bias, y, code, split, num_tiles)
+    _run_tiles(xb, packed, bias, y, code, 0, split)
     job.result()
     return y

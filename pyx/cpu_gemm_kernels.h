@@ -1,4 +1,5 @@
-// cpu_gemm_kernels.h: the bf16-weight GEMM of the cpu backend (pyx/cpu_gemm.pyx wraps it).
+// cpu_gemm_kernels.h: the bf16-weight and int8-weight GEMMs of the cpu backends (pyx/cpu_gemm.pyx
+// wraps them; the int8 format is described at its section below).
 //
 //   y[M, N] (float32) = x[M, K] (bf16 bits) @ W[N, K]^T (bf16 bits, packed) (+ bias[N])
 //
@@ -409,22 +410,209 @@ static inline void gemm_tiles(int path, const uint16_t* xb, int M, int kp, const
     gemm_tiles_scalar(xb, M, kp, wp, N, tile_begin, tile_end, bias, y, ldy);
 }
 
+// ------------------------------------------------------------------------- int8 weights
+// Weight-only int8 (EngineConfig.quantization "int8"): W[n, k] ~= scales[n] * q[n, k], q int8
+// in [-127, 127] (symmetric, per output channel), packed like the bf16 layout at one byte per
+// weight:
+//   wq[num_tiles][kp][TILE_N][2] int8, wq[t][p][j][e] = q[t * TILE_N + j, 2 * p + e], zero past
+//   N and K; scales[num_tiles * TILE_N] float32 (zero past N).
+// y[m, n] = scales[n] * sum_k bf16(x[m, k]) * q[n, k] (+ bias[n]). A 32-byte pair row of a
+// tile widens to the 32 bf16 lanes of one vdpbf16ps operand (int8 -> int32 -> float32 ->
+// bf16, exact: every int8 is a bf16), so the products and the float32 sums are those of the
+// bf16 GEMM with q for W; the scale multiplies the finished sum once. Half the bf16 bytes
+// stream per step, for 5 extra instructions per 32 weights (hidden under the stream at
+// decode sizes).
+
+static inline void gemm_int8_tiles_scalar(const uint16_t* xb, int M, int kp, const int8_t* wq,
+                                          const float* scales, int N, int tile_begin,
+                                          int tile_end, const float* bias, float* y, long ldy) {
+    const long tile_bytes = (long)kp * TILE_N * 2;
+    for (int t = tile_begin; t < tile_end; ++t) {
+        const int8_t* wt = wq + t * tile_bytes;
+        const int n0 = t * TILE_N;
+        const int width = N - n0 < TILE_N ? N - n0 : TILE_N;
+        for (int m = 0; m < M; ++m) {
+            const uint16_t* xr = xb + (long)m * kp * 2;
+            float acc[TILE_N] = {0};
+            for (int p = 0; p < kp; ++p) {
+                const float x0 = bf16_to_f32(xr[2 * p]), x1 = bf16_to_f32(xr[2 * p + 1]);
+                const int8_t* w = wt + (long)p * TILE_N * 2;
+                for (int j = 0; j < TILE_N; ++j)
+                    acc[j] += x0 * (float)w[2 * j] + x1 * (float)w[2 * j + 1];
+            }
+            float* yr = y + (long)m * ldy + n0;
+            for (int j = 0; j < width; ++j)
+                yr[j] = acc[j] * scales[n0 + j] + (bias ? bias[n0 + j] : 0.0f);
+        }
+    }
+}
+
+#if PAGEDRUN_X86
+// 32 int8 weights (one pair row of one tile) -> one bf16 operand, lanes in memory order.
+PAGEDRUN_BF16_TARGET static inline __m512bh int8_pair_row(const int8_t* src) {
+    const __m512 lo = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+    const __m512 hi = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+    return _mm512_cvtne2ps_pbh(hi, lo);  // lo -> lanes 0-15, hi -> lanes 16-31
+}
+
+// MR_ rows by NR_ tiles over all of K, U_ accumulator sets (2 at decode sizes, so no
+// vdpbf16ps waits on the previous one; 1 when MR_ * NR_ accumulators already hide it).
+template <int MR_, int NR_, int U_>
+PAGEDRUN_BF16_TARGET static inline void micro_int8_avx512(const uint16_t* xb, int kp,
+                                                          const int8_t* wt, long tile_bytes,
+                                                          const float* scales,
+                                                          const float* bias, int n0, int N,
+                                                          float* y, long ldy) {
+    __m512 acc[U_][MR_][NR_];
+    #pragma GCC unroll 16
+    for (int u = 0; u < U_; ++u)
+        #pragma GCC unroll 16
+        for (int r = 0; r < MR_; ++r)
+            #pragma GCC unroll 16
+            for (int c = 0; c < NR_; ++c) acc[u][r][c] = _mm512_setzero_ps();
+    const uint32_t* x32 = reinterpret_cast<const uint32_t*>(xb);  // one pair per uint32
+    for (int p = 0; p < kp; p += U_) {
+        #pragma GCC unroll 2
+        for (int u = 0; u < U_; ++u) {
+            if (u > 0 && p + u >= kp) break;  // an odd last pair
+            __m512bh w[NR_];
+            #pragma GCC unroll 16
+            for (int c = 0; c < NR_; ++c)
+                w[c] = int8_pair_row(wt + c * tile_bytes + (long)(p + u) * TILE_N * 2);
+            #pragma GCC unroll 16
+            for (int r = 0; r < MR_; ++r) {
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x32[(long)r * kp + p + u]);
+                #pragma GCC unroll 16
+                for (int c = 0; c < NR_; ++c)
+                    acc[u][r][c] = _mm512_dpbf16_ps(acc[u][r][c], xv, w[c]);
+            }
+        }
+    }
+    #pragma GCC unroll 16
+    for (int c = 0; c < NR_; ++c) {
+        const int nc = n0 + c * TILE_N;
+        const int width = N - nc < TILE_N ? N - nc : TILE_N;
+        const __mmask16 mask = (__mmask16)((1u << width) - 1u);
+        const __m512 scale = _mm512_maskz_loadu_ps(mask, scales + nc);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + nc) : _mm512_setzero_ps();
+        #pragma GCC unroll 16
+        for (int r = 0; r < MR_; ++r) {
+            __m512 sum = acc[0][r][c];
+            if (U_ > 1) sum = _mm512_add_ps(sum, acc[U_ - 1][r][c]);
+            _mm512_mask_storeu_ps(y + (long)r * ldy + nc, mask, _mm512_fmadd_ps(sum, scale, b));
+        }
+    }
+}
+
+template <int MR_, int NR_, int U_>
+PAGEDRUN_BF16_TARGET static inline void int8_tile_group(const uint16_t* xb, int M, int kp,
+                                                        const int8_t* wt, long tile_bytes,
+                                                        const float* scales,
+                                                        const float* bias, int n0, int N,
+                                                        float* y, long ldy) {
+    const long xrow = (long)kp * 2;
+    int m = 0;
+    for (; m + MR_ <= M; m += MR_)
+        micro_int8_avx512<MR_, NR_, U_>(xb + m * xrow, kp, wt, tile_bytes, scales, bias, n0,
+                                        N, y + m * ldy, ldy);
+    const uint16_t* xr = xb + m * xrow;
+    float* yr = y + m * ldy;
+    switch (M - m) {  // the remainder rows, one instantiation each
+#define PAGEDRUN_INT8_REST(R) \
+        case R: micro_int8_avx512<R, NR_, 1>(xr, kp, wt, tile_bytes, scales, bias, n0, N, yr, \
+                                             ldy); break;
+        PAGEDRUN_INT8_REST(7) PAGEDRUN_INT8_REST(6) PAGEDRUN_INT8_REST(5)
+        PAGEDRUN_INT8_REST(4) PAGEDRUN_INT8_REST(3) PAGEDRUN_INT8_REST(2)
+        PAGEDRUN_INT8_REST(1)
+#undef PAGEDRUN_INT8_REST
+        default: break;
+    }
+}
+
+// Tiles [tile_begin, tile_end) of y. Decode sizes (M <= SKINNY_MAX_M) stream one tile (M 1-2)
+// or two (3-4) over all of K with two accumulator sets; larger M runs 8-row blocks by two
+// tiles, in passes of rows whose bf16 x stays in L2 while the tiles' int8 panels (<= 48 KB at
+// K 1536) are reused from L1/L2 by every 8-row block.
+PAGEDRUN_BF16_TARGET static void gemm_int8_tiles_avx512(const uint16_t* xb, int M, int kp,
+                                                        const int8_t* wq, const float* scales,
+                                                        int N, int tile_begin, int tile_end,
+                                                        const float* bias, float* y,
+                                                        long ldy) {
+    const long tile_bytes = (long)kp * TILE_N * 2;
+    if (M <= SKINNY_MAX_M) {
+        int t = tile_begin;
+        if (M <= 2) {
+            for (; t < tile_end; ++t) {
+                const int8_t* wt = wq + t * tile_bytes;
+                if (M == 1)
+                    micro_int8_avx512<1, 1, 2>(xb, kp, wt, tile_bytes, scales, bias, t * TILE_N,
+                                               N, y, ldy);
+                else
+                    micro_int8_avx512<2, 1, 2>(xb, kp, wt, tile_bytes, scales, bias, t * TILE_N,
+                                               N, y, ldy);
+            }
+            return;
+        }
+        for (; t + 2 <= tile_end; t += 2)
+            int8_tile_group<4, 2, 2>(xb, M, kp, wq + t * tile_bytes, tile_bytes, scales, bias,
+                                     t * TILE_N, N, y, ldy);
+        if (t < tile_end)
+            int8_tile_group<4, 1, 2>(xb, M, kp, wq + t * tile_bytes, tile_bytes, scales, bias,
+                                     t * TILE_N, N, y, ldy);
+        return;
+    }
+    const int pass_rows = rows_per_pass(kp);
+    for (int m0 = 0; m0 < M; m0 += pass_rows) {
+        const int rows = M - m0 < pass_rows ? M - m0 : pass_rows;
+        const uint16_t* xp = xb + (long)m0 * kp * 2;
+        float* yp = y + (long)m0 * ldy;
+        int t = tile_begin;
+        for (; t + NR <= tile_end; t += NR)
+            int8_tile_group<MR, NR, 1>(xp, rows, kp, wq + t * tile_bytes, tile_bytes, scales,
+                                       bias, t * TILE_N, N, yp, ldy);
+        if (t < tile_end)
+            int8_tile_group<MR, 1, 1>(xp, rows, kp, wq + t * tile_bytes, tile_bytes, scales,
+                                      bias, t * TILE_N, N, yp, ldy);
+    }
+}
+#endif
+
+// path 1: AVX512-BF16; anything else the portable loop (the int8 format has no AVX2 kernel:
+// the backend warns on such CPUs).
+static inline void gemm_int8_tiles(int path, const uint16_t* xb, int M, int kp,
+                                   const int8_t* wq, const float* scales, int N,
+                                   int tile_begin, int tile_end, const float* bias, float* y,
+                                   long ldy) {
+#if PAGEDRUN_X86
+    if (path == 1) {
+        gemm_int8_tiles_avx512(xb, M, kp, wq, scales, N, tile_begin, tile_end, bias, y, ldy);
+        return;
+    }
+#endif
+    gemm_int8_tiles_scalar(xb, M, kp, wq, scales, N, tile_begin, tile_end, bias, y, ldy);
+}
+
 // ------------------------------------------------------------------------- native helper thread
 // The second GEMM thread without Python: a helper that runs one half of the tiles while the
 // caller runs the other. A decode step calls the GEMM every 20-200 us, and a condition
 // variable's wake-up costs 10-50 us on a busy 2-core box: at M = 1 two threads were no faster
 // than one (10.4 vs 10.8 GB/s). So the hand-off is a generation counter the helper polls, for
 // at most HELPER_SPIN_US after its last job (then it sleeps on a condition variable, and the
-// caller wakes it), and the caller polls for the helper's completion the same way. Measured on
-// Zen 4 at M = 1: 2 threads 24-26 GB/s against one thread's 17-18. The spin is bounded: an idle
-// server's helper sleeps. Created on first use and never destroyed (a condvar must not be
+// caller wakes it), and the caller polls for the helper's completion the same way; a half the
+// helper has not claimed when the caller is done with its own, the caller runs too. Measured
+// on Zen 4 at M = 1: 2 threads 20-26 GB/s against one thread's 17-18. The spin is bounded: an
+// idle server's helper sleeps. Created on first use and never destroyed (a condvar must not be
 // destroyed under its waiter at exit); a forked child gets a fresh one (pthread_atfork), since
 // the helper thread is not copied by fork.
 struct TileJob {
     int path;
     const uint16_t* xb;
     int M, kp;
-    const uint16_t* wp;
+    const uint16_t* wp;   // bf16 weights, or nullptr with wq (int8) and scales
+    const int8_t* wq;
+    const float* scales;
     int N, tile_begin, tile_end;
     const float* bias;
     float* y;
@@ -432,7 +620,12 @@ struct TileJob {
 };
 
 static inline void run_job(const TileJob& j) {
-    gemm_tiles(j.path, j.xb, j.M, j.kp, j.wp, j.N, j.tile_begin, j.tile_end, j.bias, j.y, j.ldy);
+    if (j.wq != nullptr)
+        gemm_int8_tiles(j.path, j.xb, j.M, j.kp, j.wq, j.scales, j.N, j.tile_begin, j.tile_end,
+                        j.bias, j.y, j.ldy);
+    else
+        gemm_tiles(j.path, j.xb, j.M, j.kp, j.wp, j.N, j.tile_begin, j.tile_end, j.bias, j.y,
+                   j.ldy);
 }
 
 // Longer than the host work between two GEMMs of one step (norms, rotary, attention: ~20-100
@@ -449,14 +642,18 @@ static inline void cpu_relax() {
 
 class HelperThread {
   public:
-    // Runs `theirs` on the helper while the caller runs `mine`; returns when both are done.
+    // Runs `theirs` on the helper while the caller runs `mine`; returns when both are done. If
+    // the helper has not claimed `theirs` by the time `mine` is done (asleep, or descheduled on
+    // a busy machine), the caller claims it and runs it itself: a late helper never makes the
+    // caller wait for a whole half (measured: with the other core busy, waiting for the helper
+    // turned 12 ms of decode GEMMs into 86).
     void run_pair(const TileJob& mine, const TileJob& theirs) {
         std::lock_guard<std::mutex> serial(call_mu_);  // one split at a time
         if (!started_) {
             std::thread(&HelperThread::loop, this).detach();
             started_ = true;
         }
-        job_ = theirs;  // published by the release (seq_cst) store of generation_
+        job_ = theirs;  // published by the seq_cst store of generation_; read only by a claimant
         const uint64_t generation = generation_.load(std::memory_order_relaxed) + 1;
         // seq_cst store then seq_cst load, against the helper's sleeping_ store then
         // generation_ load: one of the two sides sees the other's store, so either the helper
@@ -467,10 +664,15 @@ class HelperThread {
             wake_cv_.notify_one();
         }
         run_job(mine);
-        // The helper's half is about as long as ours: poll, then yield the core if it is late
-        // (a preempted helper; a caller on the same core as the helper).
+        uint64_t unclaimed = generation - 1;
+        if (claimed_.compare_exchange_strong(unclaimed, generation, std::memory_order_acq_rel)) {
+            run_job(theirs);  // the helper will see the claim taken and skip it
+            return;
+        }
+        // The helper claimed it and is running it: poll, then yield the core if it is late
+        // (preempted mid-job).
         for (long spins = 0; done_.load(std::memory_order_acquire) != generation; ++spins) {
-            if (spins < 20000) cpu_relax();
+            if (spins < 4096) cpu_relax();
             else std::this_thread::yield();
         }
     }
@@ -497,6 +699,11 @@ class HelperThread {
                 }
             }
             seen = generation_.load(std::memory_order_acquire);
+            // Claim job `seen`: fails when the caller took it (and may already have published
+            // the next job: job_ must then not be read).
+            uint64_t unclaimed = seen - 1;
+            if (!claimed_.compare_exchange_strong(unclaimed, seen, std::memory_order_acq_rel))
+                continue;
             run_job(job_);
             done_.store(seen, std::memory_order_release);
         }
@@ -505,7 +712,10 @@ class HelperThread {
     std::mutex call_mu_, mu_;
     std::condition_variable wake_cv_;
     TileJob job_{};
-    std::atomic<uint64_t> generation_{0}, done_{0};
+    // generation_: the last job published; claimed_: the last job claimed (by the helper or
+    // the caller), generation_ - 1 while the current one is unclaimed; done_: the last job the
+    // helper finished.
+    std::atomic<uint64_t> generation_{0}, claimed_{0}, done_{0};
     std::atomic<bool> sleeping_{false};
     bool started_ = false;  // under call_mu_
 };

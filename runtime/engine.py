@@ -154,7 +154,9 @@ class LLMEngine:
                                                           config.tensor_parallel_size == 1)
         self.model_config = model_config
         self.tokenizer = tokenizer
-        self.backend = make_backend(config.device, config.dtype)  # the one place that picks ops
+        # The one place that picks ops.
+        self.backend = make_backend(config.device, config.dtype,
+                                    quantization=config.quantization)
         self.device = self.backend.name
         self.backend.check_model(model_config, config.block_size)  # not mid-step
         self.block_size = config.block_size

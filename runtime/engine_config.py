@@ -18,6 +18,10 @@ DEVICES = ("auto", "cpu", "sim", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BLOCK_SIZES = (8, 16, 32, 64)
 PREEMPTION_MODES = ("recompute", "swap")
+# Weight quantization (vLLM's `quantization`): None / "none" keeps the dtype's weights; "int8"
+# is weight-only int8 with per-output-channel scales, made at load from any checkpoint
+# (runtime/backends/cpu_int8_backend.py; cpu only for now).
+QUANTIZATIONS = ("none", "int8")
 # vLLM's logprobs_mode: raw = from the model's logits before any processing; processed = after
 # bias, masks, penalties, temperature and the top-k / top-p / min-p filters (what is sampled).
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -32,6 +36,7 @@ class EngineConfig:
     model: str | None = None  # HF directory or .gguf; None: the embedded default model
     device: str = "auto"
     dtype: str = "auto"  # "float32", "bfloat16", "float16"; auto: float32 on cpu, bf16 on cuda
+    quantization: str | None = None  # QUANTIZATIONS; None: "none"
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's max_position_embeddings (capped)
     max_num_seqs: int = 256
@@ -78,6 +83,9 @@ class EngineConfig:
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise EngineConfigError(
                 f"logprobs_mode: must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise EngineConfigError(
+                f"quantization: must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.max_logprobs < -1:
             raise EngineConfigError(f"max_logprobs: must be >= -1, got {self.max_logprobs}")
         if self.preemption_mode not in PREEMPTION_MODES:

@@ -57,12 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--dtype", choices=DTYPES, default=engine.dtype,
                           help="compute dtype (auto: float32 on cpu, bfloat16 on cuda; "
                           "bfloat16 on cpu: bf16 weights on the compiled GEMM)")
+    # The one definition of these flags, shared with serve and chat (light: argparse only).
+    from pagedrun.server.serve_cmd import add_quantization_option, add_speculative_config_option
+
+    add_quantization_option(generate)
     generate.add_argument("--threads", type=int, default=None, metavar="N",
                           help="CPU threads for the numpy math (default: the BLAS library's "
                           "choice; 1 is steadier on a busy shared machine)")
-    # The one definition of the flag, shared with serve and chat (light: argparse only).
-    from pagedrun.server.serve_cmd import add_speculative_config_option
-
     add_speculative_config_option(generate)
     generate.set_defaults(func=cmd_generate)
 
@@ -182,7 +183,8 @@ def generate_engine_config(args: argparse.Namespace, model: str) -> Any:
     model's own, capped)."""
     from pagedrun.runtime.engine_config import EngineConfig
 
-    return EngineConfig(model=model, device=args.device, dtype=args.dtype, max_num_seqs=1,
+    return EngineConfig(model=model, device=args.device, dtype=args.dtype,
+                        quantization=args.quantization, max_num_seqs=1,
                         speculative_config=args.speculative_config)
 
 

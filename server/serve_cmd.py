@@ -42,6 +42,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     eng.add_argument("--device", default=engine.device, choices=DEVICES)
     eng.add_argument("--dtype", default=engine.dtype, choices=DTYPES,
                      help="auto: float32 on cpu, bfloat16 on cuda")
+    add_quantization_option(eng)
     eng.add_argument("--tensor-parallel-size", type=int, default=engine.tensor_parallel_size)
     eng.add_argument("--nnodes", type=int, default=engine.nnodes,
                      help="tensor parallel over this many nodes (tp/nnodes ranks on each)")
@@ -147,6 +148,15 @@ def speculative_config_arg(text: str):
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def add_quantization_option(group) -> None:
+    """--quantization, shared by serve, generate and chat --in-process."""
+    from pagedrun.runtime.engine_config import QUANTIZATIONS
+
+    group.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
+                       help="weight quantization (vLLM's name): int8 = weight-only int8 with "
+                            "per-output-channel scales, made at load (cpu backend)")
+
+
 def add_speculative_config_option(group) -> None:
     """--speculative-config JSON, shared by serve, generate and chat --in-process."""
     group.add_argument(
@@ -161,7 +171,8 @@ def engine_config_from_args(args):
     from pagedrun.runtime.engine_config import EngineConfig
 
     return EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        model=args.model, device=args.device, dtype=args.dtype,
+        quantization=args.quantization, block_size=args.block_size,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, num_kv_blocks=args.num_kv_blocks,

@@ -40,9 +40,24 @@ def resolve_device(device: str) -> str:
         "or 'sim' (the CUDA kernels on the CPU harness)")
 
 
-def make_backend(device: str, dtype: str = "auto", *, device_id: int = 0) -> Backend:
-    """The backend of a device ("auto" is resolved first); device_id: the GPU of a cuda rank."""
+def make_backend(device: str, dtype: str = "auto", *, device_id: int = 0,
+                 quantization: str | None = None) -> Backend:
+    """The backend of a device ("auto" is resolved first); device_id: the GPU of a cuda rank;
+    quantization: EngineConfig.quantization (None or "none": the dtype's weights)."""
     device = resolve_device(device)
+    if quantization not in (None, "none"):
+        if quantization != "int8":
+            raise ValueError(f"quantization must be 'none' or 'int8', got {quantization!r}")
+        if device != "cpu":
+            raise ValueError(f"quantization 'int8' runs on the cpu backend; device {device!r} "
+                             "has no int8 GEMM yet")
+        resolved = resolve_dtype(device, dtype)
+        if resolved != "bfloat16":
+            log.info("quantization int8: the GEMMs take bf16-rounded activations "
+                     "(dtype %s applies to the rest of the step)", resolved)
+        from .cpu_int8_backend import CpuInt8Backend
+
+        return CpuInt8Backend()
     if device == "cpu":
         resolved = resolve_dtype(device, dtype)
         if resolved == "bfloat16":  # bf16 weights on the compiled GEMM

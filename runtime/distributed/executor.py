@@ -180,7 +180,8 @@ def start_tensor_parallel(config, model_config, backend, max_model_len: int
         num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_swap_blocks(config, bytes_per_block),
         nnodes=config.nnodes, master_addr=config.master_addr, ops=backend,
         secret_file=getattr(config, "tp_secret_file", None),
-        curve=getattr(config, "tp_curve", False), lora_config=config.lora_config())
+        curve=getattr(config, "tp_curve", False), lora_config=config.lora_config(),
+        quantization=config.quantization)
 
 
 class TensorParallelExecutor:
@@ -192,7 +193,7 @@ class TensorParallelExecutor:
                  rendezvous_timeout_s: float = DEFAULT_RENDEZVOUS_TIMEOUT_S,
                  collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, ops=None,
                  secret_file: str | None = None, curve: bool = False,
-                 lora_config=None) -> None:
+                 lora_config=None, quantization: str | None = None) -> None:
         """model: as EngineConfig.model (a directory, a .gguf, None for the default model);
         every rank resolves it on its own node, so the default model and converted GGUFs need
         no shared path across nodes (a directory must exist at the same path on each).
@@ -206,6 +207,7 @@ class TensorParallelExecutor:
         self.dead: str | None = None  # why, once a rank is lost
         self._seq = 0
         self.lora_config = lora_config
+        self.quantization = quantization
         self._lora_writes: list = []  # (slot, LoRARequest) to send with the next step
         self._procs: dict[int, subprocess.Popen] = {}
         self._peers: dict[bytes, _Peer] = {}  # authenticated identity -> its rank and session
@@ -253,12 +255,13 @@ class TensorParallelExecutor:
                 "max_model_len": max_model_len, "num_gpu_blocks": num_gpu_blocks,
                 "num_cpu_blocks": num_cpu_blocks, "collective_timeout_s": collective_timeout_s,
                 "nccl_unique_id": None, "local_rank": 0,
+                "quantization": self.quantization,
                 "lora": None if self.lora_config is None else {
                     "max_loras": self.lora_config.max_loras,
                     "max_lora_rank": self.lora_config.max_lora_rank,
                     "max_cpu_loras": self.lora_config.max_cpu_loras}}
         if ops is None:
-            ops = make_backend(device, dtype, device_id=0)
+            ops = make_backend(device, dtype, device_id=0, quantization=self.quantization)
         if ops.communicator == "nccl":
             from pagedrun.runtime.distributed.nccl_communicator import NcclCommunicator
 

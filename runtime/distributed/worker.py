@@ -80,7 +80,8 @@ def build_rank(plan: dict, rank: int, comm, ops=None):
     config = ModelConfig.from_model_dir(model_dir)
     spec = shard_spec(config, plan["tp_size"], rank)
     if ops is None:
-        ops = make_backend(plan["device"], plan["dtype"], device_id=plan["local_rank"])
+        ops = make_backend(plan["device"], plan["dtype"], device_id=plan["local_rank"],
+                           quantization=plan.get("quantization"))
     if hasattr(comm, "use_stream") and hasattr(ops, "stream"):
         comm.use_stream(ops.stream)  # NCCL on the compute stream
     local_config = rank_config(config, spec)
