@@ -1,20 +1,25 @@
 """CpuBf16Backend: the cpu backend with bf16 weights (EngineConfig.dtype "bfloat16" on cpu).
 
-The GEMMs (`linear`, ~2/3 of a cpu step in float32) run on pagedrun.pyx.cpu_gemm: weights
-rounded to bf16 (RNE) and packed once, activations rounded to bf16 per call, float32
-accumulation and float32 output. Half the weight bytes stream per step, and the AVX512-BF16
-path does two multiply-adds per float32 lane. Everything else -- embedding, norms, rotary,
-attention, the KV cache -- is NumpyBackend's float32 numpy, so only the GEMM inputs are
-rounded; the float32 backend stays the exact reference.
+What runs where:
+- the GEMMs (`linear`, ~2/3 of a cpu step in float32): pagedrun.pyx.cpu_gemm, weights rounded
+  to bf16 (RNE) and packed once, activations rounded to bf16 per call, float32 accumulation and
+  float32 output. Half the weight bytes stream per step, and the AVX512-BF16 path does two
+  multiply-adds per float32 lane.
+- the other ops of a decode layer -- rms_norm, fused_add_rms_norm, silu_and_mul,
+  gelu_tanh_and_mul, rotary_embedding_and_cache_write, paged_decode_attention: one pass of C++
+  each in pagedrun.pyx.cpu_ops (AVX512F where the CPU has it), float32, numpy_ops' contracts.
+  Decode attention reads k/v through the block table once per (sequence, kv head) for all the
+  group's query heads, online softmax. numpy did each of these in several passes and Python
+  calls: ~8 ms of a batch-1 decode step on the default model (benchmarks/host/bench_cpu_ops.py).
+- the rest -- embedding, prefill attention, block moves, MoE routing, the KV cache arrays -- is
+  NumpyBackend's float32 numpy.
+Only the GEMM inputs are rounded to bf16; the float32 NumpyBackend stays pure numpy, the
+independent reference these ops are tested against (tests/pyx/test_cpu_ops.py).
 
 Mixture-of-experts layers run the same grouped op as numpy (numpy_ops.grouped_moe_experts:
 tokens sorted by expert, one GEMM pair per expert that has tokens) with this backend's bf16 GEMM
 per expert: each expert's [2I, H] and [H, I] matrices are packed once like any weight; routing
 (softmax, top-k) stays float32 numpy.
-
-Decode attention is batched over sequences (`paged_decode_attention` below): one padded
-gather and two batched matmuls per layer instead of numpy_ops' per-sequence loop, which was
-~20% of a 32-sequence step; same math, float32.
 
 Weights arrive as the model's float32 arrays (llama.py passes views like `w_t.T` each call):
 each is packed once and kept keyed by the array's memory, as the sim backend does. The model
@@ -23,12 +28,13 @@ for SmolLM2-135M) rather than halving the weight memory.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
 import numpy as np
 
-from pagedrun.pyx import cpu_gemm
+from pagedrun.pyx import cpu_gemm, cpu_ops
 
 from . import numpy_ops
 from .numpy_backend import NumpyBackend
@@ -38,25 +44,38 @@ log = logging.getLogger(__name__)
 # The GEMM splits its output tiles over this many threads (the calling thread and a pooled one
 # that sleeps between calls). benchmarks/bench_engine.py measures 1 vs 2.
 DEFAULT_GEMM_THREADS = min(2, os.cpu_count() or 1)
-# The batched decode pads every context to the longest: past this many padded slots per real
-# one (mixed short and long contexts) the per-sequence loop of numpy_ops does less work.
-MAX_DECODE_PADDING_RATIO = 2.0
+# The ops of pagedrun.pyx.cpu_ops this backend runs instead of numpy_ops'.
+CPU_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul",
+           "rotary_embedding_and_cache_write", "paged_decode_attention")
 
 
 class CpuBf16Backend(NumpyBackend):
     dtype_name = "bfloat16"
     kv_dtype = np.dtype(np.float32)  # activations and KV stay float32 numpy
 
+    # cpu_ops on its fastest path ("auto"); __init__ forces the portable one per instance when
+    # the GEMM's path is forced to "portable".
+    rms_norm = staticmethod(cpu_ops.rms_norm)
+    fused_add_rms_norm = staticmethod(cpu_ops.fused_add_rms_norm)
+    silu_and_mul = staticmethod(cpu_ops.silu_and_mul)
+    gelu_tanh_and_mul = staticmethod(cpu_ops.gelu_tanh_and_mul)
+    rotary_embedding_and_cache_write = staticmethod(cpu_ops.rotary_embedding_and_cache_write)
+    paged_decode_attention = staticmethod(cpu_ops.paged_decode_attention)
+
     def __init__(self, *, gemm_threads: int = DEFAULT_GEMM_THREADS, path: str = "auto",
                  gemm_pool: str = "native") -> None:
         """gemm_threads: threads of one GEMM; path: cpu_gemm's "auto" | "avx512bf16" | "avx2"
-        | "portable" (tests force each); gemm_pool: cpu_gemm's "native" | "python" helper."""
+        | "portable" (tests force each; "portable" also puts cpu_ops on its portable path);
+        gemm_pool: cpu_gemm's "native" | "python" helper."""
         self.gemm_threads = gemm_threads
         self.gemm_pool = gemm_pool
         self.path = path
         if path == "auto" and cpu_gemm.available_paths()[0] == "portable":
             log.warning("dtype bfloat16 on cpu: this CPU has neither AVX512-BF16 nor AVX2+FMA; "
                         "the portable GEMM is slower than float32 (use --dtype float32)")
+        if path == "portable":
+            for name in CPU_OPS:
+                setattr(self, name, functools.partial(getattr(cpu_ops, name), path="portable"))
         self._packed: dict[tuple, tuple[np.ndarray, cpu_gemm.PackedWeight]] = {}
 
     def packed(self, weight: np.ndarray) -> cpu_gemm.PackedWeight:
@@ -79,51 +98,3 @@ class CpuBf16Backend(NumpyBackend):
         """numpy_ops.moe_experts' contract, each expert's two GEMMs on the bf16 GEMM."""
         return numpy_ops.grouped_moe_experts(x, topk_ids, topk_weights, w_gate_up, w_down,
                                              self.linear)
-
-    @staticmethod
-    def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
-                               sliding_window=None):
-        """numpy_ops.paged_decode_attention's contract, batched over sequences.
-
-        q: [num_seqs, num_heads, head_dim] float32; k_cache, v_cache: [num_blocks, block_size,
-        num_kv_heads, head_dim] float32; block_tables: [num_seqs, max_blocks] int32;
-        context_lens: [num_seqs] int32 >= 1. Returns [num_seqs, num_heads, head_dim] float32.
-        """
-        context_lens = np.asarray(context_lens)
-        num_seqs = q.shape[0]
-        if (num_seqs < 2 or q.dtype != np.float32 or context_lens.shape != (num_seqs,)
-                or block_tables.shape[0] != num_seqs or context_lens.min() < 1):
-            return numpy_ops.paged_decode_attention(q, k_cache, v_cache, block_tables,
-                                                    context_lens, scale, sliding_window)
-        numpy_ops._check_attention_shapes(q, k_cache, v_cache)
-        num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-        max_len = int(context_lens.max())
-        padded_blocks = -(-max_len // block_size)
-        if (padded_blocks * block_size * num_seqs
-                > MAX_DECODE_PADDING_RATIO * int(context_lens.sum()) + block_size * num_seqs
-                or padded_blocks > block_tables.shape[1]):
-            return numpy_ops.paged_decode_attention(q, k_cache, v_cache, block_tables,
-                                                    context_lens, scale, sliding_window)
-        # Blocks past a sequence's context are masked; read block 0 there (never out of range).
-        used = np.arange(padded_blocks) * block_size < context_lens[:, None]
-        blocks = np.where(used, block_tables[:, :padded_blocks], 0).astype(np.int64)
-        numpy_ops._check_block_ids(blocks, num_blocks, "block_tables")
-        padded_len = padded_blocks * block_size
-        group = q.shape[1] // num_kv_heads
-        # [num_seqs, num_kv_heads, padded_len, head_dim]
-        k_ctx = k_cache[blocks].reshape(num_seqs, padded_len, num_kv_heads, head_dim
-                                        ).transpose(0, 2, 1, 3)
-        v_ctx = v_cache[blocks].reshape(num_seqs, padded_len, num_kv_heads, head_dim
-                                        ).transpose(0, 2, 1, 3)
-        q_g = q.reshape(num_seqs, num_kv_heads, group, head_dim)
-        scores = q_g @ k_ctx.transpose(0, 1, 3, 2)  # [num_seqs, num_kv_heads, group, padded]
-        scores *= np.float32(scale)
-        invisible = np.arange(padded_len) >= context_lens[:, None]  # [num_seqs, padded_len]
-        if sliding_window is not None:  # the query sits at context_len - 1
-            invisible |= np.arange(padded_len) <= context_lens[:, None] - 1 - sliding_window
-        scores[np.broadcast_to(invisible[:, None, None, :], scores.shape)] = -np.inf
-        scores -= scores.max(axis=-1, keepdims=True)
-        probs = np.exp(scores)
-        probs /= probs.sum(axis=-1, keepdims=True)
-        out = probs @ v_ctx  # [num_seqs, num_kv_heads, group, head_dim]
-        return out.reshape(q.shape).astype(np.float32, copy=False)

@@ -1,0 +1,749 @@
+// cpu_ops_kernels.h: the non-GEMM ops of a decoder layer on the cpu bf16 backend, one pass each
+// (pyx/cpu_ops.pyx wraps them; runtime/backends/numpy_ops.py is the reference and the contract).
+//
+// Everything is float32 in and out, strides in elements (float or int32), the last dimension of
+// every float array contiguous. The wrapper validates shapes, dtypes and index ranges before any
+// kernel runs (check_rotary_indices / check_decode_tables below do the index checks in one pass),
+// so the kernels themselves trust their inputs.
+//
+//   rms_norm_rows(x [rows, hidden] row stride ldx, weight [hidden], eps, out [rows, hidden] ldo)
+//       out = x * (1 / sqrt(mean(x^2) + eps)) * weight, per row
+//   fused_add_rms_norm_rows(x [rows, hidden] ldx, residual [rows, hidden] ldr, weight [hidden],
+//                           eps, out [rows, hidden] ldo, new_residual [rows, hidden] ldn)
+//       new_residual = x + residual; out = rms_norm(new_residual). One read of x and residual:
+//       the sum of squares is taken as the sum is stored, the scaling pass reads the row back
+//       from L1 (a row of 576 floats is 2.3 KB).
+//   act_and_mul_rows(kind, gate_up [rows, 2 * inter] ldg, inter, out [rows, inter] ldo)
+//       kind ACT_SILU: out = g / (1 + exp(-g)) * up
+//       kind ACT_GELU_TANH: out = 0.5 g (1 + tanh(c0 (g + c1 g^3))) * up, computed as
+//           g / (1 + exp(-2 c0 (g + c1 g^3))) * up (1 + tanh(y) = 2 sigmoid(2y): no cancellation,
+//           and exp's overflow gives the right limits 0 and g)
+//   rotary_cache_write(q [T, H, D] strides (sq0, sq1, 1), k [T, KV, D] (sk0, sk1, 1),
+//                      v [T, KV, D] (sv0, sv1, 1), positions [T] int32, cos_sin [P, D] contiguous
+//                      rows [cos(D/2) | sin(D/2)], k_cache, v_cache [NB, BS, KV, D] strides
+//                      (sc0, sc1, sc2, 1), slot_mapping [T] int32, q_rot [T, H, D] contiguous,
+//                      k_rot [T, KV, D] contiguous)
+//       rotate_half rotation of q and k (pair i = dims i and i + D/2); k_rot and raw v written at
+//       slot s (block s / BS, offset s % BS) unless s < 0 (padding). q/k/v may be strided views
+//       of the fused qkv GEMM output: no copies.
+//   paged_decode_attention(q [S, H, D] strides (sq0, sq1, 1), k_cache, v_cache [NB, BS, KV, D]
+//                          strides (sc0, sc1, sc2, 1), block_tables [S, max_blocks] int32 row
+//                          stride ldb, context_lens [S] int32 >= 1, scale, has_window,
+//                          sliding_window, out [S, H, D] contiguous)
+//       One query (position context_len - 1) per sequence; query head h reads kv head
+//       h / (H / KV). Only tokens [first, context_len) are read, first = 0 without a window
+//       (has_window 0), max(0, context_len - sliding_window) with one: cache slots past
+//       context_len (and before the window) are never touched, so a NaN there cannot leak in.
+//       A window <= 0 sees nothing: NaN, as numpy's masked softmax. Online softmax in runs of
+//       up to 16 tokens (a run never crosses a cache block): the run's scores, a new running
+//       max per head, accumulator and running sum rescaled by exp(old_max - new_max), then
+//       p = exp(score - new_max) accumulated with the run's v rows. Every k and v row is loaded
+//       once per kv head, serving all the group's query heads.
+//       AVX512 for D = 32, 64, 128 (decode_seq_avx512): per sequence, runs in context order and
+//       within a run every kv head, so each block is read front to back once; the group's
+//       accumulators in zmm registers for the run (up to 8 / 6 / 3 heads per pass); the next
+//       run's rows prefetched into L2. Other D (masked tails) and the portable path: per
+//       (sequence, kv head), accumulators in a scratch row.
+//
+// Paths: AVX512F (per-function target attributes, chosen at run time, so the module builds for
+// any x86-64) and a portable scalar one. exp: the AVX512 path uses exp_avx512 (Cephes' expf
+// range reduction and degree-6 polynomial, scaled with vscalefps; relative error < 2e-7 over
+// the float range, NaN kept); the portable path calls expf. Summation orders differ from
+// numpy's (16-lane partial sums, FMA): results agree to float32 rounding, not bit for bit.
+// Single-threaded.
+//
+// Measured (benchmarks/host/bench_cpu_ops.py: default model's shapes, one layer's non-GEMM
+// calls, median us, numpy_ops -> AVX512 path; one core of a noisy 2-core Zen 4 VM, 2026-12-02):
+//   context 64:  1 row 175 -> 35,  8 rows 689 -> 81,   32 rows 2818 -> 189
+//   context 512: 1 row 250 -> 68,  8 rows 3141 -> 372, 32 rows 12731 -> 3939
+// Decode attention dominates at 32 x 512 (3.9 ms of 25 MB of scattered k/v; a plain read of the
+// same blocks takes 1.4-1.7 ms here, the compute alone ~1.1 ms). Engine, batch-1 decode
+// (bench_engine.py concurrency, bf16, same build, numpy ops vs these, paired runs): 1.5-1.65x
+// tok/s at 1 sequence, 1.2-1.4x at 8 and 32.
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+
+#include <algorithm>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define PAGEDRUN_OPS_X86 1
+#else
+#define PAGEDRUN_OPS_X86 0
+#endif
+
+namespace pagedrun_ops {
+
+constexpr int PATH_PORTABLE = 0;
+constexpr int PATH_AVX512 = 1;
+constexpr int ACT_SILU = 0;
+constexpr int ACT_GELU_TANH = 1;
+// numpy_ops' GELU constants: sqrt(2 / pi) and the cubic coefficient.
+constexpr float GELU_C0 = 0.7978845608028654f;
+constexpr float GELU_C1 = 0.044715f;
+
+static inline int cpu_has_avx512f() {
+#if PAGEDRUN_OPS_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f");
+#else
+    return 0;
+#endif
+}
+
+// ------------------------------------------------------------------------- index checks
+// One pass each, before any write or read through the indices (numpy_ops raises before it
+// writes, so these do too). Return 0 when all is well, else an error code the wrapper turns
+// into numpy_ops' message.
+
+constexpr int ERR_POSITION = 1;       // a position outside [0, max_position)
+constexpr int ERR_SLOT_RANGE = 2;     // *value: the largest slot
+constexpr int ERR_SLOT_DUPLICATE = 3;
+constexpr int ERR_CONTEXT_LEN = 4;    // *seq, *value: context_len < 1
+constexpr int ERR_CAPACITY = 5;       // *seq, *value: context_len > max_blocks * block_size
+constexpr int ERR_BLOCK_ID = 6;       // *seq: a block id outside [0, num_blocks)
+
+static inline int check_rotary_indices(const int32_t* positions, const int32_t* slots, int T,
+                                       int max_position, long num_slots, long* value) {
+    for (int t = 0; t < T; ++t)
+        if (positions[t] < 0 || positions[t] >= max_position) return ERR_POSITION;
+    long max_slot = -1;
+    int num_valid = 0;
+    for (int t = 0; t < T; ++t) {
+        if (slots[t] >= 0) ++num_valid;
+        if (slots[t] > max_slot) max_slot = slots[t];
+    }
+    if (max_slot >= num_slots) {
+        *value = max_slot;
+        return ERR_SLOT_RANGE;
+    }
+    if (num_valid > 1) {
+        std::vector<int32_t> sorted;
+        sorted.reserve(num_valid);
+        for (int t = 0; t < T; ++t)
+            if (slots[t] >= 0) sorted.push_back(slots[t]);
+        std::sort(sorted.begin(), sorted.end());
+        for (int i = 1; i < num_valid; ++i)
+            if (sorted[i] == sorted[i - 1]) return ERR_SLOT_DUPLICATE;
+    }
+    return 0;
+}
+
+// numpy_ops.paged_decode_attention's order: sequence by sequence, context_len >= 1, then the
+// table's capacity, then the ids of the blocks holding positions [0, context_len) -- all of
+// them, those before a sliding window too, as numpy gathers the whole context.
+static inline int check_decode_tables(const int32_t* block_tables, long ldb, int max_blocks,
+                                      const int32_t* context_lens, int S, int num_blocks,
+                                      int block_size, int* seq, long* value) {
+    for (int s = 0; s < S; ++s) {
+        const long context_len = context_lens[s];
+        *seq = s;
+        *value = context_len;
+        if (context_len < 1) return ERR_CONTEXT_LEN;
+        if (context_len > (long)max_blocks * block_size) return ERR_CAPACITY;
+        const int used = (int)((context_len + block_size - 1) / block_size);
+        const int32_t* row = block_tables + (long)s * ldb;
+        for (int b = 0; b < used; ++b)
+            if (row[b] < 0 || row[b] >= num_blocks) return ERR_BLOCK_ID;
+    }
+    return 0;
+}
+
+// ------------------------------------------------------------------------- portable path
+
+static inline float row_inv_rms(float sum_sq, int hidden, float eps) {
+    // numpy: mean in float32, + eps, sqrt, 1 / (all float32).
+    return 1.0f / sqrtf(sum_sq / (float)hidden + eps);
+}
+
+static inline void rms_norm_scalar(const float* x, long ldx, const float* w, int rows,
+                                   int hidden, float eps, float* out, long ldo) {
+    for (int r = 0; r < rows; ++r) {
+        const float* xr = x + r * ldx;
+        float* o = out + r * ldo;
+        float sum = 0.0f;
+        for (int i = 0; i < hidden; ++i) sum += xr[i] * xr[i];
+        const float inv = row_inv_rms(sum, hidden, eps);
+        for (int i = 0; i < hidden; ++i) o[i] = xr[i] * inv * w[i];
+    }
+}
+
+static inline void fused_add_rms_norm_scalar(const float* x, long ldx, const float* res,
+                                             long ldr, const float* w, int rows, int hidden,
+                                             float eps, float* out, long ldo, float* new_res,
+                                             long ldn) {
+    for (int r = 0; r < rows; ++r) {
+        const float* xr = x + r * ldx;
+        const float* rr = res + r * ldr;
+        float* nr = new_res + r * ldn;
+        float* o = out + r * ldo;
+        float sum = 0.0f;
+        for (int i = 0; i < hidden; ++i) {
+            const float h = xr[i] + rr[i];
+            nr[i] = h;
+            sum += h * h;
+        }
+        const float inv = row_inv_rms(sum, hidden, eps);
+        for (int i = 0; i < hidden; ++i) o[i] = nr[i] * inv * w[i];
+    }
+}
+
+static inline void act_and_mul_scalar(int kind, const float* gate_up, long ldg, int rows,
+                                      int inter, float* out, long ldo) {
+    for (int r = 0; r < rows; ++r) {
+        const float* g = gate_up + r * ldg;
+        const float* u = g + inter;
+        float* o = out + r * ldo;
+        if (kind == ACT_SILU) {
+            for (int i = 0; i < inter; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        } else {
+            for (int i = 0; i < inter; ++i) {
+                const float x = g[i];
+                const float inner = GELU_C0 * (x + GELU_C1 * x * x * x);
+                o[i] = x / (1.0f + expf(-2.0f * inner)) * u[i];
+            }
+        }
+    }
+}
+
+// One head: out_lo = lo cos - hi sin, out_hi = hi cos + lo sin.
+static inline void rotate_head_scalar(const float* x, const float* cos_row, const float* sin_row,
+                                      int half, float* out) {
+    for (int i = 0; i < half; ++i) {
+        const float lo = x[i], hi = x[i + half];
+        out[i] = lo * cos_row[i] - hi * sin_row[i];
+        out[i + half] = hi * cos_row[i] + lo * sin_row[i];
+    }
+}
+
+// ------------------------------------------------------------------------- AVX512F path
+#if PAGEDRUN_OPS_X86
+#define PAGEDRUN_AVX512_TARGET __attribute__((target("avx512f")))
+
+static inline __mmask16 PAGEDRUN_AVX512_TARGET tail_mask(int n) {
+    return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
+}
+
+// e^x: x = n ln2 + r, |r| <= ln2 / 2 (ln2 split in two for an exact n ln2), e^r by Cephes'
+// polynomial, then 2^n by vscalefps (which overflows to inf and underflows to 0 by itself).
+// The clamp to [-104, 89] keeps r small for huge |x| (e^-104 and e^89 are already 0 / inf in
+// float32); max/min take x as their second operand so a NaN passes through.
+PAGEDRUN_AVX512_TARGET static inline __m512 exp_avx512(__m512 x) {
+    x = _mm512_min_ps(_mm512_set1_ps(89.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+// The sum of squares of n floats, 16 lanes (a shorter chain than numpy's pairwise sum, as good).
+PAGEDRUN_AVX512_TARGET static inline float sum_sq_avx512(const float* x, int n) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 32 <= n; i += 32) {
+        const __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
+        acc0 = _mm512_fmadd_ps(a, a, acc0);
+        acc1 = _mm512_fmadd_ps(b, b, acc1);
+    }
+    for (; i < n; i += 16) {
+        const __m512 a = _mm512_maskz_loadu_ps(tail_mask(n - i), x + i);
+        acc0 = _mm512_fmadd_ps(a, a, acc0);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+
+// o = x * inv * w over n floats.
+PAGEDRUN_AVX512_TARGET static inline void scale_row_avx512(const float* x, float inv,
+                                                           const float* w, int n, float* o) {
+    const __m512 s = _mm512_set1_ps(inv);
+    for (int i = 0; i < n; i += 16) {
+        const __mmask16 m = tail_mask(n - i);
+        const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), s);
+        _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, w + i)));
+    }
+}
+
+PAGEDRUN_AVX512_TARGET static void rms_norm_avx512(const float* x, long ldx, const float* w,
+                                                   int rows, int hidden, float eps, float* out,
+                                                   long ldo) {
+    for (int r = 0; r < rows; ++r) {
+        const float* xr = x + r * ldx;
+        scale_row_avx512(xr, row_inv_rms(sum_sq_avx512(xr, hidden), hidden, eps), w, hidden,
+                         out + r * ldo);
+    }
+}
+
+PAGEDRUN_AVX512_TARGET static void fused_add_rms_norm_avx512(const float* x, long ldx,
+                                                             const float* res, long ldr,
+                                                             const float* w, int rows, int hidden,
+                                                             float eps, float* out, long ldo,
+                                                             float* new_res, long ldn) {
+    for (int r = 0; r < rows; ++r) {
+        const float* xr = x + r * ldx;
+        const float* rr = res + r * ldr;
+        float* nr = new_res + r * ldn;
+        __m512 acc = _mm512_setzero_ps();
+        for (int i = 0; i < hidden; i += 16) {
+            const __mmask16 m = tail_mask(hidden - i);
+            const __m512 h = _mm512_add_ps(_mm512_maskz_loadu_ps(m, xr + i),
+                                           _mm512_maskz_loadu_ps(m, rr + i));
+            _mm512_mask_storeu_ps(nr + i, m, h);
+            acc = _mm512_fmadd_ps(h, h, acc);
+        }
+        scale_row_avx512(nr, row_inv_rms(_mm512_reduce_add_ps(acc), hidden, eps), w, hidden,
+                         out + r * ldo);
+    }
+}
+
+PAGEDRUN_AVX512_TARGET static void act_and_mul_avx512(int kind, const float* gate_up, long ldg,
+                                                      int rows, int inter, float* out,
+                                                      long ldo) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 c0x2 = _mm512_set1_ps(-2.0f * GELU_C0), c1 = _mm512_set1_ps(GELU_C1);
+    for (int r = 0; r < rows; ++r) {
+        const float* g = gate_up + r * ldg;
+        const float* u = g + inter;
+        float* o = out + r * ldo;
+        for (int i = 0; i < inter; i += 16) {
+            const __mmask16 m = tail_mask(inter - i);
+            const __m512 x = _mm512_maskz_loadu_ps(m, g + i);
+            __m512 arg;  // the exponent of the sigmoid's denominator
+            if (kind == ACT_SILU) {
+                arg = _mm512_sub_ps(_mm512_setzero_ps(), x);
+            } else {
+                const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+                arg = _mm512_mul_ps(c0x2, _mm512_fmadd_ps(c1, x3, x));
+            }
+            const __m512 act = _mm512_div_ps(x, _mm512_add_ps(one, exp_avx512(arg)));
+            _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(act, _mm512_maskz_loadu_ps(m, u + i)));
+        }
+    }
+}
+
+PAGEDRUN_AVX512_TARGET static inline void rotate_head_avx512(const float* x, const float* cos_row,
+                                                             const float* sin_row, int half,
+                                                             float* out) {
+    for (int i = 0; i < half; i += 16) {
+        const __mmask16 m = tail_mask(half - i);
+        const __m512 lo = _mm512_maskz_loadu_ps(m, x + i);
+        const __m512 hi = _mm512_maskz_loadu_ps(m, x + half + i);
+        const __m512 c = _mm512_maskz_loadu_ps(m, cos_row + i);
+        const __m512 s = _mm512_maskz_loadu_ps(m, sin_row + i);
+        _mm512_mask_storeu_ps(out + i, m,
+                              _mm512_sub_ps(_mm512_mul_ps(lo, c), _mm512_mul_ps(hi, s)));
+        _mm512_mask_storeu_ps(out + half + i, m,
+                              _mm512_add_ps(_mm512_mul_ps(hi, c), _mm512_mul_ps(lo, s)));
+    }
+}
+#endif
+
+// ------------------------------------------------------------------------- dispatch: norms, MLP
+
+static inline void rms_norm_rows(int path, const float* x, long ldx, const float* w, int rows,
+                                 int hidden, float eps, float* out, long ldo) {
+#if PAGEDRUN_OPS_X86
+    if (path == PATH_AVX512) return rms_norm_avx512(x, ldx, w, rows, hidden, eps, out, ldo);
+#endif
+    rms_norm_scalar(x, ldx, w, rows, hidden, eps, out, ldo);
+}
+
+static inline void fused_add_rms_norm_rows(int path, const float* x, long ldx, const float* res,
+                                           long ldr, const float* w, int rows, int hidden,
+                                           float eps, float* out, long ldo, float* new_res,
+                                           long ldn) {
+#if PAGEDRUN_OPS_X86
+    if (path == PATH_AVX512)
+        return fused_add_rms_norm_avx512(x, ldx, res, ldr, w, rows, hidden, eps, out, ldo,
+                                         new_res, ldn);
+#endif
+    fused_add_rms_norm_scalar(x, ldx, res, ldr, w, rows, hidden, eps, out, ldo, new_res, ldn);
+}
+
+static inline void act_and_mul_rows(int path, int kind, const float* gate_up, long ldg, int rows,
+                                    int inter, float* out, long ldo) {
+#if PAGEDRUN_OPS_X86
+    if (path == PATH_AVX512) return act_and_mul_avx512(kind, gate_up, ldg, rows, inter, out, ldo);
+#endif
+    act_and_mul_scalar(kind, gate_up, ldg, rows, inter, out, ldo);
+}
+
+// ------------------------------------------------------------------------- rotary + cache write
+
+static inline void copy_row(const float* src, int n, float* dst) {
+    for (int i = 0; i < n; ++i) dst[i] = src[i];
+}
+
+static inline void rotary_cache_write(int path, const float* q, long sq0, long sq1,
+                                      const float* k, long sk0, long sk1, const float* v,
+                                      long sv0, long sv1, const int32_t* positions,
+                                      const float* cos_sin, const int32_t* slots, int T, int H,
+                                      int KV, int D, float* k_cache, float* v_cache, long sc0,
+                                      long sc1, long sc2, int block_size, float* q_rot,
+                                      float* k_rot) {
+    const int half = D / 2;
+    for (int t = 0; t < T; ++t) {
+        const float* cos_row = cos_sin + (long)positions[t] * D;
+        const float* sin_row = cos_row + half;
+        for (int h = 0; h < H + KV; ++h) {
+            const bool is_q = h < H;
+            const float* src = is_q ? q + t * sq0 + h * sq1 : k + t * sk0 + (h - H) * sk1;
+            float* dst = is_q ? q_rot + ((long)t * H + h) * D : k_rot + ((long)t * KV + h - H) * D;
+#if PAGEDRUN_OPS_X86
+            if (path == PATH_AVX512) {
+                rotate_head_avx512(src, cos_row, sin_row, half, dst);
+                continue;
+            }
+#endif
+            rotate_head_scalar(src, cos_row, sin_row, half, dst);
+        }
+        const long slot = slots[t];
+        if (slot < 0) continue;
+        const long base = slot / block_size * sc0 + slot % block_size * sc1;
+        for (int h = 0; h < KV; ++h) {
+            copy_row(k_rot + ((long)t * KV + h) * D, D, k_cache + base + h * sc2);
+            copy_row(v + t * sv0 + h * sv1, D, v_cache + base + h * sc2);
+        }
+    }
+}
+
+// ------------------------------------------------------------------------- decode attention
+// Per (sequence, kv head): the group's query heads, an accumulator [group][D], a running max
+// and sum per head, and the scores of one block [group][block_size] (the caller's scratch).
+
+struct DecodeGroup {
+    const float* q;     // first query head of the group; heads sq1 apart
+    long sq1;
+    int group, D;
+    float scale;
+    float* acc;         // [group][D]
+    float* m;           // [group] running max
+    float* l;           // [group] running sum
+    float* scores;      // [group][block_size]
+};
+
+// One block's tokens [t0, t1): k rows at k_rows + (t - t0) * sc1, v likewise.
+static inline void decode_block_scalar(DecodeGroup& g, const float* k_rows, const float* v_rows,
+                                       long sc1, int n) {
+    const int D = g.D;
+    for (int j = 0; j < g.group; ++j) {
+        const float* qj = g.q + j * g.sq1;
+        float* sj = g.scores + (long)j * n;
+        float block_max = -INFINITY;
+        for (int t = 0; t < n; ++t) {
+            const float* kt = k_rows + t * sc1;
+            float dot = 0.0f;
+            for (int d = 0; d < D; ++d) dot += qj[d] * kt[d];
+            sj[t] = dot * g.scale;
+            block_max = sj[t] > block_max ? sj[t] : block_max;
+        }
+        const float m_new = block_max > g.m[j] ? block_max : g.m[j];
+        const float correction = g.m[j] == -INFINITY ? 0.0f : expf(g.m[j] - m_new);
+        g.m[j] = m_new;
+        float* aj = g.acc + (long)j * D;
+        for (int d = 0; d < D; ++d) aj[d] *= correction;
+        float sum = 0.0f;
+        for (int t = 0; t < n; ++t) {
+            const float p = expf(sj[t] - m_new);
+            sum += p;
+            const float* vt = v_rows + t * sc1;
+            for (int d = 0; d < D; ++d) aj[d] += p * vt[d];
+        }
+        g.l[j] = g.l[j] * correction + sum;
+    }
+}
+
+#if PAGEDRUN_OPS_X86
+// The AVX512 block for any D (masked tails): each k row is loaded once for all the group's
+// heads, each v row once; exp runs on 16 scores at a time. Accumulators live in memory (L1):
+// the fallback for head sizes without a register-resident instantiation below.
+PAGEDRUN_AVX512_TARGET static void decode_block_avx512(DecodeGroup& g, const float* k_rows,
+                                                       const float* v_rows, long sc1, int n) {
+    const int D = g.D, group = g.group;
+    float* scores = g.scores;
+    const float scale = g.scale;
+    for (int t = 0; t < n; ++t) {
+        const float* kt = k_rows + t * sc1;
+        for (int j = 0; j < group; ++j) {
+            const float* qj = g.q + j * g.sq1;
+            __m512 acc = _mm512_setzero_ps();
+            for (int d = 0; d < D; d += 16) {
+                const __mmask16 m = tail_mask(D - d);
+                acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, qj + d),
+                                      _mm512_maskz_loadu_ps(m, kt + d), acc);
+            }
+            scores[(long)j * n + t] = _mm512_reduce_add_ps(acc) * scale;
+        }
+    }
+    for (int j = 0; j < group; ++j) {
+        float* sj = scores + (long)j * n;
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        for (int t = 0; t < n; t += 16)
+            vmax = _mm512_mask_max_ps(vmax, tail_mask(n - t), vmax,
+                                      _mm512_maskz_loadu_ps(tail_mask(n - t), sj + t));
+        const float block_max = _mm512_reduce_max_ps(vmax);
+        const float m_new = block_max > g.m[j] ? block_max : g.m[j];
+        const float correction = g.m[j] == -INFINITY ? 0.0f : expf(g.m[j] - m_new);
+        g.m[j] = m_new;
+        const __m512 vm = _mm512_set1_ps(m_new);
+        __m512 vsum = _mm512_setzero_ps();
+        for (int t = 0; t < n; t += 16) {
+            const __mmask16 m = tail_mask(n - t);
+            const __m512 p = _mm512_maskz_mov_ps(
+                m, exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sj + t), vm)));
+            _mm512_mask_storeu_ps(sj + t, m, p);
+            vsum = _mm512_add_ps(vsum, p);
+        }
+        g.l[j] = g.l[j] * correction + _mm512_reduce_add_ps(vsum);
+        if (correction != 1.0f) {
+            float* aj = g.acc + (long)j * D;
+            const __m512 c = _mm512_set1_ps(correction);
+            for (int d = 0; d < D; d += 16) {
+                const __mmask16 m = tail_mask(D - d);
+                _mm512_mask_storeu_ps(aj + d, m,
+                                      _mm512_mul_ps(_mm512_maskz_loadu_ps(m, aj + d), c));
+            }
+        }
+    }
+    for (int t = 0; t < n; ++t) {
+        const float* vt = v_rows + t * sc1;
+        for (int d = 0; d < D; d += 16) {
+            const __mmask16 m = tail_mask(D - d);
+            const __m512 vv = _mm512_maskz_loadu_ps(m, vt + d);
+            for (int j = 0; j < group; ++j) {
+                float* aj = g.acc + (long)j * D + d;
+                const __m512 p = _mm512_set1_ps(scores[(long)j * n + t]);
+                _mm512_mask_storeu_ps(aj, m, _mm512_fmadd_ps(p, vv, _mm512_maskz_loadu_ps(m, aj)));
+            }
+        }
+    }
+}
+
+// One run of n <= 16 tokens (inside one cache block) for G query heads of one kv head, D =
+// 16 NC: the heads' state (accumulators [G][D], running max m and sum l) is loaded into
+// registers, updated and stored back. G x n scores (one k row load serves all G heads), one
+// online-softmax step per head (new running max, rescale by exp(old - new)), then the run's v
+// rows (one load serves all G heads).
+template <int NC, int G>
+PAGEDRUN_AVX512_TARGET static inline void decode_run_avx512(const float* q, long sq1,
+                                                            const float* k_rows,
+                                                            const float* v_rows, long sc1, int n,
+                                                            float scale, float* acc_mem,
+                                                            float* m, float* l) {
+    constexpr int D = 16 * NC;
+    __m512 acc[G][NC];
+    alignas(64) float s[G][16];
+    for (int t = 0; t < n; ++t) {
+        const float* kt = k_rows + t * sc1;
+        __m512 kv[NC];
+#pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) kv[c] = _mm512_loadu_ps(kt + 16 * c);
+#pragma GCC unroll 16
+        for (int j = 0; j < G; ++j) {
+            const float* qj = q + j * sq1;
+            __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qj), kv[0]);
+#pragma GCC unroll 16
+            for (int c = 1; c < NC; ++c)
+                dot = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * c), kv[c], dot);
+            s[j][t] = _mm512_reduce_add_ps(dot);
+        }
+    }
+    const __mmask16 valid = tail_mask(n);
+    const __m512 vscale = _mm512_set1_ps(scale);
+#pragma GCC unroll 16
+    for (int j = 0; j < G; ++j) {
+        const __m512 sj = _mm512_maskz_mul_ps(valid, _mm512_load_ps(s[j]), vscale);
+        const float run_max = _mm512_mask_reduce_max_ps(valid, sj);
+        const float m_new = run_max > m[j] ? run_max : m[j];
+        const float correction = m[j] == -INFINITY ? 0.0f : expf(m[j] - m_new);
+        m[j] = m_new;
+        const __m512 p = _mm512_maskz_mov_ps(
+            valid, exp_avx512(_mm512_sub_ps(sj, _mm512_set1_ps(m_new))));
+        _mm512_store_ps(s[j], p);
+        l[j] = l[j] * correction + _mm512_reduce_add_ps(p);
+        const __m512 vc = _mm512_set1_ps(correction);
+#pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c)
+            acc[j][c] = _mm512_mul_ps(_mm512_loadu_ps(acc_mem + j * D + 16 * c), vc);
+    }
+    for (int t = 0; t < n; ++t) {
+        const float* vt = v_rows + t * sc1;
+#pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) {
+            const __m512 vv = _mm512_loadu_ps(vt + 16 * c);
+#pragma GCC unroll 16
+            for (int j = 0; j < G; ++j)
+                acc[j][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[j][t]), vv, acc[j][c]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int j = 0; j < G; ++j)
+#pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc_mem + j * D + 16 * c, acc[j][c]);
+}
+
+// How far ahead decode_seq_avx512 prefetches k/v rows (into L2), in tokens: the next run.
+// Measured at 32 sequences x 512 tokens (default model shapes, 25 MB of context, one core of a
+// 2-core Zen 4 VM, noisy +-15%): no prefetch 4.2 ms; next run into L1 4.4 ms; next run into L2
+// 3.1-3.9 ms; 32 or 64 tokens ahead into L2 no better. A plain read of the same blocks takes
+// 1.4-1.7 ms (15-18 GB/s), the compute alone ~1.1 ms (32 x the 1-sequence time).
+constexpr long PREFETCH_TOKENS = 16;
+
+// Heads per register-resident run: G x NC accumulators + G broadcasts + one v vector fit in
+// the 32 zmm registers.
+template <int NC>
+constexpr int max_heads_per_run() { return NC >= 8 ? 3 : NC >= 4 ? 6 : 8; }
+
+// One sequence, D = 16 NC: runs of up to 16 tokens in context order, and in each run every kv
+// head and query head, so a block's rows ([block_size][KV][D], contiguous) are read front to
+// back once; the next run's rows are prefetched while this one computes (PREFETCH_TOKENS).
+// state: acc [H][D], m [H], l [H] scratch.
+template <int NC>
+PAGEDRUN_AVX512_TARGET static void decode_seq_avx512(const float* q, long sq1,
+                                                     const float* k_cache, const float* v_cache,
+                                                     long sc0, long sc1, long sc2,
+                                                     int block_size, const int32_t* table,
+                                                     long first, long context_len, int H,
+                                                     int KV, float scale, float* acc,
+                                                     float* m, float* l, float* out) {
+    constexpr int D = 16 * NC;
+    constexpr int G_MAX = max_heads_per_run<NC>();
+    const int group = H / KV;
+    std::fill(acc, acc + (long)H * D, 0.0f);
+    std::fill(m, m + H, -INFINITY);
+    std::fill(l, l + H, 0.0f);
+    for (long t0 = first; t0 < context_len;) {
+        const long b = t0 / block_size;
+        const int n = (int)std::min(16L, std::min(context_len, (b + 1) * block_size) - t0);
+        const long row = (long)table[b] * sc0 + (t0 - b * block_size) * sc1;
+        const long t_next = t0 + n;
+        // Prefetch into L2 the run PREFETCH_TOKENS ahead (see PREFETCH_TOKENS).
+        const long t_pf = t0 + PREFETCH_TOKENS;
+        if (t_pf < context_len) {
+            const long b_pf = t_pf / block_size;
+            const long n_pf = std::min(16L, std::min(context_len, (b_pf + 1) * block_size) - t_pf);
+            const long row_pf = (long)table[b_pf] * sc0 + (t_pf - b_pf * block_size) * sc1;
+            const long span = (n_pf - 1) * sc1 + (KV - 1) * sc2 + D;  // floats
+            for (long f = 0; f < span; f += 16) {
+                _mm_prefetch(reinterpret_cast<const char*>(k_cache + row_pf + f), _MM_HINT_T2);
+                _mm_prefetch(reinterpret_cast<const char*>(v_cache + row_pf + f), _MM_HINT_T2);
+            }
+        }
+        for (int kvh = 0; kvh < KV; ++kvh) {
+            const float* k_rows = k_cache + row + kvh * sc2;
+            const float* v_rows = v_cache + row + kvh * sc2;
+            for (int j0 = 0; j0 < group; j0 += G_MAX) {
+                const int h = kvh * group + j0;
+                const float* qh = q + h * sq1;
+                float* ah = acc + (long)h * D;
+#define PAGEDRUN_HEADS_CASE(G_)                                                              \
+    case G_:                                                                                 \
+        if constexpr (G_ <= G_MAX)                                                           \
+            decode_run_avx512<NC, G_>(qh, sq1, k_rows, v_rows, sc1, n, scale, ah, m + h,     \
+                                      l + h);                                                \
+        break;
+                switch (std::min(G_MAX, group - j0)) {
+                    PAGEDRUN_HEADS_CASE(1)
+                    PAGEDRUN_HEADS_CASE(2)
+                    PAGEDRUN_HEADS_CASE(3)
+                    PAGEDRUN_HEADS_CASE(4)
+                    PAGEDRUN_HEADS_CASE(5)
+                    PAGEDRUN_HEADS_CASE(6)
+                    PAGEDRUN_HEADS_CASE(7)
+                    PAGEDRUN_HEADS_CASE(8)
+                    default: break;
+                }
+#undef PAGEDRUN_HEADS_CASE
+            }
+        }
+        t0 = t_next;
+    }
+    // An empty window (sliding_window <= 0): 0 / 0 = NaN, as numpy's softmax.
+    for (int h = 0; h < H; ++h) {
+        const float inv = first < context_len ? 1.0f / l[h] : NAN;
+        for (int d = 0; d < D; ++d) out[(long)h * D + d] = acc[(long)h * D + d] * inv;
+    }
+}
+#endif
+
+// has_window 0: every position [0, context_len) is visible.
+static inline void paged_decode_attention(int path, const float* q, long sq0, long sq1,
+                                          const float* k_cache, const float* v_cache, long sc0,
+                                          long sc1, long sc2, int block_size,
+                                          const int32_t* block_tables, long ldb,
+                                          const int32_t* context_lens, int S, int H, int KV,
+                                          int D, float scale, int has_window,
+                                          long sliding_window, float* out) {
+    const int group = H / KV;
+    std::vector<float> scratch((size_t)group * (D + 2 + block_size));
+    DecodeGroup g;
+    g.sq1 = sq1;
+    g.group = group;
+    g.D = D;
+    g.scale = scale;
+    g.acc = scratch.data();
+    g.m = g.acc + (long)group * D;
+    g.l = g.m + group;
+    g.scores = g.l + group;
+    std::vector<float> acc_all((size_t)H * (D + 2));  // the AVX512 runs' state: acc, m, l
+    for (int s = 0; s < S; ++s) {
+        const long context_len = context_lens[s];
+        const long first = has_window ? std::max(0L, context_len - sliding_window) : 0;
+        const int32_t* table = block_tables + (long)s * ldb;
+#if PAGEDRUN_OPS_X86
+        if (path == PATH_AVX512 && (D == 32 || D == 64 || D == 128)) {
+            const float* qs = q + s * sq0;
+            float* os = out + (long)s * H * D;
+            float* m = acc_all.data() + (long)H * D;
+            float* l = m + H;
+            if (D == 32)
+                decode_seq_avx512<2>(qs, sq1, k_cache, v_cache, sc0, sc1, sc2, block_size, table,
+                                     first, context_len, H, KV, scale, acc_all.data(), m, l, os);
+            else if (D == 64)
+                decode_seq_avx512<4>(qs, sq1, k_cache, v_cache, sc0, sc1, sc2, block_size, table,
+                                     first, context_len, H, KV, scale, acc_all.data(), m, l, os);
+            else
+                decode_seq_avx512<8>(qs, sq1, k_cache, v_cache, sc0, sc1, sc2, block_size, table,
+                                     first, context_len, H, KV, scale, acc_all.data(), m, l, os);
+            continue;
+        }
+#endif
+        for (int kvh = 0; kvh < KV; ++kvh) {
+            g.q = q + s * sq0 + (long)kvh * group * sq1;
+            std::fill(g.acc, g.acc + (long)group * D, 0.0f);
+            std::fill(g.m, g.m + group, -INFINITY);
+            std::fill(g.l, g.l + group, 0.0f);
+            for (long t0 = first; t0 < context_len;) {
+                const long b = t0 / block_size;
+                const long t1 = std::min(context_len, (b + 1) * block_size);
+                const long row = (long)table[b] * sc0 + (t0 - b * block_size) * sc1 + kvh * sc2;
+#if PAGEDRUN_OPS_X86
+                if (path == PATH_AVX512)
+                    decode_block_avx512(g, k_cache + row, v_cache + row, sc1, (int)(t1 - t0));
+                else
+#endif
+                    decode_block_scalar(g, k_cache + row, v_cache + row, sc1, (int)(t1 - t0));
+                t0 = t1;
+            }
+            for (int j = 0; j < group; ++j) {
+                // An empty window (sliding_window <= 0): 0 / 0 = NaN, as numpy's softmax.
+                const float inv = first < context_len ? 1.0f / g.l[j] : NAN;
+                float* o = out + ((long)s * H + (long)kvh * group + j) * D;
+                const float* aj = g.acc + (long)j * D;
+                for (int d = 0; d < D; ++d) o[d] = aj[d] * inv;
+            }
+        }
+    }
+}
+
+}  // namespace pagedrun_ops
