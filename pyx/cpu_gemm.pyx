@@ -37,6 +37,7 @@ cdef extern from "cpu_gemm_kernels.h" namespace "pagedrun_gemm" nogil:
         const uint16_t* wp
         const int8_t* wq
         const float* scales
+        int group_pairs
         int N, tile_begin, tile_end
         const float* bias
         float* y
@@ -52,6 +53,10 @@ _PATH_CODE = {"portable": 0, "avx512bf16": 1, "avx2": 2}
 # one-token decode GEMM of SmolLM2 (0.3-1.8 M multiply-adds, 20-100 us) splits; the python
 # pool's queue hand-off (~40 us measured) pays only from 2^22 (~45 us on one Zen 4 core).
 MIN_TILES_PER_THREAD = 4
+# Weights per int8 scale group. On the default model (benchmarks/bench_quant_accuracy.py,
+# perplexity vs bf16): per output channel +0.64%, groups of 128 +0.74%, 64 +0.29%, 32 +0.46%;
+# 64 costs 6% more bytes than per channel (a float32 scale per 64 weights), 32 twice that.
+DEFAULT_INT8_GROUP_SIZE = 64
 MIN_MACS_PER_THREADED_CALL = {"native": 1 << 17, "python": 1 << 22}
 
 cdef int _HAS_BF16 = cpu_has_avx512bf16()
@@ -135,15 +140,18 @@ class PackedWeight:
 
 
 class PackedInt8Weight:
-    """A [N, K] weight quantized to int8 per output channel, in the kernel's tiled layout
-    (cpu_gemm_kernels.h, "int8 weights"): W[n] ~= scales[n] * q[n], q = round(W[n] / scales[n])
-    in [-127, 127], scales[n] = max |W[n]| / 127 (a zero row: scale 0, q 0).
+    """A [N, K] weight quantized to int8 in groups of `group_size` along K (the last group may
+    be short), in the kernel's tiled layout (cpu_gemm_kernels.h, "int8 weights"):
+    W[n, k] ~= scale[n, g] * q[n, k] for k in group g, q = round(W / scale) in [-127, 127],
+    scale[n, g] = max |W[n, group g]| / 127 (an all-zero group: scale 0, q 0).
 
-    packed: [num_tiles, ceil(K / 2), TILE_N, 2] int8, zero past N and K; scales:
-    [num_tiles * TILE_N] float32, zero past N. Non-finite weights are refused.
+    group_size: an even number of weights (default 64; None: one group of all of K, i.e. per
+    output channel). packed: [num_tiles, ceil(K / 2), TILE_N, 2] int8, zero past N and K;
+    scales: [num_tiles, num_groups, TILE_N] float32, zero past N. Non-finite weights are
+    refused.
     """
 
-    def __init__(self, weight):
+    def __init__(self, weight, group_size=DEFAULT_INT8_GROUP_SIZE):
         w = np.asarray(weight, dtype=np.float32)
         if w.ndim != 2:
             raise ValueError(f"weight must be [N, K], got shape {w.shape}")
@@ -152,37 +160,57 @@ class PackedInt8Weight:
             raise ValueError(f"weight must be non-empty, got shape {w.shape}")
         if not np.isfinite(w).all():
             raise ValueError("weight has non-finite values: int8 quantization needs finite ones")
-        q, scales = quantize_int8(w)
         tile = TILE_N
         num_tiles = -(-self.n // tile)
         kp = -(-self.k // 2)
+        if group_size is None:
+            group_size = 2 * kp
+        if group_size < 2 or group_size % 2:
+            raise ValueError(f"group_size must be an even number >= 2, got {group_size}")
+        q, scales = quantize_int8(w, group_size)
+        num_groups = scales.shape[1]
         padded = np.zeros((num_tiles * tile, kp * 2), dtype=np.int8)
         padded[:self.n, :self.k] = q
         self.packed = np.ascontiguousarray(
             padded.reshape(num_tiles, tile, kp, 2).transpose(0, 2, 1, 3))
-        self.scales = np.zeros(num_tiles * tile, dtype=np.float32)
-        self.scales[:self.n] = scales
-        self.num_tiles, self.kp = num_tiles, kp
+        tiled = np.zeros((num_tiles * tile, num_groups), dtype=np.float32)
+        tiled[:self.n] = scales
+        self.scales = np.ascontiguousarray(
+            tiled.reshape(num_tiles, tile, num_groups).transpose(0, 2, 1))
+        self.group_size, self.num_tiles, self.kp = group_size, num_tiles, kp
 
     @property
     def nbytes(self):
         return self.packed.nbytes + self.scales.nbytes
 
-    def dequantized(self):
-        """The [N, K] float32 weight this packing computes with: scales[:, None] * q."""
+    def quantized(self):
+        """(q [N, K] int8, scales [N, num_groups] float32) as packed."""
         q = self.packed.transpose(0, 2, 1, 3).reshape(self.num_tiles * TILE_N, self.kp * 2)
-        return (q[:self.n, :self.k].astype(np.float32)
-                * self.scales[:self.n, None]).astype(np.float32)
+        scales = self.scales.transpose(0, 2, 1).reshape(self.num_tiles * TILE_N, -1)
+        return q[:self.n, :self.k], scales[:self.n]
+
+    def dequantized(self):
+        """The [N, K] float32 weight this packing computes with: scale[n, k // group] * q."""
+        q, scales = self.quantized()
+        per_weight = np.repeat(scales, self.group_size, axis=1)[:, :self.k]
+        return (q.astype(np.float32) * per_weight).astype(np.float32)
 
 
-def quantize_int8(w):
-    """Symmetric per-row int8: w [N, K] float32 -> (q [N, K] int8 in [-127, 127], scales [N]
-    float32) with q = round-half-even(w / scales), scales = max |w| / 127 per row (0: q 0)."""
+def quantize_int8(w, group_size):
+    """Symmetric int8 in groups of `group_size` along each row: w [N, K] float32 -> (q [N, K]
+    int8 in [-127, 127], scales [N, ceil(K / group_size)] float32), q = round-half-even(w /
+    scale), scale = max |w| / 127 over the group (0: q 0)."""
     w = np.asarray(w, dtype=np.float32)
-    scales = (np.abs(w).max(axis=1) / np.float32(127.0)).astype(np.float32)
+    n, k = w.shape
+    num_groups = -(-k // group_size)
+    padded = np.zeros((n, num_groups * group_size), dtype=np.float32)
+    padded[:, :k] = w
+    groups = padded.reshape(n, num_groups, group_size)
+    scales = (np.abs(groups).max(axis=2) / np.float32(127.0)).astype(np.float32)
     safe = np.where(scales > 0, scales, np.float32(1.0))
-    q = np.clip(np.rint(w / safe[:, None]), -127, 127).astype(np.int8)
-    return q, scales
+    q = np.clip(np.rint(groups / safe[:, :, None]), -127, 127).astype(np.int8)
+    return q.reshape(n, -1)[:, :k], scales
+
 
 cdef TileJob _job(const uint16_t[:, ::1] xb, packed, bias, float[:, ::1] y, int path,
                   int tile_begin, int tile_end) except *:
@@ -200,11 +228,13 @@ cdef TileJob _job(const uint16_t[:, ::1] xb, packed, bias, float[:, ::1] y, int 
     job.wp = NULL
     job.wq = NULL
     job.scales = NULL
+    job.group_pairs = 0
     if isinstance(packed, PackedInt8Weight):
         wq = packed.packed.reshape(-1)
-        scales = packed.scales
+        scales = packed.scales.reshape(-1)
         job.wq = &wq[0]
         job.scales = &scales[0]
+        job.group_pairs = packed.group_size // 2
     else:
         wp = packed.packed.reshape(-1)
         job.wp = &wp[0]
@@ -268,7 +298,7 @@ def gemm_bf16(x, packed, bias=None, *, path="auto", threads=2, pool="native"):
 
 
 def gemm_int8(x, packed, bias=None, *, path="auto", threads=2, pool="native"):
-    """y = (bf16(x) @ q.T) * scales (+ bias) for a PackedInt8Weight (W ~= scales[:, None] * q),
+    """y = sum over K groups of (bf16(x_g) @ q_g.T) * scale_g (+ bias) for a PackedInt8Weight,
     float32 accumulation; gemm_bf16's arguments. The "avx2" path runs the portable loop (the
     int8 format has no AVX2 kernel)."""
     if not isinstance(packed, PackedInt8Weight):

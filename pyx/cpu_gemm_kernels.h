@@ -411,38 +411,47 @@ static inline void gemm_tiles(int path, const uint16_t* xb, int M, int kp, const
 }
 
 // ------------------------------------------------------------------------- int8 weights
-// Weight-only int8 (EngineConfig.quantization "int8"): W[n, k] ~= scales[n] * q[n, k], q int8
-// in [-127, 127] (symmetric, per output channel), packed like the bf16 layout at one byte per
-// weight:
+// Weight-only int8 (EngineConfig.quantization "int8"): K is cut into groups of group_pairs
+// pairs (2 * group_pairs weights; the last group may be short) and W[n, k] ~= scale[n, g] *
+// q[n, k] for k in group g, q int8 in [-127, 127] (symmetric). Packed like the bf16 layout at
+// one byte per weight, scales tiled the same way:
 //   wq[num_tiles][kp][TILE_N][2] int8, wq[t][p][j][e] = q[t * TILE_N + j, 2 * p + e], zero past
-//   N and K; scales[num_tiles * TILE_N] float32 (zero past N).
-// y[m, n] = scales[n] * sum_k bf16(x[m, k]) * q[n, k] (+ bias[n]). A 32-byte pair row of a
-// tile widens to the 32 bf16 lanes of one vdpbf16ps operand (int8 -> int32 -> float32 ->
-// bf16, exact: every int8 is a bf16), so the products and the float32 sums are those of the
-// bf16 GEMM with q for W; the scale multiplies the finished sum once. Half the bf16 bytes
-// stream per step, for 5 extra instructions per 32 weights (hidden under the stream at
-// decode sizes).
+//   N and K;
+//   scales[num_tiles][num_groups][TILE_N] float32, num_groups = ceil(kp / group_pairs), zero
+//   past N.
+// y[m, n] = sum_g scale[n, g] * (sum_{k in g} bf16(x[m, k]) * q[n, k]) (+ bias[n]). A 32-byte
+// pair row of a tile widens to the 32 bf16 lanes of one vdpbf16ps operand (int8 -> int32 ->
+// float32 -> bf16, exact: every int8 is a bf16), so a group's sum is the bf16 GEMM's with q for
+// W; one FMA per group and 16 outputs applies its scales. Half the bf16 bytes stream per step
+// (plus 4 bytes of scale per 2 * group_pairs weights).
 
 static inline void gemm_int8_tiles_scalar(const uint16_t* xb, int M, int kp, const int8_t* wq,
-                                          const float* scales, int N, int tile_begin,
-                                          int tile_end, const float* bias, float* y, long ldy) {
+                                          const float* scales, int group_pairs, int N,
+                                          int tile_begin, int tile_end, const float* bias,
+                                          float* y, long ldy) {
     const long tile_bytes = (long)kp * TILE_N * 2;
+    const int num_groups = (kp + group_pairs - 1) / group_pairs;
     for (int t = tile_begin; t < tile_end; ++t) {
         const int8_t* wt = wq + t * tile_bytes;
+        const float* st = scales + (long)t * num_groups * TILE_N;
         const int n0 = t * TILE_N;
         const int width = N - n0 < TILE_N ? N - n0 : TILE_N;
         for (int m = 0; m < M; ++m) {
             const uint16_t* xr = xb + (long)m * kp * 2;
-            float acc[TILE_N] = {0};
-            for (int p = 0; p < kp; ++p) {
-                const float x0 = bf16_to_f32(xr[2 * p]), x1 = bf16_to_f32(xr[2 * p + 1]);
-                const int8_t* w = wt + (long)p * TILE_N * 2;
-                for (int j = 0; j < TILE_N; ++j)
-                    acc[j] += x0 * (float)w[2 * j] + x1 * (float)w[2 * j + 1];
+            float total[TILE_N] = {0};
+            for (int g = 0; g < num_groups; ++g) {
+                const int p1 = (g + 1) * group_pairs < kp ? (g + 1) * group_pairs : kp;
+                float acc[TILE_N] = {0};
+                for (int p = g * group_pairs; p < p1; ++p) {
+                    const float x0 = bf16_to_f32(xr[2 * p]), x1 = bf16_to_f32(xr[2 * p + 1]);
+                    const int8_t* w = wt + (long)p * TILE_N * 2;
+                    for (int j = 0; j < TILE_N; ++j)
+                        acc[j] += x0 * (float)w[2 * j] + x1 * (float)w[2 * j + 1];
+                }
+                for (int j = 0; j < TILE_N; ++j) total[j] += acc[j] * st[g * TILE_N + j];
             }
             float* yr = y + (long)m * ldy + n0;
-            for (int j = 0; j < width; ++j)
-                yr[j] = acc[j] * scales[n0 + j] + (bias ? bias[n0 + j] : 0.0f);
+            for (int j = 0; j < width; ++j) yr[j] = total[j] + (bias ? bias[n0 + j] : 0.0f);
         }
     }
 }
@@ -457,36 +466,59 @@ PAGEDRUN_BF16_TARGET static inline __m512bh int8_pair_row(const int8_t* src) {
     return _mm512_cvtne2ps_pbh(hi, lo);  // lo -> lanes 0-15, hi -> lanes 16-31
 }
 
-// MR_ rows by NR_ tiles over all of K, U_ accumulator sets (2 at decode sizes, so no
-// vdpbf16ps waits on the previous one; 1 when MR_ * NR_ accumulators already hide it).
+// MR_ rows by NR_ tiles over all of K, group by group: U_ accumulator sets per group (2 at
+// decode sizes, so no vdpbf16ps waits on the previous one; 1 when MR_ * NR_ accumulators
+// already hide it), folded into the totals with the group's scales.
 template <int MR_, int NR_, int U_>
 PAGEDRUN_BF16_TARGET static inline void micro_int8_avx512(const uint16_t* xb, int kp,
                                                           const int8_t* wt, long tile_bytes,
-                                                          const float* scales,
+                                                          const float* st, int group_pairs,
                                                           const float* bias, int n0, int N,
                                                           float* y, long ldy) {
-    __m512 acc[U_][MR_][NR_];
+    const int num_groups = (kp + group_pairs - 1) / group_pairs;
+    const long scale_stride = (long)num_groups * TILE_N;  // floats per tile of scales
+    __m512 total[MR_][NR_];
     #pragma GCC unroll 16
-    for (int u = 0; u < U_; ++u)
+    for (int r = 0; r < MR_; ++r)
         #pragma GCC unroll 16
-        for (int r = 0; r < MR_; ++r)
-            #pragma GCC unroll 16
-            for (int c = 0; c < NR_; ++c) acc[u][r][c] = _mm512_setzero_ps();
+        for (int c = 0; c < NR_; ++c) total[r][c] = _mm512_setzero_ps();
     const uint32_t* x32 = reinterpret_cast<const uint32_t*>(xb);  // one pair per uint32
-    for (int p = 0; p < kp; p += U_) {
-        #pragma GCC unroll 2
-        for (int u = 0; u < U_; ++u) {
-            if (u > 0 && p + u >= kp) break;  // an odd last pair
-            __m512bh w[NR_];
+    for (int g = 0; g < num_groups; ++g) {
+        const int p0 = g * group_pairs;
+        const int p1 = p0 + group_pairs < kp ? p0 + group_pairs : kp;
+        __m512 acc[U_][MR_][NR_];
+        #pragma GCC unroll 16
+        for (int u = 0; u < U_; ++u)
             #pragma GCC unroll 16
-            for (int c = 0; c < NR_; ++c)
-                w[c] = int8_pair_row(wt + c * tile_bytes + (long)(p + u) * TILE_N * 2);
-            #pragma GCC unroll 16
-            for (int r = 0; r < MR_; ++r) {
-                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x32[(long)r * kp + p + u]);
+            for (int r = 0; r < MR_; ++r)
+                #pragma GCC unroll 16
+                for (int c = 0; c < NR_; ++c) acc[u][r][c] = _mm512_setzero_ps();
+        for (int p = p0; p < p1; p += U_) {
+            #pragma GCC unroll 2
+            for (int u = 0; u < U_; ++u) {
+                if (u > 0 && p + u >= p1) break;  // an odd last pair of the group
+                __m512bh w[NR_];
                 #pragma GCC unroll 16
                 for (int c = 0; c < NR_; ++c)
-                    acc[u][r][c] = _mm512_dpbf16_ps(acc[u][r][c], xv, w[c]);
+                    w[c] = int8_pair_row(wt + c * tile_bytes + (long)(p + u) * TILE_N * 2);
+                #pragma GCC unroll 16
+                for (int r = 0; r < MR_; ++r) {
+                    const __m512bh xv =
+                        (__m512bh)_mm512_set1_epi32((int)x32[(long)r * kp + p + u]);
+                    #pragma GCC unroll 16
+                    for (int c = 0; c < NR_; ++c)
+                        acc[u][r][c] = _mm512_dpbf16_ps(acc[u][r][c], xv, w[c]);
+                }
+            }
+        }
+        #pragma GCC unroll 16
+        for (int c = 0; c < NR_; ++c) {
+            const __m512 scale = _mm512_loadu_ps(st + c * scale_stride + (long)g * TILE_N);
+            #pragma GCC unroll 16
+            for (int r = 0; r < MR_; ++r) {
+                __m512 sum = acc[0][r][c];
+                if (U_ > 1) sum = _mm512_add_ps(sum, acc[U_ - 1][r][c]);
+                total[r][c] = _mm512_fmadd_ps(sum, scale, total[r][c]);
             }
         }
     }
@@ -495,72 +527,60 @@ PAGEDRUN_BF16_TARGET static inline void micro_int8_avx512(const uint16_t* xb, in
         const int nc = n0 + c * TILE_N;
         const int width = N - nc < TILE_N ? N - nc : TILE_N;
         const __mmask16 mask = (__mmask16)((1u << width) - 1u);
-        const __m512 scale = _mm512_maskz_loadu_ps(mask, scales + nc);
         const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + nc) : _mm512_setzero_ps();
         #pragma GCC unroll 16
-        for (int r = 0; r < MR_; ++r) {
-            __m512 sum = acc[0][r][c];
-            if (U_ > 1) sum = _mm512_add_ps(sum, acc[U_ - 1][r][c]);
-            _mm512_mask_storeu_ps(y + (long)r * ldy + nc, mask, _mm512_fmadd_ps(sum, scale, b));
-        }
+        for (int r = 0; r < MR_; ++r)
+            _mm512_mask_storeu_ps(y + (long)r * ldy + nc, mask, _mm512_add_ps(total[r][c], b));
     }
 }
 
+// Rows of x in blocks of MR_ against NR_ tiles; the remainder rows one instantiation each.
 template <int MR_, int NR_, int U_>
 PAGEDRUN_BF16_TARGET static inline void int8_tile_group(const uint16_t* xb, int M, int kp,
                                                         const int8_t* wt, long tile_bytes,
-                                                        const float* scales,
+                                                        const float* st, int group_pairs,
                                                         const float* bias, int n0, int N,
                                                         float* y, long ldy) {
     const long xrow = (long)kp * 2;
     int m = 0;
     for (; m + MR_ <= M; m += MR_)
-        micro_int8_avx512<MR_, NR_, U_>(xb + m * xrow, kp, wt, tile_bytes, scales, bias, n0,
-                                        N, y + m * ldy, ldy);
+        micro_int8_avx512<MR_, NR_, U_>(xb + m * xrow, kp, wt, tile_bytes, st, group_pairs,
+                                        bias, n0, N, y + m * ldy, ldy);
     const uint16_t* xr = xb + m * xrow;
     float* yr = y + m * ldy;
-    switch (M - m) {  // the remainder rows, one instantiation each
-#define PAGEDRUN_INT8_REST(R) \
-        case R: micro_int8_avx512<R, NR_, 1>(xr, kp, wt, tile_bytes, scales, bias, n0, N, yr, \
-                                             ldy); break;
-        PAGEDRUN_INT8_REST(7) PAGEDRUN_INT8_REST(6) PAGEDRUN_INT8_REST(5)
-        PAGEDRUN_INT8_REST(4) PAGEDRUN_INT8_REST(3) PAGEDRUN_INT8_REST(2)
-        PAGEDRUN_INT8_REST(1)
-#undef PAGEDRUN_INT8_REST
+    switch (M - m) {
+        case 3: micro_int8_avx512<3, NR_, 1>(xr, kp, wt, tile_bytes, st, group_pairs, bias, n0,
+                                             N, yr, ldy); break;
+        case 2: micro_int8_avx512<2, NR_, 1>(xr, kp, wt, tile_bytes, st, group_pairs, bias, n0,
+                                             N, yr, ldy); break;
+        case 1: micro_int8_avx512<1, NR_, 1>(xr, kp, wt, tile_bytes, st, group_pairs, bias, n0,
+                                             N, yr, ldy); break;
         default: break;
     }
 }
 
-// Tiles [tile_begin, tile_end) of y. Decode sizes (M <= SKINNY_MAX_M) stream one tile (M 1-2)
-// or two (3-4) over all of K with two accumulator sets; larger M runs 8-row blocks by two
-// tiles, in passes of rows whose bf16 x stays in L2 while the tiles' int8 panels (<= 48 KB at
-// K 1536) are reused from L1/L2 by every 8-row block.
+// Tiles [tile_begin, tile_end) of y. M 1-2 streams one tile over all of K with two accumulator
+// sets; larger M runs 4-row blocks by two tiles (4 x 2 totals + 4 x 2 x U_ group
+// accumulators must fit the 32 zmm registers), in passes of rows whose bf16 x stays in L2
+// while the tiles' int8 panels (<= 48 KB at K 1536) are reused from L1/L2 by every block.
 PAGEDRUN_BF16_TARGET static void gemm_int8_tiles_avx512(const uint16_t* xb, int M, int kp,
                                                         const int8_t* wq, const float* scales,
-                                                        int N, int tile_begin, int tile_end,
-                                                        const float* bias, float* y,
-                                                        long ldy) {
+                                                        int group_pairs, int N, int tile_begin,
+                                                        int tile_end, const float* bias,
+                                                        float* y, long ldy) {
     const long tile_bytes = (long)kp * TILE_N * 2;
-    if (M <= SKINNY_MAX_M) {
-        int t = tile_begin;
-        if (M <= 2) {
-            for (; t < tile_end; ++t) {
-                const int8_t* wt = wq + t * tile_bytes;
-                if (M == 1)
-                    micro_int8_avx512<1, 1, 2>(xb, kp, wt, tile_bytes, scales, bias, t * TILE_N,
-                                               N, y, ldy);
-                else
-                    micro_int8_avx512<2, 1, 2>(xb, kp, wt, tile_bytes, scales, bias, t * TILE_N,
-                                               N, y, ldy);
-            }
-            return;
+    const long scale_stride = (long)((kp + group_pairs - 1) / group_pairs) * TILE_N;
+    if (M <= 2) {
+        for (int t = tile_begin; t < tile_end; ++t) {
+            const int8_t* wt = wq + t * tile_bytes;
+            const float* st = scales + t * scale_stride;
+            if (M == 1)
+                micro_int8_avx512<1, 1, 2>(xb, kp, wt, tile_bytes, st, group_pairs, bias,
+                                           t * TILE_N, N, y, ldy);
+            else
+                micro_int8_avx512<2, 1, 2>(xb, kp, wt, tile_bytes, st, group_pairs, bias,
+                                           t * TILE_N, N, y, ldy);
         }
-        for (; t + 2 <= tile_end; t += 2)
-            int8_tile_group<4, 2, 2>(xb, M, kp, wq + t * tile_bytes, tile_bytes, scales, bias,
-                                     t * TILE_N, N, y, ldy);
-        if (t < tile_end)
-            int8_tile_group<4, 1, 2>(xb, M, kp, wq + t * tile_bytes, tile_bytes, scales, bias,
-                                     t * TILE_N, N, y, ldy);
         return;
     }
     const int pass_rows = rows_per_pass(kp);
@@ -569,12 +589,14 @@ PAGEDRUN_BF16_TARGET static void gemm_int8_tiles_avx512(const uint16_t* xb, int 
         const uint16_t* xp = xb + (long)m0 * kp * 2;
         float* yp = y + (long)m0 * ldy;
         int t = tile_begin;
-        for (; t + NR <= tile_end; t += NR)
-            int8_tile_group<MR, NR, 1>(xp, rows, kp, wq + t * tile_bytes, tile_bytes, scales,
-                                       bias, t * TILE_N, N, yp, ldy);
+        for (; t + 2 <= tile_end; t += 2)
+            int8_tile_group<4, 2, 1>(xp, rows, kp, wq + t * tile_bytes, tile_bytes,
+                                     scales + t * scale_stride, group_pairs, bias, t * TILE_N,
+                                     N, yp, ldy);
         if (t < tile_end)
-            int8_tile_group<MR, 1, 1>(xp, rows, kp, wq + t * tile_bytes, tile_bytes, scales,
-                                      bias, t * TILE_N, N, yp, ldy);
+            int8_tile_group<4, 1, 1>(xp, rows, kp, wq + t * tile_bytes, tile_bytes,
+                                     scales + t * scale_stride, group_pairs, bias, t * TILE_N,
+                                     N, yp, ldy);
     }
 }
 #endif
@@ -582,16 +604,18 @@ PAGEDRUN_BF16_TARGET static void gemm_int8_tiles_avx512(const uint16_t* xb, int 
 // path 1: AVX512-BF16; anything else the portable loop (the int8 format has no AVX2 kernel:
 // the backend warns on such CPUs).
 static inline void gemm_int8_tiles(int path, const uint16_t* xb, int M, int kp,
-                                   const int8_t* wq, const float* scales, int N,
-                                   int tile_begin, int tile_end, const float* bias, float* y,
-                                   long ldy) {
+                                   const int8_t* wq, const float* scales, int group_pairs,
+                                   int N, int tile_begin, int tile_end, const float* bias,
+                                   float* y, long ldy) {
 #if PAGEDRUN_X86
     if (path == 1) {
-        gemm_int8_tiles_avx512(xb, M, kp, wq, scales, N, tile_begin, tile_end, bias, y, ldy);
+        gemm_int8_tiles_avx512(xb, M, kp, wq, scales, group_pairs, N, tile_begin, tile_end,
+                               bias, y, ldy);
         return;
     }
 #endif
-    gemm_int8_tiles_scalar(xb, M, kp, wq, scales, N, tile_begin, tile_end, bias, y, ldy);
+    gemm_int8_tiles_scalar(xb, M, kp, wq, scales, group_pairs, N, tile_begin, tile_end, bias, y,
+                           ldy);
 }
 
 // ------------------------------------------------------------------------- native helper thread
@@ -613,6 +637,7 @@ struct TileJob {
     const uint16_t* wp;   // bf16 weights, or nullptr with wq (int8) and scales
     const int8_t* wq;
     const float* scales;
+    int group_pairs;      // int8: pairs of K per scale group
     int N, tile_begin, tile_end;
     const float* bias;
     float* y;
@@ -621,8 +646,8 @@ struct TileJob {
 
 static inline void run_job(const TileJob& j) {
     if (j.wq != nullptr)
-        gemm_int8_tiles(j.path, j.xb, j.M, j.kp, j.wq, j.scales, j.N, j.tile_begin, j.tile_end,
-                        j.bias, j.y, j.ldy);
+        gemm_int8_tiles(j.path, j.xb, j.M, j.kp, j.wq, j.scales, j.group_pairs, j.N,
+                        j.tile_begin, j.tile_end, j.bias, j.y, j.ldy);
     else
         gemm_tiles(j.path, j.xb, j.M, j.kp, j.wp, j.N, j.tile_begin, j.tile_end, j.bias, j.y,
                    j.ldy);

@@ -1,10 +1,12 @@
 """CpuInt8Backend: the cpu backend with weight-only int8 GEMMs (EngineConfig.quantization "int8").
 
 Every weight the model passes to `linear` (the fused QKV, o_proj, gate/up, down_proj, the LM
-head, MoE experts) is quantized once, at its first use, to int8 with one float32 scale per
-output channel (symmetric: scale = max |W[n]| / 127, q = round(W[n] / scale)) and packed for
-pagedrun.pyx.cpu_gemm's int8 kernel: y = (bf16(x) @ q.T) * scale (+ bias), float32
-accumulation. A decode step streams one byte per weight instead of the bf16 backend's two.
+head, MoE experts) is quantized once, at its first use, to int8 with one float32 scale per 64
+weights of a row (symmetric: scale = max |W[n, group]| / 127, q = round(W / scale); groups of
+64 measured closest to bf16, cpu_gemm.DEFAULT_INT8_GROUP_SIZE says by how much) and packed for
+pagedrun.pyx.cpu_gemm's int8 kernel: y = sum over groups of (bf16(x_g) @ q_g.T) * scale_g
+(+ bias), float32 accumulation. A decode step streams 1.06 bytes per weight instead of the bf16
+backend's two.
 Everything else (embedding, norms, rotary, attention, the KV cache, LoRA deltas) is the bf16
 backend's, float32.
 

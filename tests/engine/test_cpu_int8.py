@@ -30,16 +30,20 @@ def rng():
     return np.random.default_rng(20261202)
 
 
-def reference_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The definition, row by row in float64: scale = max |w| / 127, q = round(w / scale)."""
+def reference_quantize(w: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The definition, group by group in float64: scale = max |w| / 127, q = round(w / scale)."""
+    n, k = w.shape
+    num_groups = -(-k // group_size)
     q = np.zeros(w.shape, np.int64)
-    scales = np.zeros(w.shape[0], np.float64)
-    for n, row in enumerate(w.astype(np.float64)):
-        top = np.abs(row).max()
-        if top == 0:
-            continue
-        scales[n] = np.float32(top / 127.0)
-        q[n] = np.rint(row / scales[n])
+    scales = np.zeros((n, num_groups), np.float64)
+    for row in range(n):
+        for g in range(num_groups):
+            part = w[row, g * group_size:(g + 1) * group_size].astype(np.float64)
+            top = np.abs(part).max()
+            if top == 0:
+                continue
+            scales[row, g] = np.float32(top / 127.0)
+            q[row, g * group_size:(g + 1) * group_size] = np.rint(part / scales[row, g])
     return q, scales
 
 
@@ -49,42 +53,49 @@ def bf16_values(x: np.ndarray) -> np.ndarray:
 
 
 def check_int8_gemm(y, x, packed, bias):
-    """y against float64 (bf16(x) @ q.T) * scales + bias. bf16 x int8 products are exact in
-    float32, so the error is the float32 sums (Higham's gamma_(K+2), doubled for vdpbf16ps'
-    pairwise adds) scaled by the row's scale, plus the scale multiply and bias add."""
+    """y against float64 sum_g (bf16(x_g) @ q_g.T) * scale_g + bias. bf16 x int8 products are
+    exact in float32, so the error is the float32 sums within a group (Higham's gamma_(G+2),
+    doubled for vdpbf16ps' pairwise adds) times the scales, plus the float32 FMAs folding the
+    groups and the bias add (gamma_(num_groups + 2) of the same magnitudes)."""
     xv = bf16_values(x)
-    q = packed.dequantized().astype(np.float64)  # scales * q, then divided back below
-    scales = packed.scales[:packed.n].astype(np.float64)
-    q_int = np.rint(np.divide(q, scales[:, None], out=np.zeros_like(q),
-                              where=scales[:, None] > 0))
-    ref = (xv @ q_int.T) * scales
-    abs_sum = (np.abs(xv) @ np.abs(q_int).T) * scales
+    q, scales = packed.quantized()
+    q, scales = q.astype(np.float64), scales.astype(np.float64)
+    group = packed.group_size
+    ref = np.zeros((x.shape[0], packed.n))
+    abs_sum = np.zeros_like(ref)
+    for g in range(scales.shape[1]):
+        cols = slice(g * group, (g + 1) * group)
+        ref += (xv[:, cols] @ q[:, cols].T) * scales[:, g]
+        abs_sum += (np.abs(xv[:, cols]) @ np.abs(q[:, cols]).T) * scales[:, g]
     if bias is not None:
         ref += bias.astype(np.float64)
         abs_sum += np.abs(bias.astype(np.float64))
-    n = x.shape[1] + 4
+    n = min(group, x.shape[1]) + scales.shape[1] + 6
     bound = 2 * n * FP32_UNIT_ROUNDOFF / (1 - n * FP32_UNIT_ROUNDOFF) * abs_sum + 1e-30
     assert y.dtype == np.float32 and y.shape == ref.shape
     err = np.abs(y.astype(np.float64) - ref)
     assert np.all(err <= bound), f"max err/bound {np.max(err / bound):.3g}"
 
 
-def test_quantize_matches_definition_and_packing_round_trips(rng):
+@pytest.mark.parametrize("group_size", [None, 64, 32, 6])
+def test_quantize_matches_definition_and_packing_round_trips(rng, group_size):
     w = (rng.standard_normal((37, 53)) * rng.uniform(0.01, 10, (37, 1))).astype(np.float32)
     w[5] = 0.0                                  # a zero row: scale 0, q 0
     w[7, 3] = -np.abs(w[7]).max() * 1.5          # the row's extreme is negative: q -127
-    q, scales = cpu_gemm.quantize_int8(w)
-    ref_q, ref_scales = reference_quantize(w)
+    packed = cpu_gemm.PackedInt8Weight(w, group_size=group_size)
+    q, scales = packed.quantized()
+    group = group_size or 54                     # None: one group of all of K (53, padded 54)
+    assert packed.group_size == group and scales.shape == (37, -(-53 // group))
+    ref_q, ref_scales = reference_quantize(w, group)
     np.testing.assert_array_equal(scales, ref_scales.astype(np.float32))
     # float32 division may land a half-way value one step away from float64's: at most 1.
     assert np.max(np.abs(q.astype(np.int64) - ref_q)) <= 1
     assert np.mean(q.astype(np.int64) != ref_q) < 0.01
     assert q.min() >= -127 and q.max() <= 127 and q[7, 3] == -127
-    assert not q[5].any() and scales[5] == 0
-    packed = cpu_gemm.PackedInt8Weight(w)
-    np.testing.assert_array_equal(packed.dequantized(), q.astype(np.float32) * scales[:, None])
-    # Quantization error: at most half a step per weight.
-    assert np.all(np.abs(packed.dequantized() - w) <= scales[:, None] * 0.5 * (1 + 1e-5))
+    assert not q[5].any() and not scales[5].any()
+    # The round trip: at most half a step per weight.
+    step = np.repeat(scales, group, axis=1)[:, :53]
+    assert np.all(np.abs(packed.dequantized() - w) <= step * 0.5 * (1 + 1e-5))
     assert packed.packed.dtype == np.int8  # one byte per weight (tiles padded to 16 x 2)
 
 
@@ -95,6 +106,8 @@ def test_quantize_refuses_non_finite_and_bad_shapes():
         cpu_gemm.PackedInt8Weight(np.array([[np.inf, 1.0]], np.float32))
     with pytest.raises(ValueError, match=r"\[N, K\]"):
         cpu_gemm.PackedInt8Weight(np.zeros(4, np.float32))
+    with pytest.raises(ValueError, match="group_size"):
+        cpu_gemm.PackedInt8Weight(np.zeros((2, 4), np.float32), group_size=5)
     with pytest.raises(TypeError, match="PackedInt8Weight"):
         cpu_gemm.gemm_int8(np.zeros((1, 4), np.float32),
                            cpu_gemm.PackedWeight(np.zeros((2, 4), np.float32)))
@@ -103,13 +116,16 @@ def test_quantize_refuses_non_finite_and_bad_shapes():
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 17, 111])
 def test_int8_gemm_shapes(rng, path, m):
-    # M 1-4: the streaming decode kernel (one tile at M 1-2, two at 3-4); 5+: 8-row blocks
-    # with a remainder; odd K (the odd last pair), N with partial and odd tile counts.
-    for n, k in ((33, 577), (1000, 64), (17, 1), (49, 130)):
+    # M 1-2: the streaming decode kernel (one tile, two accumulator sets); 3+: 4-row blocks by
+    # two tiles with 1-3 remainder rows; odd K (the odd last pair), groups with a short last
+    # one and groups of one pair, per-channel scales, N with partial and odd tile counts.
+    for (n, k), group in zip(((33, 577), (1000, 64), (17, 1), (49, 130), (40, 96)),
+                             (64, None, 64, 2, 32)):
         x = rng.standard_normal((m, k)).astype(np.float32)
         w = (rng.standard_normal((n, k)) * rng.uniform(0.1, 3, (n, 1))).astype(np.float32)
+        w[:, :k // 3] *= 20  # groups of very different magnitudes: the scales must differ
         bias = rng.standard_normal(n).astype(np.float32) if (m + n) % 2 else None
-        packed = cpu_gemm.PackedInt8Weight(w)
+        packed = cpu_gemm.PackedInt8Weight(w, group_size=group)
         for threads, pool in ((1, "native"), (2, "native"), (2, "python")):
             check_int8_gemm(cpu_gemm.gemm_int8(x, packed, bias, path=path, threads=threads,
                                                pool=pool), x, packed, bias)
@@ -127,11 +143,12 @@ def test_int8_gemm_strided_input_and_paths_agree(rng):
 
 
 def dequantized_weights(weights):
-    """A copy of ModelWeights whose GEMM weights are their int8 round trip (per output row,
-    which is what the backend's per-row quantization of the fused matrices gives too)."""
+    """A copy of ModelWeights whose GEMM weights are their int8 round trip (by row and group,
+    which is what the backend's quantization of the fused matrices gives too)."""
     def dq(w):
         return None if w is None else cpu_gemm.PackedInt8Weight(w).dequantized()
 
+    # Groups run along K (the input features), which the fused matrices share with each part.
     layers = [dataclasses.replace(lw, q_proj=dq(lw.q_proj), k_proj=dq(lw.k_proj),
                                   v_proj=dq(lw.v_proj), o_proj=dq(lw.o_proj),
                                   gate_proj=dq(lw.gate_proj), up_proj=dq(lw.up_proj),
