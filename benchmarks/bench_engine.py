@@ -16,9 +16,10 @@ Subcommands (`all` runs each in turn; `--json PATH` writes every number measured
   prefix       time to first token of a request sharing a 1,000-token prefix, cold (empty
                prefix cache) vs warm (the prefix cached by an earlier request).
   concurrency  output tokens/s with 1, 8 and 32 concurrent requests (32-token prompts,
-               24 new tokens each); `--dtype both` runs float32 and bfloat16 (the bf16-weight
-               cpu backend) interleaved, medians of `--repeats` - 2 runs (at least 1);
-               `--levels 1,8,32,64`.
+               24 new tokens each); `--dtype` takes a comma list of float32, bfloat16 (the
+               bf16-weight cpu backend) and int8 (weight-only int8, --quantization int8), or
+               `both` (float32,bfloat16), run interleaved, medians of `--repeats` - 2 runs
+               (at least 1); `--levels 1,8,32,64`.
 
 BLAS threads: `--blas-threads` (default 1) is set before numpy loads. On a shared 2-core
 machine OpenBLAS's spinning threads collapse under contention (mid-size GEMMs measured 100x
@@ -42,8 +43,8 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--blas-threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats (medians)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="float32",
-                        help="concurrency: the cpu engine dtype(s)")
+    parser.add_argument("--dtype", default="float32",
+                        help="concurrency: comma list of float32, bfloat16, int8; or both")
     parser.add_argument("--gemm-threads", type=int, default=None,
                         help="concurrency, bfloat16: threads of one GEMM (default: the backend's)")
     parser.add_argument("--levels", default="1,8,32", help="concurrency: concurrent requests")
@@ -253,6 +254,38 @@ def _concurrency_run(llm, prompts) -> tuple[float, float]:
     return num * CONC_NEW / wall, num * (CONC_NEW - 1) / (end - last_first)
 
 
+def read_bandwidth(threads: int, nbytes: int = 512 << 20) -> float:
+    """Bytes/s `threads` threads read from memory (numpy sums of disjoint slices of an array
+    far larger than the caches; numpy drops the GIL in the loop), median of 5."""
+    import threading
+
+    data = np.ones(nbytes // 4, np.float32)
+    parts = np.array_split(data, threads)
+    times = []
+    for _ in range(5):
+        workers = [threading.Thread(target=np.add.reduce, args=(part,)) for part in parts]
+        start = time.perf_counter()
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        times.append(time.perf_counter() - start)
+    return nbytes / float(np.median(times))
+
+
+# --dtype arms -> LLM keywords.
+CONC_ARMS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
+             "int8": {"dtype": "bfloat16", "quantization": "int8"}}
+
+
+def concurrency_arms(text: str) -> tuple[str, ...]:
+    arms = ("float32", "bfloat16") if text == "both" else tuple(text.split(","))
+    unknown = [a for a in arms if a not in CONC_ARMS]
+    if unknown:
+        raise SystemExit(f"--dtype: unknown {unknown}; choose from {list(CONC_ARMS)} or both")
+    return arms
+
+
 def bench_concurrency(dtypes=("float32",), levels=(1, 8, 32), repeats: int = 1,
                       gemm_threads: int | None = None) -> dict:
     """Each level runs every dtype in turn, `repeats` times interleaved (machine noise hits
@@ -260,8 +293,8 @@ def bench_concurrency(dtypes=("float32",), levels=(1, 8, 32), repeats: int = 1,
     llms = {}
     for dtype in dtypes:
         llms[dtype] = _llm(max_model_len=512, num_kv_blocks=512, enable_prefix_caching=False,
-                           dtype=dtype)
-        if dtype == "bfloat16" and gemm_threads is not None:
+                           **CONC_ARMS[dtype])
+        if dtype != "float32" and gemm_threads is not None:
             llms[dtype].engine.backend.gemm_threads = gemm_threads
     vocab = next(iter(llms.values())).engine.model_config.vocab_size
     rng = np.random.default_rng(4)
@@ -272,6 +305,15 @@ def bench_concurrency(dtypes=("float32",), levels=(1, 8, 32), repeats: int = 1,
               "dtypes": list(dtypes)}
     if "bfloat16" in llms:
         result["bf16_gemm_threads"] = llms["bfloat16"].engine.backend.gemm_threads
+    # Batch 1 is bound by the weight bytes a step reads: its roofline is the read bandwidth
+    # of the GEMM's threads over those bytes.
+    bandwidth = read_bandwidth(2)
+    result["read_bandwidth_gb_s_2_threads"] = bandwidth / 1e9
+    for dtype, llm in llms.items():
+        backend = llm.engine.backend
+        if hasattr(backend, "packed_weight_bytes"):
+            result[f"weight_bytes_per_token_{dtype}"] = backend.packed_weight_bytes()
+            result[f"roofline_tok_s_1_{dtype}"] = bandwidth / backend.packed_weight_bytes()
     for num in levels:
         prompts = [random_prompt_ids(rng, CONC_PROMPT, vocab) for _ in range(num)]
         runs = {dtype: [] for dtype in dtypes}
@@ -282,7 +324,12 @@ def bench_concurrency(dtypes=("float32",), levels=(1, 8, 32), repeats: int = 1,
             suffix = "" if dtype == "float32" else f"_{dtype}"
             result[f"tok_s_{num}{suffix}"] = float(np.median([v[0] for v in values]))
             result[f"decode_tok_s_{num}{suffix}"] = float(np.median([v[1] for v in values]))
-        if len(dtypes) == 2:
+        for dtype in dtypes:
+            if num == 1 and f"roofline_tok_s_1_{dtype}" in result:
+                result[f"decode_over_roofline_1_{dtype}"] = (
+                    result[f"decode_tok_s_1{'' if dtype == 'float32' else '_' + dtype}"]
+                    / result[f"roofline_tok_s_1_{dtype}"])
+        if "float32" in dtypes and "bfloat16" in dtypes:
             result[f"bf16_over_fp32_{num}"] = (result[f"tok_s_{num}_bfloat16"]
                                                / result[f"tok_s_{num}"])
     return result
@@ -296,7 +343,7 @@ def main() -> int:
         "batch1": lambda: bench_batch1(args.repeats),
         "prefix": lambda: bench_prefix(args.repeats),
         "concurrency": lambda: bench_concurrency(
-            ("float32", "bfloat16") if args.dtype == "both" else (args.dtype,),
+            concurrency_arms(args.dtype),
             tuple(int(v) for v in args.levels.split(",")), max(1, args.repeats - 2),
             args.gemm_threads),
     }

@@ -87,6 +87,10 @@ class CpuBf16Backend(NumpyBackend):
             hit = self._packed[key] = (weight, cpu_gemm.PackedWeight(weight))
         return hit[1]
 
+    def packed_weight_bytes(self) -> int:
+        """Bytes of the GEMM weights packed so far (after one step: what a decode step reads)."""
+        return sum(packed.nbytes for _, packed in self._packed.values())
+
     def linear(self, x, weight, bias=None, *, out_dtype=None):
         """x: [num_tokens, in] float32; weight: [out, in]; bias: [out] or None.
         Returns [num_tokens, out] float32 (out_dtype is accepted for the interface)."""

@@ -57,6 +57,7 @@ class CpuInt8Backend(CpuBf16Backend):
         return cpu_gemm.gemm_int8(x, self.packed(weight), bias, path=self.path,
                                   threads=self.gemm_threads, pool=self.gemm_pool)
 
-    def quantized_weight_bytes(self) -> int:
-        """Bytes of the int8 weights and scales packed so far."""
+    def packed_weight_bytes(self) -> int:
+        """Bytes of the int8 weights and scales packed so far (after one step: what a decode
+        step reads)."""
         return sum(packed.nbytes for _, packed in self._packed_int8.values())

@@ -201,7 +201,7 @@ def test_tiny_engine_int8_runs_batched(tiny_cpu_model, rng):
                 for i, p in enumerate(prompts)]
     outputs = run_requests(engine, requests)
     assert all(len(out.outputs[0].token_ids) == 7 for out in outputs.values())
-    assert engine.backend.quantized_weight_bytes() > 0
+    assert engine.backend.packed_weight_bytes() > 0
     # Every block back in the pool once the requests are done.
     stats = engine.get_stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
