@@ -106,10 +106,9 @@ static inline void gemm_tiles_scalar(const uint16_t* xb, int M, int kp, const ui
 // Weight lines requested ahead of use (pairs; one pair of a tile is one 64-byte line).
 constexpr int PREFETCH_PAIRS = 16;
 
-// Pairs [p0, p1) of K only: the first K block starts from zero, later ones from y; the last
-// one adds the bias.
+// All of K, then the bias.
 template <int MR_, int NR_>
-PAGEDRUN_BF16_TARGET static inline void micro_avx512(const uint16_t* xb, int kp, int p0, int p1,
+PAGEDRUN_BF16_TARGET static inline void micro_avx512(const uint16_t* xb, int kp,
                                                      const uint16_t* wt, long tile_elems,
                                                      const float* bias, int n0, int N,
                                                      float* y, long ldy) {
@@ -126,11 +125,9 @@ PAGEDRUN_BF16_TARGET static inline void micro_avx512(const uint16_t* xb, int kp,
     for (int r = 0; r < MR_; ++r)
         #pragma GCC unroll 16
         for (int c = 0; c < NR_; ++c)
-            acc[r][c] = p0 == 0 ? _mm512_setzero_ps()
-                                : _mm512_maskz_loadu_ps(mask[c],
-                                                        y + (long)r * ldy + n0 + c * TILE_N);
+            acc[r][c] = _mm512_setzero_ps();
     const uint32_t* x32 = reinterpret_cast<const uint32_t*>(xb);  // one pair per uint32
-    for (int p = p0; p < p1; ++p) {
+    for (int p = 0; p < kp; ++p) {
         // One 64-byte line per tile per pair: ask for the line PREFETCH_PAIRS ahead, so a
         // weight panel streaming from DRAM overlaps the multiply-adds (small M is bound by it).
         #pragma GCC unroll 16
@@ -152,8 +149,7 @@ PAGEDRUN_BF16_TARGET static inline void micro_avx512(const uint16_t* xb, int kp,
     #pragma GCC unroll 16
     for (int c = 0; c < NR_; ++c) {
         const int nc = n0 + c * TILE_N;
-        const __m512 b = bias && p1 == kp ? _mm512_maskz_loadu_ps(mask[c], bias + nc)
-                                          : _mm512_setzero_ps();
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask[c], bias + nc) : _mm512_setzero_ps();
         #pragma GCC unroll 16
         for (int r = 0; r < MR_; ++r)
             _mm512_mask_storeu_ps(y + (long)r * ldy + nc, mask[c], _mm512_add_ps(acc[r][c], b));
@@ -234,26 +230,25 @@ PAGEDRUN_BF16_TARGET static void skinny_tiles_avx512(const uint16_t* xb, int kp,
 }
 
 template <int NR_>
-PAGEDRUN_BF16_TARGET static inline void rows_avx512(const uint16_t* xb, int M, int kp, int p0,
-                                                    int p1,
+PAGEDRUN_BF16_TARGET static inline void rows_avx512(const uint16_t* xb, int M, int kp,
                                                     const uint16_t* wt, long tile_elems,
                                                     const float* bias, int n0, int N, float* y,
                                                     long ldy) {
     const long xrow = (long)kp * 2;
     int m = 0;
     for (; m + MR <= M; m += MR)
-        micro_avx512<MR, NR_>(xb + m * xrow, kp, p0, p1, wt, tile_elems, bias, n0, N,
+        micro_avx512<MR, NR_>(xb + m * xrow, kp, wt, tile_elems, bias, n0, N,
                               y + m * ldy, ldy);
     const uint16_t* xr = xb + m * xrow;
     float* yr = y + m * ldy;
     switch (M - m) {  // the remainder rows, one instantiation each
-        case 7: micro_avx512<7, NR_>(xr, kp, p0, p1, wt, tile_elems, bias, n0, N, yr, ldy); break;
-        case 6: micro_avx512<6, NR_>(xr, kp, p0, p1, wt, tile_elems, bias, n0, N, yr, ldy); break;
-        case 5: micro_avx512<5, NR_>(xr, kp, p0, p1, wt, tile_elems, bias, n0, N, yr, ldy); break;
-        case 4: micro_avx512<4, NR_>(xr, kp, p0, p1, wt, tile_elems, bias, n0, N, yr, ldy); break;
-        case 3: micro_avx512<3, NR_>(xr, kp, p0, p1, wt, tile_elems, bias, n0, N, yr, ldy); break;
-        case 2: micro_avx512<2, NR_>(xr, kp, p0, p1, wt, tile_elems, bias, n0, N, yr, ldy); break;
-        case 1: micro_avx512<1, NR_>(xr, kp, p0, p1, wt, tile_elems, bias, n0, N, yr, ldy); break;
+        case 7: micro_avx512<7, NR_>(xr, kp, wt, tile_elems, bias, n0, N, yr, ldy); break;
+        case 6: micro_avx512<6, NR_>(xr, kp, wt, tile_elems, bias, n0, N, yr, ldy); break;
+        case 5: micro_avx512<5, NR_>(xr, kp, wt, tile_elems, bias, n0, N, yr, ldy); break;
+        case 4: micro_avx512<4, NR_>(xr, kp, wt, tile_elems, bias, n0, N, yr, ldy); break;
+        case 3: micro_avx512<3, NR_>(xr, kp, wt, tile_elems, bias, n0, N, yr, ldy); break;
+        case 2: micro_avx512<2, NR_>(xr, kp, wt, tile_elems, bias, n0, N, yr, ldy); break;
+        case 1: micro_avx512<1, NR_>(xr, kp, wt, tile_elems, bias, n0, N, yr, ldy); break;
         default: break;
     }
 }
@@ -262,9 +257,11 @@ PAGEDRUN_BF16_TARGET static inline void rows_avx512(const uint16_t* xb, int M, i
 // every tile of the weights streams past them. Decode batches (M <= a few hundred) take one
 // pass, so the weights stream from memory once; a long prefill re-streams them per pass.
 constexpr long X_BLOCK_BYTES = 256 * 1024;
-// K pairs per block: a two-tile weight panel of one block (2 * 16 * 2 * 128 * 2 = 16 KB) stays
-// in L1 while all the pass's rows go past it.
-constexpr int K_BLOCK_PAIRS = 128;
+// No blocking of K: every tile pair's panel is walked front to back over all of K for each
+// 8-row block, so each panel is one sequential stream from memory (a K block boundary restarts
+// the hardware prefetcher on every tile) and then stays in L2 (<= 100 KB at K 1536) for the
+// pass's other row blocks. Measured against 128-pair K blocks (2 threads, Zen 4, the default
+// model's matrices): M 8 17.0 -> 21.4-23.7 GB/s, M 16-64 +5-15%, M 256 unchanged.
 
 static inline int rows_per_pass(int kp) {
     long rows = X_BLOCK_BYTES / ((long)kp * 4);
@@ -292,16 +289,13 @@ PAGEDRUN_BF16_TARGET static void gemm_tiles_avx512(const uint16_t* xb, int M, in
         const int rows = M - m0 < pass_rows ? M - m0 : pass_rows;
         const uint16_t* xp = xb + (long)m0 * kp * 2;
         float* yp = y + (long)m0 * ldy;
-        for (int p0 = 0; p0 < kp; p0 += K_BLOCK_PAIRS) {
-            const int p1 = kp - p0 < K_BLOCK_PAIRS ? kp : p0 + K_BLOCK_PAIRS;
-            int t = tile_begin;
-            for (; t + NR <= tile_end; t += NR)
-                rows_avx512<NR>(xp, rows, kp, p0, p1, wp + t * tile_elems, tile_elems, bias,
-                                t * TILE_N, N, yp, ldy);
-            if (t < tile_end)
-                rows_avx512<1>(xp, rows, kp, p0, p1, wp + t * tile_elems, tile_elems, bias,
-                               t * TILE_N, N, yp, ldy);
-        }
+        int t = tile_begin;
+        for (; t + NR <= tile_end; t += NR)
+            rows_avx512<NR>(xp, rows, kp, wp + t * tile_elems, tile_elems, bias,
+                            t * TILE_N, N, yp, ldy);
+        if (t < tile_end)
+            rows_avx512<1>(xp, rows, kp, wp + t * tile_elems, tile_elems, bias,
+                           t * TILE_N, N, yp, ldy);
     }
 }
 #endif
