@@ -528,8 +528,65 @@ PAGEDRUN_BF16_TARGET static inline void micro_int8_avx512(const uint16_t* xb, in
     }
 }
 
-// Rows of x in blocks of MR_ against NR_ tiles; the remainder rows one instantiation each.
-template <int MR_, int NR_, int U_>
+// MR_ rows by NR_ tiles for M > 2: the group's sums in registers (MR_ x NR_), the running
+// totals in y itself (one masked load, FMA and store per group, from L1), so 8-row blocks fit
+// the registers and each widened weight operand serves 8 rows (4 with totals in registers).
+template <int MR_, int NR_>
+PAGEDRUN_BF16_TARGET static inline void micro_int8_rows(const uint16_t* xb, int kp,
+                                                        const int8_t* wt, long tile_bytes,
+                                                        const float* st, int group_pairs,
+                                                        const float* bias, int n0, int N,
+                                                        float* y, long ldy) {
+    const int num_groups = (kp + group_pairs - 1) / group_pairs;
+    const long scale_stride = (long)num_groups * TILE_N;
+    __mmask16 mask[NR_];
+    #pragma GCC unroll 16
+    for (int c = 0; c < NR_; ++c) {
+        const int nc = n0 + c * TILE_N;
+        const int width = N - nc < TILE_N ? N - nc : TILE_N;
+        mask[c] = (__mmask16)((1u << width) - 1u);
+    }
+    const uint32_t* x32 = reinterpret_cast<const uint32_t*>(xb);  // one pair per uint32
+    for (int g = 0; g < num_groups; ++g) {
+        const int p0 = g * group_pairs;
+        const int p1 = p0 + group_pairs < kp ? p0 + group_pairs : kp;
+        __m512 acc[MR_][NR_];
+        #pragma GCC unroll 16
+        for (int r = 0; r < MR_; ++r)
+            #pragma GCC unroll 16
+            for (int c = 0; c < NR_; ++c) acc[r][c] = _mm512_setzero_ps();
+        for (int p = p0; p < p1; ++p) {
+            __m512bh w[NR_];
+            #pragma GCC unroll 16
+            for (int c = 0; c < NR_; ++c)
+                w[c] = int8_pair_row(wt + c * tile_bytes + (long)p * TILE_N * 2);
+            #pragma GCC unroll 16
+            for (int r = 0; r < MR_; ++r) {
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x32[(long)r * kp + p]);
+                #pragma GCC unroll 16
+                for (int c = 0; c < NR_; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, w[c]);
+            }
+        }
+        #pragma GCC unroll 16
+        for (int c = 0; c < NR_; ++c) {
+            const int nc = n0 + c * TILE_N;
+            const __m512 scale = _mm512_loadu_ps(st + c * scale_stride + (long)g * TILE_N);
+            // The first group starts from the bias (or zero), later ones from y.
+            const __m512 b = g > 0 ? _mm512_setzero_ps()
+                             : bias ? _mm512_maskz_loadu_ps(mask[c], bias + nc)
+                                    : _mm512_setzero_ps();
+            #pragma GCC unroll 16
+            for (int r = 0; r < MR_; ++r) {
+                float* yr = y + (long)r * ldy + nc;
+                const __m512 base = g > 0 ? _mm512_maskz_loadu_ps(mask[c], yr) : b;
+                _mm512_mask_storeu_ps(yr, mask[c], _mm512_fmadd_ps(acc[r][c], scale, base));
+            }
+        }
+    }
+}
+
+// Rows of x in blocks of 8 against NR_ tiles; the remainder rows one instantiation each.
+template <int NR_>
 PAGEDRUN_BF16_TARGET static inline void int8_tile_group(const uint16_t* xb, int M, int kp,
                                                         const int8_t* wt, long tile_bytes,
                                                         const float* st, int group_pairs,
@@ -537,26 +594,27 @@ PAGEDRUN_BF16_TARGET static inline void int8_tile_group(const uint16_t* xb, int 
                                                         float* y, long ldy) {
     const long xrow = (long)kp * 2;
     int m = 0;
-    for (; m + MR_ <= M; m += MR_)
-        micro_int8_avx512<MR_, NR_, U_>(xb + m * xrow, kp, wt, tile_bytes, st, group_pairs,
-                                        bias, n0, N, y + m * ldy, ldy);
+    for (; m + MR <= M; m += MR)
+        micro_int8_rows<MR, NR_>(xb + m * xrow, kp, wt, tile_bytes, st, group_pairs, bias, n0,
+                                 N, y + m * ldy, ldy);
     const uint16_t* xr = xb + m * xrow;
     float* yr = y + m * ldy;
     switch (M - m) {
-        case 3: micro_int8_avx512<3, NR_, 1>(xr, kp, wt, tile_bytes, st, group_pairs, bias, n0,
-                                             N, yr, ldy); break;
-        case 2: micro_int8_avx512<2, NR_, 1>(xr, kp, wt, tile_bytes, st, group_pairs, bias, n0,
-                                             N, yr, ldy); break;
-        case 1: micro_int8_avx512<1, NR_, 1>(xr, kp, wt, tile_bytes, st, group_pairs, bias, n0,
-                                             N, yr, ldy); break;
+#define PAGEDRUN_INT8_REST(R)                                                                  \
+        case R: micro_int8_rows<R, NR_>(xr, kp, wt, tile_bytes, st, group_pairs, bias, n0, N, \
+                                        yr, ldy); break;
+        PAGEDRUN_INT8_REST(7) PAGEDRUN_INT8_REST(6) PAGEDRUN_INT8_REST(5)
+        PAGEDRUN_INT8_REST(4) PAGEDRUN_INT8_REST(3) PAGEDRUN_INT8_REST(2)
+        PAGEDRUN_INT8_REST(1)
+#undef PAGEDRUN_INT8_REST
         default: break;
     }
 }
 
 // Tiles [tile_begin, tile_end) of y. M 1-2 streams one tile over all of K with two accumulator
-// sets; larger M runs 4-row blocks by two tiles (4 x 2 totals + 4 x 2 x U_ group
-// accumulators must fit the 32 zmm registers), in passes of rows whose bf16 x stays in L2
-// while the tiles' int8 panels (<= 48 KB at K 1536) are reused from L1/L2 by every block.
+// sets and the totals in registers; larger M runs 8-row blocks by two tiles (totals in y), in
+// passes of rows whose bf16 x stays in L2 while the tiles' int8 panels (<= 48 KB at K 1536)
+// are reused from L1/L2 by every block.
 PAGEDRUN_BF16_TARGET static void gemm_int8_tiles_avx512(const uint16_t* xb, int M, int kp,
                                                         const int8_t* wq, const float* scales,
                                                         int group_pairs, int N, int tile_begin,
@@ -584,11 +642,11 @@ PAGEDRUN_BF16_TARGET static void gemm_int8_tiles_avx512(const uint16_t* xb, int 
         float* yp = y + (long)m0 * ldy;
         int t = tile_begin;
         for (; t + 2 <= tile_end; t += 2)
-            int8_tile_group<4, 2, 1>(xp, rows, kp, wq + t * tile_bytes, tile_bytes,
+            int8_tile_group<2>(xp, rows, kp, wq + t * tile_bytes, tile_bytes,
                                      scales + t * scale_stride, group_pairs, bias, t * TILE_N,
                                      N, yp, ldy);
         if (t < tile_end)
-            int8_tile_group<4, 1, 1>(xp, rows, kp, wq + t * tile_bytes, tile_bytes,
+            int8_tile_group<1>(xp, rows, kp, wq + t * tile_bytes, tile_bytes,
                                      scales + t * scale_stride, group_pairs, bias, t * TILE_N,
                                      N, yp, ldy);
     }
