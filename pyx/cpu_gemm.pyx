@@ -91,14 +91,19 @@ def available_paths():
                                  ("portable", True)) if ok)
 
 
+_AVAILABLE = available_paths()
+# Resolved once: a decode step calls the GEMM ~120 times, the lookup is on every call.
+_RESOLVED = {p: _PATH_CODE[p] for p in _AVAILABLE}
+_RESOLVED["auto"] = _PATH_CODE[_AVAILABLE[0]]
+
+
 def _resolve_path(path):
-    if path == "auto":
-        return _PATH_CODE[available_paths()[0]]
+    code = _RESOLVED.get(path)
+    if code is not None:
+        return code
     if path not in _PATH_CODE:
         raise ValueError(f"path must be 'auto' or one of {PATHS}, got {path!r}")
-    if path not in available_paths():
-        raise RuntimeError(f"this CPU cannot run the {path} path")
-    return _PATH_CODE[path]
+    raise RuntimeError(f"this CPU cannot run the {path} path")
 
 
 def to_bf16_bits(x):
@@ -131,6 +136,7 @@ class PackedWeight:
         padded[:self.n, :self.k] = to_bf16_bits(w)
         self.packed = np.ascontiguousarray(
             padded.reshape(num_tiles, tile, kp, 2).transpose(0, 2, 1, 3))
+        self.flat = self.packed.reshape(-1)  # the kernel's view, made once
         self.num_tiles, self.kp = num_tiles, kp
 
     @property
@@ -177,6 +183,8 @@ class PackedInt8Weight:
         tiled[:self.n] = scales
         self.scales = np.ascontiguousarray(
             tiled.reshape(num_tiles, tile, num_groups).transpose(0, 2, 1))
+        self.flat = self.packed.reshape(-1)  # the kernel's views, made once
+        self.flat_scales = self.scales.reshape(-1)
         self.group_size, self.num_tiles, self.kp = group_size, num_tiles, kp
 
     @property
@@ -230,13 +238,13 @@ cdef TileJob _job(const uint16_t[:, ::1] xb, packed, bias, float[:, ::1] y, int 
     job.scales = NULL
     job.group_pairs = 0
     if isinstance(packed, PackedInt8Weight):
-        wq = packed.packed.reshape(-1)
-        scales = packed.scales.reshape(-1)
+        wq = packed.flat
+        scales = packed.flat_scales
         job.wq = &wq[0]
         job.scales = &scales[0]
         job.group_pairs = packed.group_size // 2
     else:
-        wp = packed.packed.reshape(-1)
+        wp = packed.flat
         job.wp = &wp[0]
     job.N = packed.n
     job.tile_begin = tile_begin
