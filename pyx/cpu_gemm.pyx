@@ -116,6 +116,16 @@ def to_bf16_bits(x):
     return _convert(flat, flat.shape[1]).reshape(a.shape)
 
 
+def _weight_matrix(weight):
+    """weight as a non-empty [N, K] float32 array (ValueError otherwise)."""
+    w = np.asarray(weight, dtype=np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"weight must be [N, K], got shape {w.shape}")
+    if w.shape[0] < 1 or w.shape[1] < 1:
+        raise ValueError(f"weight must be non-empty, got shape {w.shape}")
+    return w
+
+
 class PackedWeight:
     """A [N, K] weight as bf16 bits in the kernel's tiled layout.
 
@@ -123,12 +133,8 @@ class PackedWeight:
     """
 
     def __init__(self, weight):
-        w = np.asarray(weight, dtype=np.float32)
-        if w.ndim != 2:
-            raise ValueError(f"weight must be [N, K], got shape {w.shape}")
+        w = _weight_matrix(weight)
         self.n, self.k = int(w.shape[0]), int(w.shape[1])
-        if self.n < 1 or self.k < 1:
-            raise ValueError(f"weight must be non-empty, got shape {w.shape}")
         tile = TILE_N
         num_tiles = -(-self.n // tile)
         kp = -(-self.k // 2)
@@ -144,7 +150,6 @@ class PackedWeight:
         return self.packed.nbytes
 
 
-
 class PackedInt8Weight:
     """A [N, K] weight quantized to int8 in groups of `group_size` along K (the last group may
     be short), in the kernel's tiled layout (cpu_gemm_kernels.h, "int8 weights"):
@@ -158,12 +163,8 @@ class PackedInt8Weight:
     """
 
     def __init__(self, weight, group_size=DEFAULT_INT8_GROUP_SIZE):
-        w = np.asarray(weight, dtype=np.float32)
-        if w.ndim != 2:
-            raise ValueError(f"weight must be [N, K], got shape {w.shape}")
+        w = _weight_matrix(weight)
         self.n, self.k = int(w.shape[0]), int(w.shape[1])
-        if self.n < 1 or self.k < 1:
-            raise ValueError(f"weight must be non-empty, got shape {w.shape}")
         if not np.isfinite(w).all():
             raise ValueError("weight has non-finite values: int8 quantization needs finite ones")
         tile = TILE_N

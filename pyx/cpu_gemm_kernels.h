@@ -106,6 +106,25 @@ static inline void gemm_tiles_scalar(const uint16_t* xb, int M, int kp, const ui
 // Weight lines requested ahead of use (pairs; one pair of a tile is one 64-byte line).
 constexpr int PREFETCH_PAIRS = 16;
 
+// The lanes of the tile starting at output nc that are < N (a partial last tile).
+static inline __mmask16 tile_mask(int nc, int N) {
+    const int width = N - nc < TILE_N ? N - nc : TILE_N;
+    return (__mmask16)((1u << width) - 1u);
+}
+
+// acc[r][c] += x[row r, pair p] . w[c] for MR_ rows and NR_ tiles: the register-blocked core
+// of every micro-kernel below (force-inlined: the accumulators must stay in registers).
+template <int MR_, int NR_>
+PAGEDRUN_BF16_TARGET __attribute__((always_inline)) static inline void dot_pair(
+        __m512 (&acc)[MR_][NR_], const uint32_t* x32, int kp, int p, const __m512bh (&w)[NR_]) {
+    #pragma GCC unroll 16
+    for (int r = 0; r < MR_; ++r) {
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x32[(long)r * kp + p]);
+        #pragma GCC unroll 16
+        for (int c = 0; c < NR_; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, w[c]);
+    }
+}
+
 // All of K, then the bias.
 template <int MR_, int NR_>
 PAGEDRUN_BF16_TARGET static inline void micro_avx512(const uint16_t* xb, int kp,
@@ -118,8 +137,7 @@ PAGEDRUN_BF16_TARGET static inline void micro_avx512(const uint16_t* xb, int kp,
     __mmask16 mask[NR_];
     #pragma GCC unroll 16
     for (int c = 0; c < NR_; ++c) {
-        const int width = N - (n0 + c * TILE_N) < TILE_N ? N - (n0 + c * TILE_N) : TILE_N;
-        mask[c] = (__mmask16)((1u << width) - 1u);
+        mask[c] = tile_mask(n0 + c * TILE_N, N);
     }
     #pragma GCC unroll 16
     for (int r = 0; r < MR_; ++r)
@@ -139,12 +157,7 @@ PAGEDRUN_BF16_TARGET static inline void micro_avx512(const uint16_t* xb, int kp,
         #pragma GCC unroll 16
         for (int c = 0; c < NR_; ++c)
             w[c] = (__m512bh)_mm512_loadu_si512(wt + c * tile_elems + (long)p * TILE_N * 2);
-        #pragma GCC unroll 16
-        for (int r = 0; r < MR_; ++r) {
-            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x32[(long)r * kp + p]);
-            #pragma GCC unroll 16
-            for (int c = 0; c < NR_; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, w[c]);
-        }
+        dot_pair<MR_, NR_>(acc, x32, kp, p, w);
     }
     #pragma GCC unroll 16
     for (int c = 0; c < NR_; ++c) {
@@ -189,20 +202,13 @@ PAGEDRUN_BF16_TARGET static inline void skinny_avx512(const uint16_t* xb, int kp
             for (int c = 0; c < NR_; ++c)
                 w[c] = (__m512bh)_mm512_loadu_si512(wt + c * tile_elems +
                                                     (long)(p + u) * TILE_N * 2);
-            #pragma GCC unroll 16
-            for (int r = 0; r < MR_; ++r) {
-                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x32[(long)r * kp + p + u]);
-                #pragma GCC unroll 16
-                for (int c = 0; c < NR_; ++c)
-                    acc[u][r][c] = _mm512_dpbf16_ps(acc[u][r][c], xv, w[c]);
-            }
+            dot_pair<MR_, NR_>(acc[u], x32, kp, p + u, w);
         }
     }
     #pragma GCC unroll 16
     for (int c = 0; c < NR_; ++c) {
         const int nc = n0 + c * TILE_N;
-        const int width = N - nc < TILE_N ? N - nc : TILE_N;
-        const __mmask16 mask = (__mmask16)((1u << width) - 1u);
+        const __mmask16 mask = tile_mask(nc, N);
         const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + nc) : _mm512_setzero_ps();
         #pragma GCC unroll 16
         for (int r = 0; r < MR_; ++r)
@@ -495,14 +501,7 @@ PAGEDRUN_BF16_TARGET static inline void micro_int8_avx512(const uint16_t* xb, in
                 #pragma GCC unroll 16
                 for (int c = 0; c < NR_; ++c)
                     w[c] = int8_pair_row(wt + c * tile_bytes + (long)(p + u) * TILE_N * 2);
-                #pragma GCC unroll 16
-                for (int r = 0; r < MR_; ++r) {
-                    const __m512bh xv =
-                        (__m512bh)_mm512_set1_epi32((int)x32[(long)r * kp + p + u]);
-                    #pragma GCC unroll 16
-                    for (int c = 0; c < NR_; ++c)
-                        acc[u][r][c] = _mm512_dpbf16_ps(acc[u][r][c], xv, w[c]);
-                }
+                dot_pair<MR_, NR_>(acc[u], x32, kp, p + u, w);
             }
         }
         #pragma GCC unroll 16
@@ -519,8 +518,7 @@ PAGEDRUN_BF16_TARGET static inline void micro_int8_avx512(const uint16_t* xb, in
     #pragma GCC unroll 16
     for (int c = 0; c < NR_; ++c) {
         const int nc = n0 + c * TILE_N;
-        const int width = N - nc < TILE_N ? N - nc : TILE_N;
-        const __mmask16 mask = (__mmask16)((1u << width) - 1u);
+        const __mmask16 mask = tile_mask(nc, N);
         const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + nc) : _mm512_setzero_ps();
         #pragma GCC unroll 16
         for (int r = 0; r < MR_; ++r)
@@ -542,9 +540,7 @@ PAGEDRUN_BF16_TARGET static inline void micro_int8_rows(const uint16_t* xb, int 
     __mmask16 mask[NR_];
     #pragma GCC unroll 16
     for (int c = 0; c < NR_; ++c) {
-        const int nc = n0 + c * TILE_N;
-        const int width = N - nc < TILE_N ? N - nc : TILE_N;
-        mask[c] = (__mmask16)((1u << width) - 1u);
+        mask[c] = tile_mask(n0 + c * TILE_N, N);
     }
     const uint32_t* x32 = reinterpret_cast<const uint32_t*>(xb);  // one pair per uint32
     for (int g = 0; g < num_groups; ++g) {
@@ -560,12 +556,7 @@ PAGEDRUN_BF16_TARGET static inline void micro_int8_rows(const uint16_t* xb, int 
             #pragma GCC unroll 16
             for (int c = 0; c < NR_; ++c)
                 w[c] = int8_pair_row(wt + c * tile_bytes + (long)p * TILE_N * 2);
-            #pragma GCC unroll 16
-            for (int r = 0; r < MR_; ++r) {
-                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x32[(long)r * kp + p]);
-                #pragma GCC unroll 16
-                for (int c = 0; c < NR_; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, w[c]);
-            }
+            dot_pair<MR_, NR_>(acc, x32, kp, p, w);
         }
         #pragma GCC unroll 16
         for (int c = 0; c < NR_; ++c) {

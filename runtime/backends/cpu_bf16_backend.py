@@ -78,13 +78,17 @@ class CpuBf16Backend(NumpyBackend):
                 setattr(self, name, functools.partial(getattr(cpu_ops, name), path="portable"))
         self._packed: dict[tuple, tuple[np.ndarray, cpu_gemm.PackedWeight]] = {}
 
-    def packed(self, weight: np.ndarray) -> cpu_gemm.PackedWeight:
-        """The packed bf16 copy of a [out, in] weight (once per underlying array)."""
+    # The packed form of a weight and the GEMM over it (CpuInt8Backend swaps both).
+    weight_packing = cpu_gemm.PackedWeight
+    gemm = staticmethod(cpu_gemm.gemm_bf16)
+
+    def packed(self, weight: np.ndarray):
+        """The packed copy of a [out, in] weight (once per underlying array)."""
         key = (weight.__array_interface__["data"][0], weight.shape, weight.strides)
         hit = self._packed.get(key)
         if hit is None:
             # Keep the original alive: its address is the key.
-            hit = self._packed[key] = (weight, cpu_gemm.PackedWeight(weight))
+            hit = self._packed[key] = (weight, self.weight_packing(weight))
         return hit[1]
 
     def packed_weight_bytes(self) -> int:
@@ -95,8 +99,8 @@ class CpuBf16Backend(NumpyBackend):
         """x: [num_tokens, in] float32; weight: [out, in]; bias: [out] or None.
         Returns [num_tokens, out] float32 (out_dtype is accepted for the interface)."""
         del out_dtype
-        return cpu_gemm.gemm_bf16(x, self.packed(weight), bias, path=self.path,
-                                  threads=self.gemm_threads, pool=self.gemm_pool)
+        return self.gemm(x, self.packed(weight), bias, path=self.path,
+                         threads=self.gemm_threads, pool=self.gemm_pool)
 
     def moe_experts(self, x, topk_ids, topk_weights, w_gate_up, w_down):
         """numpy_ops.moe_experts' contract, each expert's two GEMMs on the bf16 GEMM."""

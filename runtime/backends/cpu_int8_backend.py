@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
-
 from pagedrun.pyx import cpu_gemm
 
 from .cpu_bf16_backend import CpuBf16Backend
@@ -33,31 +31,11 @@ log = logging.getLogger(__name__)
 class CpuInt8Backend(CpuBf16Backend):
     dtype_name = "bfloat16"  # activations enter the GEMMs bf16-rounded, as on the bf16 backend
     quantization = "int8"
+    weight_packing = cpu_gemm.PackedInt8Weight
+    gemm = staticmethod(cpu_gemm.gemm_int8)
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         if self.path == "auto" and not cpu_gemm.has_avx512bf16():
             log.warning("quantization int8 on cpu: this CPU has no AVX512-BF16; the int8 GEMM "
                         "runs its portable loop (slow: use --dtype bfloat16)")
-        self._packed_int8: dict[tuple, tuple[np.ndarray, cpu_gemm.PackedInt8Weight]] = {}
-
-    def packed(self, weight: np.ndarray) -> cpu_gemm.PackedInt8Weight:
-        """The int8 packing of a [out, in] weight (once per underlying array)."""
-        key = (weight.__array_interface__["data"][0], weight.shape, weight.strides)
-        hit = self._packed_int8.get(key)
-        if hit is None:
-            # Keep the original alive: its address is the key.
-            hit = self._packed_int8[key] = (weight, cpu_gemm.PackedInt8Weight(weight))
-        return hit[1]
-
-    def linear(self, x, weight, bias=None, *, out_dtype=None):
-        """x: [num_tokens, in] float32; weight: [out, in] float32 (quantized at first use);
-        bias: [out] or None. Returns [num_tokens, out] float32."""
-        del out_dtype
-        return cpu_gemm.gemm_int8(x, self.packed(weight), bias, path=self.path,
-                                  threads=self.gemm_threads, pool=self.gemm_pool)
-
-    def packed_weight_bytes(self) -> int:
-        """Bytes of the int8 weights and scales packed so far (after one step: what a decode
-        step reads)."""
-        return sum(packed.nbytes for _, packed in self._packed_int8.values())

@@ -257,3 +257,25 @@ class PieceTokenizer:
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def prefill_logits(config: ModelConfig, weights: ModelWeights, backend, tokens: list[int]):
+    """Logits [len(tokens), vocab] of every position of one prefill through LlamaModel on
+    `backend` (fresh zero KV caches, one sequence)."""
+    from pagedrun.runtime.model_runner import build_attention_inputs
+    from pagedrun.runtime.models.llama import LlamaModel
+
+    block_size, num_tokens = 16, len(tokens)
+    num_blocks = -(-num_tokens // block_size)
+    model = LlamaModel(config, weights, backend, max_position=256)
+    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    k_caches = [np.zeros(shape, np.float32) for _ in range(config.num_hidden_layers)]
+    v_caches = [np.zeros(shape, np.float32) for _ in range(config.num_hidden_layers)]
+    attn = build_attention_inputs(np.array([0, num_tokens], np.int32),
+                                  np.array([num_tokens], np.int32),
+                                  np.array([num_tokens], np.int32),
+                                  np.arange(num_blocks, dtype=np.int32)[None, :])
+    positions = np.arange(num_tokens, dtype=np.int32)
+    x, residual = model.forward(np.asarray(tokens, np.int32), positions, positions, attn,
+                                k_caches, v_caches)
+    return model.logits(x, residual)

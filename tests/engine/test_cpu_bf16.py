@@ -1,19 +1,18 @@
 """The bf16-weight cpu backend: pagedrun.pyx.cpu_gemm against a float64 numpy product of the
 same bf16-rounded inputs (both code paths, forced), and the engine on dtype "bfloat16" against
-the float32 numpy backend (logits within bf16 tolerance, greedy text of the default model)."""
+the float32 numpy backend (logits within bf16 tolerance, greedy text of the default model, also
+with int8 weights)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from engine_helpers import greedy, make_engine, run_requests
+from engine_helpers import greedy, make_engine, prefill_logits, run_requests
 
 from pagedrun.pyx import cpu_gemm
 from pagedrun.runtime.backends import make_backend
 from pagedrun.runtime.backends.cpu_bf16_backend import CpuBf16Backend
 from pagedrun.runtime.backends.numpy_backend import NumpyBackend
-from pagedrun.runtime.model_runner import build_attention_inputs
-from pagedrun.runtime.models.llama import LlamaModel
 
 PATHS = list(cpu_gemm.available_paths())  # every path this CPU runs, portable included
 FP32_UNIT_ROUNDOFF = 2.0 ** -24
@@ -158,25 +157,6 @@ def test_make_backend_cpu_dtypes():
         assert type(backend) is NumpyBackend and backend.dtype_name == "float32"
 
 
-def prefill_logits(model_pair, backend, tokens):
-    """Logits of every position of one prefill through LlamaModel on `backend`."""
-    config, weights = model_pair
-    block_size, num_tokens = 16, len(tokens)
-    num_blocks = -(-num_tokens // block_size)
-    model = LlamaModel(config, weights, backend, max_position=256)
-    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-    k_caches = [np.zeros(shape, np.float32) for _ in range(config.num_hidden_layers)]
-    v_caches = [np.zeros(shape, np.float32) for _ in range(config.num_hidden_layers)]
-    attn = build_attention_inputs(np.array([0, num_tokens], np.int32),
-                                  np.array([num_tokens], np.int32),
-                                  np.array([num_tokens], np.int32),
-                                  np.arange(num_blocks, dtype=np.int32)[None, :])
-    positions = np.arange(num_tokens, dtype=np.int32)
-    x, residual = model.forward(np.asarray(tokens, np.int32), positions, positions, attn,
-                                k_caches, v_caches)
-    return model.logits(x, residual)
-
-
 # bf16 rounds each GEMM input to 8 significant bits (relative error 2^-9); through the tiny
 # model's 2 layers and LM head that measured ~2% of the logits' spread. 5% of the spread bounds
 # it with margin and still fails a wrong kernel (a dropped K pair or tile moves logits by ~100%).
@@ -186,8 +166,8 @@ BF16_LOGIT_TOLERANCE = 0.05
 @pytest.mark.parametrize("path", PATHS)
 def test_tiny_model_logits_close_to_float32(tiny_cpu_model, rng, path):
     tokens = rng.integers(3, tiny_cpu_model[0].vocab_size, 37).tolist()
-    ref = prefill_logits(tiny_cpu_model, NumpyBackend(), tokens)
-    got = prefill_logits(tiny_cpu_model, CpuBf16Backend(path=path), tokens)
+    ref = prefill_logits(*tiny_cpu_model, NumpyBackend(), tokens)
+    got = prefill_logits(*tiny_cpu_model, CpuBf16Backend(path=path), tokens)
     assert got.dtype == np.float32 and got.shape == ref.shape
     spread = float(ref.std())
     assert np.max(np.abs(got - ref)) <= BF16_LOGIT_TOLERANCE * spread
@@ -212,13 +192,15 @@ def test_tiny_engine_bfloat16_runs_batched(tiny_cpu_model, rng):
     assert agree >= len(prompts) - 1
 
 
-def test_default_model_bfloat16_greedy_answer():
+@pytest.mark.parametrize("weights", [{"dtype": "bfloat16"}, {"quantization": "int8"}],
+                         ids=["bfloat16", "int8"])
+def test_default_model_greedy_answer(weights):
     from pagedrun import LLM
     from pagedrun.runtime.errors import ModelLoadError
     from pagedrun.runtime.sampling_params import SamplingParams
 
     try:
-        llm = LLM(device="cpu", dtype="bfloat16", max_model_len=256)
+        llm = LLM(device="cpu", max_model_len=256, **weights)
     except ModelLoadError as exc:  # the default model package is not installed
         pytest.skip(str(exc))
     out = llm.chat([[{"role": "user", "content": "What is the capital of France?"}]],

@@ -2,8 +2,8 @@
 its definition, pagedrun.pyx.cpu_gemm's int8 kernel against a float64 product of the same
 bf16-rounded activations and int8 weights (every path, decode and prefill row counts, both
 thread counts), the backend's model logits against the float32 backend running the dequantized
-weights, and the configuration / CLI surface. The default model's int8 answer is checked at
-the end (skipped without the default model package)."""
+weights, and the configuration / CLI surface. The default model's int8 answer is checked in
+test_cpu_bf16.py (test_default_model_greedy_answer)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,15 +11,13 @@ import dataclasses
 import numpy as np
 import pytest
 
-from engine_helpers import greedy, make_engine, run_requests
+from engine_helpers import greedy, make_engine, prefill_logits, run_requests
 
 from pagedrun.pyx import cpu_gemm
 from pagedrun.runtime.backends import make_backend
 from pagedrun.runtime.backends.cpu_int8_backend import CpuInt8Backend
 from pagedrun.runtime.backends.numpy_backend import NumpyBackend
 from pagedrun.runtime.engine_config import EngineConfig, EngineConfigError
-from pagedrun.runtime.model_runner import build_attention_inputs
-from pagedrun.runtime.models.llama import LlamaModel
 
 PATHS = list(cpu_gemm.available_paths())
 FP32_UNIT_ROUNDOFF = 2.0 ** -24
@@ -157,23 +155,6 @@ def dequantized_weights(weights):
     return dataclasses.replace(weights, layers=layers, lm_head=dq(weights.lm_head))
 
 
-def prefill_logits(config, weights, backend, tokens):
-    block_size, num_tokens = 16, len(tokens)
-    num_blocks = -(-num_tokens // block_size)
-    model = LlamaModel(config, weights, backend, max_position=256)
-    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-    k_caches = [np.zeros(shape, np.float32) for _ in range(config.num_hidden_layers)]
-    v_caches = [np.zeros(shape, np.float32) for _ in range(config.num_hidden_layers)]
-    attn = build_attention_inputs(np.array([0, num_tokens], np.int32),
-                                  np.array([num_tokens], np.int32),
-                                  np.array([num_tokens], np.int32),
-                                  np.arange(num_blocks, dtype=np.int32)[None, :])
-    positions = np.arange(num_tokens, dtype=np.int32)
-    x, residual = model.forward(np.asarray(tokens, np.int32), positions, positions, attn,
-                                k_caches, v_caches)
-    return model.logits(x, residual)
-
-
 # As test_cpu_bf16's BF16_LOGIT_TOLERANCE: the bf16-rounded activations are the only
 # difference from float32 on the dequantized weights (measured ~2% of the logits' spread).
 BF16_LOGIT_TOLERANCE = 0.05
@@ -222,17 +203,3 @@ def test_quantization_config_and_cli():
     assert args.quantization == "int8"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--quantization", "int3"])
-
-
-def test_default_model_int8_greedy_answer():
-    from pagedrun import LLM
-    from pagedrun.runtime.errors import ModelLoadError
-    from pagedrun.runtime.sampling_params import SamplingParams
-
-    try:
-        llm = LLM(device="cpu", quantization="int8", max_model_len=256)
-    except ModelLoadError as exc:  # the default model package is not installed
-        pytest.skip(str(exc))
-    out = llm.chat([[{"role": "user", "content": "What is the capital of France?"}]],
-                   SamplingParams(temperature=0.0, max_tokens=16))
-    assert out[0].outputs[0].text.strip() == "The capital of France is Paris."
