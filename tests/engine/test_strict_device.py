@@ -7,8 +7,9 @@ backend (the code the cuda backend runs) gets a stand-in array module: device ar
 `DeviceArray` (a numpy subclass that, like CuPy, refuses to mix with host arrays in arithmetic
 and comes back to the host only through `.get()`), and every kernel launch goes through
 `StrictFunction`, which refuses any plain numpy array argument before the CPU harness runs the
-kernel. A whole engine (prefill, decode, preemption, sampling with processors, logprobs, prefix
-hits) runs under it and must produce the sim backend's tokens.
+kernel. Whole engines (prefill, decode, preemption, sampling with processors, logprobs, prefix
+hits, n-gram speculation, a mixture-of-experts model) run under it and must produce the sim
+backend's tokens.
 """
 from __future__ import annotations
 
@@ -219,3 +220,26 @@ def test_engine_under_strict_device_matches_sim(strict_engine_factory, dtype, ex
     for rid, out in got.items():
         assert out.outputs[0].token_ids == reference[rid].outputs[0].token_ids, rid
         assert out.outputs[0].finish_reason == reference[rid].outputs[0].finish_reason
+
+
+def test_moe_engine_under_strict_device_matches_sim(strict_engine_factory):
+    # Routing, the expert permutation and the grouped GEMMs (moe.cu) under the strict module.
+    from pathlib import Path
+
+    from pagedrun.runtime.model_config import ModelConfig
+    from pagedrun.runtime.weights import load_model_weights
+
+    model_dir = Path(__file__).resolve().parents[1] / "fixtures" / "tiny" / "mixtral_moe"
+    config = ModelConfig.from_model_dir(model_dir)
+    model = (config, load_model_weights(model_dir, config))
+    rng = np.random.default_rng(11)
+    requests = [(i, f"r{i}", dict(prompt_token_ids=rng.integers(3, config.vocab_size, n).tolist(),
+                                  sampling_params=greedy(5)))
+                for i, n in enumerate((1, 9, 21))]
+    engine, backend = strict_engine_factory(model, "float32", max_model_len=128)
+    got = run_requests(engine, requests)
+    assert any(name.startswith("moe") for name in backend.launches), sorted(set(backend.launches))
+    reference = run_requests(make_engine(model, device="sim", dtype="float32", max_model_len=128),
+                             requests)
+    for rid, out in got.items():
+        assert out.outputs[0].token_ids == reference[rid].outputs[0].token_ids, rid
