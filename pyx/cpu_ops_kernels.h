@@ -66,6 +66,7 @@
 #include <stdint.h>
 
 #include <algorithm>
+#include <thread>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -676,14 +677,14 @@ PAGEDRUN_AVX512_TARGET static void decode_seq_avx512(const float* q, long sq1,
 }
 #endif
 
-// has_window 0: every position [0, context_len) is visible.
-static inline void paged_decode_attention(int path, const float* q, long sq0, long sq1,
-                                          const float* k_cache, const float* v_cache, long sc0,
-                                          long sc1, long sc2, int block_size,
-                                          const int32_t* block_tables, long ldb,
-                                          const int32_t* context_lens, int S, int H, int KV,
-                                          int D, float scale, int has_window,
-                                          long sliding_window, float* out) {
+// Sequences [s_begin, s_end) of paged_decode_attention (below), on the calling thread.
+static inline void decode_seq_range(int path, const float* q, long sq0, long sq1,
+                                    const float* k_cache, const float* v_cache, long sc0,
+                                    long sc1, long sc2, int block_size,
+                                    const int32_t* block_tables, long ldb,
+                                    const int32_t* context_lens, int s_begin, int s_end, int H,
+                                    int KV, int D, float scale, int has_window,
+                                    long sliding_window, float* out) {
     const int group = H / KV;
     std::vector<float> scratch((size_t)group * (D + 2 + block_size));
     DecodeGroup g;
@@ -696,7 +697,7 @@ static inline void paged_decode_attention(int path, const float* q, long sq0, lo
     g.l = g.m + group;
     g.scores = g.l + group;
     std::vector<float> acc_all((size_t)H * (D + 2));  // the AVX512 runs' state: acc, m, l
-    for (int s = 0; s < S; ++s) {
+    for (int s = s_begin; s < s_end; ++s) {
         const long context_len = context_lens[s];
         const long first = has_window ? std::max(0L, context_len - sliding_window) : 0;
         const int32_t* table = block_tables + (long)s * ldb;
@@ -744,6 +745,50 @@ static inline void paged_decode_attention(int path, const float* q, long sq0, lo
             }
         }
     }
+}
+
+// Below this many multiply-adds (q.k and p.v over every visible position and head) one
+// thread does it all: a second thread costs a spawn (~30-50 us), and a batch of short contexts
+// is a few hundred microseconds (32 sequences x 64 positions x 9 heads x 64 x 2: 2.4 M). Long
+// contexts are bound by reading the KV blocks, which two cores do faster than one.
+constexpr long DECODE_SPLIT_MIN_MACS = 8L << 20;
+
+// has_window 0: every position [0, context_len) is visible. Sequences are split over two
+// threads at the half of the total visible context when the work is large enough; each
+// thread writes only its sequences' rows of out.
+static inline void paged_decode_attention(int path, const float* q, long sq0, long sq1,
+                                          const float* k_cache, const float* v_cache, long sc0,
+                                          long sc1, long sc2, int block_size,
+                                          const int32_t* block_tables, long ldb,
+                                          const int32_t* context_lens, int S, int H, int KV,
+                                          int D, float scale, int has_window,
+                                          long sliding_window, float* out) {
+    long total = 0;
+    for (int s = 0; s < S; ++s) {
+        const long len = context_lens[s];
+        total += has_window ? std::min(len, std::max(0L, sliding_window)) : len;
+    }
+    int split = S;
+    if (S >= 2 && total * H * D * 2 >= DECODE_SPLIT_MIN_MACS) {
+        long running = 0;
+        for (split = 0; split < S - 1 && running * 2 < total; ++split) {
+            const long len = context_lens[split];
+            running += has_window ? std::min(len, std::max(0L, sliding_window)) : len;
+        }
+    }
+    if (split >= S || split <= 0) {
+        decode_seq_range(path, q, sq0, sq1, k_cache, v_cache, sc0, sc1, sc2, block_size,
+                         block_tables, ldb, context_lens, 0, S, H, KV, D, scale, has_window,
+                         sliding_window, out);
+        return;
+    }
+    std::thread helper(decode_seq_range, path, q, sq0, sq1, k_cache, v_cache, sc0, sc1, sc2,
+                       block_size, block_tables, ldb, context_lens, split, S, H, KV, D, scale,
+                       has_window, sliding_window, out);
+    decode_seq_range(path, q, sq0, sq1, k_cache, v_cache, sc0, sc1, sc2, block_size,
+                     block_tables, ldb, context_lens, 0, split, H, KV, D, scale, has_window,
+                     sliding_window, out);
+    helper.join();
 }
 
 }  // namespace pagedrun_ops

@@ -219,6 +219,9 @@ ATTENTION_CASES = [  # head_dim, num_kv_heads, group, block_size, context_lens
     (32, 1, 8, 16, [47, 16]),
     (128, 1, 7, 16, [70]),                    # group 7: passes of 3 + 3 + 1 heads
     (80, 2, 3, 16, [19, 1, 50]),              # no register-resident instantiation: masked path
+    # 7,806 positions x 9 heads x 64 x 2 = 9.0 M multiply-adds: past DECODE_SPLIT_MIN_MACS
+    # (cpu_ops_kernels.h), so the sequences split over two threads (not with a short window).
+    (64, 3, 3, 16, [700, 1, 650, 900, 45, 800, 333, 17, 1000, 760, 600, 1500, 500]),
 ]
 
 
