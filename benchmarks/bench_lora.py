@@ -162,10 +162,10 @@ def bench_ops(args) -> dict:
 
     def base_step():
         for layer in model.layers:
-            numpy_ops.linear(h, layer.qkv_t.T)
-            numpy_ops.linear(o_in, layer.o_t.T)
-            numpy_ops.linear(h, layer.gate_up_t.T)
-            numpy_ops.linear(act, layer.down_t.T)
+            numpy_ops.linear(h, layer.qkv)
+            numpy_ops.linear(o_in, layer.o)
+            numpy_ops.linear(h, layer.gate_up)
+            numpy_ops.linear(act, layer.down)
 
     outs = {name: np.zeros((rows, stack.module(0, name)[1].shape[1]), np.float32)
             for name in inputs}

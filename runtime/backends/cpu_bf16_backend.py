@@ -21,10 +21,11 @@ tokens sorted by expert, one GEMM pair per expert that has tokens) with this bac
 per expert: each expert's [2I, H] and [H, I] matrices are packed once like any weight; routing
 (softmax, top-k) stays float32 numpy.
 
-Weights arrive as the model's float32 arrays (llama.py passes views like `w_t.T` each call):
-each is packed once and kept keyed by the array's memory, as the sim backend does. The model
-keeps its float32 copies (llama.py owns them), so this backend adds the bf16 bytes (~270 MB
-for SmolLM2-135M) rather than halving the weight memory.
+The model's GEMM weights are packed at load (`linear_weight`: llama.py keeps only the packed
+copy, so their float32 matrices are freed: ~270 MB of bf16 instead of ~540 MB of float32 for
+SmolLM2-135M); a float32 weight given to `linear` directly (MoE experts) is packed at its first
+use and kept keyed by the array's memory, as the sim backend does. The embedding table stays
+float32 (a tied LM head is packed separately).
 """
 from __future__ import annotations
 
@@ -77,6 +78,7 @@ class CpuBf16Backend(NumpyBackend):
             for name in CPU_OPS:
                 setattr(self, name, functools.partial(getattr(cpu_ops, name), path="portable"))
         self._packed: dict[tuple, tuple[np.ndarray, cpu_gemm.PackedWeight]] = {}
+        self._model_weight_bytes = 0  # packed by linear_weight
 
     # The packed form of a weight and the GEMM over it (CpuInt8Backend swaps both).
     weight_packing = cpu_gemm.PackedWeight
@@ -91,15 +93,25 @@ class CpuBf16Backend(NumpyBackend):
             hit = self._packed[key] = (weight, self.weight_packing(weight))
         return hit[1]
 
+    def linear_weight(self, weight: np.ndarray):
+        """A model weight [out, in] packed once at load; the model keeps only this, so its
+        float32 copy is freed (packed_weight_bytes counts it)."""
+        packed = self.weight_packing(weight)
+        self._model_weight_bytes += packed.nbytes
+        return packed
+
     def packed_weight_bytes(self) -> int:
-        """Bytes of the GEMM weights packed so far (after one step: what a decode step reads)."""
-        return sum(packed.nbytes for _, packed in self._packed.values())
+        """Bytes of the GEMM weights packed so far: the model's (at load) and those packed at
+        first use (MoE experts); after one step, what a decode step reads."""
+        return self._model_weight_bytes + sum(packed.nbytes for _, packed in self._packed.values())
 
     def linear(self, x, weight, bias=None, *, out_dtype=None):
         """x: [num_tokens, in] float32; weight: [out, in]; bias: [out] or None.
         Returns [num_tokens, out] float32 (out_dtype is accepted for the interface)."""
         del out_dtype
-        return self.gemm(x, self.packed(weight), bias, path=self.path,
+        if not isinstance(weight, (cpu_gemm.PackedWeight, cpu_gemm.PackedInt8Weight)):
+            weight = self.packed(weight)  # a float32 weight the model did not prepare (MoE)
+        return self.gemm(x, weight, bias, path=self.path,
                          threads=self.gemm_threads, pool=self.gemm_pool)
 
     def moe_experts(self, x, topk_ids, topk_weights, w_gate_up, w_down):

@@ -1,18 +1,19 @@
 """CpuInt8Backend: the cpu backend with weight-only int8 GEMMs (EngineConfig.quantization "int8").
 
 Every weight the model passes to `linear` (the fused QKV, o_proj, gate/up, down_proj, the LM
-head, MoE experts) is quantized once, at its first use, to int8 with one float32 scale per 64
-weights of a row (symmetric: scale = max |W[n, group]| / 127, q = round(W / scale); groups of
-64 measured closest to bf16, cpu_gemm.DEFAULT_INT8_GROUP_SIZE says by how much) and packed for
-pagedrun.pyx.cpu_gemm's int8 kernel: y = sum over groups of (bf16(x_g) @ q_g.T) * scale_g
-(+ bias), float32 accumulation. A decode step streams 1.06 bytes per weight instead of the bf16
-backend's two.
+head; MoE experts) is quantized once -- the model's at load, MoE experts at their first use --
+to int8 with one float32 scale per 64 weights of a row (symmetric: scale = max |W[n, group]| /
+127, q = round(W / scale); groups of 64 measured closest to bf16,
+cpu_gemm.DEFAULT_INT8_GROUP_SIZE says by how much) and packed for pagedrun.pyx.cpu_gemm's int8
+kernel: y = sum over groups of (bf16(x_g) @ q_g.T) * scale_g (+ bias), float32 accumulation. A
+decode step streams 1.06 bytes per weight instead of the bf16 backend's two.
 Everything else (embedding, norms, rotary, attention, the KV cache, LoRA deltas) is the bf16
 backend's, float32.
 
-The model keeps its float32 copies (runtime/models/llama.py owns them), so this backend adds
-the int8 bytes (~135 MB for SmolLM2-135M) rather than shrinking the weight memory; keeping only
-the quantized copy is issue 16's loader work.
+The model keeps only the packed copies (CpuBf16Backend.linear_weight): ~143 MB for
+SmolLM2-135M's GEMM weights instead of ~540 MB of float32. The checkpoint is still read (or a
+GGUF dequantized) into float32 first, one matrix at a time; loading a quantized file as it is
+stored is issue 16's loader work.
 
 Accuracy: benchmarks/bench_quant_accuracy.py measures perplexity and greedy agreement against
 float32 and bf16.

@@ -57,6 +57,10 @@ class NumpyBackend:
         return lora_ops.add_lora(y, x, lora_a, lora_b, batch, slice_starts)
 
     @staticmethod
+    def linear_weight(weight):
+        return weight  # numpy multiplies the float32 view as it is
+
+    @staticmethod
     def linear(x, weight, bias=None, *, out_dtype=None):
         """numpy_ops.linear; out_dtype is accepted for the interface (the result is float32)."""
         del out_dtype

@@ -153,6 +153,10 @@ class KernelBackend:
         return fused_ops.fused_add_rms_norm(self.module("norm"), x, residual, self.weight(weight),
                                             eps, residual_out=residual_out)
 
+    @staticmethod
+    def linear_weight(weight):
+        return weight  # placed (converted, on the device) at its first use by `weight`
+
     def linear(self, x, weight, bias=None, *, out_dtype=None):
         # self.weight places a contiguous [out, in] copy: the "nk" layout, skinny-GEMM ready.
         return gemm.linear(self.module("gemm"), self.xp.ascontiguousarray(x), self.weight(weight),

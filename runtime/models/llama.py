@@ -5,10 +5,12 @@ One step runs every scheduled token of every request at once: each weight is one
 `num_tokens` rows; only attention looks at requests separately, and it is split into decode rows
 (query_len 1, one kernel) and prefill rows (chunks, prefix hits; another kernel).
 
-Weights are fused at load: q/k/v into one [hidden, q_size + 2 * kv_size] matrix, gate/up into one
-[hidden, 2 * intermediate] matrix, so a layer runs four GEMMs. Every matrix is stored float32,
-C-contiguous and pre-transposed ([in, out], for `x @ W`); `ops.linear` takes the HF [out, in]
-layout, which is the free `.T` view of that storage.
+Weights are fused at load: q/k/v into one [q_size + 2 * kv_size, hidden] matrix, gate/up into
+one [2 * intermediate, hidden] matrix, so a layer runs four GEMMs. Each matrix is built float32,
+C-contiguous and pre-transposed ([in, out], for `x @ W`), and handed to the backend as the HF
+[out, in] layout, the free `.T` view of that storage: the model keeps what `ops.linear_weight`
+returns for it (numpy and the kernel backends: the view itself; the bf16 / int8 cpu backends:
+their packed copy, so the float32 matrix is freed).
 
 Qwen3's QK-norm (config.qk_norm) is the backend's plain `rms_norm` over a [num_tokens * heads,
 head_dim] view of q and of k, between the QKV GEMM and the rotary op: no op of its own, so it
@@ -68,13 +70,14 @@ class AttentionInputs:
 @dataclass
 class _Layer:
     input_norm: np.ndarray     # [hidden]
-    qkv_t: np.ndarray          # [hidden, q_size + 2 * kv_size]
+    # The GEMM weights as ops.linear_weight returned them for the HF [out, in] matrices:
+    qkv: object                # [q_size + 2 * kv_size, hidden]
     qkv_bias: np.ndarray | None
-    o_t: np.ndarray            # [q_size, hidden]
+    o: object                  # [hidden, q_size]
     o_bias: np.ndarray | None
     post_norm: np.ndarray      # [hidden]
-    gate_up_t: np.ndarray | None  # [hidden, 2 * intermediate]; None in a MoE layer
-    down_t: np.ndarray | None     # [intermediate, hidden]
+    gate_up: object | None     # [2 * intermediate, hidden]; None in a MoE layer
+    down: object | None        # [hidden, intermediate]
     q_norm: np.ndarray | None  # [head_dim] when config.qk_norm, else None
     k_norm: np.ndarray | None  # [head_dim]
     moe: MoeBlock | None = None   # config.is_moe_layer: the experts replace the dense MLP
@@ -127,14 +130,14 @@ class LlamaModel:
                 qkv_bias = _f32(np.concatenate([lw.q_bias, lw.k_bias, lw.v_bias]))
             self.layers.append(_Layer(
                 input_norm=_f32(lw.input_layernorm),
-                qkv_t=_t(lw.q_proj, lw.k_proj, lw.v_proj),
+                qkv=ops.linear_weight(_t(lw.q_proj, lw.k_proj, lw.v_proj).T),
                 qkv_bias=qkv_bias,
-                o_t=_t(lw.o_proj),
+                o=ops.linear_weight(_t(lw.o_proj).T),
                 o_bias=_f32(lw.o_bias),
                 post_norm=_f32(lw.pre_feedforward_layernorm if sandwich
                                else lw.post_attention_layernorm),
-                gate_up_t=None if moe else _t(lw.gate_proj, lw.up_proj),
-                down_t=None if moe else _t(lw.down_proj),
+                gate_up=None if moe else ops.linear_weight(_t(lw.gate_proj, lw.up_proj).T),
+                down=None if moe else ops.linear_weight(_t(lw.down_proj).T),
                 q_norm=_f32(lw.q_norm) if config.qk_norm else None,
                 k_norm=_f32(lw.k_norm) if config.qk_norm else None,
                 moe=MoeBlock.from_weights(lw, config) if moe else None,
@@ -144,7 +147,7 @@ class LlamaModel:
                 cos_sin_cache=tables[inv_freq.tobytes()],
             ))
         self.norm = _f32(weights.norm)
-        self.lm_head_t = _t(weights.lm_head)  # [hidden, vocab]
+        self.lm_head = ops.linear_weight(_t(weights.lm_head).T)  # [vocab, hidden]
         self.cos_sin_cache = self.layers[0].cos_sin_cache if self.layers else (
             build_cos_sin_cache(model_inv_freq(config), max_position))
         self.scale = config.softmax_scale
@@ -180,7 +183,7 @@ class LlamaModel:
             else:
                 h, residual = ops.fused_add_rms_norm(x, residual, layer.input_norm,
                                                      cfg.rms_norm_eps)
-            qkv = self._lora(lora, index, LORA_QKV, ops.linear(h, layer.qkv_t.T, layer.qkv_bias),
+            qkv = self._lora(lora, index, LORA_QKV, ops.linear(h, layer.qkv, layer.qkv_bias),
                              h)
             q = qkv[:, :q_size].reshape(num_tokens, cfg.num_attention_heads, cfg.head_dim)
             k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, cfg.num_key_value_heads,
@@ -194,7 +197,7 @@ class LlamaModel:
             attn_out = self._attention(q, k_cache, v_cache, attn, layer.sliding_window)
             o_in = attn_out.reshape(num_tokens, q_size)
             x = self.all_reduce(self._lora(lora, index, LORA_O,
-                                           ops.linear(o_in, layer.o_t.T, layer.o_bias), o_in))
+                                           ops.linear(o_in, layer.o, layer.o_bias), o_in))
             if layer.attn_out_norm is not None:
                 x = ops.rms_norm(x, layer.attn_out_norm, cfg.rms_norm_eps)
             h, residual = ops.fused_add_rms_norm(x, residual, layer.post_norm, cfg.rms_norm_eps)
@@ -202,9 +205,9 @@ class LlamaModel:
                 mlp_out = layer.moe(ops, h)
             else:
                 gate_up = self._lora(lora, index, LORA_GATE_UP,
-                                     ops.linear(h, layer.gate_up_t.T), h)
+                                     ops.linear(h, layer.gate_up), h)
                 act = self.act_and_mul(gate_up)
-                mlp_out = self._lora(lora, index, LORA_DOWN, ops.linear(act, layer.down_t.T), act)
+                mlp_out = self._lora(lora, index, LORA_DOWN, ops.linear(act, layer.down), act)
             x = self.all_reduce(mlp_out)
             if layer.mlp_out_norm is not None:
                 x = ops.rms_norm(x, layer.mlp_out_norm, cfg.rms_norm_eps)
@@ -265,4 +268,4 @@ class LlamaModel:
     def logits(self, x: np.ndarray, residual: np.ndarray) -> np.ndarray:
         """Final norm and LM head for the given rows: [rows, hidden] x2 -> [rows, vocab] float32."""
         h, _ = self.ops.fused_add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps)
-        return self.ops.linear(h, self.lm_head_t.T, out_dtype=np.float32)
+        return self.ops.linear(h, self.lm_head, out_dtype=np.float32)
