@@ -7,8 +7,9 @@ backend runs exactly the code paths of the cuda backend except the memory placem
 
 Dtypes: activations, weights and KV pools in the backend dtype -- float32 (the kernels' fp32
 test instantiations), float16, or bfloat16 stored as uint16 bits; the residual stream and the
-logits in float32. Weights arrive as the model's float32 numpy arrays (llama.py passes views
-like `w_t.T` each call); each is converted once, to a contiguous HF [out, in] matrix (the
+logits in float32. Weights arrive as the model's float32 numpy arrays (llama.py keeps the
+`w_t.T` views `linear_weight` handed back, and passes them each call); each is converted at its
+first use, once, to a contiguous HF [out, in] matrix (the
 layout the skinny decode GEMM streams; MoE expert stacks stay [E, out, in]), and kept keyed
 by the array's memory. Shapes a kernel does not serve (head_dim, block_size) are refused by
 `check_model` at start-up.
