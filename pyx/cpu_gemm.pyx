@@ -308,8 +308,7 @@ def gemm_bf16(x, packed, bias=None, *, path="auto", threads=2, pool="native"):
 
 def gemm_int8(x, packed, bias=None, *, path="auto", threads=2, pool="native"):
     """y = sum over K groups of (bf16(x_g) @ q_g.T) * scale_g (+ bias) for a PackedInt8Weight,
-    float32 accumulation; gemm_bf16's arguments. The "avx2" path runs the portable loop (the
-    int8 format has no AVX2 kernel)."""
+    float32 accumulation; gemm_bf16's arguments (the same three paths)."""
     if not isinstance(packed, PackedInt8Weight):
         raise TypeError(f"gemm_int8 takes a PackedInt8Weight, got {type(packed).__name__}")
     return _gemm(x, packed, bias, path, threads, pool)

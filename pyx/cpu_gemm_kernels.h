@@ -644,8 +644,89 @@ PAGEDRUN_BF16_TARGET static void gemm_int8_tiles_avx512(const uint16_t* xb, int 
 }
 #endif
 
-// path 1: AVX512-BF16; anything else the portable loop (the int8 format has no AVX2 kernel:
-// the backend warns on such CPUs).
+#if PAGEDRUN_X86
+// The int8 format on AVX2 + FMA CPUs: 16 int8 of a pair row (8 outputs x (k even, k odd)) are
+// sign-extended to int16, so each 32-bit lane holds one output's pair; shifts split the pair
+// into two int32 vectors (even, odd), converted to float32 (exact), then two FMAs per row.
+// MR_ rows (<= 2: 2 x 2 group sums + 2 x 2 totals + 4 weight vectors fit the 16 ymm) by one
+// tile, group by group as the AVX512 kernel.
+template <int MR_>
+PAGEDRUN_AVX2_TARGET static inline void micro_int8_avx2(const uint16_t* xb, int kp,
+                                                        const int8_t* wt, const float* st,
+                                                        int group_pairs, const float* bias,
+                                                        int n0, int N, float* y, long ldy) {
+    const int num_groups = (kp + group_pairs - 1) / group_pairs;
+    __m256 total[MR_][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR_; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
+    for (int g = 0; g < num_groups; ++g) {
+        const int p0 = g * group_pairs;
+        const int p1 = p0 + group_pairs < kp ? p0 + group_pairs : kp;
+        __m256 acc[MR_][2];
+#pragma GCC unroll 8
+        for (int r = 0; r < MR_; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (int p = p0; p < p1; ++p) {
+            const int8_t* w = wt + (long)p * TILE_N * 2;
+            __m256 we[2], wo[2];
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; ++h) {
+                const __m256i pairs = _mm256_cvtepi8_epi16(
+                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * h)));
+                we[h] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(pairs, 16), 16));
+                wo[h] = _mm256_cvtepi32_ps(_mm256_srai_epi32(pairs, 16));
+            }
+#pragma GCC unroll 8
+            for (int r = 0; r < MR_; ++r) {
+                const uint16_t* xr = xb + (long)r * kp * 2 + 2 * p;
+                const __m256 x0 = _mm256_set1_ps(bf16_to_f32(xr[0]));
+                const __m256 x1 = _mm256_set1_ps(bf16_to_f32(xr[1]));
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; ++h)
+                    acc[r][h] = _mm256_fmadd_ps(x1, wo[h], _mm256_fmadd_ps(x0, we[h], acc[r][h]));
+            }
+        }
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+            const __m256 scale = _mm256_loadu_ps(st + (long)g * TILE_N + 8 * h);
+#pragma GCC unroll 8
+            for (int r = 0; r < MR_; ++r)
+                total[r][h] = _mm256_fmadd_ps(acc[r][h], scale, total[r][h]);
+        }
+    }
+    const int width = N - n0 < TILE_N ? N - n0 : TILE_N;
+#pragma GCC unroll 8
+    for (int r = 0; r < MR_; ++r) {
+        float tmp[TILE_N];
+        _mm256_storeu_ps(tmp, total[r][0]);
+        _mm256_storeu_ps(tmp + 8, total[r][1]);
+        float* yr = y + (long)r * ldy + n0;
+        for (int j = 0; j < width; ++j) yr[j] = tmp[j] + (bias ? bias[n0 + j] : 0.0f);
+    }
+}
+
+PAGEDRUN_AVX2_TARGET static void gemm_int8_tiles_avx2(const uint16_t* xb, int M, int kp,
+                                                      const int8_t* wq, const float* scales,
+                                                      int group_pairs, int N, int tile_begin,
+                                                      int tile_end, const float* bias,
+                                                      float* y, long ldy) {
+    const long tile_bytes = (long)kp * TILE_N * 2;
+    const long scale_stride = (long)((kp + group_pairs - 1) / group_pairs) * TILE_N;
+    const long xrow = (long)kp * 2;
+    for (int t = tile_begin; t < tile_end; ++t) {
+        const int8_t* wt = wq + t * tile_bytes;
+        const float* st = scales + t * scale_stride;
+        int m = 0;
+        for (; m + 2 <= M; m += 2)
+            micro_int8_avx2<2>(xb + m * xrow, kp, wt, st, group_pairs, bias, t * TILE_N, N,
+                               y + m * ldy, ldy);
+        if (m < M)
+            micro_int8_avx2<1>(xb + m * xrow, kp, wt, st, group_pairs, bias, t * TILE_N, N,
+                               y + m * ldy, ldy);
+    }
+}
+#endif
+
+// path 1: AVX512-BF16, 2: AVX2 + FMA, else the portable loop.
 static inline void gemm_int8_tiles(int path, const uint16_t* xb, int M, int kp,
                                    const int8_t* wq, const float* scales, int group_pairs,
                                    int N, int tile_begin, int tile_end, const float* bias,
@@ -654,6 +735,11 @@ static inline void gemm_int8_tiles(int path, const uint16_t* xb, int M, int kp,
     if (path == 1) {
         gemm_int8_tiles_avx512(xb, M, kp, wq, scales, group_pairs, N, tile_begin, tile_end,
                                bias, y, ldy);
+        return;
+    }
+    if (path == 2) {
+        gemm_int8_tiles_avx2(xb, M, kp, wq, scales, group_pairs, N, tile_begin, tile_end, bias,
+                             y, ldy);
         return;
     }
 #endif

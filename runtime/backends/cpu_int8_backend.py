@@ -20,13 +20,9 @@ float32 and bf16.
 """
 from __future__ import annotations
 
-import logging
-
 from pagedrun.pyx import cpu_gemm
 
 from .cpu_bf16_backend import CpuBf16Backend
-
-log = logging.getLogger(__name__)
 
 
 class CpuInt8Backend(CpuBf16Backend):
@@ -34,9 +30,3 @@ class CpuInt8Backend(CpuBf16Backend):
     quantization = "int8"
     weight_packing = cpu_gemm.PackedInt8Weight
     gemm = staticmethod(cpu_gemm.gemm_int8)
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        if self.path == "auto" and not cpu_gemm.has_avx512bf16():
-            log.warning("quantization int8 on cpu: this CPU has no AVX512-BF16; the int8 GEMM "
-                        "runs its portable loop (slow: use --dtype bfloat16)")
