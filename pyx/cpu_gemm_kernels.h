@@ -125,6 +125,22 @@ PAGEDRUN_BF16_TARGET __attribute__((always_inline)) static inline void dot_pair(
     }
 }
 
+// y[r, tile c] = sum[r][c] + bias for MR_ rows and NR_ tiles from output n0, masked past N:
+// the epilogue of the micro-kernels that finish their sums in registers.
+template <int MR_, int NR_>
+PAGEDRUN_BF16_TARGET __attribute__((always_inline)) static inline void store_tiles(
+        const __m512 (&sum)[MR_][NR_], const float* bias, int n0, int N, float* y, long ldy) {
+    #pragma GCC unroll 16
+    for (int c = 0; c < NR_; ++c) {
+        const int nc = n0 + c * TILE_N;
+        const __mmask16 mask = tile_mask(nc, N);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + nc) : _mm512_setzero_ps();
+        #pragma GCC unroll 16
+        for (int r = 0; r < MR_; ++r)
+            _mm512_mask_storeu_ps(y + (long)r * ldy + nc, mask, _mm512_add_ps(sum[r][c], b));
+    }
+}
+
 // All of K, then the bias.
 template <int MR_, int NR_>
 PAGEDRUN_BF16_TARGET static inline void micro_avx512(const uint16_t* xb, int kp,
@@ -134,11 +150,6 @@ PAGEDRUN_BF16_TARGET static inline void micro_avx512(const uint16_t* xb, int kp,
     // Every loop over r and c is unrolled: the accumulators must live in registers (at -O2 gcc
     // kept them in a stack array, a load and a store around every vdpbf16ps).
     __m512 acc[MR_][NR_];
-    __mmask16 mask[NR_];
-    #pragma GCC unroll 16
-    for (int c = 0; c < NR_; ++c) {
-        mask[c] = tile_mask(n0 + c * TILE_N, N);
-    }
     #pragma GCC unroll 16
     for (int r = 0; r < MR_; ++r)
         #pragma GCC unroll 16
@@ -159,14 +170,7 @@ PAGEDRUN_BF16_TARGET static inline void micro_avx512(const uint16_t* xb, int kp,
             w[c] = (__m512bh)_mm512_loadu_si512(wt + c * tile_elems + (long)p * TILE_N * 2);
         dot_pair<MR_, NR_>(acc, x32, kp, p, w);
     }
-    #pragma GCC unroll 16
-    for (int c = 0; c < NR_; ++c) {
-        const int nc = n0 + c * TILE_N;
-        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask[c], bias + nc) : _mm512_setzero_ps();
-        #pragma GCC unroll 16
-        for (int r = 0; r < MR_; ++r)
-            _mm512_mask_storeu_ps(y + (long)r * ldy + nc, mask[c], _mm512_add_ps(acc[r][c], b));
-    }
+    store_tiles<MR_, NR_>(acc, bias, n0, N, y, ldy);
 }
 
 // Decode-sized M (<= SKINNY_MAX_M rows): the GEMM is a weight stream and nothing else, so
@@ -206,15 +210,10 @@ PAGEDRUN_BF16_TARGET static inline void skinny_avx512(const uint16_t* xb, int kp
         }
     }
     #pragma GCC unroll 16
-    for (int c = 0; c < NR_; ++c) {
-        const int nc = n0 + c * TILE_N;
-        const __mmask16 mask = tile_mask(nc, N);
-        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + nc) : _mm512_setzero_ps();
+    for (int r = 0; r < MR_; ++r)
         #pragma GCC unroll 16
-        for (int r = 0; r < MR_; ++r)
-            _mm512_mask_storeu_ps(y + (long)r * ldy + nc, mask,
-                                  _mm512_add_ps(_mm512_add_ps(acc[0][r][c], acc[1][r][c]), b));
-    }
+        for (int c = 0; c < NR_; ++c) acc[0][r][c] = _mm512_add_ps(acc[0][r][c], acc[1][r][c]);
+    store_tiles<MR_, NR_>(acc[0], bias, n0, N, y, ldy);
 }
 
 template <int MR_>
@@ -314,6 +313,38 @@ PAGEDRUN_BF16_TARGET static void gemm_tiles_avx512(const uint16_t* xb, int M, in
 #define PAGEDRUN_AVX2_TARGET __attribute__((target("avx2,fma")))
 constexpr int MR_AVX2 = 4;
 
+// acc[r][h] += x[r, 2p] * we[h] + x[r, 2p + 1] * wo[h] for MR_ rows, the tile's two halves
+// (we/wo: the pair's even/odd weights as float32): the core of both AVX2 micro-kernels.
+template <int MR_>
+PAGEDRUN_AVX2_TARGET __attribute__((always_inline)) static inline void fma_pair_avx2(
+        __m256 (&acc)[MR_][2], const uint16_t* xb, int kp, int p, const __m256 (&we)[2],
+        const __m256 (&wo)[2]) {
+#pragma GCC unroll 8
+    for (int r = 0; r < MR_; ++r) {
+        const uint16_t* xr = xb + (long)r * kp * 2 + 2 * p;
+        const __m256 x0 = _mm256_set1_ps(bf16_to_f32(xr[0]));
+        const __m256 x1 = _mm256_set1_ps(bf16_to_f32(xr[1]));
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h)
+            acc[r][h] = _mm256_fmadd_ps(x1, wo[h], _mm256_fmadd_ps(x0, we[h], acc[r][h]));
+    }
+}
+
+// y[r, n0 .. n0 + 16) = sum[r] + bias for MR_ rows, the outputs past N left alone.
+template <int MR_>
+PAGEDRUN_AVX2_TARGET __attribute__((always_inline)) static inline void store_tile_avx2(
+        const __m256 (&sum)[MR_][2], const float* bias, int n0, int N, float* y, long ldy) {
+    const int width = N - n0 < TILE_N ? N - n0 : TILE_N;
+#pragma GCC unroll 8
+    for (int r = 0; r < MR_; ++r) {
+        float tmp[TILE_N];
+        _mm256_storeu_ps(tmp, sum[r][0]);
+        _mm256_storeu_ps(tmp + 8, sum[r][1]);
+        float* yr = y + (long)r * ldy + n0;
+        for (int j = 0; j < width; ++j) yr[j] = tmp[j] + (bias ? bias[n0 + j] : 0.0f);
+    }
+}
+
 template <int MR_>
 PAGEDRUN_AVX2_TARGET static inline void micro_avx2(const uint16_t* xb, int kp, const uint16_t* wt,
                                                    const float* bias, int n0, int N, float* y,
@@ -326,28 +357,13 @@ PAGEDRUN_AVX2_TARGET static inline void micro_avx2(const uint16_t* xb, int kp, c
         const uint16_t* w = wt + (long)p * TILE_N * 2;
         const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
         const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + TILE_N));
-        const __m256 we_lo = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16));
-        const __m256 wo_lo = _mm256_castsi256_ps(_mm256_and_si256(lo, odd_mask));
-        const __m256 we_hi = _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16));
-        const __m256 wo_hi = _mm256_castsi256_ps(_mm256_and_si256(hi, odd_mask));
-#pragma GCC unroll 8
-        for (int r = 0; r < MR_; ++r) {
-            const uint16_t* xr = xb + (long)r * kp * 2 + 2 * p;
-            const __m256 x0 = _mm256_set1_ps(bf16_to_f32(xr[0]));
-            const __m256 x1 = _mm256_set1_ps(bf16_to_f32(xr[1]));
-            acc[r][0] = _mm256_fmadd_ps(x1, wo_lo, _mm256_fmadd_ps(x0, we_lo, acc[r][0]));
-            acc[r][1] = _mm256_fmadd_ps(x1, wo_hi, _mm256_fmadd_ps(x0, we_hi, acc[r][1]));
-        }
+        const __m256 we[2] = {_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)),
+                              _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
+        const __m256 wo[2] = {_mm256_castsi256_ps(_mm256_and_si256(lo, odd_mask)),
+                              _mm256_castsi256_ps(_mm256_and_si256(hi, odd_mask))};
+        fma_pair_avx2<MR_>(acc, xb, kp, p, we, wo);
     }
-    const int width = N - n0 < TILE_N ? N - n0 : TILE_N;
-#pragma GCC unroll 8
-    for (int r = 0; r < MR_; ++r) {
-        float tmp[TILE_N];
-        _mm256_storeu_ps(tmp, acc[r][0]);
-        _mm256_storeu_ps(tmp + 8, acc[r][1]);
-        float* yr = y + (long)r * ldy + n0;
-        for (int j = 0; j < width; ++j) yr[j] = tmp[j] + (bias ? bias[n0 + j] : 0.0f);
-    }
+    store_tile_avx2<MR_>(acc, bias, n0, N, y, ldy);
 }
 
 PAGEDRUN_AVX2_TARGET static void gemm_tiles_avx2(const uint16_t* xb, int M, int kp,
@@ -515,15 +531,7 @@ PAGEDRUN_BF16_TARGET static inline void micro_int8_avx512(const uint16_t* xb, in
             }
         }
     }
-    #pragma GCC unroll 16
-    for (int c = 0; c < NR_; ++c) {
-        const int nc = n0 + c * TILE_N;
-        const __mmask16 mask = tile_mask(nc, N);
-        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + nc) : _mm512_setzero_ps();
-        #pragma GCC unroll 16
-        for (int r = 0; r < MR_; ++r)
-            _mm512_mask_storeu_ps(y + (long)r * ldy + nc, mask, _mm512_add_ps(total[r][c], b));
-    }
+    store_tiles<MR_, NR_>(total, bias, n0, N, y, ldy);
 }
 
 // MR_ rows by NR_ tiles for M > 2: the group's sums in registers (MR_ x NR_), the running
@@ -675,15 +683,7 @@ PAGEDRUN_AVX2_TARGET static inline void micro_int8_avx2(const uint16_t* xb, int 
                 we[h] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(pairs, 16), 16));
                 wo[h] = _mm256_cvtepi32_ps(_mm256_srai_epi32(pairs, 16));
             }
-#pragma GCC unroll 8
-            for (int r = 0; r < MR_; ++r) {
-                const uint16_t* xr = xb + (long)r * kp * 2 + 2 * p;
-                const __m256 x0 = _mm256_set1_ps(bf16_to_f32(xr[0]));
-                const __m256 x1 = _mm256_set1_ps(bf16_to_f32(xr[1]));
-#pragma GCC unroll 2
-                for (int h = 0; h < 2; ++h)
-                    acc[r][h] = _mm256_fmadd_ps(x1, wo[h], _mm256_fmadd_ps(x0, we[h], acc[r][h]));
-            }
+            fma_pair_avx2<MR_>(acc, xb, kp, p, we, wo);
         }
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
@@ -693,15 +693,7 @@ PAGEDRUN_AVX2_TARGET static inline void micro_int8_avx2(const uint16_t* xb, int 
                 total[r][h] = _mm256_fmadd_ps(acc[r][h], scale, total[r][h]);
         }
     }
-    const int width = N - n0 < TILE_N ? N - n0 : TILE_N;
-#pragma GCC unroll 8
-    for (int r = 0; r < MR_; ++r) {
-        float tmp[TILE_N];
-        _mm256_storeu_ps(tmp, total[r][0]);
-        _mm256_storeu_ps(tmp + 8, total[r][1]);
-        float* yr = y + (long)r * ldy + n0;
-        for (int j = 0; j < width; ++j) yr[j] = tmp[j] + (bias ? bias[n0 + j] : 0.0f);
-    }
+    store_tile_avx2<MR_>(total, bias, n0, N, y, ldy);
 }
 
 PAGEDRUN_AVX2_TARGET static void gemm_int8_tiles_avx2(const uint16_t* xb, int M, int kp,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from pagedrun.runtime.engine_config import DEVICES
+from pagedrun.runtime.engine_config import DEVICES, QUANTIZATIONS
 from pagedrun.runtime.errors import DeviceNotAvailableError
 
 from .base import AUTO_DTYPE, DTYPE_NAMES, Backend
@@ -46,8 +46,8 @@ def make_backend(device: str, dtype: str = "auto", *, device_id: int = 0,
     quantization: EngineConfig.quantization (None or "none": the dtype's weights)."""
     device = resolve_device(device)
     if quantization not in (None, "none"):
-        if quantization != "int8":
-            raise ValueError(f"quantization must be 'none' or 'int8', got {quantization!r}")
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
         if device != "cpu":
             raise ValueError(f"quantization 'int8' runs on the cpu backend; device {device!r} "
                              "has no int8 GEMM yet")

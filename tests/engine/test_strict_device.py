@@ -99,8 +99,9 @@ DeviceArray.pagedrun_array_module = STRICT_XP
 class StrictFunction:
     """A harness kernel that refuses host arrays among its launch arguments."""
 
-    def __init__(self, function) -> None:
+    def __init__(self, function, launches: list) -> None:
         object.__setattr__(self, "_function", function)
+        object.__setattr__(self, "launches", launches)  # every launch's kernel name
 
     def __call__(self, grid, block, args, shared_mem: int = 0, stream=None):
         args = tuple(args)
@@ -128,9 +129,7 @@ class StrictModule:
         self._launches = launches
 
     def get_function(self, name: str) -> StrictFunction:
-        function = StrictFunction(self._module.get_function(name))
-        object.__setattr__(function, "launches", self._launches)
-        return function
+        return StrictFunction(self._module.get_function(name), self._launches)
 
     def __getattr__(self, name):
         return getattr(self._module, name)
@@ -155,11 +154,9 @@ class StrictDeviceBackend(KernelBackend):
 @pytest.fixture
 def strict_engine_factory(monkeypatch):
     monkeypatch.setattr(kernel_args, "_cuda_num_sms", lambda device_id: kernel_args.SIM_NUM_SMS)
-    backends = []
 
     def make(model, dtype: str, **config):
         backend = StrictDeviceBackend(dtype)
-        backends.append(backend)
         monkeypatch.setattr("pagedrun.runtime.engine.make_backend",
                             lambda *args, **kwargs: backend)
         return make_engine(model, device="sim", dtype=dtype, **config), backend
@@ -180,8 +177,7 @@ def test_array_module_and_launch_check_catch_host_arrays():
         def __call__(self, *args, **kwargs):
             return None
 
-    function = StrictFunction(Recorder())
-    object.__setattr__(function, "launches", [])
+    function = StrictFunction(Recorder(), [])
     function((1,), (1,), (device, np.uint64(0)))  # a device array and CuPy's NULL: fine
     with pytest.raises(HostArrayToKernel, match="kernel k argument 1"):
         function((1,), (1,), (device, np.zeros(4, np.float32)))
