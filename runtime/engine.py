@@ -134,6 +134,16 @@ class VerifiedRows:
     num_accepted: list[int] = field(default_factory=list)  # before any stop cut the row short
 
 
+@dataclass
+class InFlightStep:
+    """A pipelined step between submit and collect: what its postprocessing needs."""
+
+    scheduled: object          # its SchedulerOutput
+    batch: SamplingBatch
+    failed: dict[str, str]     # faults of single requests found while planning
+    handle: int                # the executor's handle for collect
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, model_config: ModelConfig | None = None,
                  weights: ModelWeights | None = None, tokenizer=None,
@@ -151,7 +161,7 @@ class LLMEngine:
         self.model_name = config.model or "default"
         if model_config is None:  # tensor parallel: each rank reads its own shard
             model_config, weights, tokenizer = load_model(config.model,
-                                                          config.tensor_parallel_size == 1)
+                                                          config.world_size == 1)
         self.model_config = model_config
         self.tokenizer = tokenizer
         # The one place that picks ops.
@@ -165,22 +175,33 @@ class LLMEngine:
         spec_config = config.spec_config()  # None: speculative decoding off
         self.draft_runner = self._draft_runner(spec_config, draft_model)  # None: no draft
         self.runner = self._start_runner(weights)
-        self.num_kv_blocks = self.runner.num_gpu_blocks
+        # Pipeline parallelism keeps one batch in flight per stage: as many virtual engines,
+        # each a scheduler with its own share of the KV blocks (runtime/distributed/pipeline.py).
+        self.num_virtual_engines = getattr(self.runner, "pipeline_depth", 1)
+        self.blocks_per_virtual_engine = self.runner.num_gpu_blocks
+        self.num_kv_blocks = self.blocks_per_virtual_engine * self.num_virtual_engines
         self.num_cpu_blocks = self.runner.num_cpu_blocks
         self.bytes_per_block = self.runner.kv_bytes_per_block() + self._draft_bytes_per_block()
         # The model's EOS ids plus the tokenizer's (chat models end turns with the latter).
         tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | (
             frozenset() if tokenizer_eos is None else frozenset([tokenizer_eos]))
-        self.scheduler = Scheduler(SchedulerConfig(
-            num_gpu_blocks=self.num_kv_blocks, block_size=self.block_size,
+        scheduler_config = SchedulerConfig(
+            num_gpu_blocks=self.blocks_per_virtual_engine, block_size=self.block_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_prefix_caching=config.enable_prefix_caching,
             num_cpu_blocks=self.num_cpu_blocks, preemption_mode=config.preemption_mode,
             check_invariants=config.check_invariants,
             max_loras=self.lora_config.max_loras if self.lora_config else 0,
-            num_speculative_tokens=spec_config.num_speculative_tokens if spec_config else 0))
+            num_speculative_tokens=spec_config.num_speculative_tokens if spec_config else 0)
+        self.schedulers = [Scheduler(scheduler_config) for _ in range(self.num_virtual_engines)]
+        self._ve = 0  # the virtual engine being stepped: `scheduler` is its scheduler
+        self._ve_requests = [0] * self.num_virtual_engines  # unfinished requests per engine
+        self._in_flight: list[InFlightStep | None] = [None] * self.num_virtual_engines
+        # Per virtual engine: requests added while its batch was in flight, not yet scheduled.
+        self._deferred: list[list] = [[] for _ in range(self.num_virtual_engines)]
+        self._next_ve = 0
         # Which adapter sits in which device slot; loads go through the runner (its device's
         # part of the adapter: a tensor-parallel rank 0 loads its shard).
         self.adapters = (AdapterCache(self.lora_config, load=self.runner.load_adapter)
@@ -212,6 +233,16 @@ class LLMEngine:
         self._num_failed_steps = 0  # in a row, outside any one request
         self._log_capacity()
 
+    @property
+    def scheduler(self):
+        """The scheduler of the virtual engine being stepped (the only one without
+        pipelining)."""
+        return self.schedulers[self._ve]
+
+    @scheduler.setter
+    def scheduler(self, scheduler) -> None:
+        self.schedulers[self._ve] = scheduler
+
     # ------------------------------------------------------------------ capacity
 
     def _start_runner(self, weights):
@@ -219,7 +250,7 @@ class LLMEngine:
         by profiling the runner's own model where the backend needs it), or the tensor-parallel
         executor (every rank's KV sized by the rank-0 shard's bytes per block)."""
         config = self.config
-        if config.tensor_parallel_size > 1:
+        if config.world_size > 1:
             from pagedrun.runtime.distributed.executor import start_tensor_parallel
 
             if weights is not None:
@@ -291,6 +322,7 @@ class LLMEngine:
             "eos_token_ids": sorted(self.eos_token_ids),
             "device": self.device,
             "dtype": self.backend.dtype_name,
+            "num_virtual_engines": self.num_virtual_engines,
             "enable_lora": self.lora_config is not None,
             "lora_adapters": [{"name": r.lora_name, "id": r.lora_int_id}
                               for r in self.list_lora_requests()],
@@ -348,7 +380,7 @@ class LLMEngine:
         scheduler keeps them within max_loras, so every pin finds a slot). Returns (id, why)
         of the adapters that failed to load (their requests must fail)."""
         cache = self.adapters
-        active = set(self.scheduler.get_active_lora_ids())
+        active = {i for scheduler in self.schedulers for i in scheduler.get_active_lora_ids()}
         for lora_id in self._lora_pinned - active:
             cache.release(lora_id)
         self._lora_pinned &= active
@@ -438,17 +470,44 @@ class LLMEngine:
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
         salt = (next(self._salts) if params.prompt_logprobs is not None
                 else LORA_SALT_BIT | lora_id if lora_id else 0)
-        try:
-            self.scheduler.add_request(parent.seq_id, np.asarray(token_ids, dtype=np.int32),
-                                       max_tokens, cache_salt=salt, lora_id=lora_id)
-        except ValueError as exc:
-            del self._seqs[parent.seq_id]
-            raise RequestError(ERR_CAPACITY, str(exc)) from None
+        # The least loaded virtual engine (vLLM's choice); there is one without pipelining.
+        ve = min(range(self.num_virtual_engines), key=self._ve_requests.__getitem__)
+        request.virtual_engine = ve
+        admit = (parent.seq_id, np.asarray(token_ids, dtype=np.int32), max_tokens, salt, lora_id)
+        if self._in_flight[ve] is not None:
+            # Its scheduler awaits the batch in flight (pipelining): it takes new requests
+            # after that batch's update, at the engine's next turn (_admit_deferred).
+            self._deferred[ve].append((request, admit))
+        else:
+            try:
+                self._admit(ve, admit)
+            except ValueError as exc:
+                del self._seqs[parent.seq_id]
+                raise RequestError(ERR_CAPACITY, str(exc)) from None
         self._requests[request_id] = request
+        self._ve_requests[ve] += 1
         if lora_id:
             self._request_lora[request_id] = lora_request
             self._lora_users[lora_id] = self._lora_users.get(lora_id, 0) + 1
         self._prompt_tokens_total += len(token_ids)
+
+    def _admit(self, ve: int, admit: tuple) -> None:
+        seq_id, token_ids, max_tokens, salt, lora_id = admit
+        self.schedulers[ve].add_request(seq_id, token_ids, max_tokens, cache_salt=salt,
+                                        lora_id=lora_id)
+
+    def _admit_deferred(self, ve: int, touched: dict[str, Request]) -> None:
+        """Hand virtual engine ve's scheduler the requests added while its batch was in flight
+        (those aborted meanwhile are skipped; one the scheduler refuses fails alone --
+        _check_admissible refuses the same ones first, so this does not happen)."""
+        deferred, self._deferred[ve] = self._deferred[ve], []
+        for request, admit in deferred:
+            if request.finished:
+                continue
+            try:
+                self._admit(ve, admit)
+            except ValueError as exc:
+                self._fail_requests({request.request_id: _describe("admission", exc)}, touched)
 
     def _prompt_token_ids(self, prompt, prompt_token_ids, messages, chat_options) -> list[int]:
         given = [x is not None for x in (prompt, prompt_token_ids, messages)]
@@ -495,9 +554,11 @@ class LLMEngine:
         max_new = params.max_tokens if params.max_tokens is not None else self.max_model_len
         longest = min(prompt_len + max_new, self.max_model_len)
         blocks = math.ceil(longest / self.block_size)
-        if blocks > self.num_kv_blocks:
+        if blocks > self.blocks_per_virtual_engine:
             raise RequestError(ERR_CAPACITY, f"needs {blocks} KV blocks ({longest} tokens) but the "
-                                             f"whole pool has {self.num_kv_blocks}")
+                                             f"whole pool has {self.blocks_per_virtual_engine}"
+                                             + (" per virtual engine" if
+                                                self.num_virtual_engines > 1 else ""))
 
     def _new_sequence(self, request: Request, index: int) -> Sequence:
         params = request.params
@@ -521,9 +582,13 @@ class LLMEngine:
         request = self._requests.get(request_id)
         if request is None or request.finished:
             return False
+        scheduler = self.schedulers[request.virtual_engine]
         for seq in request.seqs:
             if not seq.finished:
-                self.scheduler.abort_request(seq.seq_id)
+                # Its blocks are free now; if its batch is in flight (pipelining), nothing
+                # reuses them before that batch is collected: only its own engine allocates
+                # them, at its next schedule, after the collect.
+                scheduler.abort_request(seq.seq_id)
                 seq.finish_reason = FINISH_ABORT
         self._finish_request(request)
         self._pending_final.append(request)
@@ -535,6 +600,7 @@ class LLMEngine:
         for seq in request.seqs:
             self._seqs.pop(seq.seq_id, None)
         del self._requests[request.request_id]
+        self._ve_requests[request.virtual_engine] -= 1
         lora_request = self._request_lora.pop(request.request_id, None)
         if lora_request is not None:
             lora_id = lora_request.lora_int_id
@@ -545,7 +611,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ step
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or bool(self._pending_final)
+        return (bool(self._requests) or bool(self._pending_final)
+                or any(s is not None for s in self._in_flight))
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule -> execute -> sample -> postprocess. Returns every delta
@@ -559,6 +626,8 @@ class LLMEngine:
         MAX_CONSECUTIVE_STEP_FAILURES such steps in a row, or a failure whose exception says
         `engine_dead` (a lost tensor-parallel rank), the engine raises EngineDeadError.
         """
+        if self.num_virtual_engines > 1:
+            return self._pipelined_step()
         touched: dict[str, Request] = {r.request_id: r for r in self._pending_final}
         self._pending_final = []
         if self._requests:
@@ -584,6 +653,48 @@ class LLMEngine:
                 self._postprocess(scheduled, batch, executed, sampled, failed, touched,
                                   verified)
                 self._num_failed_steps = 0
+        return self._outputs(touched)
+
+    def _pipelined_step(self) -> list[RequestOutput]:
+        """One iteration with pipeline parallelism, on the next virtual engine in turn: collect
+        its batch in flight (sample, postprocess), then schedule and submit its next one, whose
+        later stages run while this process steps the other engines. Faults are contained as
+        in `step`; a request's results arrive one round (pipeline_parallel_size steps) after
+        its batch was submitted."""
+        touched: dict[str, Request] = {r.request_id: r for r in self._pending_final}
+        self._pending_final = []
+        ve = self._next_ve
+        self._next_ve = (ve + 1) % self.num_virtual_engines
+        self._ve = ve
+        in_flight = self._in_flight[ve]
+        if in_flight is not None:
+            self._in_flight[ve] = None
+            scheduled, batch, failed = in_flight.scheduled, in_flight.batch, in_flight.failed
+            try:
+                executed = self.runner.collect(scheduled, in_flight.handle)
+                sampled = self._sample(batch, executed, failed)
+            except Exception as exc:  # noqa: BLE001 -- belongs to no single request
+                self._fail_step(scheduled, exc, touched)
+            else:
+                self._postprocess(scheduled, batch, executed, sampled, failed, touched)
+                self._num_failed_steps = 0
+        if self._deferred[ve]:
+            self._admit_deferred(ve, touched)
+        if self._ve_requests[ve]:
+            try:
+                scheduled = self.scheduler.schedule()
+            except Exception as exc:  # noqa: BLE001 -- the scheduler's state is unknown now
+                self._reset(exc, touched)
+                return self._outputs(touched)
+            failed: dict[str, str] = {}
+            try:
+                batch = self._plan_sampling(scheduled, failed)
+                handle = self.runner.submit(scheduled, batch.prompt_logit_rows,
+                                            self._lora_slots(scheduled, failed), ve)
+            except Exception as exc:  # noqa: BLE001 -- belongs to no single request
+                self._fail_step(scheduled, exc, touched)
+            else:
+                self._in_flight[ve] = InFlightStep(scheduled, batch, failed, handle)
         return self._outputs(touched)
 
     @staticmethod
@@ -773,7 +884,10 @@ class LLMEngine:
         req_ids = out.req_ids
         for row, logits in executed.prompt_logits.items():
             seq_id = int(req_ids[row])
-            request = self._seqs[seq_id][0]
+            entry = self._seqs.get(seq_id)
+            if entry is None:  # aborted while its batch was in flight (pipelining)
+                continue
+            request = entry[0]
             try:
                 self._add_prompt_logprobs(seq_id, int(out.num_computed_tokens_before[row]),
                                           logits)
@@ -784,7 +898,7 @@ class LLMEngine:
         append_token = self._append_token
         for j, (_, seq, request) in enumerate(batch.targets):
             request_id = request.request_id
-            if request_id in failed:
+            if request_id in failed or request.finished:  # finished: aborted in flight
                 continue
             try:
                 if seq.logprobs is not None:
@@ -889,8 +1003,9 @@ class LLMEngine:
             if request is None or request.finished:
                 continue
             log.error("request %s failed: %s", request_id, message)
+            scheduler = self.schedulers[request.virtual_engine]
             for seq in request.seqs:
-                self.scheduler.abort_request(seq.seq_id)  # False for unforked siblings: fine
+                scheduler.abort_request(seq.seq_id)  # False for unforked siblings: fine
                 if not seq.finished:
                     seq.finish_reason = FINISH_ERROR
             request.error = message
@@ -921,14 +1036,16 @@ class LLMEngine:
                                   f"{message}") from exc
 
     def _reset(self, exc: BaseException, touched: dict[str, Request]) -> None:
-        """The scheduler failed: fail every live request and start a fresh scheduler (empty
-        pool and prefix cache; the runner and its KV memory are kept)."""
+        """The scheduler failed: fail every live request of its virtual engine and start a
+        fresh scheduler (empty pool and prefix cache; the runner and its KV memory are kept)."""
         from pagedrun.pyx.scheduler import Scheduler
 
         message = _describe("scheduler", exc)
         log.error("engine reset: %s", message, exc_info=exc)
+        ve = self._ve
         self.scheduler = Scheduler(self.scheduler.config)
-        failed = {rid: message for rid in list(self._requests)}
+        failed = {rid: message for rid, r in list(self._requests.items())
+                  if r.virtual_engine == ve}
         for request_id in failed:  # the new scheduler knows none of their sequences
             request = self._requests[request_id]
             for seq in request.seqs:
@@ -1016,7 +1133,12 @@ class LLMEngine:
     # ------------------------------------------------------------------ stats
 
     def get_stats(self) -> dict:
-        s = self.scheduler.get_stats()
+        per_engine = [scheduler.get_stats() for scheduler in self.schedulers]
+        s = {key: sum(stats[key] for stats in per_engine) for key in (
+            "num_running", "num_waiting", "prefix_cache_queries", "prefix_cache_hits",
+            "num_preemptions", "num_free_blocks", "num_total_blocks")}
+        s["kv_cache_usage"] = (per_engine[0]["kv_cache_usage"] if len(per_engine) == 1 else
+                               1.0 - s["num_free_blocks"] / max(1, s["num_total_blocks"]))
         return {
             "num_requests_running": s["num_running"],
             "num_requests_waiting": s["num_waiting"],

@@ -18,6 +18,10 @@ DEVICES = ("auto", "cpu", "sim", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BLOCK_SIZES = (8, 16, 32, 64)
 PREEMPTION_MODES = ("recompute", "swap")
+# Who starts the ranks of a parallel group (vLLM's distributed_executor_backend): "mp", our own
+# worker processes (runtime/distributed/executor.py); "ray", one Ray actor per rank
+# (runtime/distributed/ray_workers.py, the `ray` extra).
+EXECUTOR_BACKENDS = ("mp", "ray")
 # Weight quantization (vLLM's `quantization`): None / "none" keeps the dtype's weights; "int8"
 # is weight-only int8 with per-output-channel scales, made at load from any checkpoint
 # (runtime/backends/cpu_int8_backend.py; cpu only for now).
@@ -49,6 +53,15 @@ class EngineConfig:
     swap_space_bytes: int = 0  # host blocks for swap preemption; 0 disables swap
     preemption_mode: str = "recompute"
     tensor_parallel_size: int = 1
+    # Pipeline parallelism (runtime/distributed/pipeline.py): the layers in this many stages of
+    # tensor_parallel_size ranks each, and as many batches in flight (virtual engines).
+    pipeline_parallel_size: int = 1
+    # Layers per stage, e.g. (10, 11, 9); None: as even as possible, earlier stages the larger.
+    pp_layer_partition: tuple[int, ...] | None = None
+    distributed_executor_backend: str = "mp"  # EXECUTOR_BACKENDS
+    # Ray's cluster address (`ray start --head` prints it); None: the running cluster on this
+    # node if there is one, else a local one started (and stopped) by the engine.
+    ray_address: str | None = None
     # Tensor parallel over several nodes (tensor_parallel_size / nnodes ranks each); the control
     # plane's HOST:PORT on node 0 (None: loopback, any free port). runtime/distributed/.
     nnodes: int = 1
@@ -91,19 +104,50 @@ class EngineConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise EngineConfigError(
                 f"preemption_mode: must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "nnodes"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
+                     "pipeline_parallel_size", "nnodes"):
             if getattr(self, name) < 1:
                 raise EngineConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if self.tensor_parallel_size % self.nnodes:
-            raise EngineConfigError(f"nnodes {self.nnodes} must divide tensor_parallel_size "
-                                    f"{self.tensor_parallel_size} (the same ranks on each node)")
+        if self.world_size % self.nnodes:
+            raise EngineConfigError(
+                f"nnodes {self.nnodes} must divide tensor_parallel_size "
+                f"{self.tensor_parallel_size} x pipeline_parallel_size "
+                f"{self.pipeline_parallel_size}, the ranks (the same number on each node)")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise EngineConfigError(f"distributed_executor_backend: must be one of "
+                                    f"{EXECUTOR_BACKENDS}, got "
+                                    f"{self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "ray" and self.nnodes > 1:
+            raise EngineConfigError("nnodes: the ray executor places every rank on its cluster's "
+                                    "nodes itself; leave nnodes 1 (give master_addr: an address "
+                                    "of this node the other nodes reach)")
+        if self.pp_layer_partition is not None:
+            parts = self.pp_layer_partition
+            if (not isinstance(parts, (tuple, list)) or not all(
+                    isinstance(n, int) and n >= 1 for n in parts)
+                    or len(parts) != self.pipeline_parallel_size):
+                raise EngineConfigError(
+                    f"pp_layer_partition: must be {self.pipeline_parallel_size} layer counts "
+                    f">= 1 (one per pipeline stage), got {parts!r}")
+            self.pp_layer_partition = tuple(parts)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise EngineConfigError(
                 f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.pipeline_parallel_size > 1:
+            for name, on in (("enable_lora", self.enable_lora),
+                             ("speculative_config", self.speculative_config is not None)):
+                if on:
+                    raise EngineConfigError(f"{name}: not supported with pipeline_parallel_size "
+                                            f"> 1 yet (tensor parallelism supports it)")
         if self.enable_lora:
             self.lora_config()  # the settings' errors now, naming the field
         if self.speculative_config is not None:
             self.spec_config()  # likewise
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the parallel group: pipeline stages x tensor-parallel ranks per stage."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def lora_config(self) -> LoRAConfig | None:
         """The LoRA settings when enable_lora, else None."""

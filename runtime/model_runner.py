@@ -168,6 +168,10 @@ class ModelRunner:
         self.k_caches: list = []
         self.v_caches: list = []
         self.cpu_caches: list[np.ndarray] = []
+        # Per virtual engine (pipeline parallelism: one batch in flight per stage, each with
+        # its own scheduler and pools): (k_caches, v_caches, cpu_caches); entry 0 is the three
+        # attributes above.
+        self.kv_sets: list[tuple[list, list, list]] = []
         if num_gpu_blocks is not None:
             self.allocate_kv_cache(num_gpu_blocks, num_cpu_blocks)
 
@@ -200,9 +204,11 @@ class ModelRunner:
         """Bytes one block takes on this runner's device, all layers, K and V."""
         return kv_bytes_per_block(self.config, self.block_size, self.ops.kv_dtype)
 
-    def allocate_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> None:
+    def allocate_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int = 0,
+                          num_virtual_engines: int = 1) -> None:
         """Place the KV pools: per layer K and V of [num_gpu_blocks, block_size, num_kv_heads,
-        head_dim] on the device, and the host swap pool of num_cpu_blocks blocks."""
+        head_dim] on the device, and the host swap pool of num_cpu_blocks blocks; one such set
+        per virtual engine (each a scheduler of its own with block ids from 0)."""
         config = self.config
         block_shape = (self.block_size, config.num_key_value_heads, config.head_dim)
         # The backend places the pools (np.zeros maps untouched pages lazily on cpu/sim, so a
@@ -210,12 +216,16 @@ class ModelRunner:
         kv_dtype = self.ops.kv_dtype
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
-        self.k_caches = [self.ops.zeros((num_gpu_blocks, *block_shape), kv_dtype)
-                         for _ in range(config.num_hidden_layers)]
-        self.v_caches = [self.ops.zeros((num_gpu_blocks, *block_shape), kv_dtype)
-                         for _ in range(config.num_hidden_layers)]
-        self.cpu_caches = [np.zeros((num_cpu_blocks, *block_shape), kv_dtype)
-                           for _ in range(2 * config.num_hidden_layers)] if num_cpu_blocks else []
+        self.kv_sets = []
+        for _ in range(num_virtual_engines):
+            self.kv_sets.append((
+                [self.ops.zeros((num_gpu_blocks, *block_shape), kv_dtype)
+                 for _ in range(config.num_hidden_layers)],
+                [self.ops.zeros((num_gpu_blocks, *block_shape), kv_dtype)
+                 for _ in range(config.num_hidden_layers)],
+                [np.zeros((num_cpu_blocks, *block_shape), kv_dtype)
+                 for _ in range(2 * config.num_hidden_layers)] if num_cpu_blocks else []))
+        self.k_caches, self.v_caches, self.cpu_caches = self.kv_sets[0]
 
     def profile_run(self, num_tokens: int) -> int:
         """One prefill of `num_tokens` tokens (one request, token id 0) on a scratch KV pool just
@@ -243,38 +253,52 @@ class ModelRunner:
         del x, residual, k_caches, v_caches, step
         return scratch_bytes
 
-    @property
-    def _gpu_caches(self) -> list[np.ndarray]:
-        """[k_0, v_0, k_1, v_1, ...], the order `cpu_caches` mirrors for swaps."""
-        return [c for kv in zip(self.k_caches, self.v_caches) for c in kv]
-
-    def _move_blocks(self, out) -> None:
+    def _move_blocks(self, out, virtual_engine: int = 0) -> None:
         """Swap out, swap in, then copy-on-write: the order docs/scheduler.md prescribes."""
+        k_caches, v_caches, cpu_caches = self.kv_sets[virtual_engine]
+        # [k_0, v_0, k_1, v_1, ...], the order `cpu_caches` mirrors for swaps.
+        gpu_caches = [c for kv in zip(k_caches, v_caches) for c in kv]
         if len(out.swap_out):
-            self.ops.swap_blocks(self._gpu_caches, self.cpu_caches, out.swap_out)
+            self.ops.swap_blocks(gpu_caches, cpu_caches, out.swap_out)
         if len(out.swap_in):
-            self.ops.swap_blocks(self.cpu_caches, self._gpu_caches, out.swap_in)
+            self.ops.swap_blocks(cpu_caches, gpu_caches, out.swap_in)
         if len(out.block_copies):
-            self.ops.copy_blocks(self.k_caches, self.v_caches, out.block_copies)
+            self.ops.copy_blocks(k_caches, v_caches, out.block_copies)
 
     def execute(self, out, prompt_logit_rows: tuple[int, ...] = (),
                 row_lora_slots=None) -> RunnerOutput:
         """Run one scheduled step. `out` is a pagedrun.pyx.scheduler.SchedulerOutput;
         row_lora_slots: None, or int [num_reqs] each row's adapter slot (-1: none)."""
-        self._move_blocks(out)
-        sample_rows = np.flatnonzero(out.sample_mask)
-        vocab = self.config.vocab_size
+        hidden = self.forward(out, row_lora_slots=row_lora_slots)
+        return self.output(out, hidden, prompt_logit_rows)
+
+    def forward(self, out, hidden=None, virtual_engine: int = 0, row_lora_slots=None):
+        """The step's block moves, then this runner's layers over its tokens: (x, residual),
+        each [num_tokens, hidden] (None for a step without tokens). hidden: a later pipeline
+        stage's input, the previous stage's (x, residual); virtual_engine: whose KV pools."""
+        self._move_blocks(out, virtual_engine)
         if out.num_batched_tokens == 0:
-            return RunnerOutput(sample_rows, np.empty((0, vocab), np.float32), {})
+            return None
+        k_caches, v_caches, _ = self.kv_sets[virtual_engine]
         drafts = (getattr(out, "num_draft_tokens", None)
                   if getattr(self.ops, "verify_as_decode_rows", False) else None)
         attn = build_attention_inputs(out.query_start_loc, out.query_lens, out.context_lens,
                                       out.block_tables, drafts)
         # Uploaded once here, read by every layer (runtime/backends/step_inputs.py).
         step = self.ops.step_inputs(out.positions, out.slot_mapping, attn)
-        x, residual = self.model.forward(out.input_token_ids, step.positions, step.slot_mapping,
-                                         step.attn, self.k_caches, self.v_caches,
-                                         lora=self._lora_step(out, row_lora_slots))
+        return self.model.forward(out.input_token_ids, step.positions, step.slot_mapping,
+                                  step.attn, k_caches, v_caches,
+                                  lora=self._lora_step(out, row_lora_slots), hidden=hidden)
+
+    def output(self, out, hidden, prompt_logit_rows: tuple[int, ...] = ()) -> RunnerOutput:
+        """The logits of the rows that need them, from the last layer's (x, residual) (None:
+        a step without tokens); on a tensor-parallel rank other than its group's first, the
+        logits are its own vocabulary slice (unused)."""
+        sample_rows = np.flatnonzero(out.sample_mask)
+        if hidden is None:
+            return RunnerOutput(sample_rows, np.empty((0, self.config.vocab_size), np.float32),
+                                {})
+        x, residual = hidden
         qsl = out.query_start_loc
         last_token = qsl[sample_rows + 1] - 1
         logits_start = None

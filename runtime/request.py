@@ -124,6 +124,8 @@ class Request:
     prompt_logprobs: PromptLogprobs | None = None
     prompt_logprobs_emitted: bool = False
     error: str | None = None
+    # Pipeline parallelism: the virtual engine (scheduler and KV pools) the request runs on.
+    virtual_engine: int = 0
 
     def usage(self) -> Usage:
         return Usage(len(self.prompt_token_ids), self.num_cached_prompt_tokens,

@@ -315,10 +315,11 @@ class ModelWeights:
     """A whole model's weights, in one float dtype, shapes checked against `config`."""
 
     config: ModelConfig
-    embed_tokens: np.ndarray      # [vocab_size, hidden_size]
+    # A pipeline stage's shard (sharding.load_shard) has None for the parts it does not hold.
+    embed_tokens: np.ndarray | None  # [vocab_size, hidden_size]
     layers: list[LayerWeights]
-    norm: np.ndarray              # [hidden_size]
-    lm_head: np.ndarray           # [vocab_size, hidden_size]; `is embed_tokens` when tied
+    norm: np.ndarray | None          # [hidden_size]
+    lm_head: np.ndarray | None       # [vocab_size, hidden_size]; `is embed_tokens` when tied
 
 
 def load_model_weights(

@@ -19,11 +19,22 @@ NEEDS_SECRET = ("paged-run serve: --nnodes > 1 needs --tp-secret-file FILE, the 
                 "FILE`)")
 
 
+def _layer_partition(text: str) -> tuple[int, ...]:
+    """--pp-layer-partition: "10,11,9" -> (10, 11, 9)."""
+    try:
+        parts = tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layer counts like 10,11,9, got {text!r}")
+    if any(n < 1 for n in parts):
+        raise argparse.ArgumentTypeError(f"every stage needs at least one layer, got {text!r}")
+    return parts
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     # Defaults come from their one definition: the engine's from EngineConfig, the address from
     # the protocol module (both light: dataclasses; msgpack).
-    from pagedrun.runtime.engine_config import (BLOCK_SIZES, DEVICES, DTYPES, LOGPROBS_MODES,
-                                                EngineConfig)
+    from pagedrun.runtime.engine_config import (BLOCK_SIZES, DEVICES, DTYPES,
+                                                EXECUTOR_BACKENDS, LOGPROBS_MODES, EngineConfig)
     from pagedrun.server.protocol import DEFAULT_HOST, DEFAULT_PORT
 
     engine = EngineConfig()
@@ -44,8 +55,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                      help="auto: float32 on cpu, bfloat16 on cuda")
     add_quantization_option(eng)
     eng.add_argument("--tensor-parallel-size", type=int, default=engine.tensor_parallel_size)
+    eng.add_argument("--pipeline-parallel-size", type=int,
+                     default=engine.pipeline_parallel_size,
+                     help="split the layers into this many stages of --tensor-parallel-size "
+                          "ranks each, with as many batches in flight")
+    eng.add_argument("--pp-layer-partition", type=_layer_partition, default=None,
+                     metavar="N,N,...",
+                     help="layers per pipeline stage, e.g. 10,11,9 (default: even, earlier "
+                          "stages the larger)")
+    eng.add_argument("--distributed-executor-backend", default=engine.distributed_executor_backend,
+                     choices=EXECUTOR_BACKENDS,
+                     help="who starts the ranks: mp (worker processes; --nnodes > 1 with "
+                          "`--node-rank R` on each node) or ray (one actor per rank on a Ray "
+                          "cluster; `pip install paged-run[ray]`)")
+    eng.add_argument("--ray-address", default=engine.ray_address,
+                     help="the Ray cluster to join (default: the running one on this node, "
+                          "else a local one)")
     eng.add_argument("--nnodes", type=int, default=engine.nnodes,
-                     help="tensor parallel over this many nodes (tp/nnodes ranks on each)")
+                     help="mp executor: ranks over this many nodes (the same number on each)")
     eng.add_argument("--node-rank", type=int, default=0,
                      help="this node's index; > 0 runs headless workers that join node 0")
     eng.add_argument("--master-addr", default=engine.master_addr, metavar="HOST:PORT",
@@ -177,7 +204,11 @@ def engine_config_from_args(args):
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        pp_layer_partition=args.pp_layer_partition,
+        distributed_executor_backend=args.distributed_executor_backend,
+        ray_address=args.ray_address, nnodes=args.nnodes,
         master_addr=args.master_addr, tp_secret_file=args.tp_secret_file,
         tp_curve=args.tp_curve, seed=args.seed, max_logprobs=args.max_logprobs,
         logprobs_mode=args.logprobs_mode, enable_lora=args.enable_lora,
@@ -288,7 +319,8 @@ def run(args) -> int:
             raise SystemExit("paged-run serve: --node-rank > 0 needs --master-addr HOST:PORT")
         if not args.tp_secret_file:
             raise SystemExit(NEEDS_SECRET)
-        return run_node(args.master_addr, args.tensor_parallel_size, args.nnodes,
+        return run_node(args.master_addr,
+                        args.tensor_parallel_size * args.pipeline_parallel_size, args.nnodes,
                         args.node_rank, secret_file=args.tp_secret_file, curve=args.tp_curve)
     if args.nnodes > 1 and not args.master_addr:
         raise SystemExit("paged-run serve: --nnodes > 1 needs --master-addr HOST:PORT "

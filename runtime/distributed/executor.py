@@ -21,6 +21,11 @@ HMAC-SHA256 under the connection's session key, auth.Channel):
   driver -> worker  `challenge {nonce}` + MAC under the secret over the worker's nonce,
                     `error` (refused; text, before the session only: not sealed),
                     `plan {...}`, `step` (step_broadcast.py), `shutdown`     (sealed)
+Pipeline parallelism (pp_size > 1) adds one round after the plan (stage_pipe.py):
+  worker -> driver  `bound {rank, link, comm}`: the addresses it listens on      (sealed)
+  driver -> worker  `peers {links: [per rank], comms: [per stage]}`           (sealed)
+and the executor's `submit` / `collect` (one batch per virtual engine in flight; pipeline.py).
+Ranks may be Ray actors instead of processes (`executor_backend="ray"`, ray_workers.py).
 
 Authentication (auth.py): the group secret is a random token per executor, written to each local
 worker's stdin; with nnodes > 1 it is read from `secret_file` on every node (refused without
@@ -45,6 +50,8 @@ closes) does any of this.
 from __future__ import annotations
 
 import atexit
+import collections
+import dataclasses
 import logging
 import os
 import secrets
@@ -55,6 +62,7 @@ import threading
 import time
 
 import msgpack
+import numpy as np
 import zmq
 
 from pagedrun.runtime.backends import make_backend
@@ -63,9 +71,13 @@ from pagedrun.runtime.distributed.communicator import (POLL_INTERVAL_S,
                                                        DEFAULT_COLLECTIVE_TIMEOUT_S,
                                                        ConnectionWatch, CpuCommunicator,
                                                        PeerLostError, set_heartbeats, source_fd)
+from pagedrun.runtime.distributed.pipeline import (GroupLayout, SoloCommunicator,
+                                                   receive_logits, send_hidden,
+                                                   stage_layer_ranges)
 from pagedrun.runtime.distributed.sharding import check_shardable
 from pagedrun.runtime.distributed.step_broadcast import encode_step
 from pagedrun.runtime.distributed.worker import build_rank, parse_master_addr, zmq_tcp
+from pagedrun.runtime.errors import PagedRunError
 
 log = logging.getLogger("pagedrun.tp")
 
@@ -74,6 +86,7 @@ DEFAULT_RENDEZVOUS_TIMEOUT_S = 60.0
 DEFAULT_LOAD_TIMEOUT_S = 900.0
 # A worker that ignores `shutdown` this long is killed.
 SHUTDOWN_GRACE_S = 5.0
+STEP_TIMES_KEPT = 4096
 # Workers send only small control messages; a larger one (a stranger's) closes its connection.
 CONTROL_MAX_MSG_BYTES = 1 << 20
 
@@ -130,6 +143,20 @@ def spawn_workers(master_addr: str, ranks: range, per_node: int, join_timeout_s:
     return procs
 
 
+def start_workers(executor_backend: str, master_addr: str, ranks: range, per_node: int,
+                  join_timeout_s: float, secret: bytes, curve: bool = False,
+                  ray_address: str | None = None, num_gpus_per_rank: float = 0) -> dict:
+    """This node's worker ranks: processes of our own ("mp", spawn_workers) or Ray actors
+    ("ray", ray_workers.spawn_ray_workers). Either way rank -> a handle with `pid`, `poll()`,
+    `wait(timeout)` and, for actors, `kill()` and `release()` (kill_workers uses them)."""
+    if executor_backend == "ray":
+        from pagedrun.runtime.distributed.ray_workers import spawn_ray_workers
+
+        return spawn_ray_workers(master_addr, ranks, per_node, join_timeout_s, secret, curve,
+                                 ray_address=ray_address, num_gpus_per_rank=num_gpus_per_rank)
+    return spawn_workers(master_addr, ranks, per_node, join_timeout_s, secret, curve)
+
+
 def group_secret(secret_file: str | None, nnodes: int) -> bytes:
     """The group's shared secret: read from secret_file when given (every node reads the same
     file); otherwise a new random one, which only works on one node (nothing else knows it)."""
@@ -143,8 +170,9 @@ def group_secret(secret_file: str | None, nnodes: int) -> bytes:
     return auth.new_secret()
 
 
-def kill_workers(procs: dict[int, subprocess.Popen], grace_s: float = 0.0) -> None:
-    """Wait up to grace_s for the workers to exit, then kill each one's process group."""
+def kill_workers(procs: dict, grace_s: float = 0.0) -> None:
+    """Wait up to grace_s for the workers to exit, then kill each one's process group (a Ray
+    actor: the actor), and release what their launcher holds (a Ray placement group)."""
     deadline = time.monotonic() + grace_s
     for proc in procs.values():
         try:
@@ -152,36 +180,62 @@ def kill_workers(procs: dict[int, subprocess.Popen], grace_s: float = 0.0) -> No
         except subprocess.TimeoutExpired:
             pass
         if proc.poll() is None:
+            if not isinstance(proc, subprocess.Popen):
+                proc.kill()
+                continue
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             proc.wait()
+    for proc in procs.values():
+        release = getattr(proc, "release", None)
+        if release is not None:
+            release()
 
 
 def start_tensor_parallel(config, model_config, backend, max_model_len: int
                           ) -> "TensorParallelExecutor":
-    """The executor of an LLMEngine whose config has tensor_parallel_size > 1: rank 0 on the
-    engine's backend, every rank's KV pools sized from rank 0's shard (all shards hold the same
-    number of KV heads). A rank cannot profile its shard alone (the collectives need every
-    rank), so the budget is the backend's without a profiling step (cuda: give num_kv_blocks)."""
+    """The executor of an LLMEngine whose config has tensor_parallel_size > 1 or
+    pipeline_parallel_size > 1: rank 0 on the engine's backend, every rank's KV pools sized
+    from the largest stage's layers of rank 0's shard (all shards hold the same number of KV
+    heads), the budget split evenly over the virtual engines (one per stage). A rank cannot
+    profile its shard alone (the collectives need every rank), so the budget is the backend's
+    without a profiling step (cuda: give num_kv_blocks)."""
     from pagedrun.runtime.distributed.sharding import rank_config, shard_spec
     from pagedrun.runtime.kv_capacity import num_swap_blocks, plan_num_kv_blocks
     from pagedrun.runtime.model_runner import kv_bytes_per_block
 
-    tp_size = config.tensor_parallel_size
+    tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
     check_shardable(model_config, tp_size)  # refuse what cannot shard before anything starts
+    stage_layers = stage_layer_ranges(model_config.num_hidden_layers, pp_size,
+                                      config.pp_layer_partition)
     rank0 = rank_config(model_config, shard_spec(model_config, tp_size, 0))
-    bytes_per_block = kv_bytes_per_block(rank0, config.block_size, backend.kv_dtype)
-    num_gpu_blocks = plan_num_kv_blocks(config, backend, bytes_per_block, max_model_len)
+    per_stage = [kv_bytes_per_block(dataclasses.replace(rank0, num_hidden_layers=end - start),
+                                    config.block_size, backend.kv_dtype)
+                 for start, end in stage_layers]
+    bytes_per_block = max(per_stage)  # every stage has the same block count
+    num_blocks = plan_num_kv_blocks(config, backend, bytes_per_block, max_model_len)
+    num_gpu_blocks = num_blocks // pp_size
+    if num_gpu_blocks < 1:
+        raise PagedRunError(f"KV cache: {num_blocks} blocks cannot be split over {pp_size} "
+                            f"virtual engines (one per pipeline stage); give more memory")
+    num_cpu_blocks = num_swap_blocks(config, bytes_per_block) // pp_size
+    if pp_size > 1:
+        for stage, ((start, end), nbytes) in enumerate(zip(stage_layers, per_stage)):
+            log.info("pipeline stage %d: layers %d-%d, KV %d virtual engines x %d blocks x %d "
+                     "bytes = %.1f MiB per rank", stage, start, end - 1, pp_size,
+                     num_gpu_blocks, nbytes, pp_size * num_gpu_blocks * nbytes / 2**20)
     return TensorParallelExecutor(
         config.model, model_config, tp_size=tp_size, device=backend.name, dtype=config.dtype,
         block_size=config.block_size, max_model_len=max_model_len,
-        num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_swap_blocks(config, bytes_per_block),
+        num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
+        pp_size=pp_size, stage_layers=stage_layers, bytes_per_block=bytes_per_block,
         nnodes=config.nnodes, master_addr=config.master_addr, ops=backend,
         secret_file=getattr(config, "tp_secret_file", None),
         curve=getattr(config, "tp_curve", False), lora_config=config.lora_config(),
-        quantization=config.quantization)
+        quantization=config.quantization,
+        executor_backend=config.distributed_executor_backend, ray_address=config.ray_address)
 
 
 class TensorParallelExecutor:
@@ -193,7 +247,10 @@ class TensorParallelExecutor:
                  rendezvous_timeout_s: float = DEFAULT_RENDEZVOUS_TIMEOUT_S,
                  collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, ops=None,
                  secret_file: str | None = None, curve: bool = False,
-                 lora_config=None, quantization: str | None = None) -> None:
+                 lora_config=None, quantization: str | None = None,
+                 executor_backend: str = "mp", ray_address: str | None = None,
+                 pp_size: int = 1, stage_layers: list[tuple[int, int]] | None = None,
+                 bytes_per_block: int | None = None) -> None:
         """model: as EngineConfig.model (a directory, a .gguf, None for the default model);
         every rank resolves it on its own node, so the default model and converted GGUFs need
         no shared path across nodes (a directory must exist at the same path on each).
@@ -204,6 +261,16 @@ class TensorParallelExecutor:
         shard; slot fills travel with the next step, each rank loading its own shard)."""
         check_shardable(model_config, tp_size)
         self.tp_size = tp_size
+        self.pp_size = pp_size
+        self.world_size = tp_size * pp_size
+        self.stage_layers = stage_layers or [(0, model_config.num_hidden_layers)]
+        self.pipe = None  # pipeline parallelism: rank 0's StagePipe
+        # Pipelining: per collected step (handle, [[stage, start, end], ...]) of the stages'
+        # compute (pipeline.py's `times`), the latest STEP_TIMES_KEPT.
+        self.step_times: collections.deque = collections.deque(maxlen=STEP_TIMES_KEPT)
+        self._bytes_per_block = bytes_per_block
+        self.executor_backend = executor_backend  # "mp" or "ray": who starts the local ranks
+        self.ray_address = ray_address
         self.dead: str | None = None  # why, once a rank is lost
         self._seq = 0
         self.lora_config = lora_config
@@ -246,11 +313,19 @@ class TensorParallelExecutor:
 
     def _start(self, model, device, dtype, block_size, max_model_len, num_gpu_blocks,
                num_cpu_blocks, nnodes, rendezvous_timeout_s, collective_timeout_s, ops) -> None:
-        local = ranks_of_node(self.tp_size, nnodes, 0)
-        self._procs = spawn_workers(self.master_addr, range(1, local.stop), len(local),
-                                    rendezvous_timeout_s, self._secret, self._curve)
+        if self.executor_backend == "ray":  # the cluster places every rank, on any node
+            ranks, per_node = range(1, self.world_size), self.world_size
+        else:
+            local = ranks_of_node(self.world_size, nnodes, 0)
+            ranks, per_node = range(1, local.stop), len(local)
+        self._procs = start_workers(self.executor_backend, self.master_addr, ranks, per_node,
+                                    rendezvous_timeout_s, self._secret, self._curve,
+                                    ray_address=self.ray_address,
+                                    num_gpus_per_rank=1 if device == "cuda" else 0)
         self._rendezvous(nnodes, rendezvous_timeout_s)
         plan = {"model": None if model is None else str(model), "tp_size": self.tp_size,
+                "pp_size": self.pp_size, "stage_layers": [list(r) for r in self.stage_layers],
+                "group_nonce": secrets.token_bytes(16),
                 "device": device, "dtype": dtype, "block_size": block_size,
                 "max_model_len": max_model_len, "num_gpu_blocks": num_gpu_blocks,
                 "num_cpu_blocks": num_cpu_blocks, "collective_timeout_s": collective_timeout_s,
@@ -265,7 +340,20 @@ class TensorParallelExecutor:
         if ops.communicator == "nccl":
             from pagedrun.runtime.distributed.nccl_communicator import NcclCommunicator
 
-            plan["nccl_unique_id"] = NcclCommunicator.make_unique_id()
+            ids = [NcclCommunicator.make_unique_id() for _ in range(self.pp_size)]
+            plan["nccl_unique_id"] = ids[0]  # stage 0's tensor-parallel group
+            if self.pp_size > 1:
+                plan["nccl_unique_ids"] = ids  # one group per stage (stage_pipe.py)
+                # One two-rank communicator per link, indexed by its sending rank (every rank
+                # but the last stage's sends activations to the next stage).
+                plan["nccl_link_ids"] = [
+                    NcclCommunicator.make_unique_id()
+                    if GroupLayout(self.tp_size, self.pp_size).stage(r) < self.pp_size - 1
+                    else None for r in range(self.world_size)]
+            if self.tp_size == 1:  # pipeline stages of one rank: no collectives
+                self.comm = SoloCommunicator()
+        elif self.tp_size == 1:
+            self.comm = SoloCommunicator()
         else:
             host = bind_host(parse_master_addr(self.master_addr)[0])  # loopback on one node
             self.comm = CpuCommunicator(
@@ -273,22 +361,68 @@ class TensorParallelExecutor:
                 context=self._ctx, curve_secret=self._secret if self._curve else None,
                 peer_keys={p.rank: p.channel.key for p in self._peers.values()})
             plan["comm_address"] = self.comm.address
+        if self.pp_size > 1:
+            from pagedrun.runtime.distributed.stage_pipe import StagePipe
+
+            self.pipe = StagePipe(plan, 0, self._ctx, self._secret, self._curve,
+                                  bind_host(parse_master_addr(self.master_addr)[0]))
+            driver_addresses = self.pipe.bind()
         body = msgpack.packb(plan)
         for identity in self._identities.values():
             self._send(identity, [b"plan", body])
+        if self.pp_size > 1:
+            peers = self._exchange_addresses(driver_addresses, rendezvous_timeout_s)
         if self.comm is None:  # NCCL: every rank joins the communicator's init together
             from pagedrun.runtime.distributed.nccl_communicator import NcclCommunicator
 
             self.comm = NcclCommunicator(0, self.tp_size, plan["nccl_unique_id"], device_id=0)
-        else:
+        elif isinstance(self.comm, CpuCommunicator):
             self.comm.wait_for_peers(rendezvous_timeout_s)
+        if self.pipe is not None:
+            self.pipe.connect(peers, lambda: self.comm)
         self.runner = build_rank(plan, 0, self.comm, ops)
+        if self.pipe is not None:
+            self.pipe.use_stream(ops)
         self._wait_ready(DEFAULT_LOAD_TIMEOUT_S)
         if hasattr(self.comm, "abort"):
             self.start_watchdog()
-        log.info("tensor parallel: %d ranks on %d node(s), control %s, local workers %s",
-                 self.tp_size, nnodes, self.master_addr,
+        log.info("parallel group: %d stage(s) x %d tensor-parallel ranks on %d node(s) (%s), "
+                 "control %s, local workers %s", self.pp_size, self.tp_size, nnodes,
+                 self.executor_backend, self.master_addr,
                  {r: p.pid for r, p in self._procs.items()})
+
+    def _exchange_addresses(self, driver_addresses: dict, timeout_s: float) -> dict:
+        """Pipeline set-up's middle: every worker's `bound` (the addresses it listens on), then
+        the full list to everyone (`peers`): links per rank, stage communicators per stage."""
+        links: list = [None] * self.world_size
+        comms: list = [None] * self.pp_size
+        links[0] = driver_addresses["link"]
+        layout = GroupLayout(self.tp_size, self.pp_size)
+        bound: set[int] = set()
+        deadline = time.monotonic() + timeout_s
+        while len(bound) < self.world_size - 1:
+            self._check_connections()
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(1, self.world_size)) - bound)
+                raise PeerLostError(f"pipeline set-up: ranks {missing} did not report their "
+                                    f"addresses within {timeout_s:.0f} s")
+            msg = self._recv_control(int(POLL_INTERVAL_S * 1000))
+            if msg is None:
+                continue
+            rank, kind, body = msg
+            if kind == b"error":
+                raise PeerLostError(f"rank {rank} failed: {body.get('message')}")
+            if kind != b"bound":
+                continue
+            bound.add(rank)
+            links[rank] = body.get("link")
+            if body.get("comm") is not None:
+                comms[layout.stage(rank)] = body["comm"]
+        peers = {"links": links, "comms": comms}
+        body = msgpack.packb(peers)
+        for identity in self._identities.values():
+            self._send(identity, [b"peers", body])
+        return peers
 
     def _send(self, identity: bytes, frames: list, frames_digest: bytes | None = None,
               flags: int = 0) -> None:
@@ -338,10 +472,10 @@ class TensorParallelExecutor:
         identity; fills self._peers and self._identities."""
         deadline = time.monotonic() + timeout_s
         pending: dict[bytes, tuple] = {}  # challenged, not joined: (rank, nonces, host, pid)
-        while len(self._identities) < self.tp_size - 1:
+        while len(self._identities) < self.world_size - 1:
             self._check_local_workers()
             if time.monotonic() > deadline:
-                missing = sorted(set(range(1, self.tp_size)) - set(self._identities))
+                missing = sorted(set(range(1, self.world_size)) - set(self._identities))
                 hint = ("" if nnodes == 1 else
                         f"; is `paged-run serve --tensor-parallel-size {self.tp_size} --nnodes "
                         f"{nnodes} --node-rank R --master-addr {self.master_addr}` (with the "
@@ -380,10 +514,11 @@ class TensorParallelExecutor:
             return
         body = msgpack.unpackb(frames[1].bytes)
         rank, nonce = body.get("rank"), body.get("nonce")
-        if not isinstance(rank, int) or not 0 < rank < self.tp_size or rank in self._identities \
-                or not isinstance(nonce, bytes):
+        if not isinstance(rank, int) or not 0 < rank < self.world_size \
+                or rank in self._identities or not isinstance(nonce, bytes):
             self._refuse(identity, f"rank {rank!r} is not an expected rank of this "
-                                   f"{self.tp_size}-rank group (out of range or already joined)")
+                                   f"{self.world_size}-rank group (out of range or already "
+                                   f"joined)")
             return
         driver_nonce = secrets.token_bytes(auth.NONCE_BYTES)
         pending[identity] = (rank, nonce, driver_nonce, body.get("host"), body.get("pid"))
@@ -415,7 +550,7 @@ class TensorParallelExecutor:
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         ready = set()
-        while len(ready) < self.tp_size - 1:
+        while len(ready) < self.world_size - 1:
             self._check_connections()  # not _check_alive: it would swallow the ready messages
             if time.monotonic() > deadline:
                 raise PeerLostError(f"tensor parallel: ranks "
@@ -475,15 +610,23 @@ class TensorParallelExecutor:
 
     @property
     def num_gpu_blocks(self) -> int:
-        """KV blocks of each rank's pools (the same on every rank)."""
+        """KV blocks of each rank's pools (the same on every rank), per virtual engine."""
         return self.runner.num_gpu_blocks
+
+    @property
+    def pipeline_depth(self) -> int:
+        """Batches in flight (virtual engines): one per pipeline stage."""
+        return self.pp_size
 
     @property
     def num_cpu_blocks(self) -> int:
         return self.runner.num_cpu_blocks
 
     def kv_bytes_per_block(self) -> int:
-        """Bytes of one block on one rank (its KV heads only)."""
+        """Bytes of one block on one rank (its KV heads only; with pipelining, on a rank of
+        the stage with the most layers)."""
+        if self._bytes_per_block is not None:
+            return self._bytes_per_block
         return self.runner.kv_bytes_per_block()
 
     # ------------------------------------------------------------------ steps
@@ -498,27 +641,65 @@ class TensorParallelExecutor:
         self._lora_writes.extend((w.slot, w.lora_request) for w in writes)
 
     def execute(self, out, prompt_logit_rows: tuple[int, ...] = (), row_lora_slots=None):
-        """Broadcast the step, run rank 0's forward; the RunnerOutput of ModelRunner.execute."""
-        if self.dead is not None:
-            raise PeerLostError(f"tensor parallel group is down: {self.dead}")
+        """Broadcast the step, run rank 0's forward; the RunnerOutput of ModelRunner.execute.
+        (Pipeline parallelism: submit + collect.)"""
+        if self.pp_size > 1:
+            return self.collect(out, self.submit(out, prompt_logit_rows, row_lora_slots))
         try:
-            self._check_alive()
-            self._seq += 1
-            frames = encode_step(self._seq, out, prompt_logit_rows, self._lora_writes,
-                                 row_lora_slots)
-            self._lora_writes = []
-            step_digest = auth.digest(frames)  # hashed once, MACed per worker
-            for identity in self._identities.values():
-                self._send(identity, frames, step_digest)
+            self._broadcast(out, prompt_logit_rows, row_lora_slots, 0)
             return self.runner.execute(out, prompt_logit_rows, row_lora_slots)
         except BaseException as exc:
-            # Whatever broke, the ranks are out of step now: the group cannot continue.
-            self.dead = f"{type(exc).__name__}: {exc}"
-            log.error("tensor parallel group failed: %s", self.dead)
-            self.close()
-            if isinstance(exc, PeerLostError):
-                raise
-            raise PeerLostError(f"tensor parallel step failed: {self.dead}") from exc
+            self._fail(exc)
+
+    def submit(self, out, prompt_logit_rows: tuple[int, ...] = (), row_lora_slots=None,
+               virtual_engine: int = 0) -> int:
+        """Pipeline parallelism: start a step of `virtual_engine` -- broadcast it, run stage
+        0's layers here and hand the activations to stage 1 -- and return its handle for
+        `collect` without waiting for the later stages."""
+        try:
+            seq = self._broadcast(out, prompt_logit_rows, row_lora_slots, virtual_engine)
+            start = time.monotonic()
+            hidden = self.runner.forward(out, None, virtual_engine, row_lora_slots)
+            send_hidden(self.pipe.link_out, hidden, [[0, start, time.monotonic()]])
+            return seq
+        except BaseException as exc:
+            self._fail(exc)
+
+    def collect(self, out, handle: int):
+        """The RunnerOutput of the step `submit` returned `handle` for (steps are collected in
+        the order they were submitted), from the last stage; waits for it, watching the
+        ranks."""
+        try:
+            output, times = receive_logits(self.pipe.link_in, np.flatnonzero(out.sample_mask),
+                                           f"step {handle}'s logits", check=self._check_alive)
+            self.step_times.append((handle, times))
+            if self.runner.logits_on_device:
+                output.logits = self.runner.ops.xp.asarray(output.logits)
+            return output
+        except BaseException as exc:
+            self._fail(exc)
+
+    def _broadcast(self, out, prompt_logit_rows, row_lora_slots, virtual_engine: int) -> int:
+        if self.dead is not None:
+            raise PeerLostError(f"tensor parallel group is down: {self.dead}")
+        self._check_alive()
+        self._seq += 1
+        frames = encode_step(self._seq, out, prompt_logit_rows, self._lora_writes,
+                             row_lora_slots, virtual_engine)
+        self._lora_writes = []
+        step_digest = auth.digest(frames)  # hashed once, MACed per worker
+        for identity in self._identities.values():
+            self._send(identity, frames, step_digest)
+        return self._seq
+
+    def _fail(self, exc: BaseException):
+        """Whatever broke, the ranks are out of step now: the group cannot continue."""
+        self.dead = f"{type(exc).__name__}: {exc}"
+        log.error("parallel group failed: %s", self.dead)
+        self.close()
+        if isinstance(exc, PeerLostError):
+            raise exc
+        raise PeerLostError(f"parallel step failed: {self.dead}") from exc
 
     def close(self) -> None:
         """Tell the workers to exit, kill those that do not, release the sockets. Idempotent."""
@@ -536,6 +717,8 @@ class TensorParallelExecutor:
         kill_workers(self._procs, SHUTDOWN_GRACE_S if self.dead is None else 0.0)
         if self.comm is not None:
             self.comm.close()
+        if self.pipe is not None:
+            self.pipe.close()
         self._watch.close()
         self.control.close(linger=0 if self.dead else int(SHUTDOWN_GRACE_S * 1000))
         self._ctx.term()

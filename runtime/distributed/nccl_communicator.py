@@ -6,6 +6,9 @@ in the plan over our ZeroMQ control plane (executor.py); every rank then calls
 on the backend's compute stream (`use_stream`; build_rank passes it), so they order with the
 kernels around them without a host synchronization.
 
+`send(x, peer)` / `recv(shape, dtype, peer)`: point to point, for the activations between
+pipeline stages (pipeline.py: a two-rank communicator per link).
+
 `all_reduce(x)`: in-place sum of a contiguous cupy array (float32, float16, or bf16 stored as
 uint16 bits). `gather(x)`: NCCL has no gather; rank 0 needs every rank's logits slice, so it is
 an allGather into a [world, *x.shape] buffer (logits are small next to the weights; the other
@@ -96,6 +99,19 @@ class NcclCommunicator:
         if self.rank != 0:
             return None
         return [out[r] for r in range(self.world_size)]
+
+    def send(self, x, peer: int) -> None:
+        """Point-to-point: x (a contiguous cupy array) to rank `peer`, on the stream; its bytes
+        as they are (any dtype). The peer must post the matching `recv`."""
+        x = cupy.ascontiguousarray(x)
+        self.comm.send(x.data.ptr, x.nbytes, nccl.NCCL_INT8, peer, self._stream_ptr())
+
+    def recv(self, shape, dtype, peer: int):
+        """Point-to-point: a new cupy array of shape/dtype filled from rank `peer`'s `send`
+        (enqueued on the stream: later kernels on it see the data)."""
+        out = cupy.empty(tuple(shape), dtype=dtype)
+        self.comm.recv(out.data.ptr, out.nbytes, nccl.NCCL_INT8, peer, self._stream_ptr())
+        return out
 
     def abort(self) -> None:
         """ncclCommAbort, from the executor's watchdog thread: a collective blocked on a lost

@@ -20,16 +20,19 @@ from pagedrun.runtime.weights import ModelWeights
 
 class ShardedLlamaModel(LlamaModel):
     def __init__(self, config: ModelConfig, weights: ModelWeights, ops, max_position: int,
-                 spec: ShardSpec, comm) -> None:
+                 spec: ShardSpec, comm, first_layer: int = 0) -> None:
         """config, weights: the rank's (sharding.rank_config / load_shard); comm: a Communicator
-        whose arrays are host numpy (CpuCommunicator) or device arrays (`comm.device_arrays`)."""
-        super().__init__(config, weights, ops, max_position)
+        whose arrays are host numpy (CpuCommunicator) or device arrays (`comm.device_arrays`),
+        among the tensor-parallel ranks of this rank's pipeline stage. first_layer: as
+        LlamaModel's (a pipeline stage's first layer)."""
+        super().__init__(config, weights, ops, max_position, first_layer=first_layer)
         self.spec = spec
         self.comm = comm
         hidden = config.hidden_size
-        # Row spec.vocab_size is the zero row every id outside this rank's slice reads.
-        self.embed_tokens = np.concatenate(
-            [self.embed_tokens, np.zeros((1, hidden), np.float32)], axis=0)
+        if self.embed_tokens is not None:
+            # Row spec.vocab_size is the zero row every id outside this rank's slice reads.
+            self.embed_tokens = np.concatenate(
+                [self.embed_tokens, np.zeros((1, hidden), np.float32)], axis=0)
         self._device_arrays = getattr(comm, "device_arrays", False)
 
     def embed(self, token_ids: np.ndarray):

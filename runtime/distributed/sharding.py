@@ -137,9 +137,13 @@ def _vocab_slice(read, name: str, spec: ShardSpec, hidden: int) -> np.ndarray:
     return out
 
 
-def load_shard(source, config: ModelConfig, spec: ShardSpec) -> ModelWeights:
+def load_shard(source, config: ModelConfig, spec: ShardSpec, layers: range | None = None,
+               embed: bool = True, head: bool = True) -> ModelWeights:
     """Rank `spec.rank`'s weights, from a model directory (read slice by slice) or from an
-    in-memory ModelWeights (tests). Shapes are the rank's: see `rank_config`."""
+    in-memory ModelWeights (tests). Shapes are the rank's: see `rank_config`.
+    A pipeline stage reads only its `layers` (model-wide indices; None: all), the embedding
+    only when `embed` (the first stage) and the final norm and LM head only when `head` (the
+    last); what it skips is None in the result."""
     moe_inter = slice(spec.moe_inter_start, spec.moe_inter_start + spec.moe_inter_size)
     if isinstance(source, ModelWeights):
         def read(name: str, index: tuple) -> np.ndarray:
@@ -168,13 +172,13 @@ def load_shard(source, config: ModelConfig, spec: ShardSpec) -> ModelWeights:
     kv_rows = _rows(spec.kv_head_start, spec.num_kv_heads, hd)
     inter_rows = _rows(spec.inter_start, spec.inter_size)
     everything = (slice(None),)
-    layers = []
-    for i in range(config.num_hidden_layers):
+    layer_weights = []
+    for i in (range(config.num_hidden_layers) if layers is None else layers):
         attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         bias = config.attention_bias
         moe = config.is_moe_layer(i)
         router, gate_up, down = experts(i) if moe else (None, None, None)
-        layers.append(LayerWeights(
+        layer_weights.append(LayerWeights(
             input_layernorm=norm(f"model.layers.{i}.input_layernorm.weight"),
             q_proj=read(attn + "q_proj.weight", (q_rows,)),
             k_proj=read(attn + "k_proj.weight", (kv_rows,)),
@@ -201,11 +205,15 @@ def load_shard(source, config: ModelConfig, spec: ShardSpec) -> ModelWeights:
                 norm(f"model.layers.{i}.post_feedforward_layernorm.weight")
                 if config.post_sublayer_norms else None),
         ))
-    embed = _vocab_slice(read, "model.embed_tokens.weight", spec, hidden)
-    lm_head = (embed if config.tie_word_embeddings
-               else _vocab_slice(read, "lm_head.weight", spec, hidden))
-    return ModelWeights(config=rank_config(config, spec), embed_tokens=embed, layers=layers,
-                        norm=norm("model.norm.weight"), lm_head=lm_head)
+    tied = config.tie_word_embeddings
+    table = (_vocab_slice(read, "model.embed_tokens.weight", spec, hidden)
+             if embed or (head and tied) else None)
+    lm_head = None
+    if head:
+        lm_head = table if tied else _vocab_slice(read, "lm_head.weight", spec, hidden)
+    return ModelWeights(config=rank_config(config, spec), embed_tokens=table if embed else None,
+                        layers=layer_weights, norm=norm("model.norm.weight") if head else None,
+                        lm_head=lm_head)
 
 
 def _experts_in_memory(layer: LayerWeights, config: ModelConfig,

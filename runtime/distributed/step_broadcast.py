@@ -7,6 +7,8 @@ the runner reads travel; the request ids, the sampling bookkeeping and the prefi
 stay with the scheduler on the driver. A decode step of 256 sequences with 128-block tables is
 about 140 KB, mostly the block table (benchmarks/bench_step_broadcast.py measures the cost).
 
+Pipeline parallelism adds `virtual_engine` to the header (whose KV pools the step uses).
+
 Multi-LoRA adds two header fields: `lora_writes`, the device slots to fill before this step's
 forward ([slot, lora_name, lora_int_id, lora_path] each: every rank loads its own shard of the
 adapter from lora_path), and `row_lora_slots`, each row's adapter slot (-1: none) or None when no
@@ -53,12 +55,14 @@ class StepInputs:
     row_lora_slots: np.ndarray | None = None          # int32 [num_reqs], -1: no adapter
     # int32 [num_reqs] drafts verified per row (speculative decoding); None: none this step
     num_draft_tokens: np.ndarray | None = None
+    virtual_engine: int = 0  # pipeline parallelism: whose KV pools (pipeline.py)
 
 
 def encode_step(seq: int, out, prompt_logit_rows: tuple[int, ...], lora_writes=(),
-                row_lora_slots=None) -> list:
+                row_lora_slots=None, virtual_engine: int = 0) -> list:
     """Frames of one step; `out` is a SchedulerOutput (or a StepInputs). lora_writes:
-    [(slot, LoRARequest)]; row_lora_slots: int [num_reqs] or None."""
+    [(slot, LoRARequest)]; row_lora_slots: int [num_reqs] or None; virtual_engine: the
+    pipeline's batch slot whose KV pools the step uses (0 without pipelining)."""
     arrays = [np.ascontiguousarray(getattr(out, name)) for name in STEP_ARRAYS]
     header = {"seq": seq, "num_batched_tokens": int(out.num_batched_tokens),
               "prompt_logit_rows": [int(r) for r in prompt_logit_rows],
@@ -67,7 +71,7 @@ def encode_step(seq: int, out, prompt_logit_rows: tuple[int, ...], lora_writes=(
                               for slot, r in lora_writes],
               "row_lora_slots": (None if row_lora_slots is None
                                  else [int(s) for s in row_lora_slots]),
-              "num_draft_tokens": _draft_counts(out)}
+              "num_draft_tokens": _draft_counts(out), "virtual_engine": int(virtual_engine)}
     return [STEP, msgpack.packb(header), *arrays]
 
 
@@ -93,4 +97,5 @@ def decode_step(frames: list) -> StepInputs:
                       prompt_logit_rows=tuple(header["prompt_logit_rows"]), **arrays,
                       lora_writes=header.get("lora_writes", []),
                       row_lora_slots=None if slots is None else np.asarray(slots, np.int32),
-                      num_draft_tokens=None if drafts is None else np.asarray(drafts, np.int32))
+                      num_draft_tokens=None if drafts is None else np.asarray(drafts, np.int32),
+                      virtual_engine=header.get("virtual_engine", 0))

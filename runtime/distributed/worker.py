@@ -28,6 +28,7 @@ that fails the challenge ends it with EXIT_ERROR.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import faulthandler
 import logging
 import os
@@ -44,6 +45,7 @@ from pagedrun.runtime.distributed import auth
 from pagedrun.runtime.distributed.communicator import (POLL_INTERVAL_S, ConnectionWatch,
                                                        PeerLostError, recv_bounded,
                                                        set_heartbeats)
+from pagedrun.runtime.distributed.pipeline import GroupLayout
 from pagedrun.runtime.distributed.step_broadcast import STEP, decode_step
 
 log = logging.getLogger("pagedrun.worker")
@@ -78,15 +80,21 @@ def build_rank(plan: dict, rank: int, comm, ops=None):
 
     model_dir = resolve_model_dir(plan["model"])
     config = ModelConfig.from_model_dir(model_dir)
-    spec = shard_spec(config, plan["tp_size"], rank)
+    layout = GroupLayout(plan["tp_size"], plan.get("pp_size", 1))
+    stage = layout.stage(rank)
+    # A pipeline stage holds layers [start, end); without pipelining, all of them.
+    start, end = plan.get("stage_layers", [[0, config.num_hidden_layers]])[stage]
+    spec = shard_spec(config, plan["tp_size"], layout.tp_rank(rank))
     if ops is None:
         ops = make_backend(plan["device"], plan["dtype"], device_id=plan["local_rank"],
                            quantization=plan.get("quantization"))
     if hasattr(comm, "use_stream") and hasattr(ops, "stream"):
         comm.use_stream(ops.stream)  # NCCL on the compute stream
-    local_config = rank_config(config, spec)
-    weights = load_shard(model_dir, config, spec)
-    model = ShardedLlamaModel(local_config, weights, ops, plan["max_model_len"], spec, comm)
+    local_config = dataclasses.replace(rank_config(config, spec), num_hidden_layers=end - start)
+    weights = load_shard(model_dir, config, spec, layers=range(start, end), embed=stage == 0,
+                         head=layout.is_last(rank))
+    model = ShardedLlamaModel(local_config, weights, ops, plan["max_model_len"], spec, comm,
+                              first_layer=start)
     lora_config = load_adapter = None
     if plan.get("lora") is not None:  # adapters: this rank's shard of each, from the full config
         from functools import partial
@@ -97,13 +105,14 @@ def build_rank(plan: dict, rank: int, comm, ops=None):
         lora_config = LoRAConfig(**plan["lora"])
         load_adapter = partial(load_peft_adapter, config=config,
                                max_lora_rank=lora_config.max_lora_rank, shard=spec)
-    return ModelRunner(local_config, None, block_size=plan["block_size"],
-                       num_gpu_blocks=plan["num_gpu_blocks"],
-                       num_cpu_blocks=plan["num_cpu_blocks"],
-                       max_model_len=plan["max_model_len"], ops=ops, model=model,
-                       # rank 0 samples: where its backend's sampler reads them
-                       logits_on_device=rank == 0 and ops.logits_on_device,
-                       lora_config=lora_config, load_adapter=load_adapter)
+    runner = ModelRunner(local_config, None, block_size=plan["block_size"],
+                         max_model_len=plan["max_model_len"], ops=ops, model=model,
+                         # rank 0 samples: where its backend's sampler reads them
+                         logits_on_device=rank == 0 and ops.logits_on_device,
+                         lora_config=lora_config, load_adapter=load_adapter)
+    # One set of pools per virtual engine (pipeline.py): as many as stages.
+    runner.allocate_kv_cache(plan["num_gpu_blocks"], plan["num_cpu_blocks"], layout.pp_size)
+    return runner
 
 
 def make_communicator(plan: dict, rank: int, context: zmq.Context, auth_key: bytes | None = None,
@@ -179,7 +188,7 @@ def run_worker(master_addr: str, rank: int, local_rank: int,
     watch = ConnectionWatch(control)
     control.connect(zmq_tcp(*parse_master_addr(master_addr)))
     dropped = auth.DropLog(log, f"rank {rank}")
-    comm = channel = None
+    comm = channel = pipe = None
     try:
         try:
             channel = _join(control, secret, rank, master_addr, join_timeout_s)
@@ -194,11 +203,22 @@ def run_worker(master_addr: str, rank: int, local_rank: int,
             raise RuntimeError(f"rank {rank}: {frames[0].bytes!r} instead of the plan")
         plan = msgpack.unpackb(frames[1].bytes)
         plan["local_rank"] = local_rank
-        comm = make_communicator(plan, rank, ctx, auth_key=channel.key,
-                                 curve_secret=secret if curve else None)
+        def stage0_comm():
+            return make_communicator(plan, rank, ctx, auth_key=channel.key,
+                                     curve_secret=secret if curve else None)
+
+        if plan.get("pp_size", 1) > 1:
+            pipe = _pipeline_setup(control, channel, plan, rank, ctx, secret, curve,
+                                   master_addr, join_timeout_s, dropped)
+            comm = pipe.connect(pipe.peers, stage0_comm, device_id=local_rank,
+                                rendezvous_timeout_s=join_timeout_s)
+        else:
+            comm = stage0_comm()
         runner = build_rank(plan, rank, comm)
+        if pipe is not None:
+            pipe.use_stream(runner.ops)
         control.send_multipart(channel.seal([b"ready", msgpack.packb({"rank": rank})]))
-        return _serve_steps(control, watch, channel, runner, rank, dropped)
+        return _serve_steps(control, watch, channel, runner, rank, dropped, pipe)
     except PeerLostError as exc:
         log.error("rank %d: %s; exiting", rank, exc)
         return EXIT_DRIVER_LOST
@@ -214,13 +234,34 @@ def run_worker(master_addr: str, rank: int, local_rank: int,
     finally:
         if comm is not None:
             comm.close()
+        if pipe is not None:
+            pipe.close()
         watch.close()
         control.close(linger=500)  # let a last error message leave
         ctx.term()
 
 
+def _pipeline_setup(control, channel: auth.Channel, plan: dict, rank: int, ctx, secret: bytes,
+                    curve: bool, master_addr: str, timeout_s: float, dropped: auth.DropLog):
+    """Pipeline parallelism's two set-up rounds (stage_pipe.py): bind, tell the driver the
+    addresses (`bound`), wait for everyone's (`peers`). Returns the StagePipe, its .peers set."""
+    from pagedrun.runtime.distributed.stage_pipe import StagePipe, local_address_towards
+
+    pipe = StagePipe(plan, rank, ctx, secret, curve,
+                     local_address_towards(parse_master_addr(master_addr)[0]))
+    addresses = pipe.bind()
+    control.send_multipart(channel.seal([b"bound", msgpack.packb({"rank": rank,
+                                                                  **addresses})]))
+    frames = _recv_sealed(control, None, channel, timeout_s,
+                          f"rank {rank}: the pipeline's addresses from {master_addr}", dropped)
+    if frames[0].bytes != b"peers":
+        raise RuntimeError(f"rank {rank}: {frames[0].bytes!r} instead of the peers' addresses")
+    pipe.peers = msgpack.unpackb(frames[1].bytes)
+    return pipe
+
+
 def _serve_steps(control, watch: ConnectionWatch, channel: auth.Channel, runner, rank: int,
-                 dropped: auth.DropLog) -> int:
+                 dropped: auth.DropLog, pipe=None) -> int:
     expected_seq = 1
     while True:
         if not control.poll(int(POLL_INTERVAL_S * 1000)):
@@ -244,7 +285,10 @@ def _serve_steps(control, watch: ConnectionWatch, channel: auth.Channel, runner,
         expected_seq += 1
         if step.lora_writes:
             runner.apply_lora_writes(lora_slot_writes(runner, step.lora_writes))
-        runner.execute(step, step.prompt_logit_rows, step.row_lora_slots)
+        if pipe is not None:
+            pipe.run_step(runner, step)
+        else:
+            runner.execute(step, step.prompt_logit_rows, step.row_lora_slots)
 
 
 def lora_slot_writes(runner, lora_writes: list) -> list:

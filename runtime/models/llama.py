@@ -104,16 +104,23 @@ class LlamaModel:
     """The decoder stack and the LM head; stateless apart from weights (the KV cache is passed
     in)."""
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights, ops, max_position: int) -> None:
+    def __init__(self, config: ModelConfig, weights: ModelWeights, ops, max_position: int,
+                 first_layer: int = 0) -> None:
+        """first_layer: the model-wide index of weights.layers[0] (a pipeline stage holds
+        layers first_layer .. first_layer + len - 1; rope bases, sliding windows and MoE layers
+        are looked up by that index). A stage without the embedding or the LM head has
+        weights.embed_tokens / weights.lm_head None (runtime/distributed/pipeline.py)."""
         self.config = config
         self.ops = ops
-        self.embed_tokens = np.ascontiguousarray(weights.embed_tokens, dtype=np.float32)
+        self.first_layer = first_layer
+        self.embed_tokens = (None if weights.embed_tokens is None else
+                             np.ascontiguousarray(weights.embed_tokens, dtype=np.float32))
         # [max_position, head_dim] float32 rows [cos | sin]: the reference's float64 angles
         # (runtime/rope.py), so the paged forward rotates exactly as the reference does. Gemma 3's
         # local layers have their own base: one table per distinct base.
         tables: dict[bytes, np.ndarray] = {}
         self.layers = []
-        for index, lw in enumerate(weights.layers):
+        for index, lw in enumerate(weights.layers, start=first_layer):
             inv_freq = model_inv_freq(config, index)
             if inv_freq.tobytes() not in tables:
                 tables[inv_freq.tobytes()] = build_cos_sin_cache(inv_freq, max_position)
@@ -147,7 +154,8 @@ class LlamaModel:
                 cos_sin_cache=tables[inv_freq.tobytes()],
             ))
         self.norm = _f32(weights.norm)
-        self.lm_head = ops.linear_weight(_t(weights.lm_head).T)  # [vocab, hidden]
+        self.lm_head = (None if weights.lm_head is None
+                        else ops.linear_weight(_t(weights.lm_head).T))  # [vocab, hidden]
         self.cos_sin_cache = self.layers[0].cos_sin_cache if self.layers else (
             build_cos_sin_cache(model_inv_freq(config), max_position))
         self.scale = config.softmax_scale
@@ -157,7 +165,7 @@ class LlamaModel:
 
     def forward(self, token_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
                 attn: AttentionInputs, k_caches: list[np.ndarray], v_caches: list[np.ndarray],
-                lora=None) -> tuple[np.ndarray, np.ndarray]:
+                lora=None, hidden: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Run the decoder over one step's tokens, writing their K/V into the paged cache.
 
         token_ids, positions, slot_mapping: [num_tokens] int32
@@ -167,15 +175,21 @@ class LlamaModel:
         lora: None, or the step's adapters: `.stack` (a LoRAWeightStack: per layer and target
         the slot weights) and `.batch` (the backend's `lora_batch` of the step's tokens grouped
         by slot); the model runner passes None when no token of the step has an adapter.
+        hidden: a later pipeline stage's input, the previous stage's (x, residual); the
+        embedding is skipped (token_ids still give the step's length).
         """
         ops, cfg = self.ops, self.config
         num_tokens = token_ids.shape[0]
         q_size, kv_size = cfg.q_size, cfg.kv_size
-        x = self.embed(token_ids)
-        if cfg.embedding_scale is not None:
-            # Gemma: the lookup times sqrt(hidden) (the tied LM head keeps the unscaled table).
-            x = ops.scale_activations(x, cfg.embedding_scale)
-        residual = None
+        if hidden is not None:
+            x, residual = hidden
+        else:
+            x = self.embed(token_ids)
+            if cfg.embedding_scale is not None:
+                # Gemma: the lookup times sqrt(hidden) (the tied LM head keeps the unscaled
+                # table).
+                x = ops.scale_activations(x, cfg.embedding_scale)
+            residual = None
         for index, (layer, k_cache, v_cache) in enumerate(zip(self.layers, k_caches, v_caches)):
             if residual is None:
                 residual = x
