@@ -137,6 +137,36 @@ def test_sim_pipeline_matches_single_device(tmp_path):
     assert results[0] == results[1] and len(results[0]["s1"]) == 3
 
 
+def test_requests_added_and_aborted_while_in_flight(model_dir, reference):
+    """A request added while its engine's batch is in flight waits for that batch's update
+    (the scheduler takes none between schedule and update); one aborted before it was ever
+    scheduled ends with "abort" and holds nothing; the others are unaffected."""
+    engine = make_engine(model_dir, 2)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+        rid, prompt, max_tokens, _ = workload()[0]
+        engine.add_request(rid, prompt_token_ids=prompt, sampling_params=SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        engine.step()  # engine 0's batch is in flight
+        engine.add_request("late", prompt_token_ids=[7, 8, 9], sampling_params=params)
+        engine.add_request("gone", prompt_token_ids=[7, 8, 9, 10], sampling_params=params)
+        deferred = [r.request_id for ve in engine._deferred for r, _ in ve]
+        assert deferred, "no request waited for an engine's batch in flight"
+        assert engine.abort_request("gone")
+        outs: dict = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outs.setdefault(out.request_id, []).append(out)
+        stats = engine.get_stats()
+    finally:
+        engine.close()
+    assert outs["gone"][-1].outputs[0].finish_reason == "abort"
+    assert sum(len(o.outputs[0].token_ids) for o in outs["gone"]) == 0
+    assert sum(len(o.outputs[0].token_ids) for o in outs["late"]) == 5
+    assert [t for o in outs[rid] for t in o.outputs[0].token_ids] == reference[rid]
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
 def test_stages_overlap(tmp_path):
     """With two batches in flight, stage 0 (this process) computes one batch while stage 1
     (a worker) computes the other: some of their compute intervals intersect. Run one at a
