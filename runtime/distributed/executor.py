@@ -398,23 +398,9 @@ class TensorParallelExecutor:
         comms: list = [None] * self.pp_size
         links[0] = driver_addresses["link"]
         layout = GroupLayout(self.tp_size, self.pp_size)
-        bound: set[int] = set()
-        deadline = time.monotonic() + timeout_s
-        while len(bound) < self.world_size - 1:
-            self._check_connections()
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(1, self.world_size)) - bound)
-                raise PeerLostError(f"pipeline set-up: ranks {missing} did not report their "
-                                    f"addresses within {timeout_s:.0f} s")
-            msg = self._recv_control(int(POLL_INTERVAL_S * 1000))
-            if msg is None:
-                continue
-            rank, kind, body = msg
-            if kind == b"error":
-                raise PeerLostError(f"rank {rank} failed: {body.get('message')}")
-            if kind != b"bound":
-                continue
-            bound.add(rank)
+        bound = self._from_every_worker(b"bound", timeout_s,
+                                        "pipeline set-up: ranks {} did not report their addresses")
+        for rank, body in bound.items():
             links[rank] = body.get("link")
             if body.get("comm") is not None:
                 comms[layout.stage(rank)] = body["comm"]
@@ -548,22 +534,28 @@ class TensorParallelExecutor:
         log.info("rank %d joined from %s (pid %s), authenticated", rank, host, pid)
 
     def _wait_ready(self, timeout_s: float) -> None:
+        self._from_every_worker(b"ready", timeout_s,
+                                "tensor parallel: ranks {} did not load their shards")
+
+    def _from_every_worker(self, kind: bytes, timeout_s: float, late: str) -> dict[int, dict]:
+        """Rank -> body of every worker's `kind` message, within timeout_s (else PeerLostError:
+        `late` with the missing ranks); an `error` from any worker fails at once."""
         deadline = time.monotonic() + timeout_s
-        ready = set()
-        while len(ready) < self.world_size - 1:
-            self._check_connections()  # not _check_alive: it would swallow the ready messages
+        got: dict[int, dict] = {}
+        while len(got) < self.world_size - 1:
+            self._check_connections()  # not _check_alive: it would swallow these messages
             if time.monotonic() > deadline:
-                raise PeerLostError(f"tensor parallel: ranks "
-                                    f"{sorted(set(self._identities) - ready)} did not load their "
-                                    f"shards within {timeout_s:.0f} s")
+                missing = sorted(set(range(1, self.world_size)) - set(got))
+                raise PeerLostError(f"{late.format(missing)} within {timeout_s:.0f} s")
             msg = self._recv_control(int(POLL_INTERVAL_S * 1000))
             if msg is None:
                 continue
-            rank, kind, body = msg
-            if kind == b"error":
+            rank, got_kind, body = msg
+            if got_kind == b"error":
                 raise PeerLostError(f"rank {rank} failed: {body.get('message')}")
-            if kind == b"ready":
-                ready.add(rank)
+            if got_kind == kind:
+                got[rank] = body
+        return got
 
     # ------------------------------------------------------------------ health
 

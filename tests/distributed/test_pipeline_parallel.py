@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 
+from test_tp_failures import worker_pids
 from tp_helpers import write_model_dir
 
 from pagedrun.runtime.distributed.communicator import PeerLostError
@@ -192,23 +193,6 @@ def test_stages_overlap(tmp_path):
     assert overlaps > 0, f"no overlap: busy {busy:.3f} s over {wall:.3f} s of wall time"
 
 
-def _workers(parent: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        if int(stat[1]) == parent and stat[0] != "Z" and b"distributed.worker" in cmdline:
-            pids.append(int(entry))
-    return pids
-
-
 def test_lost_stage_fails_the_engine(model_dir):
     """A stage's worker killed mid-generation: the engine's step fails with the group lost
     (engine_dead: the server fails every request and exits), nothing hangs, no worker stays."""
@@ -218,7 +202,7 @@ def test_lost_stage_fails_the_engine(model_dir):
         engine.add_request(f"k{i}", prompt_token_ids=[5 + i] * 9, sampling_params=params)
     for _ in range(6):
         engine.step()
-    victims = _workers(os.getpid())
+    victims = worker_pids(os.getpid())
     assert len(victims) == 2
     os.kill(victims[0], signal.SIGKILL)
     deadline = time.monotonic() + 60
@@ -228,9 +212,9 @@ def test_lost_stage_fails_the_engine(model_dir):
     assert info.value.engine_dead
     engine.close()
     deadline = time.monotonic() + 10
-    while _workers(os.getpid()) and time.monotonic() < deadline:
+    while worker_pids(os.getpid()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _workers(os.getpid()) == []
+    assert worker_pids(os.getpid()) == []
 
 
 def test_stage_layer_ranges():

@@ -19,6 +19,7 @@ import time
 import pytest
 import ray
 
+from test_tp_failures import alive
 from tp_helpers import greedy_run, make_engine, prompts, write_model_dir
 
 from pagedrun.runtime.distributed.communicator import PeerLostError
@@ -52,14 +53,6 @@ def ray_engine(model_dir):
     workers = engine.runner._procs
     assert list(workers) == [1] and isinstance(workers[1], RayWorker), workers
     return engine, workers[1]
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def wait_gone(pid: int, timeout_s: float) -> bool:
