@@ -111,6 +111,56 @@ def test_pipeline_matches_single_device(model_dir, reference, pp, tp, partition)
     _check_against_reference(engine, reference)
 
 
+def _features_run(engine: LLMEngine) -> dict:
+    """Seeded sampling with n = 2, logprobs, prompt logprobs, stop token ids and min_tokens:
+    everything a request's result holds, per request (final outputs, FINAL_ONLY)."""
+    from pagedrun.runtime.sampling_params import RequestOutputKind
+
+    rng = np.random.default_rng(11)
+    requests = [
+        ("n2", SamplingParams(n=2, temperature=0.9, seed=7, max_tokens=9)),
+        ("lp", SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, prompt_logprobs=2)),
+        ("stop", SamplingParams(temperature=0.7, seed=3, max_tokens=30, min_tokens=2,
+                                stop_token_ids=[5, 17, 23, 42, 77, 99])),
+        ("topk", SamplingParams(temperature=1.0, top_k=5, top_p=0.9, seed=1, max_tokens=12,
+                                repetition_penalty=1.3)),
+    ]
+    results = {}
+    try:
+        for rid, params in requests:
+            params.output_kind = RequestOutputKind.FINAL_ONLY
+            engine.add_request(rid, prompt_token_ids=rng.integers(3, VOCAB, 21).tolist(),
+                               sampling_params=params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                results[out.request_id] = out
+        stats = engine.get_stats()
+    finally:
+        engine.close()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    summary = {}
+    for rid, out in results.items():
+        assert out.finished and out.error is None
+        summary[rid] = [(o.token_ids, o.finish_reason, o.stop_reason,
+                         None if o.logprobs is None else
+                         [sorted((t, round(lp.logprob, 3)) for t, lp in pos.items())
+                          for pos in o.logprobs]) for o in out.outputs]
+        if out.prompt_logprobs is not None:
+            summary[rid + ":prompt"] = [None if pos is None else sorted(
+                (t, round(lp.logprob, 3)) for t, lp in pos.items())
+                for pos in out.prompt_logprobs]
+    return summary
+
+
+def test_pipeline_sampling_features_match_single_device(model_dir):
+    """Per-request seeded sampling, n = 2 forks, logprobs and prompt logprobs (the logits of
+    every prompt position come back from the last stage), stop ids: the same as PP = 1."""
+    want = _features_run(make_engine(model_dir, num_kv_blocks=64))
+    got = _features_run(make_engine(model_dir, 2, num_kv_blocks=64))
+    assert "lp:prompt" in want and len(want["n2"]) == 2
+    assert got == want
+
+
 def test_pipeline_swap_preemption(model_dir, reference):
     engine = make_engine(model_dir, 2, preemption_mode="swap", swap_space_bytes=1 << 20)
     _check_against_reference(engine, reference, abort=())
