@@ -193,7 +193,9 @@ class LLMEngine:
             max_model_len=self.max_model_len, enable_prefix_caching=config.enable_prefix_caching,
             num_cpu_blocks=self.num_cpu_blocks, preemption_mode=config.preemption_mode,
             check_invariants=config.check_invariants,
-            max_loras=self.lora_config.max_loras if self.lora_config else 0,
+            # The virtual engines share the device's adapter slots: max_loras // P each.
+            max_loras=(self.lora_config.max_loras // self.num_virtual_engines
+                       if self.lora_config else 0),
             num_speculative_tokens=spec_config.num_speculative_tokens if spec_config else 0)
         self.schedulers = [Scheduler(scheduler_config) for _ in range(self.num_virtual_engines)]
         self._ve = 0  # the virtual engine being stepped: `scheduler` is its scheduler

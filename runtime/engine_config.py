@@ -134,11 +134,18 @@ class EngineConfig:
             raise EngineConfigError(
                 f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.pipeline_parallel_size > 1:
-            for name, on in (("enable_lora", self.enable_lora),
-                             ("speculative_config", self.speculative_config is not None)):
-                if on:
-                    raise EngineConfigError(f"{name}: not supported with pipeline_parallel_size "
-                                            f"> 1 yet (tensor parallelism supports it)")
+            if self.speculative_config is not None:
+                raise EngineConfigError("speculative_config: not supported with "
+                                        "pipeline_parallel_size > 1 yet (tensor parallelism "
+                                        "supports it)")
+            if self.enable_lora and self.max_loras < self.pipeline_parallel_size:
+                # The virtual engines (one per stage) share the device slots, max_loras // P
+                # each: each needs one.
+                raise EngineConfigError(
+                    f"max_loras: {self.max_loras} adapter slots cannot serve "
+                    f"{self.pipeline_parallel_size} pipeline virtual engines (max_loras // "
+                    f"pipeline_parallel_size each); give max_loras >= "
+                    f"{self.pipeline_parallel_size}")
         if self.enable_lora:
             self.lora_config()  # the settings' errors now, naming the field
         if self.speculative_config is not None:

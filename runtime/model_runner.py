@@ -163,7 +163,8 @@ class ModelRunner:
         if lora_config is not None:
             dtype, xp = ops.lora_weights
             self.lora_stack = LoRAWeightStack(config, lora_config.max_loras,
-                                              lora_config.max_lora_rank, dtype=dtype, xp=xp)
+                                              lora_config.max_lora_rank, dtype=dtype, xp=xp,
+                                              first_layer=getattr(self.model, "first_layer", 0))
         self.num_gpu_blocks = self.num_cpu_blocks = 0
         self.k_caches: list = []
         self.v_caches: list = []

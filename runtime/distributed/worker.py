@@ -104,7 +104,8 @@ def build_rank(plan: dict, rank: int, comm, ops=None):
 
         lora_config = LoRAConfig(**plan["lora"])
         load_adapter = partial(load_peft_adapter, config=config,
-                               max_lora_rank=lora_config.max_lora_rank, shard=spec)
+                               max_lora_rank=lora_config.max_lora_rank, shard=spec,
+                               layer_range=range(start, end))
     runner = ModelRunner(local_config, None, block_size=plan["block_size"],
                          max_model_len=plan["max_model_len"], ops=ops, model=model,
                          # rank 0 samples: where its backend's sampler reads them

@@ -167,9 +167,12 @@ def _read_pairs(weights_path: pathlib.Path, config: ModelConfig
 
 
 def load_peft_adapter(lora_request: LoRARequest, config: ModelConfig, max_lora_rank: int,
-                      shard=None) -> LoRAAdapter:
+                      shard=None, layer_range: range | None = None) -> LoRAAdapter:
     """The adapter at lora_request.lora_path in our fused layout (for tensor-parallel rank
-    `shard`, that rank's part); `config` is the full (unsharded) model's."""
+    `shard`, that rank's part); `config` is the full (unsharded) model's. `layer_range`: a pipeline
+    stage's layers (model-wide indices; None: all): the result holds only those, in order,
+    after every layer's tensors were checked (a bad tensor anywhere fails every stage's load
+    alike)."""
     adapter_dir = pathlib.Path(lora_request.lora_path)
     cfg = read_adapter_config(adapter_dir)
     config_path = adapter_dir / ADAPTER_CONFIG_FILE
@@ -200,6 +203,8 @@ def load_peft_adapter(lora_request: LoRARequest, config: ModelConfig, max_lora_r
                                 f"{max_lora_rank}", tensor=tensor)
         scale = lora_scale(cfg, tensor, rank)
         per_layer[layer].setdefault(module, {})[index] = (a, b * np.float32(scale))
+    if layer_range is not None:
+        per_layer = per_layer[layer_range.start:layer_range.stop]
     layers = [{name: _fuse(slices, *shapes[name]) for name, slices in modules.items()}
               for modules in per_layer]
     adapter = LoRAAdapter(

@@ -29,8 +29,10 @@ _MLP_TARGETS = ("gate_up", "down")
 
 class LoRAWeightStack:
     def __init__(self, config: ModelConfig, max_loras: int, max_lora_rank: int,
-                 dtype=np.float32, xp=np) -> None:
-        """config: the model's (a tensor-parallel rank's: sharding.rank_config) config."""
+                 dtype=np.float32, xp=np, first_layer: int = 0) -> None:
+        """config: the model's (a tensor-parallel rank's: sharding.rank_config) config;
+        first_layer: a pipeline stage's first layer (config then counts the stage's layers;
+        MoE layers are looked up by model-wide index)."""
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.dtype = np.dtype(dtype)
@@ -41,7 +43,7 @@ class LoRAWeightStack:
         for index in range(config.num_hidden_layers):
             targets = {}
             for name in FUSED_MODULES:
-                if name in _MLP_TARGETS and config.is_moe_layer(index):
+                if name in _MLP_TARGETS and config.is_moe_layer(first_layer + index):
                     continue
                 in_features, sizes = shapes[name]
                 targets[name] = (

@@ -279,8 +279,6 @@ def test_stage_layer_ranges():
 def test_pipeline_config_errors():
     with pytest.raises(EngineConfigError, match="pp_layer_partition"):
         EngineConfig(pipeline_parallel_size=2, pp_layer_partition=(3,))
-    with pytest.raises(EngineConfigError, match="enable_lora"):
-        EngineConfig(pipeline_parallel_size=2, enable_lora=True)
     with pytest.raises(EngineConfigError, match="speculative_config"):
         EngineConfig(pipeline_parallel_size=2, speculative_config={"method": "ngram"})
     with pytest.raises(EngineConfigError, match="nnodes"):
