@@ -675,14 +675,18 @@ class LLMEngine:
             try:
                 executed = self.runner.collect(scheduled, in_flight.handle)
                 sampled = self._sample(batch, executed, failed)
+                verified = self._verify(batch, executed, failed)  # n-gram drafts, if any
             except Exception as exc:  # noqa: BLE001 -- belongs to no single request
                 self._fail_step(scheduled, exc, touched)
             else:
-                self._postprocess(scheduled, batch, executed, sampled, failed, touched)
+                self._postprocess(scheduled, batch, executed, sampled, failed, touched,
+                                  verified)
                 self._num_failed_steps = 0
         if self._deferred[ve]:
             self._admit_deferred(ve, touched)
         if self._ve_requests[ve]:
+            if self.speculator is not None:  # its sequences are up to date: collected above
+                self._propose()
             try:
                 scheduled = self.scheduler.schedule()
             except Exception as exc:  # noqa: BLE001 -- the scheduler's state is unknown now

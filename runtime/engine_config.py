@@ -134,10 +134,10 @@ class EngineConfig:
             raise EngineConfigError(
                 f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.pipeline_parallel_size > 1:
-            if self.speculative_config is not None:
-                raise EngineConfigError("speculative_config: not supported with "
-                                        "pipeline_parallel_size > 1 yet (tensor parallelism "
-                                        "supports it)")
+            if self.speculative_config is not None and (
+                    self.spec_config().method == "draft_model"):
+                raise EngineConfigError("speculative_config: a draft model is not supported "
+                                        "with pipeline_parallel_size > 1 (method 'ngram' is)")
             if self.enable_lora and self.max_loras < self.pipeline_parallel_size:
                 # The virtual engines (one per stage) share the device slots, max_loras // P
                 # each: each needs one.

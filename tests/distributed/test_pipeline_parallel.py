@@ -161,6 +161,38 @@ def test_pipeline_sampling_features_match_single_device(model_dir):
     assert got == want
 
 
+def test_pipeline_ngram_speculation_matches_single_device(model_dir):
+    """n-gram speculation with two batches in flight: drafts proposed for an engine after its
+    batch was collected, the verify rows' logits (1 + k per row) back from the last stage:
+    greedy and seeded sampled requests give PP = 1's tokens with the same acceptance."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
+            "prompt_lookup_min": 1}
+    rng = np.random.default_rng(4)
+    phrase = rng.integers(3, VOCAB, 4).tolist()
+    prompt_ids = [phrase * 5, (phrase[::-1] * 4)[:13], phrase * 3 + [7]]
+    params = [SamplingParams(temperature=0.0, max_tokens=16),
+              SamplingParams(temperature=0.7, seed=9, max_tokens=16),
+              SamplingParams(temperature=0.0, max_tokens=12)]
+    results = []
+    for pp in (1, 2):
+        engine = make_engine(model_dir, pp, num_kv_blocks=64, speculative_config=spec)
+        try:
+            for i, ids in enumerate(prompt_ids):
+                engine.add_request(f"s{i}", prompt_token_ids=ids, sampling_params=params[i])
+            tokens: dict[str, list[int]] = {}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+            stats = engine.get_stats()
+        finally:
+            engine.close()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+        results.append((tokens, stats["spec_decode_num_draft_tokens"],
+                        stats["spec_decode_num_accepted_tokens"]))
+    assert results[1] == results[0]
+    assert results[0][1] > 0 and results[0][2] > 0
+
+
 def test_pipeline_swap_preemption(model_dir, reference):
     engine = make_engine(model_dir, 2, preemption_mode="swap", swap_space_bytes=1 << 20)
     _check_against_reference(engine, reference, abort=())
@@ -279,8 +311,9 @@ def test_stage_layer_ranges():
 def test_pipeline_config_errors():
     with pytest.raises(EngineConfigError, match="pp_layer_partition"):
         EngineConfig(pipeline_parallel_size=2, pp_layer_partition=(3,))
-    with pytest.raises(EngineConfigError, match="speculative_config"):
-        EngineConfig(pipeline_parallel_size=2, speculative_config={"method": "ngram"})
+    with pytest.raises(EngineConfigError, match="draft model"):
+        EngineConfig(pipeline_parallel_size=2, speculative_config={
+            "method": "draft_model", "model": "/draft", "num_speculative_tokens": 2})
     with pytest.raises(EngineConfigError, match="nnodes"):
         EngineConfig(pipeline_parallel_size=3, nnodes=2)  # 3 ranks over 2 nodes
     with pytest.raises(EngineConfigError, match="distributed_executor_backend"):
