@@ -20,6 +20,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 HELPER_MODULES = {
     "pagedrun_tests_tiny_gguf": "foundation/tiny_gguf.py",
     "pagedrun_tests_pyx_fake_worker": "pyx/fake_worker.py",
+    "pagedrun_tests_lora_helpers": "lora/lora_helpers.py",
 }
 
 

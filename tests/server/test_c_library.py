@@ -2,8 +2,11 @@
 program (clients/c/tests/test_client.c) built through pkg-config against the installed library,
 then run against real servers: run_fake_server.py processes (streaming, abort, timeouts, a
 killed-and-restarted server, a hung server, CURVE), an in-process server with a short lease, and
-a tiny ROUTER here that answers garbage frames. A -fsanitize=address,undefined build of the
-same program runs the API and malformed-reply scenarios once more.
+a tiny ROUTER here that answers garbage frames; the 1.2 request fields (chat options,
+lora_name) and LOAD_LORA / UNLOAD_LORA against in-process servers (the fake engine, and the tiny
+fixture model with LoRA on), each compared with what the Python client gets. A
+-fsanitize=address,undefined build of the same program runs the API, abort, request_ext and
+malformed-reply scenarios once more.
 
 Timing bounds hold on a loaded machine (2 cores with the rest of the suite running): what
 should happen "at once" gets FAST_S of scheduling slack, what a timer decides gets its timer +
@@ -25,6 +28,8 @@ import pytest
 import zmq
 from fake_engine import (FakeEngine, expected_cumulative_logprob, expected_tokens,
                          sampled_rank)
+
+from pagedrun.client import Client
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 LIB_SRC = os.path.join(REPO, "clients", "c")
@@ -213,7 +218,7 @@ def test_install_layout(c_lib):
     assert os.path.isfile(os.path.join(prefix, "include", "pagedrun_client.h"))
     assert os.path.isfile(os.path.join(lib, "libpagedrun_client.a"))
     assert os.path.islink(os.path.join(lib, "libpagedrun_client.so"))
-    assert _pkg_config(prefix, "--modversion") == ["1.1.0"]  # 1.1: protocol 1.3 fields
+    assert _pkg_config(prefix, "--modversion") == ["1.2.0"]  # 1.2: protocol 1.4
     if shutil.which("nm"):  # only the API is exported
         syms = _run(["nm", "-D", "--defined-only", os.path.join(lib, "libpagedrun_client.so")])
         names = [ln.split()[-1] for ln in syms.splitlines() if " T " in ln]
@@ -427,6 +432,99 @@ def test_lease_kept_alive_by_heartbeats(c_lib, start_server):
         ctx.term()
 
 
+# --- library 1.2: pagedrun_request_ext (chat options, lora_name), LoRA adapters -----------
+CHAT_MESSAGES = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+# scenario_ext's chat requests (max_tokens 4): its key -> the Python client's chat keywords
+CHAT_CASES = {
+    "CHAT_DEFAULT": {}, "CHAT_EXT_UNSET": {},
+    "CHAT_NO_GEN_PROMPT": {"add_generation_prompt": False},
+    "CHAT_TEMPLATE": {"chat_template": "{{ messages }} custom", "add_generation_prompt": True},
+    "CHAT_TOOLS_KWARGS": {"tools": [{"name": "f"}], "chat_template_kwargs": {"lang": "fr"}},
+    "CHAT_CONTINUE": {"continue_final_message": True, "add_generation_prompt": False},
+    "EXT_BIG_ZERO": {"add_generation_prompt": False},
+}
+
+
+def _expected(completion) -> list[str]:
+    """A scenario line's value: status, usage.prompt_tokens, token ids."""
+    return ["ok", str(completion.usage["prompt_tokens"]), *map(str, completion.token_ids)]
+
+
+def test_request_ext_chat_options_and_lora_name(c_lib, start_server):
+    """The fake engine renders every chat option into the prompt, so the prompt token count
+    and the tokens (a function of the prompt) show each option reached the server, exactly as
+    the Python client sends it. lora_name reaches a server without LoRA (its refusal)."""
+    _, exe = c_lib
+    _, ep = start_server(FakeEngine())
+    out, _ = run_c(exe, ep, "ext")
+    assert out["EXT_INFO"] == "enable_lora=0"
+    with Client(ep, timeout_s=10) as client:
+        for key, chat in CHAT_CASES.items():
+            want = client.generate(messages=CHAT_MESSAGES, sampling_params={"max_tokens": 4},
+                                   **chat)
+            assert out[key].split() == _expected(want), key
+        small = client.generate("plain prompt", sampling_params={"max_tokens": 4})
+    assert out["EXT_SMALL"].split() == _expected(small)  # chat_template past struct_size
+    counts = {out[k].split()[1] for k in ("CHAT_DEFAULT", "CHAT_NO_GEN_PROMPT",
+                                          "CHAT_TEMPLATE", "CHAT_TOOLS_KWARGS")}
+    assert len(counts) == 4  # each option changed the prompt
+    assert out["CHAT_STREAM"].split() == out["CHAT_TEMPLATE"].split()[1:]
+    assert out["CHAT_BOTH"].split() == ["invalid_request", "-1"]
+    assert out["CHAT_BOTH_MESSAGE"] == ("[invalid_request] continue_final_message and "
+                                        "add_generation_prompt cannot both be True.")
+    assert out["LORA_OFF"].split() == ["invalid_request", "-1"]
+    assert out["LORA_OFF_MESSAGE"].startswith("[invalid_request] lora_name: LoRA is not enabled")
+    assert out["LOAD_OFF"] == "invalid_request -1" and out["UNLOAD_OFF"] == "invalid_request -1"
+    assert "LoRA is not enabled" in out["LOAD_OFF_MESSAGE"]
+    assert out["ARG_CHAT_WITHOUT_MESSAGES"].startswith("add_generation_prompt is a chat option")
+    assert "add_generation_prompt" in out["ARG_BOOL"] and "tools_msgpack" in out["ARG_TOOLS"]
+    assert "at most 64" in out["ARG_KWARGS"] and "lora_name" in out["ARG_LORA_EMPTY"]
+    assert "struct_size" in out["ARG_SIZE0"] and "struct_size" in out["ARG_SIZE_BIG"]
+
+
+def _write_peft_adapter(path, config) -> str:
+    """tests/lora/lora_helpers.write_peft_adapter (registered by tests/conftest.py: tests/lora
+    is not on sys.path here): a random rank-8 adapter strong enough to change greedy tokens."""
+    from pagedrun_tests_lora_helpers import write_peft_adapter
+
+    return str(write_peft_adapter(path, config, rank=8, seed=1))
+
+
+def test_lora_load_generate_unload(c_lib, start_server, tmp_path):
+    """LOAD_LORA / GENERATE with lora_name / UNLOAD_LORA from C against the tiny fixture model
+    with LoRA on: the adapter's tokens are the Python client's under the same adapter (and
+    differ from the base model's); the server's refusals come back with their messages."""
+    from test_real_engine import tiny_engine
+    _, exe = c_lib
+    engine = tiny_engine(enable_lora=True, max_loras=2)
+    adapter = _write_peft_adapter(tmp_path / "adapter", engine.model_config)
+    _, ep = start_server(engine)
+    out, _ = run_c(exe, ep, "lora", adapter)
+    assert out["LORA_INFO"] == "enable_lora=1"
+    first, again = out["LOADED"].split()
+    assert first == again and int(first) >= 1  # loading the same name and path again
+    params = {"max_tokens": 5, "temperature": 0.0, "ignore_eos": True}
+    prompt = [5, 9, 17, 33, 2, 8]
+    with Client(ep, timeout_s=30) as client:
+        assert client.model_info()["lora_adapters"] == []  # the C side unloaded it
+        client.load_lora("py-adapter", adapter)
+        lora = client.generate(prompt_token_ids=prompt, sampling_params=params,
+                               lora_name="py-adapter")
+        base = client.generate(prompt_token_ids=prompt, sampling_params=params)
+    assert out["LORA_GEN"].split() == _expected(lora)
+    assert out["BASE_GEN"].split() == _expected(base) != _expected(lora)
+    assert out["LORA_STREAM"].split() == list(map(str, lora.token_ids))
+    assert out["LORA_UNKNOWN"].split() == ["invalid_request", "-1"]
+    assert out["LORA_UNKNOWN_MESSAGE"] == ("[invalid_request] lora_name: unknown adapter 'nope' "
+                                           "(loaded: 'c-adapter')")
+    assert out["LOAD_OTHER_PATH"] == "invalid_request"
+    assert "another path" in out["LOAD_OTHER_PATH_MESSAGE"]
+    assert out["LOAD_BAD_DIR"] == "invalid_request" and out["UNLOADED"] == "1"
+    assert out["LORA_AFTER_UNLOAD"].split() == ["invalid_request", "-1"]
+    assert "unknown adapter 'c-adapter'" in out["LORA_AFTER_UNLOAD_MESSAGE"]
+    assert out["UNLOAD_AGAIN"] == "invalid_request"
+
+
 # --- malformed replies ---------------------------------------------------------------------
 SID = "00112233aabbccdd"
 
@@ -535,8 +633,9 @@ WELL_FORMED = {"ok": "ok", "logprobs_13": "ok", "stale_then_ok": "ok", "unknown_
 
 @pytest.fixture
 def garbage_server():
-    """A ROUTER that answers MODEL_INFO and PING properly and each GENERATE with the frames of
-    the variant named by its request id."""
+    """A ROUTER that answers MODEL_INFO and PING properly, each GENERATE with the frames of
+    the variant named by its request id, LOAD_LORA with a malformed LORA_REPLY and UNLOAD_LORA
+    with a good one."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
@@ -561,6 +660,14 @@ def garbage_server():
                      "num_requests_in_flight": 0, "server_id": SID})]]
             elif kind == 0x01:
                 replies = _garbage(rid, rid)
+            elif kind == 0x06:  # LOAD_LORA: a LORA_REPLY whose lora_int_id is not an int
+                replies = [[bytes([1, 0x87]), msgpack.packb(
+                    {"request_id": rid, "lora_name": body["lora_name"], "lora_int_id": "7",
+                     "loaded": True, "server_id": SID})]]
+            elif kind == 0x07:  # UNLOAD_LORA: well-formed
+                replies = [[bytes([1, 0x87]), msgpack.packb(
+                    {"request_id": rid, "lora_name": body["lora_name"], "lora_int_id": 7,
+                     "loaded": False, "server_id": SID})]]
             else:  # ABORT after a malformed reply: ignored
                 replies = []
             for r in replies:
@@ -584,6 +691,8 @@ def _check_variants(stdout: str) -> None:
             assert float(elapsed) < FAST_S, line  # never the 10 s timeout
     want = {**{v: "malformed_reply" for v in MALFORMED}, **WELL_FORMED}
     assert got == want
+    out = _lines(stdout)
+    assert out["LORA_REPLY_BAD"] == "malformed_reply" and out["LORA_REPLY_OK"] == "ok 1"
 
 
 def test_malformed_replies(c_lib, garbage_server):
@@ -619,7 +728,7 @@ def test_asan_ubsan_build(server_process, garbage_server, tmp_path):
     if "LeakSanitizer has encountered a fatal error" in probe.stderr:  # e.g. under ptrace
         env["ASAN_OPTIONS"] = env["ASAN_OPTIONS"].replace("detect_leaks=1", "detect_leaks=0")
     _, ep = server_process("tcp://127.0.0.1:0", "--step-delay-s", "0.002")
-    for args in (["api", "Bonjour", 5], ["abort", "stop it"]):
+    for args in (["api", "Bonjour", 5], ["abort", "stop it"], ["ext"]):
         _, proc = run_c(exe, ep, *args, env=env)
         assert "Sanitizer" not in proc.stderr and "runtime error" not in proc.stderr, proc.stderr
     _, proc = run_c(exe, garbage_server, "malformed", *MALFORMED, *WELL_FORMED, env=env)

@@ -2,9 +2,10 @@
  * pagedrun_client.h: the C client library of the paged-run server (libpagedrun_client).
  *
  * It speaks the wire protocol of docs/protocol.md (version 1, any 1.x revision) over one ZeroMQ
- * DEALER socket: GENERATE with streamed or whole replies, ABORT, PING heartbeats that follow the
- * server's lease, liveness checks (a dead, hung or restarted server is reported as
- * PAGEDRUN_E_SERVER_UNAVAILABLE within a bound, not after the full timeout), CURVE.
+ * DEALER socket: GENERATE with streamed or whole replies (chat options, LoRA adapters), ABORT,
+ * LOAD_LORA / UNLOAD_LORA, PING heartbeats that follow the server's lease, liveness checks (a
+ * dead, hung or restarted server is reported as PAGEDRUN_E_SERVER_UNAVAILABLE within a bound,
+ * not after the full timeout), CURVE.
  *
  * Server loss: every waiting request fails with PAGEDRUN_E_SERVER_UNAVAILABLE when the
  * connection drops (ZeroMQ socket monitor: the server process exited or restarted), when a PING
@@ -17,19 +18,28 @@
  * C99. Opaque handles, no global state. Thread-compatible: a client may be used by one thread at
  * a time (use one client per thread); different clients are independent. Callbacks run in the
  * thread that called into the library, from inside pagedrun_poll / pagedrun_wait /
- * pagedrun_stream / pagedrun_generate / pagedrun_abort / pagedrun_ping / pagedrun_connect. From a
- * callback only pagedrun_submit, pagedrun_abort (found = NULL) and the accessors may be called;
- * the waiting calls return PAGEDRUN_E_INVALID_ARGUMENT there, and pagedrun_client_free must not
- * be called there.
+ * pagedrun_stream(_ext) / pagedrun_generate(_ext) / pagedrun_abort / pagedrun_ping /
+ * pagedrun_load_lora / pagedrun_unload_lora / pagedrun_connect. From a callback only
+ * pagedrun_submit(_ext), pagedrun_abort (found = NULL) and the accessors may be called; the
+ * waiting calls return PAGEDRUN_E_INVALID_ARGUMENT there, and pagedrun_client_free must not be
+ * called there.
  *
  * Every function that can fail returns a pagedrun_status (0 = PAGEDRUN_OK); the client keeps a
  * message for the latest failure (pagedrun_last_error). Strings are UTF-8, NUL-terminated.
  *
  * ABI: library 1.x only adds (functions, and fields at the end of the structs the library
- * fills and hands to callbacks: pagedrun_logprob); structs the caller allocates keep their
- * layout. 1.1 (protocol 1.3): pagedrun_logprob gained rank, decoded_token and
- * top_decoded_tokens; pagedrun_cumulative_logprob. New sampling fields (logit_bias, bad_words,
- * allowed_token_ids, ...) go through pagedrun_sampling.extra_msgpack.
+ * fills and hands to callbacks: pagedrun_logprob, pagedrun_server_info); structs the caller
+ * allocates keep their layout. 1.1 (protocol 1.3): pagedrun_logprob gained rank, decoded_token
+ * and top_decoded_tokens; pagedrun_cumulative_logprob. New sampling fields (logit_bias,
+ * bad_words, allowed_token_ids, ...) go through pagedrun_sampling.extra_msgpack.
+ * 1.2 (protocol 1.4): request fields beyond pagedrun_request (lora_name, the 1.3 chat options)
+ * live in a separate caller-allocated pagedrun_request_ext that starts with its own size
+ * (struct_size, set by pagedrun_request_ext_init), taken by pagedrun_submit_ext /
+ * pagedrun_stream_ext / pagedrun_generate_ext: the library reads only the fields within
+ * struct_size, so a program built against this header keeps working with later 1.x libraries,
+ * and later versions grow that struct instead of adding pagedrun_*_ext2 functions.
+ * pagedrun_load_lora / pagedrun_unload_lora (LOAD_LORA / UNLOAD_LORA); pagedrun_server_info
+ * gained enable_lora.
  */
 #ifndef PAGEDRUN_CLIENT_H
 #define PAGEDRUN_CLIENT_H
@@ -50,11 +60,11 @@ extern "C" {
 #endif
 
 #define PAGEDRUN_CLIENT_VERSION_MAJOR 1
-#define PAGEDRUN_CLIENT_VERSION_MINOR 1
+#define PAGEDRUN_CLIENT_VERSION_MINOR 2
 #define PAGEDRUN_CLIENT_VERSION_PATCH 0
 /* The wire protocol version byte this library speaks, and the newest revision it knows. */
 #define PAGEDRUN_PROTOCOL_VERSION 1
-#define PAGEDRUN_PROTOCOL_REVISION "1.3"
+#define PAGEDRUN_PROTOCOL_REVISION "1.4"
 /* Request ids are 1..128 characters (docs/protocol.md); buffers of this size hold one + NUL. */
 #define PAGEDRUN_REQUEST_ID_MAX 128
 #define PAGEDRUN_REQUEST_ID_BUF (PAGEDRUN_REQUEST_ID_MAX + 1)
@@ -157,6 +167,8 @@ typedef struct pagedrun_server_info {
     double lease_s;
     char server_id[PAGEDRUN_REQUEST_ID_BUF]; /* 1.2: random per server start ("" before 1.2) */
     char status[16];                           /* "ok" / "draining" from the latest PONG */
+    /* Library 1.2, protocol 1.4: MODEL_INFO_REPLY enable_lora (1 / 0), -1 when not sent. */
+    int enable_lora;
 } pagedrun_server_info;
 
 /* The client's view of the server; never NULL. */
@@ -226,6 +238,42 @@ typedef struct pagedrun_request {
 /* Every field zero / NULL. */
 PAGEDRUN_API void pagedrun_request_init(pagedrun_request *req);
 
+/* Library 1.2 (protocol 1.4): the GENERATE fields that pagedrun_request has no room for. The
+ * caller allocates it, initializes it with pagedrun_request_ext_init (which sets struct_size
+ * to the size this header knows), sets what it needs, and passes it to the *_ext functions.
+ * The library reads only the fields that lie within struct_size (a field beyond it is unset);
+ * bytes past the end of the struct the library knows must be zero (fields added later have 0
+ * as their unset value), else PAGEDRUN_E_INVALID_ARGUMENT. Unset fields are not sent (send
+ * them only to servers of protocol 1.3 / 1.4 and later: older servers refuse unknown fields).
+ * Client-side checks give PAGEDRUN_E_INVALID_ARGUMENT; the server checks the rest
+ * (PAGEDRUN_E_INVALID_REQUEST with its message). */
+typedef struct pagedrun_request_ext {
+    size_t struct_size;
+    /* Protocol 1.4: run under this loaded LoRA adapter (1..128 characters); NULL: the base
+     * model. An unknown name (or LoRA off on the server) is PAGEDRUN_E_INVALID_REQUEST whose
+     * message names the loaded adapters. */
+    const char *lora_name;
+    /* Protocol 1.3 chat options, with pagedrun_request.messages only (else
+     * PAGEDRUN_E_INVALID_ARGUMENT). chat_template: a Jinja template used instead of the
+     * model's (at most 32768 characters); NULL: the model's. */
+    const char *chat_template;
+    /* -1 unset (the server's default: add_generation_prompt true, continue_final_message
+     * false), 0 false, 1 true. continue_final_message 1 needs add_generation_prompt 0 (the
+     * server refuses the pair otherwise). */
+    int add_generation_prompt, continue_final_message;
+    /* The template's `tools`: one pre-encoded msgpack array of at most 128 maps; NULL: none. */
+    const void *tools_msgpack;
+    size_t tools_msgpack_len;
+    /* More template variables: one pre-encoded msgpack map of at most 64 entries with string
+     * keys (not messages, add_generation_prompt, continue_final_message, tools, tokenize,
+     * chat_template); NULL: none. */
+    const void *chat_template_kwargs_msgpack;
+    size_t chat_template_kwargs_msgpack_len;
+} pagedrun_request_ext;
+
+/* Every field unset; struct_size = sizeof(pagedrun_request_ext). */
+PAGEDRUN_API void pagedrun_request_ext_init(pagedrun_request_ext *ext);
+
 typedef struct pagedrun_usage {
     int64_t prompt_tokens, cached_prompt_tokens, completion_tokens; /* -1 if absent */
     /* FINAL `metrics`, seconds; -1 if nil/absent */
@@ -292,6 +340,15 @@ PAGEDRUN_API int pagedrun_wait(pagedrun_client *client, const char *request_id);
 /* pagedrun_submit + pagedrun_wait. */
 PAGEDRUN_API int pagedrun_stream(pagedrun_client *client, const pagedrun_request *req,
                                  const pagedrun_callbacks *callbacks, void *user);
+/* Library 1.2: pagedrun_submit / pagedrun_stream with the fields of ext (may be NULL: then
+ * exactly pagedrun_submit / pagedrun_stream). */
+PAGEDRUN_API int pagedrun_submit_ext(pagedrun_client *client, const pagedrun_request *req,
+                                     const pagedrun_request_ext *ext,
+                                     const pagedrun_callbacks *callbacks, void *user,
+                                     char *id_out);
+PAGEDRUN_API int pagedrun_stream_ext(pagedrun_client *client, const pagedrun_request *req,
+                                     const pagedrun_request_ext *ext,
+                                     const pagedrun_callbacks *callbacks, void *user);
 /* The sequence index of the DELTA being delivered (valid inside on_delta). */
 PAGEDRUN_API uint32_t pagedrun_delta_index(const pagedrun_client *client);
 /* Library 1.1, protocol 1.3: the `cumulative_logprob` (sum of the sampled tokens' logprobs so
@@ -324,7 +381,27 @@ typedef struct pagedrun_completion {
  * always safe to free. */
 PAGEDRUN_API int pagedrun_generate(pagedrun_client *client, const pagedrun_request *req,
                                    pagedrun_completion *out);
+/* Library 1.2: pagedrun_generate with the fields of ext (may be NULL). */
+PAGEDRUN_API int pagedrun_generate_ext(pagedrun_client *client, const pagedrun_request *req,
+                                       const pagedrun_request_ext *ext,
+                                       pagedrun_completion *out);
 PAGEDRUN_API void pagedrun_completion_free(pagedrun_completion *completion);
+
+/* ---- LoRA adapters (library 1.2, protocol 1.4) ------------------------------------------- */
+/* LOAD_LORA: loads the PEFT adapter directory lora_path (a path on the server's file system,
+ * 1..4096 characters) under lora_name (1..128 characters) and waits (up to the client's
+ * timeout_s, with heartbeats and liveness as for requests) for the LORA_REPLY.
+ * lora_int_id_out (may be NULL) receives the adapter's id. Loading a name again from the same
+ * path is fine (the same id). The server refuses with PAGEDRUN_E_INVALID_REQUEST (its message
+ * in pagedrun_last_error): LoRA off (serve --enable-lora), a bad directory, a name loaded from
+ * another path. Not callable from a callback. */
+PAGEDRUN_API int pagedrun_load_lora(pagedrun_client *client, const char *lora_name,
+                                    const char *lora_path, int64_t *lora_int_id_out);
+/* UNLOAD_LORA: unloads the adapter lora_name and waits for the LORA_REPLY; unloaded_out (may
+ * be NULL) receives 1 when the reply says it is no longer loaded. PAGEDRUN_E_INVALID_REQUEST:
+ * an unknown name, LoRA off, or the adapter is in use by a running or waiting request. */
+PAGEDRUN_API int pagedrun_unload_lora(pagedrun_client *client, const char *lora_name,
+                                      int *unloaded_out);
 
 /* The number of requests in flight on this client. */
 PAGEDRUN_API size_t pagedrun_in_flight(const pagedrun_client *client);

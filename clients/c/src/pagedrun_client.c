@@ -7,7 +7,10 @@
  * pump(), which polls the socket and the monitor, dispatches whole messages to the requests'
  * callbacks, and runs the timers (heartbeat PINGs, liveness, per-request timeouts). Callbacks may
  * call pagedrun_abort (without waiting) and pagedrun_submit; the table is looked up again after
- * every callback, so a callback that ends requests is safe.
+ * every callback, so a callback that ends requests is safe. A top-level call that waits for one
+ * reply of its own (PING, MODEL_INFO at connect, ABORT with found, LOAD_LORA / UNLOAD_LORA) sets
+ * up c->rpc and pumps like any other wait. GENERATE fields beyond pagedrun_request come from a
+ * pagedrun_request_ext, read only as far as its struct_size (read_ext).
  */
 #define _POSIX_C_SOURCE 200809L
 #include "pagedrun_client.h"
@@ -15,6 +18,7 @@
 #include <errno.h>
 #include <msgpack.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,8 +27,9 @@
 
 enum {
     MSG_GENERATE = 0x01, MSG_ABORT = 0x02, MSG_PING = 0x03, MSG_MODEL_INFO = 0x04,
+    MSG_LOAD_LORA = 0x06, MSG_UNLOAD_LORA = 0x07, /* 1.4 */
     MSG_DELTA = 0x81, MSG_FINAL = 0x82, MSG_ABORTED = 0x83, MSG_PONG = 0x84,
-    MSG_MODEL_INFO_REPLY = 0x85, MSG_STATS_REPLY = 0x86, MSG_ERROR = 0xFF
+    MSG_MODEL_INFO_REPLY = 0x85, MSG_STATS_REPLY = 0x86, MSG_LORA_REPLY = 0x87, MSG_ERROR = 0xFF
 };
 
 #define NS_PER_S 1000000000LL
@@ -39,6 +44,12 @@ enum {
 #define MIN_INTERVAL_NS 10000000LL /* 10 ms: floor of heartbeat / ping timeout */
 #define MAX_MESSAGES_PER_PUMP 1024
 #define MAX_FRAMES_KEPT 3
+/* Request field limits of docs/protocol.md (GENERATE, LOAD_LORA), in characters (code points). */
+#define MAX_LORA_NAME_CHARS 128
+#define MAX_LORA_PATH_CHARS 4096
+#define MAX_CHAT_TEMPLATE_CHARS 32768
+#define MAX_TOOLS 128
+#define MAX_CHAT_TEMPLATE_KWARGS 64
 
 /* ---- status names ------------------------------------------------------------------------ */
 typedef struct { int status; const char *name; const char *text; } status_entry;
@@ -117,7 +128,8 @@ typedef struct pr_req {
     char answered_by[PAGEDRUN_REQUEST_ID_BUF];
 } pr_req;
 
-/* The one blocking exchange a top-level call may wait for (PING, MODEL_INFO, ABORT). */
+/* The one blocking exchange a top-level call may wait for (PING, MODEL_INFO, ABORT,
+ * LOAD_LORA / UNLOAD_LORA). */
 typedef struct {
     int active, done, status;
     int is_connect; /* the handshake of pagedrun_connect: bounded by connect_timeout_s alone */
@@ -126,6 +138,8 @@ typedef struct {
     int64_t deadline_ns;
     pagedrun_pong *pong;
     int found;
+    int64_t lora_int_id; /* LORA_REPLY (1.4) */
+    int lora_loaded;
 } pr_rpc;
 
 struct pagedrun_client {
@@ -330,10 +344,18 @@ void pagedrun_request_init(pagedrun_request *r) {
     if (r) memset(r, 0, sizeof *r);
 }
 
+void pagedrun_request_ext_init(pagedrun_request_ext *e) {
+    if (!e) return;
+    memset(e, 0, sizeof *e);
+    e->struct_size = sizeof *e;
+    e->add_generation_prompt = e->continue_final_message = -1;
+}
+
 static void reset_info(pagedrun_server_info *info) {
     memset(info, 0, sizeof *info);
     info->max_model_len = info->vocab_size = info->max_message_bytes = -1;
     info->lease_s = -1;
+    info->enable_lora = -1;
 }
 
 pagedrun_client *pagedrun_client_new(const pagedrun_options *opts) {
@@ -887,8 +909,12 @@ static int parse_model_info(pagedrun_client *c, const msgpack_object *body) {
         (server && server->type != MSGPACK_OBJECT_MAP))
         return -1;
     const msgpack_object *rev = map_get(server, "protocol_revision"),
-                         *mmb = map_get(server, "max_message_bytes");
-    if ((rev && !is_nil(rev) && !is_str(rev)) || (mmb && !is_int(mmb))) return -1;
+                         *mmb = map_get(server, "max_message_bytes"),
+                         *lora = map_get(body, "enable_lora");
+    if ((rev && !is_nil(rev) && !is_str(rev)) || (mmb && !is_int(mmb)) ||
+        (!is_nil(lora) && lora->type != MSGPACK_OBJECT_BOOLEAN))
+        return -1;
+    c->info.enable_lora = is_nil(lora) ? -1 : lora->via.boolean;
     obj_str(model, c->info.model, sizeof c->info.model);
     c->info.max_model_len = mml ? as_i64(mml) : -1;
     c->info.vocab_size = vs ? as_i64(vs) : -1;
@@ -928,6 +954,14 @@ static void handle_rpc_reply(pagedrun_client *c, int type, const msgpack_object 
         const msgpack_object *found = map_get(body, "found");
         if (!found || found->type != MSGPACK_OBJECT_BOOLEAN) bad = -1;
         else q->found = found->via.boolean;
+    } else if (type == MSG_LORA_REPLY) {
+        const msgpack_object *id = map_get(body, "lora_int_id"), *loaded = map_get(body, "loaded");
+        if (!is_int(id) || !loaded || loaded->type != MSGPACK_OBJECT_BOOLEAN) {
+            bad = -1;
+        } else {
+            q->lora_int_id = as_i64(id);
+            q->lora_loaded = loaded->via.boolean;
+        }
     }
     if (bad) q->status = set_err(c, PAGEDRUN_E_MALFORMED_REPLY, "malformed reply 0x%02x", type);
 }
@@ -1248,12 +1282,17 @@ static int rpc_wait(pagedrun_client *c) {
     return c->rpc.status;
 }
 
-static int rpc_start(pagedrun_client *c, int send_type, int expect_type, const char *rid,
-                     double timeout_s) {
+/* Sets up c->rpc for a reply of expect_type to rid (not active until the request is sent). */
+static void rpc_arm(pagedrun_client *c, int expect_type, const char *rid, double timeout_s) {
     memset(&c->rpc, 0, sizeof c->rpc);
     snprintf(c->rpc.rid, sizeof c->rpc.rid, "%s", rid);
     c->rpc.expect_type = expect_type;
     c->rpc.deadline_ns = now_ns() + s_to_ns(timeout_s > 0 ? timeout_s : c->opts.timeout_s);
+}
+
+static int rpc_start(pagedrun_client *c, int send_type, int expect_type, const char *rid,
+                     double timeout_s) {
+    rpc_arm(c, expect_type, rid, timeout_s);
     int rc = send_simple(c, send_type, rid);
     if (rc != PAGEDRUN_OK) return rc;
     c->rpc.active = 1;
@@ -1501,7 +1540,160 @@ static int pack_sampling(pagedrun_client *c, msgpack_packer *pk, const pagedrun_
     return PAGEDRUN_OK;
 }
 
-static int submit(pagedrun_client *c, const pagedrun_request *req, const pagedrun_callbacks *cb,
+/* ---- request_ext (library 1.2, protocol 1.4) --------------------------------------------- */
+/* The number of characters (code points) of UTF-8 text: what the server's limits count. */
+static size_t utf8_chars(const char *s) {
+    size_t n = 0;
+    for (; *s; s++) n += ((unsigned char)*s & 0xC0) != 0x80;
+    return n;
+}
+
+static int check_text(pagedrun_client *c, const char *field, const char *v, size_t min_chars,
+                      size_t max_chars) {
+    if (!v) return set_err(c, PAGEDRUN_E_INVALID_ARGUMENT, "%s is NULL", field);
+    size_t n = utf8_chars(v);
+    if (n < min_chars || n > max_chars)
+        return set_err(c, PAGEDRUN_E_INVALID_ARGUMENT,
+                       "%s: must be a string of %zu to %zu characters (got %zu)", field,
+                       min_chars, max_chars, n);
+    return PAGEDRUN_OK;
+}
+
+/* The caller's ext as this library knows it: the fields that lie within its struct_size, the
+ * others unset. Bytes past this library's struct must be zero: a field a later library added
+ * and the caller set would otherwise be dropped without a word. */
+static int read_ext(pagedrun_client *c, const pagedrun_request_ext *in, pagedrun_request_ext *e) {
+    pagedrun_request_ext_init(e);
+    if (!in) return PAGEDRUN_OK;
+    size_t size = in->struct_size;
+    if (size < sizeof in->struct_size)
+        return set_err(c, PAGEDRUN_E_INVALID_ARGUMENT,
+                       "pagedrun_request_ext: struct_size is not set "
+                       "(initialize it with pagedrun_request_ext_init)");
+    for (size_t i = sizeof *e; i < size; i++)
+        if (((const unsigned char *)in)[i])
+            return set_err(c, PAGEDRUN_E_INVALID_ARGUMENT,
+                           "pagedrun_request_ext: fields this library (%d.%d) does not know are "
+                           "set (struct_size %zu > %zu)", PAGEDRUN_CLIENT_VERSION_MAJOR,
+                           PAGEDRUN_CLIENT_VERSION_MINOR, size, sizeof *e);
+#define EXT_COPY(f) \
+    if (size >= offsetof(pagedrun_request_ext, f) + sizeof in->f) e->f = in->f
+    EXT_COPY(lora_name);
+    EXT_COPY(chat_template);
+    EXT_COPY(add_generation_prompt);
+    EXT_COPY(continue_final_message);
+    EXT_COPY(tools_msgpack);
+    EXT_COPY(tools_msgpack_len);
+    EXT_COPY(chat_template_kwargs_msgpack);
+    EXT_COPY(chat_template_kwargs_msgpack_len);
+#undef EXT_COPY
+    return PAGEDRUN_OK;
+}
+
+/* Whether data is exactly one msgpack array of at most max maps (want_map 0), or one map of at
+ * most max entries with string keys (want_map 1). */
+static int check_packed(pagedrun_client *c, const char *field, const void *data, size_t len,
+                        int want_map, uint32_t max) {
+    msgpack_zone zone;
+    if (!msgpack_zone_init(&zone, 256)) return set_err(c, PAGEDRUN_E_NO_MEMORY, "out of memory");
+    msgpack_object o;
+    size_t off = 0, checked = 0;
+    int ok = len > 0 && mp_check(data, len, &checked, 0) == 0 &&
+             msgpack_unpack(data, len, &off, &zone, &o) == MSGPACK_UNPACK_SUCCESS &&
+             off == len && o.type == (want_map ? MSGPACK_OBJECT_MAP : MSGPACK_OBJECT_ARRAY);
+    uint32_t n = !ok ? 0 : want_map ? o.via.map.size : o.via.array.size;
+    for (uint32_t i = 0; ok && i < n; i++)
+        ok = want_map ? o.via.map.ptr[i].key.type == MSGPACK_OBJECT_STR
+                      : o.via.array.ptr[i].type == MSGPACK_OBJECT_MAP;
+    msgpack_zone_destroy(&zone);
+    if (!ok)
+        return set_err(c, PAGEDRUN_E_INVALID_ARGUMENT, "%s must be exactly one msgpack %s", field,
+                       want_map ? "map with string keys" : "array of maps");
+    if (n > max)
+        return set_err(c, PAGEDRUN_E_INVALID_ARGUMENT, "%s: at most %u %s (got %u)", field,
+                       (unsigned)max, want_map ? "entries" : "tools", (unsigned)n);
+    return PAGEDRUN_OK;
+}
+
+/* Client-side checks of ext against req (docs/protocol.md, GENERATE). */
+static int check_ext(pagedrun_client *c, const pagedrun_request *req,
+                     const pagedrun_request_ext *e) {
+    if (e->lora_name) {
+        int rc = check_text(c, "lora_name", e->lora_name, 1, MAX_LORA_NAME_CHARS);
+        if (rc != PAGEDRUN_OK) return rc;
+    }
+    const char *bools[2] = {"add_generation_prompt", "continue_final_message"};
+    int bvals[2] = {e->add_generation_prompt, e->continue_final_message};
+    for (int i = 0; i < 2; i++)
+        if (bvals[i] < -1 || bvals[i] > 1)
+            return set_err(c, PAGEDRUN_E_INVALID_ARGUMENT,
+                           "%s must be -1 (unset), 0 or 1 (got %d)", bools[i], bvals[i]);
+    const char *chat_opt = e->chat_template ? "chat_template"
+                           : bvals[0] != -1 ? bools[0]
+                           : bvals[1] != -1 ? bools[1]
+                           : e->tools_msgpack ? "tools"
+                           : e->chat_template_kwargs_msgpack ? "chat_template_kwargs" : NULL;
+    if (chat_opt && req->n_messages == 0)
+        return set_err(c, PAGEDRUN_E_INVALID_ARGUMENT,
+                       "%s is a chat option: it needs messages (not prompt / prompt_token_ids)",
+                       chat_opt);
+    if (e->chat_template && utf8_chars(e->chat_template) > MAX_CHAT_TEMPLATE_CHARS)
+        return set_err(c, PAGEDRUN_E_INVALID_ARGUMENT, "chat_template: at most %d characters",
+                       MAX_CHAT_TEMPLATE_CHARS);
+    if (e->tools_msgpack) {
+        int rc = check_packed(c, "tools_msgpack", e->tools_msgpack, e->tools_msgpack_len, 0,
+                              MAX_TOOLS);
+        if (rc != PAGEDRUN_OK) return rc;
+    }
+    if (e->chat_template_kwargs_msgpack)
+        return check_packed(c, "chat_template_kwargs_msgpack", e->chat_template_kwargs_msgpack,
+                            e->chat_template_kwargs_msgpack_len, 1, MAX_CHAT_TEMPLATE_KWARGS);
+    return PAGEDRUN_OK;
+}
+
+/* The ext fields that are set, as GENERATE body entries; their count first. */
+static uint32_t ext_count(const pagedrun_request_ext *e) {
+    return (e->lora_name != NULL) + (e->chat_template != NULL) +
+           (e->add_generation_prompt != -1) + (e->continue_final_message != -1) +
+           (e->tools_msgpack != NULL) + (e->chat_template_kwargs_msgpack != NULL);
+}
+
+static void pack_bool(msgpack_packer *pk, int v) {
+    if (v) msgpack_pack_true(pk);
+    else msgpack_pack_false(pk);
+}
+
+static void pack_ext(pagedrun_client *c, msgpack_packer *pk, const pagedrun_request_ext *e) {
+    if (e->lora_name) {
+        pack_cstr(pk, "lora_name");
+        pack_cstr(pk, e->lora_name);
+    }
+    if (e->chat_template) {
+        pack_cstr(pk, "chat_template");
+        pack_cstr(pk, e->chat_template);
+    }
+    if (e->add_generation_prompt != -1) {
+        pack_cstr(pk, "add_generation_prompt");
+        pack_bool(pk, e->add_generation_prompt);
+    }
+    if (e->continue_final_message != -1) {
+        pack_cstr(pk, "continue_final_message");
+        pack_bool(pk, e->continue_final_message);
+    }
+    /* checked above to be exactly one value each: their bytes go in as they are */
+    if (e->tools_msgpack) {
+        pack_cstr(pk, "tools");
+        msgpack_sbuffer_write(&c->sbuf, e->tools_msgpack, e->tools_msgpack_len);
+    }
+    if (e->chat_template_kwargs_msgpack) {
+        pack_cstr(pk, "chat_template_kwargs");
+        msgpack_sbuffer_write(&c->sbuf, e->chat_template_kwargs_msgpack,
+                              e->chat_template_kwargs_msgpack_len);
+    }
+}
+
+static int submit(pagedrun_client *c, const pagedrun_request *req,
+                  const pagedrun_request_ext *ext_in, const pagedrun_callbacks *cb,
                   void *user, char *id_out, int stream) {
     if (!c || !req) return PAGEDRUN_E_INVALID_ARGUMENT;
     if (!c->sock) return set_err(c, PAGEDRUN_E_CONNECTION, "not connected");
@@ -1515,6 +1707,10 @@ static int submit(pagedrun_client *c, const pagedrun_request *req, const pagedru
     for (size_t i = 0; i < req->n_messages; i++)
         if (!req->messages[i].role || !req->messages[i].content)
             return set_err(c, PAGEDRUN_E_INVALID_ARGUMENT, "messages[%zu]: NULL role/content", i);
+    pagedrun_request_ext ext;
+    int ext_rc = read_ext(c, ext_in, &ext);
+    if (ext_rc == PAGEDRUN_OK) ext_rc = check_ext(c, req, &ext);
+    if (ext_rc != PAGEDRUN_OK) return ext_rc;
     char rid[PAGEDRUN_REQUEST_ID_BUF];
     if (req->request_id) {
         if (!valid_rid(req->request_id))
@@ -1531,7 +1727,7 @@ static int submit(pagedrun_client *c, const pagedrun_request *req, const pagedru
     msgpack_packer pk;
     msgpack_sbuffer_clear(&c->sbuf);
     msgpack_packer_init(&pk, &c->sbuf, msgpack_sbuffer_write);
-    msgpack_pack_map(&pk, req->sampling ? 4 : 3);
+    msgpack_pack_map(&pk, (req->sampling ? 4 : 3) + ext_count(&ext));
     pack_cstr(&pk, "request_id");
     pack_cstr(&pk, rid);
     pack_cstr(&pk, "stream");
@@ -1561,6 +1757,7 @@ static int submit(pagedrun_client *c, const pagedrun_request *req, const pagedru
         int rc = pack_sampling(c, &pk, req->sampling);
         if (rc != PAGEDRUN_OK) return rc;
     }
+    pack_ext(c, &pk, &ext);
     pr_req *r = calloc(1, sizeof *r);
     if (!r || grow((void **)&c->reqs, &c->cap_reqs, c->n_reqs + 1, sizeof(pr_req *)) < 0) {
         free(r);
@@ -1585,7 +1782,13 @@ static int submit(pagedrun_client *c, const pagedrun_request *req, const pagedru
 
 int pagedrun_submit(pagedrun_client *c, const pagedrun_request *req,
                     const pagedrun_callbacks *callbacks, void *user, char *id_out) {
-    return submit(c, req, callbacks, user, id_out, 1);
+    return submit(c, req, NULL, callbacks, user, id_out, 1);
+}
+
+int pagedrun_submit_ext(pagedrun_client *c, const pagedrun_request *req,
+                        const pagedrun_request_ext *ext, const pagedrun_callbacks *callbacks,
+                        void *user, char *id_out) {
+    return submit(c, req, ext, callbacks, user, id_out, 1);
 }
 
 int pagedrun_wait(pagedrun_client *c, const char *request_id) {
@@ -1610,12 +1813,18 @@ int pagedrun_wait(pagedrun_client *c, const char *request_id) {
     return status;
 }
 
-int pagedrun_stream(pagedrun_client *c, const pagedrun_request *req,
-                    const pagedrun_callbacks *callbacks, void *user) {
+int pagedrun_stream_ext(pagedrun_client *c, const pagedrun_request *req,
+                        const pagedrun_request_ext *ext, const pagedrun_callbacks *callbacks,
+                        void *user) {
     if (c && c->depth) return set_err(c, PAGEDRUN_E_INVALID_ARGUMENT, "not from a callback");
     char rid[PAGEDRUN_REQUEST_ID_BUF];
-    int rc = submit(c, req, callbacks, user, rid, 1);
+    int rc = submit(c, req, ext, callbacks, user, rid, 1);
     return rc != PAGEDRUN_OK ? rc : pagedrun_wait(c, rid);
+}
+
+int pagedrun_stream(pagedrun_client *c, const pagedrun_request *req,
+                    const pagedrun_callbacks *callbacks, void *user) {
+    return pagedrun_stream_ext(c, req, NULL, callbacks, user);
 }
 
 /* pagedrun_generate: callbacks that fill a pagedrun_completion */
@@ -1665,7 +1874,8 @@ static void gen_on_error(int status, const char *message, void *user) {
     snprintf(o->error_message, sizeof o->error_message, "%s", message);
 }
 
-int pagedrun_generate(pagedrun_client *c, const pagedrun_request *req, pagedrun_completion *out) {
+int pagedrun_generate_ext(pagedrun_client *c, const pagedrun_request *req,
+                          const pagedrun_request_ext *ext, pagedrun_completion *out) {
     if (!out) return PAGEDRUN_E_INVALID_ARGUMENT;
     memset(out, 0, sizeof *out);
     out->usage.prompt_tokens = out->usage.cached_prompt_tokens = out->usage.completion_tokens = -1;
@@ -1674,7 +1884,7 @@ int pagedrun_generate(pagedrun_client *c, const pagedrun_request *req, pagedrun_
     if (c->depth) return set_err(c, PAGEDRUN_E_INVALID_ARGUMENT, "not from a callback");
     gen_acc acc = {out, 0, c, 0, 0.0};
     pagedrun_callbacks cb = {gen_on_delta, gen_on_final, gen_on_error, NULL};
-    int rc = submit(c, req, &cb, &acc, out->request_id, 0);
+    int rc = submit(c, req, ext, &cb, &acc, out->request_id, 0);
     if (rc == PAGEDRUN_OK) rc = pagedrun_wait(c, out->request_id);
     else snprintf(out->error_message, sizeof out->error_message, "%s", c->err);
     c->has_cum = acc.has_cum; /* what pagedrun_cumulative_logprob reports from here on */
@@ -1687,6 +1897,10 @@ int pagedrun_generate(pagedrun_client *c, const pagedrun_request *req, pagedrun_
     return rc;
 }
 
+int pagedrun_generate(pagedrun_client *c, const pagedrun_request *req, pagedrun_completion *out) {
+    return pagedrun_generate_ext(c, req, NULL, out);
+}
+
 void pagedrun_completion_free(pagedrun_completion *o) {
     if (!o) return;
     free(o->text);
@@ -1694,4 +1908,47 @@ void pagedrun_completion_free(pagedrun_completion *o) {
     o->text = NULL;
     o->token_ids = NULL;
     o->text_len = o->n_tokens = 0;
+}
+
+/* ---- LoRA adapters (1.4) ----------------------------------------------------------------- */
+/* LOAD_LORA (path set) / UNLOAD_LORA, waited for like a PING: LORA_REPLY or ERROR. */
+static int lora_call(pagedrun_client *c, int type, const char *name, const char *path) {
+    if (!c) return PAGEDRUN_E_INVALID_ARGUMENT;
+    if (c->depth) return set_err(c, PAGEDRUN_E_INVALID_ARGUMENT, "not from a callback");
+    int rc = check_text(c, "lora_name", name, 1, MAX_LORA_NAME_CHARS);
+    if (rc == PAGEDRUN_OK && type == MSG_LOAD_LORA)
+        rc = check_text(c, "lora_path", path, 1, MAX_LORA_PATH_CHARS);
+    if (rc != PAGEDRUN_OK) return rc;
+    char rid[32];
+    snprintf(rid, sizeof rid, "_lr%llu", (unsigned long long)++c->seq);
+    rpc_arm(c, MSG_LORA_REPLY, rid, 0);
+    msgpack_packer pk;
+    msgpack_sbuffer_clear(&c->sbuf);
+    msgpack_packer_init(&pk, &c->sbuf, msgpack_sbuffer_write);
+    msgpack_pack_map(&pk, type == MSG_LOAD_LORA ? 3 : 2);
+    pack_cstr(&pk, "request_id");
+    pack_cstr(&pk, rid);
+    pack_cstr(&pk, "lora_name");
+    pack_cstr(&pk, name);
+    if (type == MSG_LOAD_LORA) {
+        pack_cstr(&pk, "lora_path");
+        pack_cstr(&pk, path);
+    }
+    rc = send_frames(c, type);
+    if (rc != PAGEDRUN_OK) return rc;
+    c->rpc.active = 1;
+    return rpc_wait(c);
+}
+
+int pagedrun_load_lora(pagedrun_client *c, const char *lora_name, const char *lora_path,
+                       int64_t *lora_int_id_out) {
+    int rc = lora_call(c, MSG_LOAD_LORA, lora_name, lora_path);
+    if (rc == PAGEDRUN_OK && lora_int_id_out) *lora_int_id_out = c->rpc.lora_int_id;
+    return rc;
+}
+
+int pagedrun_unload_lora(pagedrun_client *c, const char *lora_name, int *unloaded_out) {
+    int rc = lora_call(c, MSG_UNLOAD_LORA, lora_name, NULL);
+    if (rc == PAGEDRUN_OK && unloaded_out) *unloaded_out = !c->rpc.lora_loaded;
+    return rc;
 }

@@ -23,9 +23,15 @@
  *   lease PROMPT MAX_TOKENS HB  a long non-streamed generation; HB = heartbeat_s (0: auto)
  *   malformed VARIANT...        one request per variant against the test's garbage ROUTER
  *   curve SERVER_PUB PUB SEC    CURVE with these Z85 keys
+ *   ext                         library 1.2 / protocol 1.3-1.4 request fields through
+ *                               pagedrun_request_ext (chat options, lora_name) and their
+ *                               client-side checks, against a server without LoRA
+ *   lora ADAPTER_DIR            LOAD_LORA, generate under it, errors, UNLOAD_LORA (a server
+ *                               with LoRA on and no tokenizer: token-id prompts)
  */
 #define _POSIX_C_SOURCE 200809L
 #include <pagedrun_client.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -592,6 +598,14 @@ static void scenario_malformed(const char *ep, int n, char **variants) {
         CHECK(a.finals + a.errors == 1);
         CHECK(pagedrun_in_flight(c) == 0);
     }
+    /* LORA_REPLY (1.4): the garbage server answers LOAD_LORA with a string lora_int_id */
+    int64_t id = -1;
+    int rc = pagedrun_load_lora(c, "a", "/p", &id);
+    printf("LORA_REPLY_BAD %s\n", pagedrun_status_name(rc));
+    CHECK(id == -1);
+    int unloaded = -1;
+    rc = pagedrun_unload_lora(c, "a", &unloaded);
+    printf("LORA_REPLY_OK %s %d\n", pagedrun_status_name(rc), unloaded);
     pagedrun_client_free(c);
 }
 
@@ -619,6 +633,197 @@ static void scenario_curve(const char *ep, const char *server_pub, const char *p
     pagedrun_client_free(c);
 }
 
+/* ---- library 1.2: pagedrun_request_ext, LoRA --------------------------------------------- */
+/* One blocking chat generation with ext; prints "KEY status prompt_tokens token ids..." and,
+ * on failure, "KEY_MESSAGE <pagedrun_last_error>". */
+static int chat_case(pagedrun_client *c, const char *key, const pagedrun_request *req,
+                     const pagedrun_request_ext *ext) {
+    pagedrun_completion comp;
+    int rc = pagedrun_generate_ext(c, req, ext, &comp);
+    printf("%s %s %lld", key, pagedrun_status_name(rc), (long long)comp.usage.prompt_tokens);
+    for (size_t i = 0; i < comp.n_tokens; i++) printf(" %d", comp.token_ids[i]);
+    printf("\n");
+    if (rc != PAGEDRUN_OK) printf("%s_MESSAGE %s\n", key, pagedrun_last_error(c));
+    pagedrun_completion_free(&comp);
+    return rc;
+}
+
+static void scenario_ext(const char *ep) {
+    pagedrun_client *c = connect_or_die(ep, NULL);
+    printf("EXT_INFO enable_lora=%d\n", pagedrun_get_server_info(c)->enable_lora);
+    pagedrun_sampling sp;
+    pagedrun_sampling_init(&sp);
+    sp.max_tokens = 4;
+    pagedrun_chat_message msgs[2] = {{"user", "hi"}, {"assistant", "Hel"}};
+    pagedrun_request req;
+    pagedrun_request_init(&req);
+    req.messages = msgs;
+    req.n_messages = 2;
+    req.sampling = &sp;
+    pagedrun_request_ext ext;
+    /* the chat options, each as the Python client sends it (the test compares) */
+    chat_case(c, "CHAT_DEFAULT", &req, NULL);
+    pagedrun_request_ext_init(&ext);
+    CHECK(ext.struct_size == sizeof ext && ext.add_generation_prompt == -1 && !ext.lora_name);
+    chat_case(c, "CHAT_EXT_UNSET", &req, &ext);
+    ext.add_generation_prompt = 0;
+    chat_case(c, "CHAT_NO_GEN_PROMPT", &req, &ext);
+    pagedrun_request_ext_init(&ext);
+    ext.chat_template = "{{ messages }} custom";
+    ext.add_generation_prompt = 1;
+    chat_case(c, "CHAT_TEMPLATE", &req, &ext);
+    /* tools: [{"name": "f"}], chat_template_kwargs: {"lang": "fr"} */
+    static const unsigned char tools[] = {0x91, 0x81, 0xa4, 'n', 'a', 'm', 'e', 0xa1, 'f'};
+    static const unsigned char kwargs[] = {0x81, 0xa4, 'l', 'a', 'n', 'g', 0xa2, 'f', 'r'};
+    pagedrun_request_ext_init(&ext);
+    ext.tools_msgpack = tools;
+    ext.tools_msgpack_len = sizeof tools;
+    ext.chat_template_kwargs_msgpack = kwargs;
+    ext.chat_template_kwargs_msgpack_len = sizeof kwargs;
+    chat_case(c, "CHAT_TOOLS_KWARGS", &req, &ext);
+    pagedrun_request_ext_init(&ext);
+    ext.continue_final_message = 1;
+    ext.add_generation_prompt = 0;
+    chat_case(c, "CHAT_CONTINUE", &req, &ext);
+    ext.add_generation_prompt = 1; /* the server refuses the pair */
+    chat_case(c, "CHAT_BOTH", &req, &ext);
+    /* streamed, through pagedrun_stream_ext */
+    pagedrun_request_ext_init(&ext);
+    ext.chat_template = "{{ messages }} custom";
+    rec st = {0};
+    CHECK(pagedrun_stream_ext(c, &req, &ext, &REC_CB, &st) == PAGEDRUN_OK);
+    printf("CHAT_STREAM %lld", (long long)st.usage.prompt_tokens);
+    print_tokens("", st.tokens, st.n_tokens);
+
+    /* lora_name is sent: this server has LoRA off and says so */
+    pagedrun_request_ext_init(&ext);
+    ext.lora_name = "some-adapter";
+    chat_case(c, "LORA_OFF", &req, &ext);
+    int64_t id = -1;
+    int rc = pagedrun_load_lora(c, "some-adapter", "/nonexistent", &id);
+    printf("LOAD_OFF %s %lld\n", pagedrun_status_name(rc), (long long)id);
+    printf("LOAD_OFF_MESSAGE %s\n", pagedrun_last_error(c));
+    int unloaded = -1;
+    rc = pagedrun_unload_lora(c, "some-adapter", &unloaded);
+    printf("UNLOAD_OFF %s %d\n", pagedrun_status_name(rc), unloaded);
+
+    /* client-side checks: PAGEDRUN_E_INVALID_ARGUMENT with a message, nothing sent */
+    pagedrun_request plain = make_req("plain prompt", &sp);
+    pagedrun_request_ext_init(&ext);
+    ext.add_generation_prompt = 0;
+    CHECK(pagedrun_submit_ext(c, &plain, &ext, NULL, NULL, NULL) == PAGEDRUN_E_INVALID_ARGUMENT);
+    printf("ARG_CHAT_WITHOUT_MESSAGES %s\n", pagedrun_last_error(c));
+    ext.add_generation_prompt = 2;
+    CHECK(pagedrun_generate_ext(c, &req, &ext, &(pagedrun_completion){0}) ==
+          PAGEDRUN_E_INVALID_ARGUMENT);
+    printf("ARG_BOOL %s\n", pagedrun_last_error(c));
+    pagedrun_request_ext_init(&ext);
+    ext.tools_msgpack = kwargs; /* a map, not an array */
+    ext.tools_msgpack_len = sizeof kwargs;
+    CHECK(pagedrun_submit_ext(c, &req, &ext, NULL, NULL, NULL) == PAGEDRUN_E_INVALID_ARGUMENT);
+    printf("ARG_TOOLS %s\n", pagedrun_last_error(c));
+    static unsigned char many[3 + 65 * 3];
+    size_t n = 0;
+    many[n++] = 0xde; /* map16 of 65 entries "A".."A"+64 -> 0 */
+    many[n++] = 0;
+    many[n++] = 65;
+    for (int i = 0; i < 65; i++) {
+        many[n++] = 0xa1;
+        many[n++] = (unsigned char)('A' + i);
+        many[n++] = 0;
+    }
+    pagedrun_request_ext_init(&ext);
+    ext.chat_template_kwargs_msgpack = many;
+    ext.chat_template_kwargs_msgpack_len = n;
+    CHECK(pagedrun_submit_ext(c, &req, &ext, NULL, NULL, NULL) == PAGEDRUN_E_INVALID_ARGUMENT);
+    printf("ARG_KWARGS %s\n", pagedrun_last_error(c));
+    ext.chat_template_kwargs_msgpack_len = n - 1; /* truncated */
+    CHECK(pagedrun_submit_ext(c, &req, &ext, NULL, NULL, NULL) == PAGEDRUN_E_INVALID_ARGUMENT);
+    pagedrun_request_ext_init(&ext);
+    ext.lora_name = "";
+    CHECK(pagedrun_submit_ext(c, &req, &ext, NULL, NULL, NULL) == PAGEDRUN_E_INVALID_ARGUMENT);
+    printf("ARG_LORA_EMPTY %s\n", pagedrun_last_error(c));
+    static char long_name[130];
+    memset(long_name, 'n', 129);
+    ext.lora_name = long_name;
+    CHECK(pagedrun_submit_ext(c, &req, &ext, NULL, NULL, NULL) == PAGEDRUN_E_INVALID_ARGUMENT);
+    CHECK(pagedrun_load_lora(c, long_name, "/x", NULL) == PAGEDRUN_E_INVALID_ARGUMENT);
+    CHECK(pagedrun_load_lora(c, "x", NULL, NULL) == PAGEDRUN_E_INVALID_ARGUMENT);
+    CHECK(pagedrun_unload_lora(c, "", NULL) == PAGEDRUN_E_INVALID_ARGUMENT);
+    long_name[128] = '\0'; /* 128 characters: allowed (and unknown to the server) */
+    CHECK(pagedrun_submit_ext(c, &req, &ext, NULL, NULL, NULL) == PAGEDRUN_OK);
+    for (int i = 0; i < 50 && pagedrun_in_flight(c) > 0; i++) CHECK(pagedrun_poll(c, 200) >= 0);
+    /* struct_size: unset is refused; a smaller one hides the later fields; a larger one (a
+     * program built against a later header) is fine while the unknown bytes are zero */
+    pagedrun_request_ext_init(&ext);
+    ext.struct_size = 0;
+    CHECK(pagedrun_submit_ext(c, &req, &ext, NULL, NULL, NULL) == PAGEDRUN_E_INVALID_ARGUMENT);
+    printf("ARG_SIZE0 %s\n", pagedrun_last_error(c));
+    pagedrun_request_ext_init(&ext);
+    ext.struct_size = offsetof(pagedrun_request_ext, chat_template);
+    ext.chat_template = "ignored: past struct_size";
+    CHECK(chat_case(c, "EXT_SMALL", &plain, &ext) == PAGEDRUN_OK);
+    struct {
+        pagedrun_request_ext ext;
+        int64_t later_field;
+    } big;
+    memset(&big, 0, sizeof big);
+    pagedrun_request_ext_init(&big.ext);
+    big.ext.struct_size = sizeof big;
+    big.ext.add_generation_prompt = 0;
+    chat_case(c, "EXT_BIG_ZERO", &req, &big.ext);
+    big.later_field = 1;
+    CHECK(pagedrun_submit_ext(c, &req, &big.ext, NULL, NULL, NULL) ==
+          PAGEDRUN_E_INVALID_ARGUMENT);
+    printf("ARG_SIZE_BIG %s\n", pagedrun_last_error(c));
+    CHECK(pagedrun_in_flight(c) == 0);
+    pagedrun_client_free(c);
+}
+
+static void scenario_lora(const char *ep, const char *adapter_dir) {
+    pagedrun_client *c = connect_or_die(ep, NULL);
+    printf("LORA_INFO enable_lora=%d\n", pagedrun_get_server_info(c)->enable_lora);
+    int64_t id = -1, id2 = -1;
+    CHECK(pagedrun_load_lora(c, "c-adapter", adapter_dir, &id) == PAGEDRUN_OK);
+    CHECK(pagedrun_load_lora(c, "c-adapter", adapter_dir, &id2) == PAGEDRUN_OK); /* again */
+    printf("LOADED %lld %lld\n", (long long)id, (long long)id2);
+    pagedrun_sampling sp;
+    pagedrun_sampling_init(&sp);
+    sp.max_tokens = 5;
+    sp.temperature = 0;
+    sp.ignore_eos = 1;
+    int32_t ids[6] = {5, 9, 17, 33, 2, 8};
+    pagedrun_request req;
+    pagedrun_request_init(&req);
+    req.prompt_token_ids = ids;
+    req.n_prompt_token_ids = 6;
+    req.sampling = &sp;
+    pagedrun_request_ext ext;
+    pagedrun_request_ext_init(&ext);
+    ext.lora_name = "c-adapter";
+    chat_case(c, "LORA_GEN", &req, &ext);
+    chat_case(c, "BASE_GEN", &req, NULL);
+    rec st = {0};
+    CHECK(pagedrun_stream_ext(c, &req, &ext, &REC_CB, &st) == PAGEDRUN_OK);
+    print_tokens("LORA_STREAM", st.tokens, st.n_tokens);
+    ext.lora_name = "nope";
+    chat_case(c, "LORA_UNKNOWN", &req, &ext);
+    int rc = pagedrun_load_lora(c, "c-adapter", "/elsewhere/adapter", NULL);
+    printf("LOAD_OTHER_PATH %s\n", pagedrun_status_name(rc));
+    printf("LOAD_OTHER_PATH_MESSAGE %s\n", pagedrun_last_error(c));
+    rc = pagedrun_load_lora(c, "broken", "/nonexistent/adapter", NULL);
+    printf("LOAD_BAD_DIR %s\n", pagedrun_status_name(rc));
+    int unloaded = -1;
+    CHECK(pagedrun_unload_lora(c, "c-adapter", &unloaded) == PAGEDRUN_OK);
+    printf("UNLOADED %d\n", unloaded);
+    ext.lora_name = "c-adapter";
+    chat_case(c, "LORA_AFTER_UNLOAD", &req, &ext);
+    rc = pagedrun_unload_lora(c, "c-adapter", &unloaded);
+    printf("UNLOAD_AGAIN %s\n", pagedrun_status_name(rc));
+    CHECK(pagedrun_ping(c, 5, NULL) == PAGEDRUN_OK); /* the client goes on */
+    pagedrun_client_free(c);
+}
+
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);
     if (argc < 3) {
@@ -638,6 +843,8 @@ int main(int argc, char **argv) {
         scenario_lease(ep, argv[3], atoi(argv[4]), atof(argv[5]));
     else if (!strcmp(sc, "malformed")) scenario_malformed(ep, argc - 3, argv + 3);
     else if (!strcmp(sc, "curve") && argc == 6) scenario_curve(ep, argv[3], argv[4], argv[5]);
+    else if (!strcmp(sc, "ext") && argc == 3) scenario_ext(ep);
+    else if (!strcmp(sc, "lora") && argc == 4) scenario_lora(ep, argv[3]);
     else {
         fprintf(stderr, "unknown scenario or arguments\n");
         return 2;
