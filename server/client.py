@@ -811,11 +811,11 @@ class AsyncClient(_FollowsServer):
                 except Exception:  # noqa: BLE001 -- the socket is closing: the next tick judges
                     pass
 
-    async def _call(self, msg_type: MsgType) -> dict:
+    async def _call(self, msg_type: MsgType, fields: dict | None = None) -> dict:
         rid = uuid.uuid4().hex
         queue = self._track(rid)
         try:
-            await self._send(msg_type, {"request_id": rid})
+            await self._send(msg_type, {"request_id": rid, **(fields or {})})
             got, body = await _within(queue.get(), self.timeout_s)
         except asyncio.TimeoutError:
             raise RequestTimeout(f"no reply within {self.timeout_s} s") from None
@@ -841,15 +841,24 @@ class AsyncClient(_FollowsServer):
         await self._send(MsgType.ABORT, {"request_id": request_id})
         return await _within(fut, self.timeout_s)
 
+    async def load_lora(self, lora_name: str, lora_path: str) -> dict:
+        """As Client.load_lora (1.4)."""
+        return await self._call(MsgType.LOAD_LORA, {"lora_name": lora_name,
+                                                    "lora_path": lora_path})
+
+    async def unload_lora(self, lora_name: str) -> dict:
+        """As Client.unload_lora (1.4)."""
+        return await self._call(MsgType.UNLOAD_LORA, {"lora_name": lora_name})
+
     async def stream(self, prompt: str | None = None, *, prompt_token_ids=None, messages=None,
                      sampling_params=None, request_id: str | None = None, chat_template=None,
                      add_generation_prompt=None, continue_final_message=None, tools=None,
-                     chat_template_kwargs=None) -> AsyncStream:
-        """As Client.stream (chat options included)."""
+                     chat_template_kwargs=None, lora_name: str | None = None) -> AsyncStream:
+        """As Client.stream (chat options and lora_name included)."""
         rid = request_id or uuid.uuid4().hex
         chat = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message, tools=tools,
-                    chat_template_kwargs=chat_template_kwargs)
+                    chat_template_kwargs=chat_template_kwargs, lora_name=lora_name)
         queue = self._track(rid)
         try:
             await self._send(MsgType.GENERATE, _generate_body(
@@ -863,13 +872,13 @@ class AsyncClient(_FollowsServer):
                        messages=None, sampling_params=None,
                        request_id: str | None = None, chat_template=None,
                        add_generation_prompt=None, continue_final_message=None, tools=None,
-                       chat_template_kwargs=None) -> Completion:
+                       chat_template_kwargs=None, lora_name: str | None = None) -> Completion:
         s = await self.stream(prompt, prompt_token_ids=prompt_token_ids, messages=messages,
                               sampling_params=sampling_params, request_id=request_id,
                               chat_template=chat_template,
                               add_generation_prompt=add_generation_prompt,
                               continue_final_message=continue_final_message, tools=tools,
-                              chat_template_kwargs=chat_template_kwargs)
+                              chat_template_kwargs=chat_template_kwargs, lora_name=lora_name)
         async with s:
             async for _ in s:
                 pass

@@ -71,6 +71,34 @@ def test_generate_with_adapter_and_errors(served):
         assert names == ["second"]
 
 
+def test_async_client_adapters(served):
+    """AsyncClient: load_lora, generate / stream with lora_name, unload_lora, as Client."""
+    import asyncio
+
+    from pagedrun.client import AsyncClient
+
+    model, paths, endpoint = served
+
+    async def run():
+        async with AsyncClient(endpoint, timeout_s=30) as client:
+            reply = await client.load_lora("second", paths[1])
+            got = await client.generate(prompt_token_ids=PROMPT, sampling_params=GREEDY,
+                                        lora_name="second")
+            want = merged_greedy(model, LoRARequest("second", reply["lora_int_id"], paths[1]),
+                                 PROMPT, 5)
+            assert got.outputs[0]["token_ids"] == want
+            first = await client.generate(prompt_token_ids=PROMPT, sampling_params=GREEDY,
+                                          lora_name="first")
+            assert first.outputs[0]["token_ids"] == merged_greedy(
+                model, LoRARequest("first", 1, paths[0]), PROMPT, 5) != want
+            with pytest.raises(InvalidRequestError, match="unknown adapter 'nope'"):
+                await client.generate(prompt_token_ids=PROMPT, sampling_params=GREEDY,
+                                      lora_name="nope")
+            assert (await client.unload_lora("second"))["loaded"] is False
+
+    asyncio.run(run())
+
+
 def test_lora_name_type_and_disabled_server(tmp_path):
     config = tiny_config()
     engine = LLMEngine(EngineConfig(device="cpu", num_kv_blocks=16), model_config=config,
