@@ -15,7 +15,9 @@ Each has runtime/backends/numpy_ops.py's contract (arguments, the KV cache layou
 several numpy passes: float32 math, the kernels run without the GIL. Activations may be float32
 or float16 (numpy_ops' dtype policy: a float16 input gives a float16 output, computed in float32
 here through a copy; one difference: a float16 k goes into the cache as its float32 rotation,
-where numpy writes the float16-rounded one). The KV caches must be float32 with a contiguous
+where numpy writes the float16-rounded one). The KV caches must be float32, or uint16 holding
+bf16 bits (kv_cache_dtype "bfloat16": written rounded to nearest even as weights.to_bf16_bits,
+read widened exactly, as numpy_ops does with such a cache), both of one dtype, with a contiguous
 last dimension (they are written or read in place). Activation strides are used as they are
 (q/k/v arrive as views of the fused qkv GEMM output: no copies); only an activation whose last
 dimension is not contiguous is copied. (pyx/ may not import runtime/, so numpy_ops' checks are
@@ -26,7 +28,7 @@ picks the first the CPU runs. Tests force each through every op's `path=`.
 """
 import numpy as np
 
-from libc.stdint cimport int32_t
+from libc.stdint cimport int32_t, uint16_t
 
 cdef extern from "cpu_ops_kernels.h" namespace "pagedrun_ops" nogil:
     const int ACT_SILU
@@ -50,15 +52,26 @@ cdef extern from "cpu_ops_kernels.h" namespace "pagedrun_ops" nogil:
                                  long ldo, float* new_res, long ldn)
     void act_and_mul_rows(int path, int kind, const float* gate_up, long ldg, int rows,
                           int inter, float* out, long ldo)
-    void rotary_cache_write(int path, const float* q, long sq0, long sq1, const float* k,
-                            long sk0, long sk1, const float* v, long sv0, long sv1,
-                            const int32_t* positions, const float* cos_sin,
-                            const int32_t* slots, int T, int H, int KV, int D, float* k_cache,
-                            float* v_cache, long sc0, long sc1, long sc2, int block_size,
-                            float* q_rot, float* k_rot)
-    void c_paged_decode_attention "pagedrun_ops::paged_decode_attention"(
+    # The two cache element types of each template (float32, bf16 bits).
+    void rotary_cache_write_f32 "pagedrun_ops::rotary_cache_write<float>"(
+        int path, const float* q, long sq0, long sq1, const float* k, long sk0, long sk1,
+        const float* v, long sv0, long sv1, const int32_t* positions, const float* cos_sin,
+        const int32_t* slots, int T, int H, int KV, int D, float* k_cache, float* v_cache,
+        long sc0, long sc1, long sc2, int block_size, float* q_rot, float* k_rot)
+    void rotary_cache_write_bf16 "pagedrun_ops::rotary_cache_write<uint16_t>"(
+        int path, const float* q, long sq0, long sq1, const float* k, long sk0, long sk1,
+        const float* v, long sv0, long sv1, const int32_t* positions, const float* cos_sin,
+        const int32_t* slots, int T, int H, int KV, int D, uint16_t* k_cache,
+        uint16_t* v_cache, long sc0, long sc1, long sc2, int block_size, float* q_rot,
+        float* k_rot)
+    void paged_decode_attention_f32 "pagedrun_ops::paged_decode_attention<float>"(
         int path, const float* q, long sq0, long sq1, const float* k_cache,
         const float* v_cache, long sc0, long sc1, long sc2, int block_size,
+        const int32_t* block_tables, long ldb, const int32_t* context_lens, int S, int H,
+        int KV, int D, float scale, int has_window, long sliding_window, float* out)
+    void paged_decode_attention_bf16 "pagedrun_ops::paged_decode_attention<uint16_t>"(
+        int path, const float* q, long sq0, long sq1, const uint16_t* k_cache,
+        const uint16_t* v_cache, long sc0, long sc1, long sc2, int block_size,
         const int32_t* block_tables, long ldb, const int32_t* context_lens, int S, int H,
         int KV, int D, float scale, int has_window, long sliding_window, float* out)
 
@@ -69,6 +82,7 @@ _INT32_MIN, _INT32_MAX = np.iinfo(np.int32).min, np.iinfo(np.int32).max
 _F32 = np.dtype(np.float32)
 _F16 = np.dtype(np.float16)
 _I32 = np.dtype(np.int32)
+_U16 = np.dtype(np.uint16)  # a KV cache of bf16 bits
 
 
 def has_avx512f():
@@ -114,9 +128,19 @@ cdef _indices(a):
 
 
 cdef _cache(c, name):
-    if not isinstance(c, np.ndarray) or c.dtype != _F32:
-        raise ValueError(f"{name} must be a float32 numpy array (it is read or written in place)")
+    if not isinstance(c, np.ndarray) or (c.dtype != _F32 and c.dtype != _U16):
+        raise ValueError(f"{name} must be a float32 numpy array (it is read or written in place)"
+                         " or a uint16 one of bf16 bits")
     return c
+
+
+cdef bint _bf16_caches(k_cache, v_cache) except -1:
+    """True for uint16 (bf16 bits) caches, False for float32 ones; both must be one dtype."""
+    _cache(k_cache, "k_cache")
+    _cache(v_cache, "v_cache")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache {k_cache.dtype} / v_cache {v_cache.dtype}: dtypes differ")
+    return k_cache.dtype == _U16
 
 
 cdef _rows(x):
@@ -214,7 +238,8 @@ def rotary_embedding_and_cache_write(q, k, v, positions, cos_sin_cache, k_cache,
 
     q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (strided views allowed);
     positions, slot_mapping: [T] int; cos_sin_cache: [max_position, head_dim] float32;
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] float32, in place.
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] float32, or uint16 bf16
+    bits (k and v rounded to nearest even), in place.
     Returns (q_rot, k_rot), new contiguous arrays (q's and k's dtype policy).
     """
     cdef int code = _resolve_path(path)
@@ -230,8 +255,7 @@ def rotary_embedding_and_cache_write(q, k, v, positions, cos_sin_cache, k_cache,
     pos, slots = _indices(positions), _indices(slot_mapping)
     if pos.shape != (num_tokens,) or slots.shape != (num_tokens,):
         raise ValueError("positions and slot_mapping must be [num_tokens]")
-    _cache(k_cache, "k_cache")
-    _cache(v_cache, "v_cache")
+    cdef bint bf16 = _bf16_caches(k_cache, v_cache)
     num_kv_heads = k.shape[1]
     if (k_cache.ndim != 4 or k_cache.shape != v_cache.shape
             or k_cache.shape[2:] != (num_kv_heads, head_dim)):
@@ -260,18 +284,32 @@ def rotary_embedding_and_cache_write(q, k, v, positions, cos_sin_cache, k_cache,
     cdef const float[:, :, :] ks = k
     cdef const float[:, :, :] vs = v
     cdef const float[:, ::1] ts = table
-    cdef float[:, :, :, ::1] kc = k_cache
-    cdef float[:, :, :, ::1] vc = v_cache
+    cdef float[:, :, :, ::1] kc
+    cdef float[:, :, :, ::1] vc
+    cdef uint16_t[:, :, :, ::1] kh
+    cdef uint16_t[:, :, :, ::1] vh
     cdef float[:, :, ::1] qo = q_rot
     cdef float[:, :, ::1] ko = k_rot
-    with nogil:
-        rotary_cache_write(code, &qs[0, 0, 0], qs.strides[0] // 4, qs.strides[1] // 4,
-                           &ks[0, 0, 0], ks.strides[0] // 4, ks.strides[1] // 4,
-                           &vs[0, 0, 0], vs.strides[0] // 4, vs.strides[1] // 4,
-                           &pv[0], &ts[0, 0], &sv[0], qs.shape[0], qs.shape[1], ks.shape[1],
-                           qs.shape[2], &kc[0, 0, 0, 0], &vc[0, 0, 0, 0], kc.strides[0] // 4,
-                           kc.strides[1] // 4, kc.strides[2] // 4, kc.shape[1], &qo[0, 0, 0],
-                           &ko[0, 0, 0])
+    if bf16:
+        kh, vh = k_cache, v_cache
+        with nogil:
+            rotary_cache_write_bf16(code, &qs[0, 0, 0], qs.strides[0] // 4, qs.strides[1] // 4,
+                                    &ks[0, 0, 0], ks.strides[0] // 4, ks.strides[1] // 4,
+                                    &vs[0, 0, 0], vs.strides[0] // 4, vs.strides[1] // 4,
+                                    &pv[0], &ts[0, 0], &sv[0], qs.shape[0], qs.shape[1],
+                                    ks.shape[1], qs.shape[2], &kh[0, 0, 0, 0], &vh[0, 0, 0, 0],
+                                    kh.strides[0] // 2, kh.strides[1] // 2, kh.strides[2] // 2,
+                                    kh.shape[1], &qo[0, 0, 0], &ko[0, 0, 0])
+    else:
+        kc, vc = k_cache, v_cache
+        with nogil:
+            rotary_cache_write_f32(code, &qs[0, 0, 0], qs.strides[0] // 4, qs.strides[1] // 4,
+                                   &ks[0, 0, 0], ks.strides[0] // 4, ks.strides[1] // 4,
+                                   &vs[0, 0, 0], vs.strides[0] // 4, vs.strides[1] // 4,
+                                   &pv[0], &ts[0, 0], &sv[0], qs.shape[0], qs.shape[1],
+                                   ks.shape[1], qs.shape[2], &kc[0, 0, 0, 0], &vc[0, 0, 0, 0],
+                                   kc.strides[0] // 4, kc.strides[1] // 4, kc.strides[2] // 4,
+                                   kc.shape[1], &qo[0, 0, 0], &ko[0, 0, 0])
     return q_rot.astype(q_dtype, copy=False), k_rot.astype(k_dtype, copy=False)
 
 
@@ -281,13 +319,12 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, doub
     (with sliding_window: its last sliding_window positions, itself included).
 
     q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads,
-    head_dim] float32; block_tables: [num_seqs, max_blocks] int; context_lens: [num_seqs] int,
+    head_dim] float32 or uint16 bf16 bits (widened exactly); block_tables: [num_seqs, max_blocks] int; context_lens: [num_seqs] int,
     each >= 1. Returns [num_seqs, num_heads, head_dim] (q's dtype policy).
     """
     cdef int code = _resolve_path(path)
     q, out_dtype = _activation(q)
-    _cache(k_cache, "k_cache")
-    _cache(v_cache, "v_cache")
+    cdef bint bf16 = _bf16_caches(k_cache, v_cache)
     # numpy_ops._check_attention_shapes
     num_seqs, num_heads, head_dim = q.shape
     if k_cache.shape != v_cache.shape or k_cache.ndim != 4:
@@ -326,13 +363,25 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, doub
     cdef int has_window = sliding_window is not None
     cdef long window = int(sliding_window) if has_window else 0
     cdef const float[:, :, :] qs = q
-    cdef const float[:, :, :, ::1] kc = k_cache
-    cdef const float[:, :, :, ::1] vc = v_cache
+    cdef const float[:, :, :, ::1] kc
+    cdef const float[:, :, :, ::1] vc
+    cdef const uint16_t[:, :, :, ::1] kh
+    cdef const uint16_t[:, :, :, ::1] vh
     cdef float[:, :, ::1] ov = out
-    with nogil:
-        c_paged_decode_attention(code, &qs[0, 0, 0], qs.strides[0] // 4, qs.strides[1] // 4,
-                                 &kc[0, 0, 0, 0], &vc[0, 0, 0, 0], kc.strides[0] // 4,
-                                 kc.strides[1] // 4, kc.strides[2] // 4, kc.shape[1], &bt[0, 0],
-                                 bt.shape[1], &lv[0], qs.shape[0], qs.shape[1], kc.shape[2],
-                                 qs.shape[2], <float>scale, has_window, window, &ov[0, 0, 0])
+    if bf16:
+        kh, vh = k_cache, v_cache
+        with nogil:
+            paged_decode_attention_bf16(
+                code, &qs[0, 0, 0], qs.strides[0] // 4, qs.strides[1] // 4, &kh[0, 0, 0, 0],
+                &vh[0, 0, 0, 0], kh.strides[0] // 2, kh.strides[1] // 2, kh.strides[2] // 2,
+                kh.shape[1], &bt[0, 0], bt.shape[1], &lv[0], qs.shape[0], qs.shape[1],
+                kh.shape[2], qs.shape[2], <float>scale, has_window, window, &ov[0, 0, 0])
+    else:
+        kc, vc = k_cache, v_cache
+        with nogil:
+            paged_decode_attention_f32(
+                code, &qs[0, 0, 0], qs.strides[0] // 4, qs.strides[1] // 4, &kc[0, 0, 0, 0],
+                &vc[0, 0, 0, 0], kc.strides[0] // 4, kc.strides[1] // 4, kc.strides[2] // 4,
+                kc.shape[1], &bt[0, 0], bt.shape[1], &lv[0], qs.shape[0], qs.shape[1],
+                kc.shape[2], qs.shape[2], <float>scale, has_window, window, &ov[0, 0, 0])
     return out.astype(out_dtype, copy=False)

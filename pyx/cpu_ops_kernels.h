@@ -1,10 +1,15 @@
 // cpu_ops_kernels.h: the non-GEMM ops of a decoder layer on the cpu bf16 backend, one pass each
 // (pyx/cpu_ops.pyx wraps them; runtime/backends/numpy_ops.py is the reference and the contract).
 //
-// Everything is float32 in and out, strides in elements (float or int32), the last dimension of
-// every float array contiguous. The wrapper validates shapes, dtypes and index ranges before any
-// kernel runs (check_rotary_indices / check_decode_tables below do the index checks in one pass),
-// so the kernels themselves trust their inputs.
+// Everything is float32 in and out, strides in elements (float, uint16 or int32), the last
+// dimension of every array contiguous. The KV cache alone may instead hold bf16 bits (uint16, the
+// cpu backends' kv_cache_dtype "bfloat16"): rotary_cache_write and paged_decode_attention are
+// templates on the cache element (kv_load / kv_store below), instantiated for float and uint16_t.
+// A bf16 store rounds to nearest even (NaN stays a quiet NaN: weights.to_bf16_bits' rules,
+// restated as f32_to_bf16 in cpu_gemm_kernels.h too); a load widens exactly (bits << 16), so
+// the math stays float32 and only the cache bytes halve. The wrapper validates shapes, dtypes
+// and index ranges before any kernel runs (check_rotary_indices / check_decode_tables below do
+// the index checks in one pass), so the kernels themselves trust their inputs.
 //
 //   rms_norm_rows(x [rows, hidden] row stride ldx, weight [hidden], eps, out [rows, hidden] ldo)
 //       out = x * (1 / sqrt(mean(x^2) + eps)) * weight, per row
@@ -64,6 +69,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include <algorithm>
 #include <thread>
@@ -153,6 +159,27 @@ static inline int check_decode_tables(const int32_t* block_tables, long ldb, int
     return 0;
 }
 
+// ------------------------------------------------------------------------- KV cache elements
+
+// float32 -> bf16 bits, round to nearest even; NaN -> its top half with the quiet bit set (the
+// bias must not carry a NaN's payload into the exponent). weights.to_bf16_bits' rules.
+static inline uint16_t kv_f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline float kv_load(const float* p) { return *p; }
+static inline float kv_load(const uint16_t* p) {
+    const uint32_t bits = (uint32_t)*p << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+static inline void kv_store(float* p, float x) { *p = x; }
+static inline void kv_store(uint16_t* p, float x) { *p = kv_f32_to_bf16(x); }
+
 // ------------------------------------------------------------------------- portable path
 
 static inline float row_inv_rms(float sum_sq, int hidden, float eps) {
@@ -226,6 +253,53 @@ static inline void rotate_head_scalar(const float* x, const float* cos_row, cons
 
 static inline __mmask16 PAGEDRUN_AVX512_TARGET tail_mask(int n) {
     return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
+}
+
+// 16 cache elements as float32: a float load, or 16 bf16 bits zero-extended and shifted into
+// the high half (exact).
+PAGEDRUN_AVX512_TARGET static inline __m512 kv_load16(const float* p) { return _mm512_loadu_ps(p); }
+PAGEDRUN_AVX512_TARGET static inline __m512 kv_load16(const uint16_t* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+// The first lanes of m (a tail_mask), the rest 0. A masked 16-bit load needs AVX512BW: a
+// partial bf16 row goes through a zeroed copy instead (only head sizes that are not a multiple
+// of 16 have partial rows).
+PAGEDRUN_AVX512_TARGET static inline __m512 kv_maskz_load16(__mmask16 m, const float* p) {
+    return _mm512_maskz_loadu_ps(m, p);
+}
+PAGEDRUN_AVX512_TARGET static inline __m512 kv_maskz_load16(__mmask16 m, const uint16_t* p) {
+    if (m == (__mmask16)0xFFFF) return kv_load16(p);
+    alignas(32) uint16_t buf[16] = {0};
+    for (int i = 0; i < 16; ++i)
+        if ((m >> i) & 1) buf[i] = p[i];
+    return kv_load16(buf);
+}
+
+// dst[0, n) = src[0, n) as cache elements: a copy, or kv_f32_to_bf16 16 lanes at a time
+// (integer RNE, NaN lanes blended in, narrowed by vpmovdw: all AVX512F).
+PAGEDRUN_AVX512_TARGET static inline void kv_store_row_avx512(const float* src, int n,
+                                                              float* dst) {
+    for (int i = 0; i < n; i += 16) {
+        const __mmask16 m = tail_mask(n - i);
+        _mm512_mask_storeu_ps(dst + i, m, _mm512_maskz_loadu_ps(m, src + i));
+    }
+}
+PAGEDRUN_AVX512_TARGET static inline void kv_store_row_avx512(const float* src, int n,
+                                                              uint16_t* dst) {
+    const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF);
+    const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), inf = _mm512_set1_epi32(0x7F800000);
+    const __m512i quiet = _mm512_set1_epi32(0x40);
+    for (int i = 0; i < n; i += 16) {
+        const __mmask16 m = tail_mask(n - i);
+        const __m512i bits = _mm512_castps_si512(_mm512_maskz_loadu_ps(m, src + i));
+        const __m512i upper = _mm512_srli_epi32(bits, 16);
+        const __m512i rounded = _mm512_srli_epi32(
+            _mm512_add_epi32(_mm512_add_epi32(bits, bias), _mm512_and_si512(upper, one)), 16);
+        const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(bits, abs_mask), inf);
+        const __m512i out = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(upper, quiet));
+        _mm512_mask_cvtepi32_storeu_epi16(dst + i, m, out);
+    }
 }
 
 // e^x: x = n ln2 + r, |r| <= ln2 / 2 (ln2 split in two for an exact n ln2), e^r by Cephes'
@@ -381,15 +455,22 @@ static inline void act_and_mul_rows(int path, int kind, const float* gate_up, lo
 
 // ------------------------------------------------------------------------- rotary + cache write
 
-static inline void copy_row(const float* src, int n, float* dst) {
-    for (int i = 0; i < n; ++i) dst[i] = src[i];
+// dst[0, n) = src[0, n) as cache elements (kv_store).
+template <typename C>
+static inline void kv_store_row(int path, const float* src, int n, C* dst) {
+#if PAGEDRUN_OPS_X86
+    if (path == PATH_AVX512) return kv_store_row_avx512(src, n, dst);
+#endif
+    for (int i = 0; i < n; ++i) kv_store(dst + i, src[i]);
 }
 
+// C: the cache element, float or uint16_t (bf16 bits).
+template <typename C>
 static inline void rotary_cache_write(int path, const float* q, long sq0, long sq1,
                                       const float* k, long sk0, long sk1, const float* v,
                                       long sv0, long sv1, const int32_t* positions,
                                       const float* cos_sin, const int32_t* slots, int T, int H,
-                                      int KV, int D, float* k_cache, float* v_cache, long sc0,
+                                      int KV, int D, C* k_cache, C* v_cache, long sc0,
                                       long sc1, long sc2, int block_size, float* q_rot,
                                       float* k_rot) {
     const int half = D / 2;
@@ -412,8 +493,8 @@ static inline void rotary_cache_write(int path, const float* q, long sq0, long s
         if (slot < 0) continue;
         const long base = slot / block_size * sc0 + slot % block_size * sc1;
         for (int h = 0; h < KV; ++h) {
-            copy_row(k_rot + ((long)t * KV + h) * D, D, k_cache + base + h * sc2);
-            copy_row(v + t * sv0 + h * sv1, D, v_cache + base + h * sc2);
+            kv_store_row(path, k_rot + ((long)t * KV + h) * D, D, k_cache + base + h * sc2);
+            kv_store_row(path, v + t * sv0 + h * sv1, D, v_cache + base + h * sc2);
         }
     }
 }
@@ -434,7 +515,8 @@ struct DecodeGroup {
 };
 
 // One block's tokens [t0, t1): k rows at k_rows + (t - t0) * sc1, v likewise.
-static inline void decode_block_scalar(DecodeGroup& g, const float* k_rows, const float* v_rows,
+template <typename C>
+static inline void decode_block_scalar(DecodeGroup& g, const C* k_rows, const C* v_rows,
                                        long sc1, int n) {
     const int D = g.D;
     for (int j = 0; j < g.group; ++j) {
@@ -442,9 +524,9 @@ static inline void decode_block_scalar(DecodeGroup& g, const float* k_rows, cons
         float* sj = g.scores + (long)j * n;
         float block_max = -INFINITY;
         for (int t = 0; t < n; ++t) {
-            const float* kt = k_rows + t * sc1;
+            const C* kt = k_rows + t * sc1;
             float dot = 0.0f;
-            for (int d = 0; d < D; ++d) dot += qj[d] * kt[d];
+            for (int d = 0; d < D; ++d) dot += qj[d] * kv_load(kt + d);
             sj[t] = dot * g.scale;
             block_max = sj[t] > block_max ? sj[t] : block_max;
         }
@@ -457,8 +539,8 @@ static inline void decode_block_scalar(DecodeGroup& g, const float* k_rows, cons
         for (int t = 0; t < n; ++t) {
             const float p = expf(sj[t] - m_new);
             sum += p;
-            const float* vt = v_rows + t * sc1;
-            for (int d = 0; d < D; ++d) aj[d] += p * vt[d];
+            const C* vt = v_rows + t * sc1;
+            for (int d = 0; d < D; ++d) aj[d] += p * kv_load(vt + d);
         }
         g.l[j] = g.l[j] * correction + sum;
     }
@@ -468,20 +550,21 @@ static inline void decode_block_scalar(DecodeGroup& g, const float* k_rows, cons
 // The AVX512 block for any D (masked tails): each k row is loaded once for all the group's
 // heads, each v row once; exp runs on 16 scores at a time. Accumulators live in memory (L1):
 // the fallback for head sizes without a register-resident instantiation below.
-PAGEDRUN_AVX512_TARGET static void decode_block_avx512(DecodeGroup& g, const float* k_rows,
-                                                       const float* v_rows, long sc1, int n) {
+template <typename C>
+PAGEDRUN_AVX512_TARGET static void decode_block_avx512(DecodeGroup& g, const C* k_rows,
+                                                       const C* v_rows, long sc1, int n) {
     const int D = g.D, group = g.group;
     float* scores = g.scores;
     const float scale = g.scale;
     for (int t = 0; t < n; ++t) {
-        const float* kt = k_rows + t * sc1;
+        const C* kt = k_rows + t * sc1;
         for (int j = 0; j < group; ++j) {
             const float* qj = g.q + j * g.sq1;
             __m512 acc = _mm512_setzero_ps();
             for (int d = 0; d < D; d += 16) {
                 const __mmask16 m = tail_mask(D - d);
                 acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, qj + d),
-                                      _mm512_maskz_loadu_ps(m, kt + d), acc);
+                                      kv_maskz_load16(m, kt + d), acc);
             }
             scores[(long)j * n + t] = _mm512_reduce_add_ps(acc) * scale;
         }
@@ -517,10 +600,10 @@ PAGEDRUN_AVX512_TARGET static void decode_block_avx512(DecodeGroup& g, const flo
         }
     }
     for (int t = 0; t < n; ++t) {
-        const float* vt = v_rows + t * sc1;
+        const C* vt = v_rows + t * sc1;
         for (int d = 0; d < D; d += 16) {
             const __mmask16 m = tail_mask(D - d);
-            const __m512 vv = _mm512_maskz_loadu_ps(m, vt + d);
+            const __m512 vv = kv_maskz_load16(m, vt + d);
             for (int j = 0; j < group; ++j) {
                 float* aj = g.acc + (long)j * D + d;
                 const __m512 p = _mm512_set1_ps(scores[(long)j * n + t]);
@@ -535,20 +618,20 @@ PAGEDRUN_AVX512_TARGET static void decode_block_avx512(DecodeGroup& g, const flo
 // registers, updated and stored back. G x n scores (one k row load serves all G heads), one
 // online-softmax step per head (new running max, rescale by exp(old - new)), then the run's v
 // rows (one load serves all G heads).
-template <int NC, int G>
+template <int NC, int G, typename C>
 PAGEDRUN_AVX512_TARGET static inline void decode_run_avx512(const float* q, long sq1,
-                                                            const float* k_rows,
-                                                            const float* v_rows, long sc1, int n,
+                                                            const C* k_rows,
+                                                            const C* v_rows, long sc1, int n,
                                                             float scale, float* acc_mem,
                                                             float* m, float* l) {
     constexpr int D = 16 * NC;
     __m512 acc[G][NC];
     alignas(64) float s[G][16];
     for (int t = 0; t < n; ++t) {
-        const float* kt = k_rows + t * sc1;
+        const C* kt = k_rows + t * sc1;
         __m512 kv[NC];
 #pragma GCC unroll 16
-        for (int c = 0; c < NC; ++c) kv[c] = _mm512_loadu_ps(kt + 16 * c);
+        for (int c = 0; c < NC; ++c) kv[c] = kv_load16(kt + 16 * c);
 #pragma GCC unroll 16
         for (int j = 0; j < G; ++j) {
             const float* qj = q + j * sq1;
@@ -578,10 +661,10 @@ PAGEDRUN_AVX512_TARGET static inline void decode_run_avx512(const float* q, long
             acc[j][c] = _mm512_mul_ps(_mm512_loadu_ps(acc_mem + j * D + 16 * c), vc);
     }
     for (int t = 0; t < n; ++t) {
-        const float* vt = v_rows + t * sc1;
+        const C* vt = v_rows + t * sc1;
 #pragma GCC unroll 16
         for (int c = 0; c < NC; ++c) {
-            const __m512 vv = _mm512_loadu_ps(vt + 16 * c);
+            const __m512 vv = kv_load16(vt + 16 * c);
 #pragma GCC unroll 16
             for (int j = 0; j < G; ++j)
                 acc[j][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[j][t]), vv, acc[j][c]);
@@ -609,9 +692,9 @@ constexpr int max_heads_per_run() { return NC >= 8 ? 3 : NC >= 4 ? 6 : 8; }
 // head and query head, so a block's rows ([block_size][KV][D], contiguous) are read front to
 // back once; the next run's rows are prefetched while this one computes (PREFETCH_TOKENS).
 // state: acc [H][D], m [H], l [H] scratch.
-template <int NC>
+template <int NC, typename C>
 PAGEDRUN_AVX512_TARGET static void decode_seq_avx512(const float* q, long sq1,
-                                                     const float* k_cache, const float* v_cache,
+                                                     const C* k_cache, const C* v_cache,
                                                      long sc0, long sc1, long sc2,
                                                      int block_size, const int32_t* table,
                                                      long first, long context_len, int H,
@@ -634,15 +717,15 @@ PAGEDRUN_AVX512_TARGET static void decode_seq_avx512(const float* q, long sq1,
             const long b_pf = t_pf / block_size;
             const long n_pf = std::min(16L, std::min(context_len, (b_pf + 1) * block_size) - t_pf);
             const long row_pf = (long)table[b_pf] * sc0 + (t_pf - b_pf * block_size) * sc1;
-            const long span = (n_pf - 1) * sc1 + (KV - 1) * sc2 + D;  // floats
-            for (long f = 0; f < span; f += 16) {
+            const long span = (n_pf - 1) * sc1 + (KV - 1) * sc2 + D;  // cache elements
+            for (long f = 0; f < span; f += 64 / (long)sizeof(C)) {  // one line apart
                 _mm_prefetch(reinterpret_cast<const char*>(k_cache + row_pf + f), _MM_HINT_T2);
                 _mm_prefetch(reinterpret_cast<const char*>(v_cache + row_pf + f), _MM_HINT_T2);
             }
         }
         for (int kvh = 0; kvh < KV; ++kvh) {
-            const float* k_rows = k_cache + row + kvh * sc2;
-            const float* v_rows = v_cache + row + kvh * sc2;
+            const C* k_rows = k_cache + row + kvh * sc2;
+            const C* v_rows = v_cache + row + kvh * sc2;
             for (int j0 = 0; j0 < group; j0 += G_MAX) {
                 const int h = kvh * group + j0;
                 const float* qh = q + h * sq1;
@@ -650,7 +733,7 @@ PAGEDRUN_AVX512_TARGET static void decode_seq_avx512(const float* q, long sq1,
 #define PAGEDRUN_HEADS_CASE(G_)                                                              \
     case G_:                                                                                 \
         if constexpr (G_ <= G_MAX)                                                           \
-            decode_run_avx512<NC, G_>(qh, sq1, k_rows, v_rows, sc1, n, scale, ah, m + h,     \
+            decode_run_avx512<NC, G_, C>(qh, sq1, k_rows, v_rows, sc1, n, scale, ah, m + h,     \
                                       l + h);                                                \
         break;
                 switch (std::min(G_MAX, group - j0)) {
@@ -678,8 +761,9 @@ PAGEDRUN_AVX512_TARGET static void decode_seq_avx512(const float* q, long sq1,
 #endif
 
 // Sequences [s_begin, s_end) of paged_decode_attention (below), on the calling thread.
+template <typename C>
 static inline void decode_seq_range(int path, const float* q, long sq0, long sq1,
-                                    const float* k_cache, const float* v_cache, long sc0,
+                                    const C* k_cache, const C* v_cache, long sc0,
                                     long sc1, long sc2, int block_size,
                                     const int32_t* block_tables, long ldb,
                                     const int32_t* context_lens, int s_begin, int s_end, int H,
@@ -708,14 +792,17 @@ static inline void decode_seq_range(int path, const float* q, long sq0, long sq1
             float* m = acc_all.data() + (long)H * D;
             float* l = m + H;
             if (D == 32)
-                decode_seq_avx512<2>(qs, sq1, k_cache, v_cache, sc0, sc1, sc2, block_size, table,
-                                     first, context_len, H, KV, scale, acc_all.data(), m, l, os);
+                decode_seq_avx512<2, C>(qs, sq1, k_cache, v_cache, sc0, sc1, sc2, block_size, table,
+                                        first, context_len, H, KV, scale, acc_all.data(), m, l,
+                                        os);
             else if (D == 64)
-                decode_seq_avx512<4>(qs, sq1, k_cache, v_cache, sc0, sc1, sc2, block_size, table,
-                                     first, context_len, H, KV, scale, acc_all.data(), m, l, os);
+                decode_seq_avx512<4, C>(qs, sq1, k_cache, v_cache, sc0, sc1, sc2, block_size, table,
+                                        first, context_len, H, KV, scale, acc_all.data(), m, l,
+                                        os);
             else
-                decode_seq_avx512<8>(qs, sq1, k_cache, v_cache, sc0, sc1, sc2, block_size, table,
-                                     first, context_len, H, KV, scale, acc_all.data(), m, l, os);
+                decode_seq_avx512<8, C>(qs, sq1, k_cache, v_cache, sc0, sc1, sc2, block_size, table,
+                                        first, context_len, H, KV, scale, acc_all.data(), m, l,
+                                        os);
             continue;
         }
 #endif
@@ -756,8 +843,9 @@ constexpr long DECODE_SPLIT_MIN_MACS = 8L << 20;
 // has_window 0: every position [0, context_len) is visible. Sequences are split over two
 // threads at the half of the total visible context when the work is large enough; each
 // thread writes only its sequences' rows of out.
+template <typename C>
 static inline void paged_decode_attention(int path, const float* q, long sq0, long sq1,
-                                          const float* k_cache, const float* v_cache, long sc0,
+                                          const C* k_cache, const C* v_cache, long sc0,
                                           long sc1, long sc2, int block_size,
                                           const int32_t* block_tables, long ldb,
                                           const int32_t* context_lens, int S, int H, int KV,
@@ -782,7 +870,7 @@ static inline void paged_decode_attention(int path, const float* q, long sq0, lo
                          sliding_window, out);
         return;
     }
-    std::thread helper(decode_seq_range, path, q, sq0, sq1, k_cache, v_cache, sc0, sc1, sc2,
+    std::thread helper(decode_seq_range<C>, path, q, sq0, sq1, k_cache, v_cache, sc0, sc1, sc2,
                        block_size, block_tables, ldb, context_lens, split, S, H, KV, D, scale,
                        has_window, sliding_window, out);
     decode_seq_range(path, q, sq0, sq1, k_cache, v_cache, sc0, sc1, sc2, block_size,

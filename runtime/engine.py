@@ -166,7 +166,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         # The one place that picks ops.
         self.backend = make_backend(config.device, config.dtype,
-                                    quantization=config.quantization)
+                                    quantization=config.quantization,
+                                    kv_cache_dtype=config.kv_cache_dtype)
         self.device = self.backend.name
         self.backend.check_model(model_config, config.block_size)  # not mid-step
         self.block_size = config.block_size

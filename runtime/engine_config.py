@@ -26,6 +26,12 @@ EXECUTOR_BACKENDS = ("mp", "ray")
 # is weight-only int8 with per-output-channel scales, made at load from any checkpoint
 # (runtime/backends/cpu_int8_backend.py; cpu only for now).
 QUANTIZATIONS = ("none", "int8")
+# The KV cache's element type (vLLM's kv_cache_dtype). "auto": bfloat16 on the cpu bf16 / int8
+# backends (bf16 bits: half the bytes attention reads per decode step, twice the blocks per
+# budget), float32 on the float32 cpu backend, the activation dtype on sim / cuda.
+# "float32" on the cpu bf16 / int8 backends keeps a float32 cache; a combination a backend
+# cannot hold is refused by make_backend (runtime/backends/factory.py).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 # vLLM's logprobs_mode: raw = from the model's logits before any processing; processed = after
 # bias, masks, penalties, temperature and the top-k / top-p / min-p filters (what is sampled).
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -41,6 +47,7 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"  # "float32", "bfloat16", "float16"; auto: float32 on cpu, bf16 on cuda
     quantization: str | None = None  # QUANTIZATIONS; None: "none"
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's max_position_embeddings (capped)
     max_num_seqs: int = 256
@@ -99,6 +106,9 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise EngineConfigError(
                 f"quantization: must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise EngineConfigError(
+                f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.max_logprobs < -1:
             raise EngineConfigError(f"max_logprobs: must be >= -1, got {self.max_logprobs}")
         if self.preemption_mode not in PREEMPTION_MODES:

@@ -48,7 +48,7 @@ def in_process_engine_config(args):
     from pagedrun.runtime.engine_config import EngineConfig
 
     return EngineConfig(model=args.model, device=args.device, max_model_len=args.max_model_len,
-                        quantization=args.quantization,
+                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                         speculative_config=args.speculative_config)
 
 

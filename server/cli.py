@@ -184,7 +184,8 @@ def generate_engine_config(args: argparse.Namespace, model: str) -> Any:
     from pagedrun.runtime.engine_config import EngineConfig
 
     return EngineConfig(model=model, device=args.device, dtype=args.dtype,
-                        quantization=args.quantization, max_num_seqs=1,
+                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                        max_num_seqs=1,
                         speculative_config=args.speculative_config)
 
 

@@ -176,12 +176,17 @@ def speculative_config_arg(text: str):
 
 
 def add_quantization_option(group) -> None:
-    """--quantization, shared by serve, generate and chat --in-process."""
-    from pagedrun.runtime.engine_config import QUANTIZATIONS
+    """--quantization and --kv-cache-dtype, shared by serve, generate and chat --in-process."""
+    from pagedrun.runtime.engine_config import KV_CACHE_DTYPES, QUANTIZATIONS
 
     group.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
                        help="weight quantization (vLLM's name): int8 = weight-only int8 with "
                             "per-output-channel scales, made at load (cpu backend)")
+    group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                       help="KV cache element type (vLLM's name): auto = bfloat16 on cpu with "
+                            "--dtype bfloat16 or --quantization int8 (half the KV bytes), "
+                            "float32 on the float32 cpu backend, the activation dtype on "
+                            "sim/cuda")
 
 
 def add_speculative_config_option(group) -> None:
@@ -199,7 +204,8 @@ def engine_config_from_args(args):
 
     return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype,
-        quantization=args.quantization, block_size=args.block_size,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        block_size=args.block_size,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, num_kv_blocks=args.num_kv_blocks,

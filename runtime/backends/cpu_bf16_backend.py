@@ -11,8 +11,13 @@ What runs where:
   Decode attention reads k/v through the block table once per (sequence, kv head) for all the
   group's query heads, online softmax. numpy did each of these in several passes and Python
   calls: ~8 ms of a batch-1 decode step on the default model (benchmarks/host/bench_cpu_ops.py).
-- the rest -- embedding, prefill attention, block moves, MoE routing, the KV cache arrays -- is
-  NumpyBackend's float32 numpy.
+- the rest -- embedding, prefill attention, block moves, MoE routing -- is NumpyBackend's
+  float32 numpy.
+The KV cache (kv_cache_dtype, EngineConfig's): "bfloat16" (what "auto" picks) keeps uint16 pools
+of bf16 bits, the sim backend's representation: the cache write rounds k and v to nearest even,
+decode attention (cpu_ops) and prefill attention (numpy_ops, the gathered blocks only) widen
+them exactly and compute in float32. Half the bytes per block, so twice the blocks per budget
+and half the KV bytes a decode step reads. "float32" keeps float32 pools.
 Only the GEMM inputs are rounded to bf16; the float32 NumpyBackend stays pure numpy, the
 independent reference these ops are tested against (tests/pyx/test_cpu_ops.py).
 
@@ -46,13 +51,16 @@ log = logging.getLogger(__name__)
 # that sleeps between calls). benchmarks/bench_engine.py measures 1 vs 2.
 DEFAULT_GEMM_THREADS = min(2, os.cpu_count() or 1)
 # The ops of pagedrun.pyx.cpu_ops this backend runs instead of numpy_ops'.
+# kv_cache_dtype -> the pools' element dtype.
+KV_DTYPES = {"auto": np.dtype(np.uint16), "bfloat16": np.dtype(np.uint16),
+             "float32": np.dtype(np.float32)}
 CPU_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul",
            "rotary_embedding_and_cache_write", "paged_decode_attention")
 
 
 class CpuBf16Backend(NumpyBackend):
     dtype_name = "bfloat16"
-    kv_dtype = np.dtype(np.float32)  # activations and KV stay float32 numpy
+    kv_dtype = np.dtype(np.uint16)  # bf16 bits; activations stay float32 numpy (see __init__)
 
     # cpu_ops on its fastest path ("auto"); __init__ forces the portable one per instance when
     # the GEMM's path is forced to "portable".
@@ -64,10 +72,15 @@ class CpuBf16Backend(NumpyBackend):
     paged_decode_attention = staticmethod(cpu_ops.paged_decode_attention)
 
     def __init__(self, *, gemm_threads: int = DEFAULT_GEMM_THREADS, path: str = "auto",
-                 gemm_pool: str = "native") -> None:
+                 gemm_pool: str = "native", kv_cache_dtype: str = "auto") -> None:
         """gemm_threads: threads of one GEMM; path: cpu_gemm's "auto" | "avx512bf16" | "avx2"
         | "portable" (tests force each; "portable" also puts cpu_ops on its portable path);
-        gemm_pool: cpu_gemm's "native" | "python" helper."""
+        gemm_pool: cpu_gemm's "native" | "python" helper; kv_cache_dtype: "auto" / "bfloat16"
+        (uint16 pools of bf16 bits) or "float32"."""
+        if kv_cache_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_DTYPES)}, "
+                             f"got {kv_cache_dtype!r}")
+        self.kv_dtype = KV_DTYPES[kv_cache_dtype]
         self.gemm_threads = gemm_threads
         self.gemm_pool = gemm_pool
         self.path = path

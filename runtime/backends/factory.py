@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 
-from pagedrun.runtime.engine_config import DEVICES, QUANTIZATIONS
+from pagedrun.runtime.engine_config import (
+    DEVICES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfigError)
 from pagedrun.runtime.errors import DeviceNotAvailableError
 
 from .base import AUTO_DTYPE, DTYPE_NAMES, Backend
@@ -40,10 +41,25 @@ def resolve_device(device: str) -> str:
         "or 'sim' (the CUDA kernels on the CPU harness)")
 
 
+def _check_kv_cache_dtype(kv_cache_dtype: str, kv_dtype: str, backend: str) -> None:
+    """Refuse a kv_cache_dtype other than "auto" or the one a backend holds (kv_dtype)."""
+    if kv_cache_dtype not in ("auto", kv_dtype):
+        raise EngineConfigError(
+            f"kv_cache_dtype: {kv_cache_dtype!r} is not served by {backend}, whose KV cache is "
+            f"{kv_dtype} (use 'auto'; a bfloat16 cache on cpu needs --dtype bfloat16 or "
+            "--quantization int8)")
+
+
 def make_backend(device: str, dtype: str = "auto", *, device_id: int = 0,
-                 quantization: str | None = None) -> Backend:
+                 quantization: str | None = None, kv_cache_dtype: str = "auto") -> Backend:
     """The backend of a device ("auto" is resolved first); device_id: the GPU of a cuda rank;
-    quantization: EngineConfig.quantization (None or "none": the dtype's weights)."""
+    quantization: EngineConfig.quantization (None or "none": the dtype's weights);
+    kv_cache_dtype: EngineConfig.kv_cache_dtype -- "auto": bfloat16 on the cpu bf16 / int8
+    backends, float32 on the float32 cpu backend, the activation dtype on sim / cuda; a
+    combination a backend cannot hold raises EngineConfigError."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise EngineConfigError(
+            f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
     device = resolve_device(device)
     if quantization not in (None, "none"):
         if quantization not in QUANTIZATIONS:
@@ -57,23 +73,27 @@ def make_backend(device: str, dtype: str = "auto", *, device_id: int = 0,
                      "(dtype %s applies to the rest of the step)", resolved)
         from .cpu_int8_backend import CpuInt8Backend
 
-        return CpuInt8Backend()
+        return CpuInt8Backend(kv_cache_dtype=kv_cache_dtype)
     if device == "cpu":
         resolved = resolve_dtype(device, dtype)
         if resolved == "bfloat16":  # bf16 weights on the compiled GEMM
             from .cpu_bf16_backend import CpuBf16Backend
 
-            return CpuBf16Backend()
+            return CpuBf16Backend(kv_cache_dtype=kv_cache_dtype)
         if resolved == "float16":
             # numpy's float16 GEMMs are slow: the cpu backend computes float16 in float32.
             log.warning("dtype float16: the cpu backend runs float32")
+        _check_kv_cache_dtype(kv_cache_dtype, "float32", "the float32 cpu backend")
         from .numpy_backend import NumpyBackend
 
         return NumpyBackend()
+    # sim / cuda: the KV cache is in the activation dtype.
+    resolved = resolve_dtype(device, dtype)
+    _check_kv_cache_dtype(kv_cache_dtype, resolved, f"the {device} backend with dtype {resolved}")
     if device == "sim":
         from .sim_backend import SimBackend
 
-        return SimBackend(resolve_dtype(device, dtype))
+        return SimBackend(resolved)
     from .cuda_backend import CudaBackend
 
-    return CudaBackend(resolve_dtype(device, dtype), device_id=device_id)
+    return CudaBackend(resolved, device_id=device_id)

@@ -16,6 +16,11 @@ bfloat16: the bf16 path is represented as float32 arrays holding bf16 values; `r
 rounds (RNE) where a bf16 kernel stores.
 
 GQA: query head h reads kv head h // (num_heads // num_kv_heads).
+
+KV cache dtype: float32 (or float16), or uint16 holding bf16 bits (EngineConfig.kv_cache_dtype
+"bfloat16" on the cpu backends): the cache write rounds k and v to bf16 (`to_bf16_bits`, RNE),
+the attention ops widen only the blocks they gather (`from_bf16_bits`, exact) and compute in
+float32. copy_blocks / swap_blocks move elements of any dtype.
 """
 from __future__ import annotations
 
@@ -108,8 +113,12 @@ def rotary_embedding_and_cache_write(
         if np.unique(slots).size != slots.size:
             raise ValueError("slot_mapping writes the same slot twice in one step")
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = k_rot[valid]
-    v_cache[blocks, offsets] = v[valid]
+    if k_cache.dtype == np.uint16:  # bf16 bits: round the float32 values once, RNE
+        k_cache[blocks, offsets] = to_bf16_bits(_f32(k_rot[valid]))
+        v_cache[blocks, offsets] = to_bf16_bits(_f32(v[valid]))
+    else:
+        k_cache[blocks, offsets] = k_rot[valid]
+        v_cache[blocks, offsets] = v[valid]
     return q_rot, k_rot
 
 
@@ -123,7 +132,7 @@ def _check_block_ids(block_ids: np.ndarray, num_blocks: int, what: str) -> None:
 
 def _gather_context(cache: np.ndarray, block_table_row: np.ndarray, context_len: int) -> np.ndarray:
     """K or V of the first context_len tokens of one request, [context_len, num_kv_heads, head_dim]
-    f32.
+    f32 (a uint16 cache's bf16 bits widened, the gathered rows only).
 
     Only slots < context_len are touched: the padding of the block table and the tail of the
     last block are never read.
@@ -135,7 +144,8 @@ def _gather_context(cache: np.ndarray, block_table_row: np.ndarray, context_len:
     token_pos = np.arange(context_len)
     blocks = block_table_row[token_pos // block_size].astype(np.int64)
     _check_block_ids(blocks, cache.shape[0], "block_tables")
-    return _f32(cache[blocks, token_pos % block_size])
+    gathered = cache[blocks, token_pos % block_size]
+    return from_bf16_bits(gathered) if gathered.dtype == np.uint16 else _f32(gathered)
 
 
 def _attend(q_rows: np.ndarray, k_ctx: np.ndarray, v_ctx: np.ndarray, first_query_pos: int,
@@ -481,6 +491,8 @@ def swap_blocks(src_caches: list[np.ndarray], dst_caches: list[np.ndarray],
     for src_cache, dst_cache in zip(src_caches, dst_caches):
         if src_cache.shape[1:] != dst_cache.shape[1:]:
             raise ValueError(f"block layouts differ: {src_cache.shape} vs {dst_cache.shape}")
+        if src_cache.dtype != dst_cache.dtype:  # numpy would convert bf16 bits as integers
+            raise ValueError(f"pool dtypes differ: {src_cache.dtype} vs {dst_cache.dtype}")
         _check_block_ids(pairs[:, 0], src_cache.shape[0], "block_pairs source")
         _check_block_ids(pairs[:, 1], dst_cache.shape[0], "block_pairs destination")
         dst_cache[pairs[:, 1]] = src_cache[pairs[:, 0]]

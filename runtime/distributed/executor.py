@@ -234,7 +234,7 @@ def start_tensor_parallel(config, model_config, backend, max_model_len: int
         nnodes=config.nnodes, master_addr=config.master_addr, ops=backend,
         secret_file=getattr(config, "tp_secret_file", None),
         curve=getattr(config, "tp_curve", False), lora_config=config.lora_config(),
-        quantization=config.quantization,
+        quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype,
         executor_backend=config.distributed_executor_backend, ray_address=config.ray_address)
 
 
@@ -248,6 +248,7 @@ class TensorParallelExecutor:
                  collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, ops=None,
                  secret_file: str | None = None, curve: bool = False,
                  lora_config=None, quantization: str | None = None,
+                 kv_cache_dtype: str = "auto",
                  executor_backend: str = "mp", ray_address: str | None = None,
                  pp_size: int = 1, stage_layers: list[tuple[int, int]] | None = None,
                  bytes_per_block: int | None = None) -> None:
@@ -275,6 +276,7 @@ class TensorParallelExecutor:
         self._seq = 0
         self.lora_config = lora_config
         self.quantization = quantization
+        self.kv_cache_dtype = kv_cache_dtype  # EngineConfig's: every rank's make_backend
         self._lora_writes: list = []  # (slot, LoRARequest) to send with the next step
         self._procs: dict[int, subprocess.Popen] = {}
         self._peers: dict[bytes, _Peer] = {}  # authenticated identity -> its rank and session
@@ -330,13 +332,14 @@ class TensorParallelExecutor:
                 "max_model_len": max_model_len, "num_gpu_blocks": num_gpu_blocks,
                 "num_cpu_blocks": num_cpu_blocks, "collective_timeout_s": collective_timeout_s,
                 "nccl_unique_id": None, "local_rank": 0,
-                "quantization": self.quantization,
+                "quantization": self.quantization, "kv_cache_dtype": self.kv_cache_dtype,
                 "lora": None if self.lora_config is None else {
                     "max_loras": self.lora_config.max_loras,
                     "max_lora_rank": self.lora_config.max_lora_rank,
                     "max_cpu_loras": self.lora_config.max_cpu_loras}}
         if ops is None:
-            ops = make_backend(device, dtype, device_id=0, quantization=self.quantization)
+            ops = make_backend(device, dtype, device_id=0, quantization=self.quantization,
+                               kv_cache_dtype=self.kv_cache_dtype)
         if ops.communicator == "nccl":
             from pagedrun.runtime.distributed.nccl_communicator import NcclCommunicator
 

@@ -87,7 +87,8 @@ def build_rank(plan: dict, rank: int, comm, ops=None):
     spec = shard_spec(config, plan["tp_size"], layout.tp_rank(rank))
     if ops is None:
         ops = make_backend(plan["device"], plan["dtype"], device_id=plan["local_rank"],
-                           quantization=plan.get("quantization"))
+                           quantization=plan.get("quantization"),
+                           kv_cache_dtype=plan.get("kv_cache_dtype", "auto"))
     if hasattr(comm, "use_stream") and hasattr(ops, "stream"):
         comm.use_stream(ops.stream)  # NCCL on the compute stream
     local_config = dataclasses.replace(rank_config(config, spec), num_hidden_layers=end - start)

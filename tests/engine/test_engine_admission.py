@@ -9,7 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from engine_helpers import TINY_VOCAB, greedy, make_engine, reference_greedy
+from engine_helpers import TINY_VOCAB, backend_of, greedy, make_engine, reference_greedy
+from pagedrun.runtime.backends import make_backend
 from pagedrun.runtime.engine import RequestError
 from pagedrun.runtime.kernels.kernel_args import UnsupportedKernelShape
 from pagedrun.runtime.engine_config import EngineConfig
@@ -30,7 +31,9 @@ def test_capacity_logged_and_reported(tiny_model, caplog):
 
 
 def test_kv_blocks_derived_from_memory_budget(tiny_model):
-    per_block = kv_bytes_per_block(tiny_model[0], 16)
+    # The block bytes of the backend's KV dtype (cpu-bf16: bf16 bits, half of float32's).
+    backend = make_backend(**backend_of(tiny_model).engine_kwargs)
+    per_block = kv_bytes_per_block(tiny_model[0], 16, backend.kv_dtype)
     engine = make_engine(tiny_model, block_size=16, max_model_len=512,
                          kv_cache_memory_bytes=37 * per_block + per_block // 2)
     assert engine.model_info()["num_kv_blocks"] == 37

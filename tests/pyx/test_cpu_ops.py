@@ -2,7 +2,10 @@
 decode attention in C++) against runtime/backends/numpy_ops.py, the float32 reference, on every
 path this CPU runs (AVX512F and the portable one, forced): fresh random inputs at awkward sizes,
 strided q/k/v views of a fused qkv row, random non-contiguous block tables, partial last
-blocks, unused cache slots poisoned with NaN, sliding windows; and the same ValueErrors.
+blocks, unused cache slots poisoned with NaN, sliding windows; and the same ValueErrors. The
+cache ops run on float32 caches and on bf16 ones (uint16 bits, kv_cache_dtype "bfloat16"): a
+bf16 write is to_bf16_bits of what the op computed, bit for bit, and a bf16 read is exact, so
+decode attention over a bf16 cache equals (bit for bit) the same op over its float32 widening.
 
 Tolerance (one for every op, float32 both sides): |got - ref| <= RTOL * |ref| + ATOL * magnitude,
 magnitude = the largest |value| of the reference output. The two sides differ only in float32
@@ -20,8 +23,10 @@ import pytest
 from pagedrun.pyx import cpu_ops
 from pagedrun.runtime.backends import numpy_ops
 from pagedrun.runtime.backends.cpu_bf16_backend import CpuBf16Backend
+from pagedrun.runtime.weights import from_bf16_bits, to_bf16_bits
 
 PATHS = list(cpu_ops.available_paths())  # avx512 (where the CPU has it) and portable
+KV_DTYPES = ["float32", "bfloat16"]  # the cache element: float32, or bf16 bits in uint16
 RTOL = 1e-5
 ATOL = 1e-5  # times the reference output's largest magnitude
 EPS = 1e-5
@@ -119,16 +124,23 @@ def qkv_views(rng, num_tokens, num_heads, num_kv_heads, head_dim):
     return q, k, v
 
 
-def nan_cache(num_blocks, block_size, num_kv_heads, head_dim):
-    return np.full((num_blocks, block_size, num_kv_heads, head_dim), np.nan, np.float32)
+def nan_cache(num_blocks, block_size, num_kv_heads, head_dim, kv="float32"):
+    cache = np.full((num_blocks, block_size, num_kv_heads, head_dim), np.nan, np.float32)
+    return to_bf16_bits(cache) if kv == "bfloat16" else cache
 
 
+def widened(cache):
+    """A cache's values as float32 (bf16 bits widened exactly)."""
+    return from_bf16_bits(cache) if cache.dtype == np.uint16 else cache
+
+
+@pytest.mark.parametrize("kv", KV_DTYPES)
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("num_tokens", [1, 17, 111])
 @pytest.mark.parametrize("head_dim,num_kv_heads,group,block_size",
                          [(64, 3, 3, 16), (128, 2, 4, 32), (64, 4, 1, 32), (80, 1, 3, 16)])
 def test_rotary_cache_write_matches_numpy(rng, path, num_tokens, head_dim, num_kv_heads, group,
-                                          block_size):
+                                          block_size, kv):
     num_heads = num_kv_heads * group
     q, k, v = qkv_views(rng, num_tokens, num_heads, num_kv_heads, head_dim)
     max_position = 300
@@ -138,7 +150,7 @@ def test_rotary_cache_write_matches_numpy(rng, path, num_tokens, head_dim, num_k
     num_blocks = num_tokens // block_size + 3
     slots = rng.permutation(num_blocks * block_size)[:num_tokens].astype(np.int32)
     slots[rng.random(num_tokens) < 0.2] = -1  # padding tokens: rotated, never written
-    k_cache = nan_cache(num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = nan_cache(num_blocks, block_size, num_kv_heads, head_dim, kv)
     v_cache = k_cache.copy()
     ref_k_cache, ref_v_cache = k_cache.copy(), v_cache.copy()
     q_rot, k_rot = cpu_ops.rotary_embedding_and_cache_write(
@@ -147,12 +159,15 @@ def test_rotary_cache_write_matches_numpy(rng, path, num_tokens, head_dim, num_k
         q, k, v, positions, cos_sin, ref_k_cache, ref_v_cache, slots)
     assert_close(q_rot, ref_q)
     assert_close(k_rot, ref_k)
-    # Written slots hold k_rot and v exactly as the op returned them; the rest stays NaN.
-    np.testing.assert_array_equal(np.isnan(k_cache), np.isnan(ref_k_cache))
-    np.testing.assert_array_equal(v_cache, ref_v_cache)  # a copy: bit for bit
+    # Written slots hold k_rot and v exactly as the op returned them (bf16: to_bf16_bits of
+    # them, bit for bit); the rest stays NaN.
+    store = to_bf16_bits if kv == "bfloat16" else np.asarray
+    assert k_cache.dtype == v_cache.dtype == ref_k_cache.dtype
+    np.testing.assert_array_equal(np.isnan(widened(k_cache)), np.isnan(widened(ref_k_cache)))
+    np.testing.assert_array_equal(v_cache, ref_v_cache)  # a copy / one rounding: bit for bit
     valid = slots >= 0
     written = k_cache.reshape(-1, num_kv_heads, head_dim)[slots[valid]]
-    np.testing.assert_array_equal(written, k_rot[valid])
+    np.testing.assert_array_equal(written, store(k_rot[valid]))
 
 
 ROTARY_ERRORS = {
@@ -189,9 +204,11 @@ def test_rotary_errors_match_numpy(rng, case):
 
 # --------------------------------------------------------------------------------- attention
 
-def paged_context(rng, context_lens, block_size, num_kv_heads, head_dim, max_blocks):
+def paged_context(rng, context_lens, block_size, num_kv_heads, head_dim, max_blocks,
+                  kv="float32"):
     """K/V caches with each sequence's blocks at random, non-contiguous ids; every slot no
-    sequence owns (padding table entries, the tail of partial last blocks) is NaN."""
+    sequence owns (padding table entries, the tail of partial last blocks) is NaN. kv
+    "bfloat16": the same caches rounded to bf16 bits."""
     blocks_needed = [-(-n // block_size) for n in context_lens]
     num_blocks = sum(blocks_needed) + 5
     k_cache = nan_cache(num_blocks, block_size, num_kv_heads, head_dim)
@@ -209,6 +226,8 @@ def paged_context(rng, context_lens, block_size, num_kv_heads, head_dim, max_blo
                 (num_kv_heads, head_dim))
             v_cache[ids[t // block_size], t % block_size] = rng.standard_normal(
                 (num_kv_heads, head_dim))
+    if kv == "bfloat16":
+        k_cache, v_cache = to_bf16_bits(k_cache), to_bf16_bits(v_cache)
     return k_cache, v_cache, tables
 
 
@@ -225,15 +244,16 @@ ATTENTION_CASES = [  # head_dim, num_kv_heads, group, block_size, context_lens
 ]
 
 
+@pytest.mark.parametrize("kv", KV_DTYPES)
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", range(len(ATTENTION_CASES)))
 @pytest.mark.parametrize("sliding_window", [None, 1, 20, 4096])
-def test_decode_attention_matches_numpy(rng, path, case, sliding_window):
+def test_decode_attention_matches_numpy(rng, path, case, sliding_window, kv):
     head_dim, num_kv_heads, group, block_size, context_lens = ATTENTION_CASES[case]
     num_heads = num_kv_heads * group
     max_blocks = max(-(-n // block_size) for n in context_lens) + 1
     k_cache, v_cache, tables = paged_context(rng, context_lens, block_size, num_kv_heads,
-                                             head_dim, max_blocks)
+                                             head_dim, max_blocks, kv)
     # q: a strided view, as the rotary op's input would be (its output is contiguous).
     q, _, _ = qkv_views(rng, len(context_lens), num_heads, num_kv_heads, head_dim)
     lens = np.array(context_lens, np.int32)
@@ -244,6 +264,10 @@ def test_decode_attention_matches_numpy(rng, path, case, sliding_window):
                                            sliding_window)
     assert not np.isnan(got).any()
     assert_close(got, ref)
+    if kv == "bfloat16":  # reads widen exactly: the float32 cache of the same values, bit for bit
+        np.testing.assert_array_equal(got, cpu_ops.paged_decode_attention(
+            q, widened(k_cache), widened(v_cache), tables, lens, scale, sliding_window,
+            path=path))
 
 
 def test_decode_attention_full_table_and_empty_window(rng):
@@ -291,18 +315,86 @@ def test_decode_attention_errors_match_numpy(rng, case):
     assert str(got.value) == str(expected.value)
 
 
-def test_caches_must_be_float32(rng):
+def test_caches_must_be_float32_or_bf16(rng):
     q = rng.standard_normal((1, 3, 64)).astype(np.float32)
     cache = np.zeros((2, 16, 3, 64), np.float16)
     with pytest.raises(ValueError, match="float32"):
         cpu_ops.paged_decode_attention(q, cache, cache, np.zeros((1, 2), np.int32),
                                        np.array([1], np.int32), 0.125)
+    with pytest.raises(ValueError, match="dtypes differ"):  # k and v of one dtype
+        cpu_ops.paged_decode_attention(q, cache.astype(np.uint16), cache.astype(np.float32),
+                                       np.zeros((1, 2), np.int32), np.array([1], np.int32), 0.125)
+
+
+# --------------------------------------------------------------------------------- bf16 KV cache
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("head_dim", [64, 80])  # 80: a masked 16-lane tail
+def test_bf16_cache_write_rounds_like_to_bf16_bits(rng, path, head_dim):
+    """v goes into the cache as written: random float32 bit patterns (NaNs with payloads,
+    infinities, subnormals, both zeros) plus the hard cases -- ties to even both ways, a NaN
+    whose payload would carry into the exponent, values that overflow to inf -- land as
+    weights.to_bf16_bits' bits exactly, on both paths."""
+    num_tokens, num_kv_heads = 9, 2
+    bits = rng.integers(0, 2**32, (num_tokens, num_kv_heads, head_dim), dtype=np.uint64)
+    bits = bits.astype(np.uint32)
+    hard = [0x3F808000, 0x3F818000, 0xBF808000, 0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0x7FC00000,
+            0x7F800000, 0xFF800000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000, 0x00000001, 0x80008000,
+            0x00000000, 0x80000000, 0x3F7FFFFF]
+    bits[0, 0, :len(hard)] = hard
+    v = bits.view(np.float32)
+    k = rng.standard_normal(v.shape).astype(np.float32)
+    q = rng.standard_normal((num_tokens, 2 * num_kv_heads, head_dim)).astype(np.float32)
+    cos_sin = numpy_ops.build_cos_sin_cache(numpy_ops.rope_inv_freq(head_dim, 10000.0), 64)
+    positions = rng.integers(0, 64, num_tokens).astype(np.int32)
+    slots = rng.permutation(4 * 16)[:num_tokens].astype(np.int32)
+    k_cache = nan_cache(4, 16, num_kv_heads, head_dim, "bfloat16")
+    v_cache = k_cache.copy()
+    with np.errstate(invalid="ignore", over="ignore"):
+        _, k_rot = cpu_ops.rotary_embedding_and_cache_write(q, k, v, positions, cos_sin, k_cache,
+                                                            v_cache, slots, path=path)
+    written = v_cache.reshape(-1, num_kv_heads, head_dim)[slots]
+    np.testing.assert_array_equal(written, to_bf16_bits(v))
+    np.testing.assert_array_equal(k_cache.reshape(-1, num_kv_heads, head_dim)[slots],
+                                  to_bf16_bits(k_rot))
+
+
+def test_numpy_ops_on_bf16_caches(rng):
+    """The reference on a bf16 cache: decode and prefill attention gather and widen the blocks
+    they read (the same result as over the float32 widening, bit for bit); copy_blocks and
+    swap_blocks move uint16 blocks; a swap between pools of different dtypes is refused."""
+    k_cache, v_cache, tables = paged_context(rng, [23, 40], 16, 2, 64, max_blocks=4,
+                                             kv="bfloat16")
+    wide_k, wide_v = widened(k_cache), widened(v_cache)
+    lens = np.array([23, 40], np.int32)
+    q = rng.standard_normal((2, 6, 64)).astype(np.float32)
+    np.testing.assert_array_equal(
+        numpy_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, 16),
+        numpy_ops.paged_decode_attention(q, wide_k, wide_v, tables, lens, 0.125, 16))
+    qsl = np.array([0, 5, 12], np.int32)
+    q_prefill = rng.standard_normal((12, 6, 64)).astype(np.float32)
+    np.testing.assert_array_equal(
+        numpy_ops.paged_prefill_attention(q_prefill, k_cache, v_cache, tables, qsl, lens, 0.125),
+        numpy_ops.paged_prefill_attention(q_prefill, wide_k, wide_v, tables, qsl, lens, 0.125))
+    src, dst = int(tables[0, 0]), int(tables[0, 3])
+    numpy_ops.copy_blocks([k_cache], [v_cache], np.array([[src, dst]], np.int32))
+    np.testing.assert_array_equal(k_cache[dst], k_cache[src])
+    assert k_cache.dtype == np.uint16
+    host = np.zeros((3,) + k_cache.shape[1:], np.uint16)
+    numpy_ops.swap_blocks([k_cache], [host], np.array([[src, 2]], np.int32))
+    np.testing.assert_array_equal(host[2], k_cache[src])
+    with pytest.raises(ValueError, match="dtypes differ"):
+        numpy_ops.swap_blocks([k_cache], [host.astype(np.float32)], np.array([[src, 2]]))
 
 
 # --------------------------------------------------------------------------------- wiring
 
 def test_bf16_backend_runs_cpu_ops():
     backend = CpuBf16Backend()
+    assert backend.kv_dtype == np.uint16  # kv_cache_dtype "auto": bf16 bits
+    assert CpuBf16Backend(kv_cache_dtype="float32").kv_dtype == np.float32
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        CpuBf16Backend(kv_cache_dtype="float16")
     assert backend.paged_decode_attention is cpu_ops.paged_decode_attention
     assert backend.fused_add_rms_norm is cpu_ops.fused_add_rms_norm
     portable = CpuBf16Backend(path="portable")
