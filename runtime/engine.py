@@ -646,17 +646,28 @@ class LLMEngine:
                 draft_weights = self._run_draft(scheduled)           # None: no draft model
                 batch = self._plan_sampling(scheduled, failed)       # SamplingBatch
                 lora_slots = self._lora_slots(scheduled, failed)     # None: no adapters
-                executed = self.runner.execute(scheduled, batch.prompt_logit_rows,
-                                               row_lora_slots=lora_slots)
-                sampled = self._sample(batch, executed, failed)      # SamplerOutput
-                verified = self._verify(batch, executed, failed, draft_weights)
             except Exception as exc:  # noqa: BLE001 -- belongs to no single request
                 self._fail_step(scheduled, exc, touched)
             else:
-                self._postprocess(scheduled, batch, executed, sampled, failed, touched,
-                                  verified)
-                self._num_failed_steps = 0
+                self._finish_step(scheduled, batch, failed, touched, lambda: self.runner.execute(
+                    scheduled, batch.prompt_logit_rows, row_lora_slots=lora_slots),
+                    draft_weights)
         return self._outputs(touched)
+
+    def _finish_step(self, scheduled, batch: SamplingBatch, failed: dict[str, str],
+                     touched: dict[str, Request], logits, draft_weights=None) -> None:
+        """The step's logits (`logits()`: the runner's execute, or a pipelined step's collect),
+        sampling, verification of drafts, then postprocessing; a failure of any but the last
+        belongs to no single request and fails the step."""
+        try:
+            executed = logits()                                      # RunnerOutput
+            sampled = self._sample(batch, executed, failed)          # SamplerOutput
+            verified = self._verify(batch, executed, failed, draft_weights)
+        except Exception as exc:  # noqa: BLE001 -- belongs to no single request
+            self._fail_step(scheduled, exc, touched)
+        else:
+            self._postprocess(scheduled, batch, executed, sampled, failed, touched, verified)
+            self._num_failed_steps = 0
 
     def _pipelined_step(self) -> list[RequestOutput]:
         """One iteration with pipeline parallelism, on the next virtual engine in turn: collect
@@ -672,17 +683,8 @@ class LLMEngine:
         in_flight = self._in_flight[ve]
         if in_flight is not None:
             self._in_flight[ve] = None
-            scheduled, batch, failed = in_flight.scheduled, in_flight.batch, in_flight.failed
-            try:
-                executed = self.runner.collect(scheduled, in_flight.handle)
-                sampled = self._sample(batch, executed, failed)
-                verified = self._verify(batch, executed, failed)  # n-gram drafts, if any
-            except Exception as exc:  # noqa: BLE001 -- belongs to no single request
-                self._fail_step(scheduled, exc, touched)
-            else:
-                self._postprocess(scheduled, batch, executed, sampled, failed, touched,
-                                  verified)
-                self._num_failed_steps = 0
+            self._finish_step(in_flight.scheduled, in_flight.batch, in_flight.failed, touched,
+                              lambda: self.runner.collect(in_flight.scheduled, in_flight.handle))
         if self._deferred[ve]:
             self._admit_deferred(ve, touched)
         if self._ve_requests[ve]:

@@ -263,7 +263,8 @@ class TensorParallelExecutor:
         check_shardable(model_config, tp_size)
         self.tp_size = tp_size
         self.pp_size = pp_size
-        self.world_size = tp_size * pp_size
+        self.layout = GroupLayout(tp_size, pp_size)  # rank -> (stage, tp rank)
+        self.world_size = self.layout.world_size
         self.stage_layers = stage_layers or [(0, model_config.num_hidden_layers)]
         self.pipe = None  # pipeline parallelism: rank 0's StagePipe
         # Pipelining: per collected step (handle, [[stage, start, end], ...]) of the stages'
@@ -350,15 +351,12 @@ class TensorParallelExecutor:
                 # One two-rank communicator per link, indexed by its sending rank (every rank
                 # but the last stage's sends activations to the next stage).
                 plan["nccl_link_ids"] = [
-                    NcclCommunicator.make_unique_id()
-                    if GroupLayout(self.tp_size, self.pp_size).stage(r) < self.pp_size - 1
-                    else None for r in range(self.world_size)]
-            if self.tp_size == 1:  # pipeline stages of one rank: no collectives
-                self.comm = SoloCommunicator()
-        elif self.tp_size == 1:
+                    NcclCommunicator.make_unique_id() if not self.layout.is_last(r) else None
+                    for r in range(self.world_size)]
+        host = bind_host(parse_master_addr(self.master_addr)[0])  # loopback on one node
+        if self.tp_size == 1:  # pipeline stages of one rank: no collectives
             self.comm = SoloCommunicator()
-        else:
-            host = bind_host(parse_master_addr(self.master_addr)[0])  # loopback on one node
+        elif ops.communicator != "nccl":
             self.comm = CpuCommunicator(
                 0, self.tp_size, bind=zmq_tcp(host, 0), timeout_s=collective_timeout_s,
                 context=self._ctx, curve_secret=self._secret if self._curve else None,
@@ -367,13 +365,12 @@ class TensorParallelExecutor:
         if self.pp_size > 1:
             from pagedrun.runtime.distributed.stage_pipe import StagePipe
 
-            self.pipe = StagePipe(plan, 0, self._ctx, self._secret, self._curve,
-                                  bind_host(parse_master_addr(self.master_addr)[0]))
+            self.pipe = StagePipe(plan, 0, self._ctx, self._secret, self._curve, host)
             driver_addresses = self.pipe.bind()
         body = msgpack.packb(plan)
         for identity in self._identities.values():
             self._send(identity, [b"plan", body])
-        if self.pp_size > 1:
+        if self.pipe is not None:
             peers = self._exchange_addresses(driver_addresses, rendezvous_timeout_s)
         if self.comm is None:  # NCCL: every rank joins the communicator's init together
             from pagedrun.runtime.distributed.nccl_communicator import NcclCommunicator
@@ -400,13 +397,12 @@ class TensorParallelExecutor:
         links: list = [None] * self.world_size
         comms: list = [None] * self.pp_size
         links[0] = driver_addresses["link"]
-        layout = GroupLayout(self.tp_size, self.pp_size)
         bound = self._from_every_worker(b"bound", timeout_s,
                                         "pipeline set-up: ranks {} did not report their addresses")
         for rank, body in bound.items():
             links[rank] = body.get("link")
             if body.get("comm") is not None:
-                comms[layout.stage(rank)] = body["comm"]
+                comms[self.layout.stage(rank)] = body["comm"]
         peers = {"links": links, "comms": comms}
         body = msgpack.packb(peers)
         for identity in self._identities.values():

@@ -37,6 +37,7 @@ import signal
 import socket
 import sys
 import time
+from functools import partial
 
 import msgpack
 import zmq
@@ -98,8 +99,6 @@ def build_rank(plan: dict, rank: int, comm, ops=None):
                               first_layer=start)
     lora_config = load_adapter = None
     if plan.get("lora") is not None:  # adapters: this rank's shard of each, from the full config
-        from functools import partial
-
         from pagedrun.runtime.lora.lora_config import LoRAConfig
         from pagedrun.runtime.lora.peft_loader import load_peft_adapter
 
@@ -205,14 +204,12 @@ def run_worker(master_addr: str, rank: int, local_rank: int,
             raise RuntimeError(f"rank {rank}: {frames[0].bytes!r} instead of the plan")
         plan = msgpack.unpackb(frames[1].bytes)
         plan["local_rank"] = local_rank
-        def stage0_comm():
-            return make_communicator(plan, rank, ctx, auth_key=channel.key,
-                                     curve_secret=secret if curve else None)
-
+        stage0_comm = partial(make_communicator, plan, rank, ctx, auth_key=channel.key,
+                              curve_secret=secret if curve else None)
         if plan.get("pp_size", 1) > 1:
-            pipe = _pipeline_setup(control, channel, plan, rank, ctx, secret, curve,
-                                   master_addr, join_timeout_s, dropped)
-            comm = pipe.connect(pipe.peers, stage0_comm, device_id=local_rank,
+            pipe, peers = _pipeline_setup(control, channel, plan, rank, ctx, secret, curve,
+                                          master_addr, join_timeout_s, dropped)
+            comm = pipe.connect(peers, stage0_comm, device_id=local_rank,
                                 rendezvous_timeout_s=join_timeout_s)
         else:
             comm = stage0_comm()
@@ -246,7 +243,7 @@ def run_worker(master_addr: str, rank: int, local_rank: int,
 def _pipeline_setup(control, channel: auth.Channel, plan: dict, rank: int, ctx, secret: bytes,
                     curve: bool, master_addr: str, timeout_s: float, dropped: auth.DropLog):
     """Pipeline parallelism's two set-up rounds (stage_pipe.py): bind, tell the driver the
-    addresses (`bound`), wait for everyone's (`peers`). Returns the StagePipe, its .peers set."""
+    addresses (`bound`), wait for everyone's (`peers`). Returns the StagePipe and the peers."""
     from pagedrun.runtime.distributed.stage_pipe import StagePipe, local_address_towards
 
     pipe = StagePipe(plan, rank, ctx, secret, curve,
@@ -258,8 +255,7 @@ def _pipeline_setup(control, channel: auth.Channel, plan: dict, rank: int, ctx, 
                           f"rank {rank}: the pipeline's addresses from {master_addr}", dropped)
     if frames[0].bytes != b"peers":
         raise RuntimeError(f"rank {rank}: {frames[0].bytes!r} instead of the peers' addresses")
-    pipe.peers = msgpack.unpackb(frames[1].bytes)
-    return pipe
+    return pipe, msgpack.unpackb(frames[1].bytes)
 
 
 def _serve_steps(control, watch: ConnectionWatch, channel: auth.Channel, runner, rank: int,
