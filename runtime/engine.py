@@ -274,7 +274,24 @@ class LLMEngine:
         runner.allocate_kv_cache(num_blocks, num_swap)
         if self.draft_runner is not None:
             self.draft_runner.allocate_kv_cache(num_blocks, num_swap)
+        self._capture_graphs(runner)
         return runner
+
+    def _capture_graphs(self, runner) -> None:
+        """Decode graphs (runtime/decode_graphs.py) for the configured batch sizes, unless
+        enforce_eager or the backend / model cannot; the log says which."""
+        config = self.config
+        if config.enforce_eager or not getattr(self.backend, "supports_graphs", False):
+            return
+        sizes = config.cuda_graph_sizes
+        if sizes is None:
+            sizes = self.backend.default_graph_sizes(config.max_num_seqs)
+        sizes = tuple(s for s in sizes if s <= config.max_num_seqs)
+        if not sizes:
+            return
+        why_not = runner.capture_decode_graphs(sizes)
+        if why_not is not None:
+            log.info("decode graphs: off (%s); every step runs eagerly", why_not)
 
     def _draft_runner(self, spec_config, draft_model) -> ModelRunner | None:
         """The speculative draft model's runner (KV pools placed with the target's), or None

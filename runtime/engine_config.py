@@ -90,6 +90,13 @@ class EngineConfig:
     max_loras: int = DEFAULT_MAX_LORAS
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK
     max_cpu_loras: int | None = None
+    # Decode graphs (runtime/decode_graphs.py; vLLM's names): a pure-decode step that fits one
+    # of these batch sizes replays the forward captured for it at start-up (one launch instead
+    # of one per op); larger or mixed steps run eagerly. None: the backend's default (cuda: 1,
+    # 2, 4, then every 8 up to min(max_num_seqs, 512); sim: none, as each capture runs a
+    # forward on CPU threads; the cpu backends have no graphs). enforce_eager: never capture.
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] | None = None
     # Speculative decoding (vLLM's speculative_config; runtime/spec_decode/spec_config.py): a
     # dict of SpeculativeConfig's fields, e.g. {"method": "ngram", "num_speculative_tokens": 4},
     # or a SpeculativeConfig. None: off. Read through spec_config().
@@ -131,6 +138,13 @@ class EngineConfig:
             raise EngineConfigError("nnodes: the ray executor places every rank on its cluster's "
                                     "nodes itself; leave nnodes 1 (give master_addr: an address "
                                     "of this node the other nodes reach)")
+        if self.cuda_graph_sizes is not None:
+            sizes = self.cuda_graph_sizes
+            if (not isinstance(sizes, (tuple, list)) or isinstance(sizes, bool) or not all(
+                    isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes)):
+                raise EngineConfigError(f"cuda_graph_sizes: must be batch sizes >= 1, got "
+                                        f"{sizes!r}")
+            self.cuda_graph_sizes = tuple(sorted(set(sizes)))
         if self.pp_layer_partition is not None:
             parts = self.pp_layer_partition
             if (not isinstance(parts, (tuple, list)) or not all(

@@ -6,6 +6,9 @@ the scheduler's contract names) before the forward, and returns logits only wher
 needed: the last token of each row that samples, plus every query token of the rows whose request
 asked for prompt logprobs.
 
+Decode graphs (runtime/decode_graphs.py): after `capture_decode_graphs`, a pure-decode step
+that fits a captured batch size replays its graph instead of launching the forward op by op.
+
 Multi-LoRA: with a LoRAConfig the runner also owns the adapters' device slots (a
 LoRAWeightStack sized max_loras x max_lora_rank). The engine's AdapterCache decides which adapter
 sits in which slot; the runner loads an adapter's part for its device (`load_adapter`: the whole
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pagedrun.runtime.decode_graphs import DecodeGraphs, unsupported_reason
 from pagedrun.runtime.lora.lora_config import LoRAConfig
 from pagedrun.runtime.lora.lora_ops import LoRABatch
 from pagedrun.runtime.lora.peft_loader import load_peft_adapter
@@ -173,6 +177,7 @@ class ModelRunner:
         # its own scheduler and pools): (k_caches, v_caches, cpu_caches); entry 0 is the three
         # attributes above.
         self.kv_sets: list[tuple[list, list, list]] = []
+        self.decode_graphs: DecodeGraphs | None = None
         if num_gpu_blocks is not None:
             self.allocate_kv_cache(num_gpu_blocks, num_cpu_blocks)
 
@@ -215,6 +220,7 @@ class ModelRunner:
         # The backend places the pools (np.zeros maps untouched pages lazily on cpu/sim, so a
         # large pool costs memory only as it fills); the swap pool is host memory.
         kv_dtype = self.ops.kv_dtype
+        self.decode_graphs = None  # bound to the old pools: capture again
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.kv_sets = []
@@ -227,6 +233,23 @@ class ModelRunner:
                 [np.zeros((num_cpu_blocks, *block_shape), kv_dtype)
                  for _ in range(2 * config.num_hidden_layers)] if num_cpu_blocks else []))
         self.k_caches, self.v_caches, self.cpu_caches = self.kv_sets[0]
+
+    def capture_decode_graphs(self, sizes) -> str | None:
+        """Capture the decode forward for each batch size in `sizes` over the KV pools of
+        virtual engine 0 (call after allocate_kv_cache). Returns None, or why nothing was
+        captured (the backend or the model cannot; the steps then all run eagerly)."""
+        if not getattr(self.ops, "supports_graphs", False):
+            return f"the {getattr(self.ops, 'name', 'cpu')} backend has no graphs"
+        if len(self.kv_sets) != 1:
+            return "pipeline virtual engines"
+        reason = unsupported_reason(self.config)
+        if reason is not None:
+            return reason
+        graphs = DecodeGraphs(self.model, self.ops, self.k_caches, self.v_caches, sizes=sizes,
+                              max_model_len=self.max_model_len, block_size=self.block_size)
+        graphs.capture()
+        self.decode_graphs = graphs
+        return None
 
     def profile_run(self, num_tokens: int) -> int:
         """One prefill of `num_tokens` tokens (one request, token id 0) on a scratch KV pool just
@@ -270,6 +293,14 @@ class ModelRunner:
                 row_lora_slots=None) -> RunnerOutput:
         """Run one scheduled step. `out` is a pagedrun.pyx.scheduler.SchedulerOutput;
         row_lora_slots: None, or int [num_reqs] each row's adapter slot (-1: none)."""
+        graphs = self.decode_graphs
+        size = 0 if graphs is None else graphs.bucket(out, prompt_logit_rows, row_lora_slots)
+        if size:
+            self._move_blocks(out)
+            logits = graphs.run(out, size)
+            if not self.logits_on_device:
+                logits = self.ops.to_host(logits)
+            return RunnerOutput(np.arange(out.num_reqs), logits, {})
         hidden = self.forward(out, row_lora_slots=row_lora_slots)
         return self.output(out, hidden, prompt_logit_rows)
 

@@ -19,9 +19,13 @@ import logging
 
 from pagedrun.runtime.errors import PagedRunError
 
+from .graph_capture import cuda_graph_capture
 from .sim_backend import KernelBackend
 
 log = logging.getLogger("pagedrun.cuda")
+# Largest decode batch captured by default (vLLM's default capture cap is 512 too): past it a
+# step's launches are a small part of its time.
+MAX_GRAPH_BATCH = 512
 
 
 def cuda_available() -> bool:
@@ -58,6 +62,29 @@ class CudaBackend(KernelBackend):
         # legacy default stream's implicit syncs with other host threads' work.
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.stream.use()
+        # Every graph's allocations (graph_capture): private, so a replay's buffers are never
+        # handed to anything else.
+        self.graph_pool = None
+
+    # ------------------------------------------------------------------ graphs
+    def default_graph_sizes(self, max_num_seqs: int) -> tuple[int, ...]:
+        """1, 2, 4, then every 8 up to min(max_num_seqs, MAX_GRAPH_BATCH): a decode batch runs
+        in the smallest size that holds it (at most 7 padded rows past 8)."""
+        cap = min(max_num_seqs, MAX_GRAPH_BATCH)
+        return tuple(s for s in (1, 2, 4, *range(8, cap + 1, 8)) if s <= cap)
+
+    def graph_capture(self):
+        """CuPy stream capture of the backend's stream into a cupy.cuda.Graph
+        (runtime/backends/graph_capture.py)."""
+        return cuda_graph_capture(self)
+
+    def upload_into(self, dst, host) -> None:
+        dst.set(host, stream=self.stream)
+
+    def graph_memory_bytes(self, graphs, exclude=()) -> int:
+        """The private graph pool's bytes (weights and KV pools live outside it)."""
+        del graphs, exclude
+        return 0 if self.graph_pool is None else int(self.graph_pool.total_bytes())
 
     def memory_info(self) -> tuple[int, int]:
         """(free, total) bytes of the device."""

@@ -26,6 +26,7 @@ from pagedrun.runtime.kernels.loader import load_module
 
 from . import numpy_ops
 from .base import DEFAULT_HOST_KV_CACHE_BYTES
+from .graph_capture import RecordingModule, sim_graph_capture
 from .kernel_sampler import KernelSampler
 from .step_inputs import DeviceInts, StepInputs, upload_step
 
@@ -54,6 +55,8 @@ class KernelBackend:
     # free at any batch the engine runs (speculative_config may still set a limit).
     spec_disable_by_batch_size = None
     communicator = "cpu"
+    # Decode steps may replay captured graphs (runtime/decode_graphs.py): `graph_capture`.
+    supports_graphs = True
 
     def __init__(self, dtype_name: str, xp) -> None:
         if dtype_name not in _ACTIVATION_DTYPE:
@@ -64,12 +67,37 @@ class KernelBackend:
         self.xp = xp
         self._modules: dict[str, object] = {}
         self._weights: dict[tuple, tuple[np.ndarray, object]] = {}
+        self._capturing = None  # the graph being captured, if any (graph_capture)
 
     # ------------------------------------------------------------------ placement
     def module(self, group: str):
         if group not in self._modules:
             self._modules[group] = load_module(list(_SOURCES[group]), backend=self.loader_backend)
+        if self._capturing is not None:
+            return RecordingModule(self._modules[group], self._capturing)
         return self._modules[group]
+
+    # ------------------------------------------------------------------ graphs
+    def default_graph_sizes(self, max_num_seqs: int) -> tuple[int, ...]:
+        """Decode batch sizes captured when the config names none. The harness: none (each
+        capture runs a forward on CPU threads; tests and `cuda_graph_sizes` ask for sizes)."""
+        del max_num_seqs
+        return ()
+
+    def graph_capture(self):
+        """Context manager: the launches (and array copies) of its body recorded into the
+        CapturedGraph it yields (runtime/backends/graph_capture.py)."""
+        return sim_graph_capture(self)
+
+    def upload_into(self, dst, host: np.ndarray) -> None:
+        """Copy host values into an existing device array (a graph's static input buffer)."""
+        np.copyto(dst, host)
+
+    def graph_memory_bytes(self, graphs, exclude=()) -> int:
+        """Bytes the captured graphs hold of their own: not the placed weights, nor the
+        arrays in `exclude` (the KV pools, the static inputs)."""
+        exclude = [*exclude, *(dev for _, dev in self._weights.values())]
+        return sum(g.graph.memory_bytes(exclude) for g in graphs)
 
     def check_model(self, model_config, block_size: int) -> None:
         """Refuse at start-up the shapes the attention kernels do not serve (not mid-step)."""

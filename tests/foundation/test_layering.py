@@ -97,7 +97,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("backends", ("pagedrun.runtime.backends", "pagedrun.runtime.backends.*")),
     # Model forwards, written against an injected `ops` (a backend), never importing one.
     ("models", ("pagedrun.runtime.models", "pagedrun.runtime.models.*")),
-    ("model_runner", ("pagedrun.runtime.model_runner",)),
+    ("model_runner", ("pagedrun.runtime.model_runner", "pagedrun.runtime.decode_graphs")),
     ("distributed", ("pagedrun.runtime.distributed", "pagedrun.runtime.distributed.*")),
     # The engine and the public modules beside it (`paged-run env`'s device report).
     ("engine", ("pagedrun.runtime.engine", "pagedrun.runtime.llm",
