@@ -109,9 +109,12 @@ def test_greedy_mix_equals_plain_greedy(tiny_model):
     max_tokens = 16
     shared = rng.integers(3, 300, 20).tolist()
     prompts = random_prompts(rng, 300, 8, 40, shared_prefix=shared)
+    # On sim the steps without drafts replay decode graphs (runtime/decode_graphs.py); the
+    # verifying steps run eagerly.
+    graphs = {"cuda_graph_sizes": (1, 2, 4)} if backend_of(tiny_model).name == "sim" else {}
     engine = make_engine(tiny_model, block_size=16, num_kv_blocks=6,
                          max_num_batched_tokens=32, max_num_seqs=6,
-                         speculative_config=NGRAM)
+                         speculative_config=NGRAM, **graphs)
     script(engine, prompts, max_tokens, tiny_model, "mixed", seed=3)
     requests = []
     for i, prompt in enumerate(prompts):
@@ -152,6 +155,8 @@ def test_greedy_mix_equals_plain_greedy(tiny_model):
     assert stats["prefix_cache_hits"] > 0
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
     assert_all_blocks_free(engine)
+    if graphs:
+        assert sum(engine.runner.decode_graphs.replays.values()) > 0
 
 
 def test_ngram_proposer_on_repetitive_prompts(tiny_cpu_model):

@@ -84,8 +84,10 @@ def test_mixed_adapters_match_merged_reference(lora_setup):
     """Base + three adapters over two slots, a 16-token budget (chunked prefill), n = 2 rows
     (top_k=1 makes every sample the argmax) and a pool small enough to preempt."""
     model, loras = lora_setup
+    # On sim the steps without an adapter row replay decode graphs (runtime/decode_graphs.py).
+    graphs = {"cuda_graph_sizes": (1, 2, 4)} if model.backend.name == "sim" else {}
     engine = lora_engine(model, block_size=16, num_kv_blocks=4, max_model_len=64,
-                         max_num_batched_tokens=16, max_num_seqs=6)
+                         max_num_batched_tokens=16, max_num_seqs=6, **graphs)
     # The sim backend runs every kernel on the CPU harness (~0.1 s a step): fewer requests.
     requests = mixed_requests(loras, seed=1, num=7 if model.backend.name == "cpu" else 5)
     check_outputs(model, engine, requests, run_requests(engine, requests))
@@ -96,6 +98,8 @@ def test_mixed_adapters_match_merged_reference(lora_setup):
                    != merged_greedy(model, None, k["prompt_token_ids"], 6)
                    for _, _, k in requests)
     assert any(r.lora_int_id in engine.list_loras() for r in loras)
+    if graphs:
+        assert sum(engine.runner.decode_graphs.replays.values()) > 0
 
 
 def drive(engine, requests):
