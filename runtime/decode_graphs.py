@@ -43,6 +43,18 @@ _PAD_SLOT = -1        # rotary_cache_write.cu: a negative slot writes nothing
 _PAD_CONTEXT = 1      # one key, in block 0 (rows of padding read and write nothing real)
 
 
+def graph_sizes(config, backend) -> tuple[int, ...]:
+    """The decode batch sizes an engine with EngineConfig `config` captures on `backend`:
+    none with enforce_eager or a backend without graphs; else cuda_graph_sizes, or the
+    backend's default, without the sizes above max_num_seqs."""
+    if config.enforce_eager or not getattr(backend, "supports_graphs", False):
+        return ()
+    sizes = config.cuda_graph_sizes
+    if sizes is None:
+        sizes = backend.default_graph_sizes(config.max_num_seqs)
+    return tuple(s for s in sizes if s <= config.max_num_seqs)
+
+
 def unsupported_reason(config) -> str | None:
     """Why a model's decode forward cannot be captured, or None when it can."""
     if getattr(config, "num_experts", 0):
@@ -136,8 +148,9 @@ class DecodeGraphs:
 
     # ------------------------------------------------------------------ replay
     def bucket(self, out, prompt_logit_rows=(), row_lora_slots=None) -> int:
-        """The size whose graph runs step `out` (a SchedulerOutput), or 0: run it eagerly."""
-        n = out.num_reqs
+        """The size whose graph runs step `out` (a SchedulerOutput, or a tensor-parallel
+        worker's StepInputs: the same fields), or 0: run it eagerly."""
+        n = out.query_lens.shape[0]
         if n == 0 or n > self.capacity or out.num_batched_tokens != n or prompt_logit_rows:
             return 0
         drafts = getattr(out, "num_draft_tokens", None)
@@ -152,7 +165,7 @@ class DecodeGraphs:
     def run(self, out, size: int):
         """Replay the graph of `size` on step `out`'s inputs: logits [num_reqs, vocab] float32
         (a view of the graph's output: valid until the next replay)."""
-        n = out.num_reqs
+        n = out.query_lens.shape[0]
         tokens, positions, slots, context, tables = self._host_segments
         tokens[:n] = out.input_token_ids
         positions[:n] = out.positions

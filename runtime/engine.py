@@ -46,6 +46,7 @@ import numpy as np
 from pagedrun.runtime.backends import make_backend
 from pagedrun.runtime.admission import render_chat, truncate_prompt, verify_params
 from pagedrun.runtime.chat_options import ChatOptions
+from pagedrun.runtime.decode_graphs import graph_sizes
 from pagedrun.runtime.detokenizer import IncrementalDetokenizer, TokenTexts, position_logprobs
 from pagedrun.runtime.engine_config import EngineConfig
 # RequestError, DeviceNotAvailableError and the ERR_* codes live in runtime/errors.py; they are
@@ -280,13 +281,7 @@ class LLMEngine:
     def _capture_graphs(self, runner) -> None:
         """Decode graphs (runtime/decode_graphs.py) for the configured batch sizes, unless
         enforce_eager or the backend / model cannot; the log says which."""
-        config = self.config
-        if config.enforce_eager or not getattr(self.backend, "supports_graphs", False):
-            return
-        sizes = config.cuda_graph_sizes
-        if sizes is None:
-            sizes = self.backend.default_graph_sizes(config.max_num_seqs)
-        sizes = tuple(s for s in sizes if s <= config.max_num_seqs)
+        sizes = graph_sizes(self.config, self.backend)
         if not sizes:
             return
         why_not = runner.capture_decode_graphs(sizes)

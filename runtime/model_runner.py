@@ -300,7 +300,7 @@ class ModelRunner:
             logits = graphs.run(out, size)
             if not self.logits_on_device:
                 logits = self.ops.to_host(logits)
-            return RunnerOutput(np.arange(out.num_reqs), logits, {})
+            return RunnerOutput(np.arange(out.query_lens.shape[0]), logits, {})
         hidden = self.forward(out, row_lora_slots=row_lora_slots)
         return self.output(out, hidden, prompt_logit_rows)
 

@@ -60,6 +60,12 @@ class SimGraph:
         self._keep(dst)
         self._ops.append(partial(dst.fill, value))
 
+    def record_host_call(self, fn, args: tuple, out: np.ndarray) -> None:
+        """A host step between launches (a collective over a host communicator): replayed as
+        fn(*args) again, on the same arrays, its result written into `out`."""
+        self._keep(*args, out)
+        self._ops.append(lambda: np.copyto(out, fn(*args), casting="no"))
+
     def replay(self) -> None:
         for op in self._ops:
             op()

@@ -89,6 +89,15 @@ class KernelBackend:
         CapturedGraph it yields (runtime/backends/graph_capture.py)."""
         return sim_graph_capture(self)
 
+    def host_call(self, fn, *args):
+        """fn(*args) on the host (e.g. a collective over the CPU communicator): its result;
+        while a graph is captured here, also a step of it (replayed on the same arrays, into
+        the same result array)."""
+        out = fn(*args)
+        if self._capturing is not None:
+            self._capturing.record_host_call(fn, args, out)
+        return out
+
     def upload_into(self, dst, host: np.ndarray) -> None:
         """Copy host values into an existing device array (a graph's static input buffer)."""
         np.copyto(dst, host)
@@ -159,9 +168,12 @@ class KernelBackend:
                            upload_rows=self.to_device)
 
     def _ints(self, x):
-        """Device int32 array: a step input's copy made once per step, else uploaded now."""
+        """Device int32 array: a step input's copy made once per step, a device array as it
+        is, else uploaded now."""
         if isinstance(x, DeviceInts):
             return x.device
+        if not isinstance(x, np.ndarray) and isinstance(x, self.xp.ndarray):
+            return x  # already on the device (cuda: e.g. a masked copy of the token ids)
         return self.device(np.asarray(x, dtype=np.int32))
 
     @staticmethod

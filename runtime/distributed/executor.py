@@ -202,6 +202,7 @@ def start_tensor_parallel(config, model_config, backend, max_model_len: int
     heads), the budget split evenly over the virtual engines (one per stage). A rank cannot
     profile its shard alone (the collectives need every rank), so the budget is the backend's
     without a profiling step (cuda: give num_kv_blocks)."""
+    from pagedrun.runtime.decode_graphs import graph_sizes
     from pagedrun.runtime.distributed.sharding import rank_config, shard_spec
     from pagedrun.runtime.kv_capacity import num_swap_blocks, plan_num_kv_blocks
     from pagedrun.runtime.model_runner import kv_bytes_per_block
@@ -235,7 +236,10 @@ def start_tensor_parallel(config, model_config, backend, max_model_len: int
         secret_file=getattr(config, "tp_secret_file", None),
         curve=getattr(config, "tp_curve", False), lora_config=config.lora_config(),
         quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype,
-        executor_backend=config.distributed_executor_backend, ray_address=config.ray_address)
+        executor_backend=config.distributed_executor_backend, ray_address=config.ray_address,
+        # Decode graphs on every rank in step (the collectives are captured with the rest);
+        # pipeline stages run eagerly.
+        graph_sizes=graph_sizes(config, backend) if pp_size == 1 else ())
 
 
 class TensorParallelExecutor:
@@ -251,7 +255,7 @@ class TensorParallelExecutor:
                  kv_cache_dtype: str = "auto",
                  executor_backend: str = "mp", ray_address: str | None = None,
                  pp_size: int = 1, stage_layers: list[tuple[int, int]] | None = None,
-                 bytes_per_block: int | None = None) -> None:
+                 bytes_per_block: int | None = None, graph_sizes: tuple[int, ...] = ()) -> None:
         """model: as EngineConfig.model (a directory, a .gguf, None for the default model);
         every rank resolves it on its own node, so the default model and converted GGUFs need
         no shared path across nodes (a directory must exist at the same path on each).
@@ -259,7 +263,8 @@ class TensorParallelExecutor:
         > 1; on one node a random secret per executor is used when it is None.
         curve: CURVE-encrypt the control and communicator sockets (auth.py).
         lora_config: a LoRAConfig to serve adapters with (every rank holds the slots of its
-        shard; slot fills travel with the next step, each rank loading its own shard)."""
+        shard; slot fills travel with the next step, each rank loading its own shard).
+        graph_sizes: the decode batch sizes every rank captures (runtime/decode_graphs.py)."""
         check_shardable(model_config, tp_size)
         self.tp_size = tp_size
         self.pp_size = pp_size
@@ -279,6 +284,7 @@ class TensorParallelExecutor:
         self.quantization = quantization
         self.kv_cache_dtype = kv_cache_dtype  # EngineConfig's: every rank's make_backend
         self._lora_writes: list = []  # (slot, LoRARequest) to send with the next step
+        self.graph_sizes = tuple(graph_sizes)
         self._procs: dict[int, subprocess.Popen] = {}
         self._peers: dict[bytes, _Peer] = {}  # authenticated identity -> its rank and session
         self._identities: dict[int, bytes] = {}  # rank -> identity
@@ -334,6 +340,7 @@ class TensorParallelExecutor:
                 "num_cpu_blocks": num_cpu_blocks, "collective_timeout_s": collective_timeout_s,
                 "nccl_unique_id": None, "local_rank": 0,
                 "quantization": self.quantization, "kv_cache_dtype": self.kv_cache_dtype,
+                "graph_sizes": list(self.graph_sizes),
                 "lora": None if self.lora_config is None else {
                     "max_loras": self.lora_config.max_loras,
                     "max_lora_rank": self.lora_config.max_lora_rank,

@@ -35,22 +35,51 @@ class ShardedLlamaModel(LlamaModel):
                 [self.embed_tokens, np.zeros((1, hidden), np.float32)], axis=0)
         self._device_arrays = getattr(comm, "device_arrays", False)
 
-    def embed(self, token_ids: np.ndarray):
-        local = token_ids.astype(np.int64) - self.spec.vocab_start
+    def embed(self, token_ids):
+        """token_ids: [num_tokens] int32 on the host, or the step's device copy (`.device` of
+        a DeviceInts: a decode graph's static buffer, runtime/decode_graphs.py), which is
+        masked where it is, so that a captured graph re-reads it on every replay."""
+        if hasattr(token_ids, "host"):  # DeviceInts
+            ids = token_ids.device
+            local = (self._local_ids(ids) if self._device_arrays
+                     else self._host_step(self._local_ids, ids))
+        else:
+            local = self._local_ids(token_ids)
+        return self.all_reduce(self.ops.embedding(local, self.embed_tokens))
+
+    def _local_ids(self, ids):
+        """Global token ids -> rows of this rank's table; ids outside its slice read the zero
+        row spec.vocab_size (elementwise ops: on a device they run there)."""
+        xp = np if isinstance(ids, np.ndarray) else self.ops.xp
+        local = ids.astype(xp.int64) - self.spec.vocab_start
         outside = (local < 0) | (local >= self.spec.num_real_vocab)
-        local[outside] = self.spec.vocab_size
-        return self.all_reduce(self.ops.embedding(local.astype(np.int32), self.embed_tokens))
+        return xp.where(outside, self.spec.vocab_size, local).astype(xp.int32)
+
+    def _host_step(self, fn, *args):
+        """fn(*args) on the host, as a step of a decode graph being captured on the backend
+        (KernelBackend.host_call; the numpy backends have no graphs: a plain call)."""
+        host_call = getattr(self.ops, "host_call", None)
+        return fn(*args) if host_call is None else host_call(fn, *args)
 
     def all_reduce(self, x):
         if self._device_arrays:
             return self.comm.all_reduce(x)
         # Host communicator: the backend's arrays are numpy already (cpu, sim).
-        return self.comm.all_reduce(np.asarray(x))
+        return self._host_step(self.comm.all_reduce, np.asarray(x))
 
     def logits(self, x, residual):
         local = super().logits(x, residual)  # [rows, spec.vocab_size] float32
-        parts = self.comm.gather(local if self._device_arrays else self.ops.to_host(local))
+        if not self._device_arrays:
+            return self._host_step(self._gather_host, local)
+        parts = self.comm.gather(local)
         if parts is None:
             return local
-        xp = self.ops.xp if self._device_arrays else np
-        return xp.concatenate(parts, axis=1)[:, :self.spec.full_vocab_size]
+        return self.ops.xp.concatenate(parts, axis=1)[:, :self.spec.full_vocab_size]
+
+    def _gather_host(self, local):
+        """Rank 0: every rank's logits slice, concatenated and trimmed to the vocabulary; the
+        other ranks: a copy of their own slice (unused)."""
+        parts = self.comm.gather(self.ops.to_host(local))
+        if parts is None:
+            return np.array(local)
+        return np.concatenate(parts, axis=1)[:, :self.spec.full_vocab_size]

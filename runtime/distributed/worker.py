@@ -113,6 +113,12 @@ def build_rank(plan: dict, rank: int, comm, ops=None):
                          lora_config=lora_config, load_adapter=load_adapter)
     # One set of pools per virtual engine (pipeline.py): as many as stages.
     runner.allocate_kv_cache(plan["num_gpu_blocks"], plan["num_cpu_blocks"], layout.pp_size)
+    if plan.get("graph_sizes"):
+        # Every rank captures the same sizes in the same order: the collectives of the warm-up
+        # and capture forwards pair up across ranks (runtime/decode_graphs.py).
+        why_not = runner.capture_decode_graphs(plan["graph_sizes"])
+        if why_not is not None and rank == 0:
+            log.info("decode graphs: off (%s); every step runs eagerly", why_not)
     return runner
 
 

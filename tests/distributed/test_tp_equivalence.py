@@ -76,3 +76,27 @@ def test_sim_tp2_bfloat16(tmp_path):
     for got, want in zip(logits, ref_logits, strict=True):
         scale = float(np.abs(want).max())
         assert float(np.abs(got - want).max()) <= BF16_LOGITS_REL * scale
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_sim_tp2_decode_graphs(tmp_path, tied):
+    """Decode graphs on every rank (runtime/decode_graphs.py): the captured region holds the
+    masked embedding over the static token buffer, the all-reduces and the logits gather (host
+    steps of the CPU communicator, replayed in step on both ranks), and gives TP=1 eager's
+    tokens and logits."""
+    model_dir = write_model_dir(tmp_path / "m", vocab_size=VOCAB, hidden_size=128,
+                                num_attention_heads=2, num_key_value_heads=2,
+                                tie_word_embeddings=tied)
+    ps = prompts(VOCAB)
+    ref_tokens, ref_logits = greedy_run(make_engine(model_dir, 1, device="sim",
+                                                    enforce_eager=True), ps, 5)
+    engine = make_engine(model_dir, 2, device="sim", cuda_graph_sizes=(1, 2, 4))
+    try:
+        tokens, logits = greedy_run(engine, ps, 5)
+        replays = engine.runner.runner.decode_graphs.replays  # rank 0's runner
+    finally:
+        engine.close()
+    assert tokens == ref_tokens
+    assert replays[4] > 0
+    for got, want in zip(logits, ref_logits, strict=True):
+        np.testing.assert_allclose(got, want, rtol=LOGITS_RTOL, atol=LOGITS_ATOL)
