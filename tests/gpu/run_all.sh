@@ -170,10 +170,11 @@ fi
 step bench_attention 150 30 "$PY" benchmarks/kernels/bench_attention.py --device "$DEVICE"
 step tp 120 20 "$PY" tests/distributed/gpu_tp_check.py --device "$DEVICE"
 # GEMM TFLOP/s vs cupy.matmul and skinny GB/s vs copy; then the whole model on the kernel
-# backend: e2e tokens/s at concurrency 1/32/256; 8 of Llama-3-8B's 32 layers keep the host-side
-# random weights (float32, built matrix by matrix) and the device time bounded.
+# backend: e2e tokens/s at concurrency 1/32/256, eager and with decode graphs; 8 of
+# Llama-3-8B's 32 layers keep the host-side random weights (float32, built matrix by matrix)
+# and the device time bounded.
 step bench_gemm 180 40 "$PY" benchmarks/kernels/bench_gemm.py --device "$DEVICE"
-step bench_model 240 60 "$PY" benchmarks/kernels/bench_model.py --device "$DEVICE" --layers 8
+step bench_model 240 80 "$PY" benchmarks/kernels/bench_model.py --device "$DEVICE" --layers 8
 if [ "$DEVICE" = cuda ]; then
   step model_cuda 180 40 "$PY" -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_backend.py
 else
