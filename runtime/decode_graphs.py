@@ -17,8 +17,11 @@ step is one graph launch:
   attention plan  captured for the longest context (max_model_len): the decode kernel's split
                   plan (grid) is fixed in a graph, and a shorter context leaves later splits
                   empty (they write nothing the merge counts).
-  outputs         each graph's logits [b, vocab] float32, held here: no later capture or eager
-                  step is given their memory.
+  outputs         each graph's logits [b, vocab] float32 (`ops.graph_output`): on cuda a view
+                  that does not own its buffer, which stays in the private graph pool where
+                  the smaller sizes' captures reuse it (replays run one at a time and the
+                  sampler copies the logits before the next), so the graphs take about the
+                  largest size's memory, not [size, vocab] per size; eager steps never get it.
 
 A step replays only when it is pure decode (every row one query token, no drafts to verify),
 every row samples, no row has a LoRA adapter and no prompt logits are asked for, and its batch
@@ -98,7 +101,7 @@ class DecodeGraphs:
 
     # ------------------------------------------------------------------ capture
     def capture(self) -> None:
-        """Capture every size, the largest first (its buffers then serve the smaller ones'
+        """Capture every size, the largest first (its buffers then serve the smaller ones
         from the backend's graph pool). Each size runs once eagerly first: weights placed,
         modules built and every kernel of it loaded before the stream is captured."""
         start = time.perf_counter()
@@ -108,7 +111,8 @@ class DecodeGraphs:
             self._forward(size)  # warm-up
             with self.ops.graph_capture() as captured:
                 logits = self._forward(size)
-            self._graphs[size] = (captured, logits)
+            self._graphs[size] = (captured, self.ops.graph_output(logits))
+            del logits  # cuda: its buffer returns to the graph pool (graph_output)
         self.capture_seconds = time.perf_counter() - start
         launches = self._graphs[self.sizes[0]][0].num_launches
         log.info("decode graphs: sizes %s captured in %.2f s, graph memory %.1f MiB%s",

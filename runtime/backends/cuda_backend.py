@@ -79,7 +79,20 @@ class CudaBackend(KernelBackend):
         return cuda_graph_capture(self)
 
     def upload_into(self, dst, host) -> None:
+        # From pageable host memory the copy is staged before set() returns: the caller may
+        # refill `host` for the next step at once.
         dst.set(host, stream=self.stream)
+
+    def graph_output(self, array):
+        """A view of a captured graph's output that does not own its memory: the buffer goes
+        back to the private graph pool, where later captures reuse it. Sound because replays
+        run one at a time on the one stream and each output is consumed (the sampler copies
+        the logits) before the next replay; it keeps the graphs' memory near the largest
+        size's, where owned outputs would hold [size, vocab] float32 for every size (GBs for
+        a 128k vocabulary)."""
+        cupy = self.xp
+        memory = cupy.cuda.UnownedMemory(array.data.ptr, array.nbytes, self.graph_pool)
+        return cupy.ndarray(array.shape, array.dtype, cupy.cuda.MemoryPointer(memory, 0))
 
     def graph_memory_bytes(self, graphs, exclude=()) -> int:
         """The private graph pool's bytes (weights and KV pools live outside it)."""

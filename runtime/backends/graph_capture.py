@@ -8,9 +8,9 @@ cuda (`cuda_graph_capture`): CuPy stream capture of the backend's stream (relaxe
 default, so the memory pool may grow while capturing) into a cupy.cuda.Graph, replayed with one
 graph launch. Every allocation made while capturing comes from one private memory pool, shared
 by all of the backend's graphs and never handed back to the default pool: a replay writes the
-addresses the capture saw, which must belong to nothing else. Graphs replay in order on the
-one stream, so they may share the pool's intermediate buffers; the caller holds each graph's
-outputs, so no later capture is given their memory.
+addresses the capture saw, which must belong to nothing else. Graphs replay one at a time on
+the one stream, so they share the pool's buffers, outputs included (CudaBackend.graph_output:
+each output is consumed before the next replay).
 
 sim (`SimGraph`): the harness has no driver to record for it, so the backend hands out recording
 proxies while capturing: each kernel launch runs and is recorded (the function, grid, block,

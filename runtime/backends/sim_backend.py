@@ -98,6 +98,11 @@ class KernelBackend:
             self._capturing.record_host_call(fn, args, out)
         return out
 
+    def graph_output(self, array):
+        """The output of a captured graph as its replays will fill it (cuda: a non-owning view
+        into the graph pool; the harness: the array itself, which the SimGraph holds)."""
+        return array
+
     def upload_into(self, dst, host: np.ndarray) -> None:
         """Copy host values into an existing device array (a graph's static input buffer)."""
         np.copyto(dst, host)
