@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from pagedrun.runtime.kernels.kernel_args import array_module
-from pagedrun.runtime.kernels.sampling import process_logits, sample
+from pagedrun.runtime.kernels.sampling import process_lists, process_logits, sample
 from pagedrun.runtime.sampler import (SamplerOutput, check_logprobs_mode, check_sample_args,
                                       draw_uniforms, filter_rows, gather_logprobs, is_identity,
                                       logprob_rows, raw_values)
@@ -50,9 +50,16 @@ class KernelSampler:
         raw_mode = self.logprobs_mode.startswith("raw")
         values = raw_values(self._host_rows(logits, want) if raw_mode and want else None,
                             want, self.logprobs_mode)
-        processed = self.xp.array(logits, dtype=np.float32)  # a copy: processed in place
-        process_logits(self.module, processed, params, prompt_token_ids, output_token_ids,
-                       self.eos_token_ids)
+        lists = process_lists(params, prompt_token_ids, output_token_ids, self.eos_token_ids,
+                              logits.shape[1])
+        if lists is None and (raw_mode or not want):
+            # Nothing to process and no processed rows to report: sample_f32 only reads the
+            # logits, so it samples them where they are (no [rows, vocab] copy per step).
+            processed = self.xp.ascontiguousarray(self.xp.asarray(logits, dtype=np.float32))
+        else:
+            processed = self.xp.array(logits, dtype=np.float32)  # a copy: processed in place
+            process_logits(self.module, processed, params, prompt_token_ids, output_token_ids,
+                           self.eos_token_ids, lists=lists)
         tokens = sample(self.module, processed, params, self.draw_uniforms(params, generators))
         token_ids = np.asarray(tokens if self.xp is np else tokens.get(), dtype=np.int32)
         if want and not raw_mode:

@@ -119,12 +119,13 @@ def process_lists(params: Sequence[SamplingParams], prompt_token_ids, output_tok
 
 
 def process_logits(module, logits, params, prompt_token_ids, output_token_ids,
-                   eos_token_ids: Sequence[int] = ()):
+                   eos_token_ids: Sequence[int] = (), lists: ProcessLists | None = None):
     """Steps 1-4 of runtime/sampler.py (allowed mask, bans, logit bias, penalties), in place;
-    returns logits."""
+    returns logits. lists: process_lists(...) of the same arguments, if the caller made it."""
     num_rows, vocab = _check_logits(logits)
     require(len(params) == num_rows, lambda: f"{num_rows} logits rows but {len(params)} params")
-    lists = process_lists(params, prompt_token_ids, output_token_ids, eos_token_ids, vocab)
+    if lists is None:
+        lists = process_lists(params, prompt_token_ids, output_token_ids, eos_token_ids, vocab)
     if lists is None:
         return logits
     xp = array_module(logits)

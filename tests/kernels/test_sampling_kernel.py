@@ -199,6 +199,33 @@ def test_kernel_sampler_equals_numpy_sampler(rng, mode):
     assert len(got.logprobs[3].top_token_ids) == vocab  # logprobs=-1: the whole vocabulary
 
 
+@pytest.mark.parametrize("processing", [False, True], ids=["plain", "penalized"])
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_kernel_sampler_leaves_the_callers_logits(rng, processing, mode):
+    """Rows with nothing to process sample the logits where they are (no copy); rows with a
+    penalty or bias are processed on a copy: either way the caller's logits (the runner's
+    output, or a decode graph's buffer) are unchanged, and the tokens are the numpy
+    Sampler's."""
+    vocab = 257
+    extra = dict(repetition_penalty=1.5, logit_bias={7: 50.0}) if processing else {}
+    params = [SamplingParams(temperature=0.0, logprobs=2, **extra),
+              SamplingParams(seed=5, temperature=0.8, top_k=30, **extra),
+              SamplingParams(temperature=0.0)]
+    logits = (3 * rng.standard_normal((len(params), vocab))).astype(np.float32)
+    prompts = [rng.integers(0, vocab, 5) for _ in params]
+    outputs = [list(rng.integers(0, vocab, 2)) for _ in params]
+    device_logits = to_device(logits)
+    got = KernelSampler(mod(), [2], seed=3, logprobs_mode=mode).sample(
+        device_logits, params, [make_request_generator(p.seed) for p in params], prompts,
+        outputs)
+    ref = Sampler([2], seed=3, logprobs_mode=mode).sample(
+        logits.copy(), params, [make_request_generator(p.seed) for p in params], prompts,
+        outputs)
+    np.testing.assert_array_equal(to_host(device_logits), logits)
+    np.testing.assert_array_equal(got.token_ids, ref.token_ids)
+    assert got.logprobs == ref.logprobs
+
+
 @pytest.mark.parametrize("vocab", (1, 17, 111))
 def test_masked_rows_and_extreme_values(vocab):
     """Every token masked -> token 0 (greedy or sampled, as the numpy sampler); huge logits,
