@@ -148,7 +148,9 @@ class DecodeGraphs:
         x, residual = self.model.forward(
             DeviceInts(dummy, tokens[:size]), DeviceInts(dummy, positions[:size]),
             DeviceInts(dummy, slots[:size]), attn, self.k_caches, self.v_caches)
-        return self.model.logits(x, residual)
+        # Contiguous (a copy inside the graph where it is not, e.g. a tensor-parallel rank 0's
+        # vocabulary-trimmed gather): the output is kept as a plain buffer (graph_output).
+        return self.ops.xp.ascontiguousarray(self.model.logits(x, residual))
 
     # ------------------------------------------------------------------ replay
     def bucket(self, out, prompt_logit_rows=(), row_lora_slots=None) -> int:

@@ -91,6 +91,8 @@ class CudaBackend(KernelBackend):
         size's, where owned outputs would hold [size, vocab] float32 for every size (GBs for
         a 128k vocabulary)."""
         cupy = self.xp
+        if not array.flags.c_contiguous:
+            raise ValueError("graph_output: the graph's output must be C-contiguous")
         memory = cupy.cuda.UnownedMemory(array.data.ptr, array.nbytes, self.graph_pool)
         return cupy.ndarray(array.shape, array.dtype, cupy.cuda.MemoryPointer(memory, 0))
 
