@@ -118,7 +118,8 @@ class DecodeGraphs:
         log.info("decode graphs: sizes %s captured in %.2f s, graph memory %.1f MiB%s",
                  ",".join(map(str, self.sizes)), self.capture_seconds,
                  self.memory_bytes() / 2**20,
-                 "" if launches is None else f", {launches} launches each replayed as one")
+                 "" if launches is None else
+                 f", {launches} kernel launches replayed as one (size {self.sizes[0]})")
 
     def memory_bytes(self) -> int:
         """Device bytes the graphs hold (private pool on cuda; recorded buffers on sim), plus
