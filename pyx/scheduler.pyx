@@ -488,6 +488,39 @@ cdef class Scheduler:
         self.kv.free_blocks(s)
         self._release_slot(s)
 
+    def patch_sampled_tokens(self, SchedulerOutput out, sampled_token_ids) -> int:
+        """Asynchronous scheduling (runtime/async_scheduling.py): step `out` was updated with
+        placeholder tokens before its sampled tokens were read back; write the real ones over
+        them (rows where out.sample_mask, at token index context_lens[row]: where
+        update_from_output appended it) in the requests still held -- running, waiting or
+        swapped (a preempted request keeps its tokens for its recompute). Rows of requests
+        freed since (finished, aborted) are skipped. Must run before a later update hashes the
+        block holding the token. Returns the number of tokens written."""
+        self._enter()
+        cdef int32_t R = out.num_reqs
+        sampled = np.ascontiguousarray(sampled_token_ids, dtype=np.int32)
+        if sampled.ndim != 1 or sampled.shape[0] != R:
+            raise ValueError(f"sampled_token_ids must be int32 [{R}], got shape {sampled.shape}")
+        mask = np.ascontiguousarray(out.sample_mask, dtype=np.bool_).view(np.uint8)
+        cdef const int32_t[::1] tokens = sampled
+        cdef const uint8_t[::1] samples = mask
+        cdef const int32_t[::1] slots = out._slots
+        cdef const uint32_t[::1] gens = out._slot_gens
+        cdef const int32_t[::1] context = out.context_lens
+        cdef int32_t k, pos, written = 0
+        cdef ReqState* r
+        for k in range(R):
+            if not samples[k]:
+                continue
+            r = &self.reqs[slots[k]]
+            if r.gen != gens[k] or r.status == SLOT_FREE:
+                continue
+            pos = context[k]
+            if pos < r.num_tokens:
+                r.token_ids[pos] = tokens[k]
+                written += 1
+        return written
+
     def fork_request(self, parent_id: int, child_id: int, child_last_token_id=None) -> None:
         """Child of a running request in decode state sharing all its blocks (docs/scheduler.md)."""
         self._enter()

@@ -169,9 +169,11 @@ class DecodeGraphs:
             return 0
         return self.sizes[self._bucket_of[n]]
 
-    def run(self, out, size: int):
+    def run(self, out, size: int, token_source=None):
         """Replay the graph of `size` on step `out`'s inputs: logits [num_reqs, vocab] float32
-        (a view of the graph's output: valid until the next replay)."""
+        (a view of the graph's output: valid until the next replay). token_source: input
+        tokens taken from a device array (model_runner.TokenSource), written into the static
+        token buffer after the upload."""
         n = out.query_lens.shape[0]
         tokens, positions, slots, context, tables = self._host_segments
         tokens[:n] = out.input_token_ids
@@ -183,6 +185,8 @@ class DecodeGraphs:
         tables[:n, width:] = 0
         self._fill_padding(n, size)
         self._upload(size)
+        if token_source is not None:
+            token_source.scatter_into(self.ops, self._device_segments[0])
         captured, logits = self._graphs[size]
         captured.replay()
         self.replays[size] += 1

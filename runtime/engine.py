@@ -45,10 +45,11 @@ import numpy as np
 
 from pagedrun.runtime.backends import make_backend
 from pagedrun.runtime.admission import render_chat, truncate_prompt, verify_params
+from pagedrun.runtime.async_scheduling import AsyncScheduler
 from pagedrun.runtime.chat_options import ChatOptions
 from pagedrun.runtime.decode_graphs import graph_sizes
 from pagedrun.runtime.detokenizer import IncrementalDetokenizer, TokenTexts, position_logprobs
-from pagedrun.runtime.engine_config import EngineConfig
+from pagedrun.runtime.engine_config import EngineConfig, EngineConfigError
 # RequestError, DeviceNotAvailableError and the ERR_* codes live in runtime/errors.py; they are
 # imported here too because `from pagedrun.runtime.engine import RequestError` is public API.
 from pagedrun.runtime.errors import (ERR_CAPACITY, ERR_DUPLICATE, ERR_EMPTY,  # noqa: F401
@@ -236,6 +237,14 @@ class LLMEngine:
         self._generation_tokens_total = 0
         self._num_failed_steps = 0  # in a row, outside any one request
         self._log_capacity()
+        # Asynchronous scheduling (runtime/async_scheduling.py): step N+1 scheduled and
+        # launched before step N's tokens are read back.
+        self._async = None
+        if config.async_scheduling:
+            why_not = self._async_refusal()
+            if why_not is not None:
+                raise EngineConfigError(f"async_scheduling: {why_not}")
+            self._async = AsyncScheduler(self)
 
     @property
     def scheduler(self):
@@ -277,6 +286,17 @@ class LLMEngine:
             self.draft_runner.allocate_kv_cache(num_blocks, num_swap)
         self._capture_graphs(runner)
         return runner
+
+    def _async_refusal(self) -> str | None:
+        """Why this engine cannot schedule asynchronously, or None."""
+        if not getattr(self.backend, "supports_async_scheduling", False):
+            return (f"the {self.backend.name} backend has no device to overlap with (sim and "
+                    f"cuda do)")
+        if self.speculator is not None:
+            return "not with speculative decoding (the proposer reads the latest tokens)"
+        if self.config.world_size > 1:
+            return "not with tensor or pipeline parallelism yet"
+        return None
 
     def _capture_graphs(self, runner) -> None:
         """Decode graphs (runtime/decode_graphs.py) for the configured batch sizes, unless
@@ -643,6 +663,10 @@ class LLMEngine:
         """
         if self.num_virtual_engines > 1:
             return self._pipelined_step()
+        if self._async is not None:
+            outputs = self._async.step()
+            if outputs is not None:
+                return outputs
         touched: dict[str, Request] = {r.request_id: r for r in self._pending_final}
         self._pending_final = []
         if self._requests:

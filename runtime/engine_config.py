@@ -97,6 +97,11 @@ class EngineConfig:
     # forward on CPU threads; the cpu backends have no graphs). enforce_eager: never capture.
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
+    # Asynchronous scheduling (runtime/async_scheduling.py; vLLM's name): step N+1 is scheduled
+    # and launched while step N runs, N's sampled ids read back one step late; the same tokens
+    # as synchronous stepping. Kernel backends (cuda; sim proves it) without speculation or
+    # parallelism; steps with penalties, min_tokens, bad words or n > 1 run synchronously.
+    async_scheduling: bool = False
     # Speculative decoding (vLLM's speculative_config; runtime/spec_decode/spec_config.py): a
     # dict of SpeculativeConfig's fields, e.g. {"method": "ngram", "num_speculative_tokens": 4},
     # or a SpeculativeConfig. None: off. Read through spec_config().

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pagedrun.runtime.backends.step_inputs import DeviceInts
 from pagedrun.runtime.decode_graphs import DecodeGraphs, unsupported_reason
 from pagedrun.runtime.lora.lora_config import LoRAConfig
 from pagedrun.runtime.lora.lora_ops import LoRABatch
@@ -120,6 +121,23 @@ def build_attention_inputs(query_start_loc: np.ndarray, query_lens: np.ndarray,
         num_decode=num_decode,
         num_prefill=num_prefill,
     )
+
+
+@dataclass
+class TokenSource:
+    """Input tokens of a step that are still on the device (asynchronous scheduling: the
+    previous step's sampled ids, not yet read back; the host copy holds placeholders there).
+
+    positions: int64 [k] indices into the step's input_token_ids; ids: the backend's int32
+    device array; id_rows: int64 [k] the index into `ids` of each position's token."""
+
+    positions: np.ndarray
+    ids: object
+    id_rows: np.ndarray
+
+    def scatter_into(self, ops, tokens) -> None:
+        """tokens[positions] = ids[id_rows], on the device (tokens: int32 device array)."""
+        ops.scatter_ids(tokens, self.positions, self.ids, self.id_rows)
 
 
 @dataclass
@@ -290,24 +308,28 @@ class ModelRunner:
             self.ops.copy_blocks(k_caches, v_caches, out.block_copies)
 
     def execute(self, out, prompt_logit_rows: tuple[int, ...] = (),
-                row_lora_slots=None) -> RunnerOutput:
+                row_lora_slots=None, token_source: TokenSource | None = None) -> RunnerOutput:
         """Run one scheduled step. `out` is a pagedrun.pyx.scheduler.SchedulerOutput;
-        row_lora_slots: None, or int [num_reqs] each row's adapter slot (-1: none)."""
+        row_lora_slots: None, or int [num_reqs] each row's adapter slot (-1: none);
+        token_source: input tokens still on the device (asynchronous scheduling)."""
         graphs = self.decode_graphs
         size = 0 if graphs is None else graphs.bucket(out, prompt_logit_rows, row_lora_slots)
         if size:
             self._move_blocks(out)
-            logits = graphs.run(out, size)
+            logits = graphs.run(out, size, token_source)
             if not self.logits_on_device:
                 logits = self.ops.to_host(logits)
             return RunnerOutput(np.arange(out.query_lens.shape[0]), logits, {})
-        hidden = self.forward(out, row_lora_slots=row_lora_slots)
+        hidden = self.forward(out, row_lora_slots=row_lora_slots, token_source=token_source)
         return self.output(out, hidden, prompt_logit_rows)
 
-    def forward(self, out, hidden=None, virtual_engine: int = 0, row_lora_slots=None):
+    def forward(self, out, hidden=None, virtual_engine: int = 0, row_lora_slots=None,
+                token_source: TokenSource | None = None):
         """The step's block moves, then this runner's layers over its tokens: (x, residual),
         each [num_tokens, hidden] (None for a step without tokens). hidden: a later pipeline
-        stage's input, the previous stage's (x, residual); virtual_engine: whose KV pools."""
+        stage's input, the previous stage's (x, residual); virtual_engine: whose KV pools;
+        token_source: input tokens to take from a device array instead of out.input_token_ids
+        (their host values are placeholders)."""
         self._move_blocks(out, virtual_engine)
         if out.num_batched_tokens == 0:
             return None
@@ -318,7 +340,12 @@ class ModelRunner:
                                       out.block_tables, drafts)
         # Uploaded once here, read by every layer (runtime/backends/step_inputs.py).
         step = self.ops.step_inputs(out.positions, out.slot_mapping, attn)
-        return self.model.forward(out.input_token_ids, step.positions, step.slot_mapping,
+        token_ids = out.input_token_ids
+        if token_source is not None:
+            device = self.ops.to_device(np.array(token_ids, dtype=np.int32))  # a copy: patched
+            token_source.scatter_into(self.ops, device)
+            token_ids = DeviceInts(token_ids, device)
+        return self.model.forward(token_ids, step.positions, step.slot_mapping,
                                   step.attn, k_caches, v_caches,
                                   lora=self._lora_step(out, row_lora_slots), hidden=hidden)
 

@@ -21,6 +21,19 @@ from pagedrun.runtime.sampler import (SamplerOutput, check_logprobs_mode, check_
                                       logprob_rows, raw_values)
 
 
+class DeferredSample:
+    """Sampled token ids still on the device: `device` [rows] int32 (the backend's array),
+    `read()` the SamplerOutput (host ids, no logprobs), which waits for the sampling kernel."""
+
+    def __init__(self, device) -> None:
+        self.device = device
+
+    def read(self) -> SamplerOutput:
+        host = self.device if isinstance(self.device, np.ndarray) else self.device.get()
+        token_ids = np.array(host, dtype=np.int32)
+        return SamplerOutput(token_ids, [None] * token_ids.shape[0])
+
+
 class KernelSampler:
     """runtime.sampler.Sampler with the logits processors and sampling on the kernels."""
 
@@ -40,8 +53,11 @@ class KernelSampler:
         return draw_uniforms(self.generator, params, generators)
 
     def sample(self, logits, params, generators, prompt_token_ids, output_token_ids,
-               row_index: Sequence[int] | None = None) -> SamplerOutput:
-        """Sampler.sample's contract; logits may be host (numpy) or device (xp) float32."""
+               row_index: Sequence[int] | None = None, defer_read: bool = False):
+        """Sampler.sample's contract; logits may be host (numpy) or device (xp) float32.
+        defer_read: when no row wants logprobs, return a DeferredSample (the token ids left
+        on the device, read back by its `read()`) instead of a SamplerOutput: asynchronous
+        scheduling launches the next step before it reads these."""
         logits_xp = array_module(logits)
         if not is_identity(row_index, logits.shape[0]):
             logits = logits[logits_xp.asarray(np.asarray(row_index, dtype=np.int64))]
@@ -61,6 +77,8 @@ class KernelSampler:
             process_logits(self.module, processed, params, prompt_token_ids, output_token_ids,
                            self.eos_token_ids, lists=lists)
         tokens = sample(self.module, processed, params, self.draw_uniforms(params, generators))
+        if defer_read and not want:
+            return DeferredSample(tokens)
         token_ids = np.asarray(tokens if self.xp is np else tokens.get(), dtype=np.int32)
         if want and not raw_mode:
             self._processed_values(values, self._host_rows(processed, want), want, params)

@@ -57,6 +57,8 @@ class KernelBackend:
     communicator = "cpu"
     # Decode steps may replay captured graphs (runtime/decode_graphs.py): `graph_capture`.
     supports_graphs = True
+    # The sampler can leave token ids on the device (asynchronous scheduling).
+    supports_async_scheduling = True
 
     def __init__(self, dtype_name: str, xp) -> None:
         if dtype_name not in _ACTIVATION_DTYPE:
@@ -102,6 +104,12 @@ class KernelBackend:
         """The output of a captured graph as its replays will fill it (cuda: a non-owning view
         into the graph pool; the harness: the array itself, which the SimGraph holds)."""
         return array
+
+    def scatter_ids(self, dst, positions: np.ndarray, src, src_rows: np.ndarray) -> None:
+        """dst[positions] = src[src_rows] on the device (int32 token ids; asynchronous
+        scheduling's input tokens from the previous step's sampled ids)."""
+        xp = self.xp
+        dst[xp.asarray(positions)] = src[xp.asarray(src_rows)]
 
     def upload_into(self, dst, host: np.ndarray) -> None:
         """Copy host values into an existing device array (a graph's static input buffer)."""

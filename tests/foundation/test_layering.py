@@ -100,7 +100,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("model_runner", ("pagedrun.runtime.model_runner", "pagedrun.runtime.decode_graphs")),
     ("distributed", ("pagedrun.runtime.distributed", "pagedrun.runtime.distributed.*")),
     # The engine and the public modules beside it (`paged-run env`'s device report).
-    ("engine", ("pagedrun.runtime.engine", "pagedrun.runtime.llm",
+    ("engine", ("pagedrun.runtime.engine", "pagedrun.runtime.async_scheduling",
+                "pagedrun.runtime.llm",
                 "pagedrun.runtime.device_report")),
     ("server", ("pagedrun.server", "pagedrun.server.*")),
     # The package root: lazy top-level names, `python -m pagedrun`, the client re-export.
