@@ -512,6 +512,8 @@ cdef class Scheduler:
         for k in range(R):
             if not samples[k]:
                 continue
+            if slots[k] < 0 or slots[k] >= self.num_slots:
+                continue  # not this scheduler's output (never indexes past the slots)
             r = &self.reqs[slots[k]]
             if r.gen != gens[k] or r.status == SLOT_FREE:
                 continue

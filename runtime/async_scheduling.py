@@ -113,11 +113,14 @@ class AsyncScheduler:
             self._collect(touched)  # the step in flight first; synchronous from the next
             return eng._outputs(touched)
         touched = self._take_pending_final()
+        scheduler = eng.scheduler
         launched = self._launch(touched) if eng._requests else None
         if self.in_flight is not None:
             self._collect(touched)
-        if launched is not None:
+        if launched is not None and eng.scheduler is scheduler:
             self._update(launched, touched)
+        # (else a fault reset the scheduler while collecting: the launched step's requests
+        # were failed with everyone else's, and the fresh scheduler never saw its rows)
         return eng._outputs(touched)
 
     def _take_pending_final(self) -> dict:
