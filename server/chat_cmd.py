@@ -20,8 +20,8 @@ IN_PROCESS_MAX_MODEL_LEN = 2048
 def add_parser(subparsers) -> argparse.ArgumentParser:
     from pagedrun.runtime.engine_config import DEVICES, EngineConfig
     from pagedrun.server.protocol import DEFAULT_HOST, DEFAULT_PORT
-    from pagedrun.server.serve_cmd import (add_graph_options, add_quantization_option,
-                                           add_speculative_config_option)
+    from pagedrun.server.serve_cmd import (add_quantization_option,
+                                           add_speculative_config_option, add_step_options)
 
     p = subparsers.add_parser("chat", help="interactive streaming chat (server or in-process)",
                               description=__doc__.split("\n\n")[1].replace("\n", " "))
@@ -34,7 +34,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", default=EngineConfig().device, choices=DEVICES)
     p.add_argument("--max-model-len", type=int, default=IN_PROCESS_MAX_MODEL_LEN)
     add_quantization_option(p)  # with --in-process
-    add_graph_options(p)
+    add_step_options(p)
     add_speculative_config_option(p)  # with --in-process (a server has its own)
     p.add_argument("-p", "--prompt", default=None, help="ask one question and exit")
     p.add_argument("--system", default=None, help="system message")
@@ -52,6 +52,7 @@ def in_process_engine_config(args):
     return EngineConfig(model=args.model, device=args.device, max_model_len=args.max_model_len,
                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                         enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
+                        async_scheduling=args.async_scheduling,
                         speculative_config=args.speculative_config)
 
 

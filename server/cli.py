@@ -58,11 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
                           help="compute dtype (auto: float32 on cpu, bfloat16 on cuda; "
                           "bfloat16 on cpu: bf16 weights on the compiled GEMM)")
     # The one definition of these flags, shared with serve and chat (light: argparse only).
-    from pagedrun.server.serve_cmd import (add_graph_options, add_quantization_option,
-                                           add_speculative_config_option)
+    from pagedrun.server.serve_cmd import (add_quantization_option,
+                                           add_speculative_config_option, add_step_options)
 
     add_quantization_option(generate)
-    add_graph_options(generate)
+    add_step_options(generate)
     generate.add_argument("--threads", type=int, default=None, metavar="N",
                           help="CPU threads for the numpy math (default: the BLAS library's "
                           "choice; 1 is steadier on a busy shared machine)")
@@ -188,6 +188,7 @@ def generate_engine_config(args: argparse.Namespace, model: str) -> Any:
     return EngineConfig(model=model, device=args.device, dtype=args.dtype,
                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                         enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
+                        async_scheduling=args.async_scheduling,
                         max_num_seqs=1,
                         speculative_config=args.speculative_config)
 

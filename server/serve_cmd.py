@@ -54,7 +54,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     eng.add_argument("--dtype", default=engine.dtype, choices=DTYPES,
                      help="auto: float32 on cpu, bfloat16 on cuda")
     add_quantization_option(eng)
-    add_graph_options(eng)
+    add_step_options(eng)
     eng.add_argument("--tensor-parallel-size", type=int, default=engine.tensor_parallel_size)
     eng.add_argument("--pipeline-parallel-size", type=int,
                      default=engine.pipeline_parallel_size,
@@ -201,15 +201,19 @@ def _graph_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
-def add_graph_options(group) -> None:
-    """--enforce-eager and --cuda-graph-sizes (decode graphs; runtime/decode_graphs.py), shared
-    by serve, generate and chat --in-process."""
+def add_step_options(group) -> None:
+    """--enforce-eager and --cuda-graph-sizes (decode graphs; runtime/decode_graphs.py) and
+    --async-scheduling (runtime/async_scheduling.py), shared by serve, generate and chat
+    --in-process."""
     group.add_argument("--enforce-eager", action="store_true",
                        help="never capture decode graphs: every step launches op by op "
                             "(vLLM's name)")
     group.add_argument("--cuda-graph-sizes", type=_graph_sizes, default=None, metavar="N,N,...",
                        help="decode batch sizes captured as graphs (default on cuda: 1,2,4 and "
                             "every 8 up to min(--max-num-seqs, 512); sim: none)")
+    group.add_argument("--async-scheduling", action="store_true",
+                       help="schedule and launch step N+1 while step N runs (its tokens read "
+                            "back one step late; the same outputs); sim and cuda")
 
 
 def add_speculative_config_option(group) -> None:
@@ -229,7 +233,7 @@ def engine_config_from_args(args):
         model=args.model, device=args.device, dtype=args.dtype,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
-        block_size=args.block_size,
+        async_scheduling=args.async_scheduling, block_size=args.block_size,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, num_kv_blocks=args.num_kv_blocks,

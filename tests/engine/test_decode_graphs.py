@@ -256,9 +256,12 @@ def test_cli_graph_flags():
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers()
     serve_cmd.add_parser(sub)
-    args = parser.parse_args(["serve", "--enforce-eager", "--cuda-graph-sizes", "1,2,8"])
+    args = parser.parse_args(["serve", "--enforce-eager", "--cuda-graph-sizes", "1,2,8",
+                              "--async-scheduling"])
     config = serve_cmd.engine_config_from_args(args)
     assert config.enforce_eager and config.cuda_graph_sizes == (1, 2, 8)
+    assert config.async_scheduling
+    assert not serve_cmd.engine_config_from_args(parser.parse_args(["serve"])).async_scheduling
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--cuda-graph-sizes", "1,0"])
 
