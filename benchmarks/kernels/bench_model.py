@@ -14,10 +14,12 @@ they are built on the host in float32 one matrix at a time and placed by the bac
 On the CPU harness the same script runs a 2-layer toy model (head_dim 64) at concurrency 1 and
 4, so it cannot rot; its times measure the harness.
 
-Decode graphs (runtime/decode_graphs.py): `--graphs both` (the default) runs each concurrency
-eagerly and then with the captured graphs on the same engine (the graphs are set aside for the
-eager pass), `on` / `off` one of them; on cuda the engine captures its default sizes (1, 2, 4,
-8, ... up to 256 here), on the harness SIM_GRAPH_SIZES.
+Decode graphs (runtime/decode_graphs.py) and asynchronous scheduling
+(runtime/async_scheduling.py): `--graphs both` (the default) runs each concurrency eagerly,
+with the captured graphs, then with the graphs and asynchronous scheduling, on the same engine
+(graphs and the async stepper are set aside for the passes without them); `on` / `off` /
+`async` one of them. On cuda the engine captures its default sizes (1, 2, 4, 8, ... up to 256
+here), on the harness SIM_GRAPH_SIZES.
 
 It is also the only benchmark that launches the small fused kernels, which have none of their
 own (docs/kernels.md, "The four siblings"): rms_norm.cu, activation.cu, embedding.cu,
@@ -99,8 +101,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cuda", "sim"), default="cuda")
     ap.add_argument("--layers", type=int, default=None, help="override the layer count")
-    ap.add_argument("--graphs", choices=("both", "on", "off"), default="both",
-                    help="decode graphs: eager then graphs per concurrency (both), or one")
+    ap.add_argument("--graphs", choices=("both", "on", "off", "async"), default="both",
+                    help="eager, graphs, graphs + async scheduling per concurrency (both), or "
+                         "one of them")
     args = ap.parse_args(argv)
     gpu = args.device == "cuda"
     config = model_config(LLAMA3_8B if gpu else TOY, args.layers)
@@ -112,11 +115,13 @@ def main(argv=None) -> int:
         device=args.device, dtype="bfloat16", max_num_seqs=max(concurrency),
         max_num_batched_tokens=max(2048, prompt_tokens), max_model_len=prompt_tokens + gen_tokens,
         num_kv_blocks=None if gpu else 64, enable_prefix_caching=False,
-        enforce_eager=args.graphs == "off", cuda_graph_sizes=None if gpu else SIM_GRAPH_SIZES),
+        enforce_eager=args.graphs == "off", cuda_graph_sizes=None if gpu else SIM_GRAPH_SIZES,
+        async_scheduling=args.graphs in ("both", "async")),
         model_config=config, weights=weights)
     del weights
     info = engine.model_info()
     graphs = engine.runner.decode_graphs
+    stepper = engine._async  # the async scheduler, set aside for the synchronous passes
     print(f"# bench_model on {args.device}: {config.num_hidden_layers} layers, hidden "
           f"{config.hidden_size}, vocab {config.vocab_size}, bf16; KV capacity "
           f"{info['kv_capacity_tokens']} tokens; built in {time.perf_counter() - built:.1f} s")
@@ -124,25 +129,30 @@ def main(argv=None) -> int:
         print(f"# decode graphs: sizes {','.join(map(str, graphs.sizes))} captured in "
               f"{graphs.capture_seconds:.2f} s, {graphs.memory_bytes() / 2**20:.1f} MiB")
     print(f"# prompt {prompt_tokens} tokens, {gen_tokens} generated per request (greedy)")
-    print(f"{'concurrency':>11} {'graphs':>6} {'seconds':>8} {'tokens':>7} {'tokens/s':>9} "
+    print(f"{'concurrency':>11} {'mode':>6} {'seconds':>8} {'tokens':>7} {'tokens/s':>9} "
           f"{'ms/token/seq':>12} {'replays':>7}")
-    modes = {"both": (False, True), "on": (True,), "off": (False,)}[args.graphs]
+    # (graphs, async) per pass: "off" eager, "on" graphs, "async" graphs + async scheduling.
+    passes = {"off": (False, False), "on": (True, False), "async": (True, True)}
+    modes = {"both": ("off", "on", "async")}.get(args.graphs, (args.graphs,))
     rng = np.random.default_rng(1)
+    engine._async = None
     run(engine, 1, prompt_tokens, 2, rng)  # warm-up: module loads / NVRTC, weight placement
     for c in concurrency:
-        for graphed in modes:
-            # The eager pass sets the captured graphs aside: the same engine, weights and pools.
+        for mode in modes:
+            graphed, asynchronous = passes[mode]
+            # A pass without graphs sets them aside: the same engine, weights and pools.
             engine.runner.decode_graphs = graphs if graphed else None
+            engine._async = stepper if asynchronous else None
             before = sum(graphs.replays.values()) if graphs is not None else 0
             seconds, generated = run(engine, c, prompt_tokens, gen_tokens, rng)
             assert generated == c * gen_tokens, (generated, c * gen_tokens)
             replays = sum(graphs.replays.values()) - before if graphs is not None else 0
             if graphed and graphs is not None:
                 assert replays > 0, "no decode step replayed a graph"
-            print(f"{c:>11} {'on' if graphed else 'off':>6} {seconds:>8.2f} {generated:>7} "
+            print(f"{c:>11} {mode:>6} {seconds:>8.2f} {generated:>7} "
                   f"{generated / seconds:>9.1f} {1e3 * seconds / gen_tokens:>12.2f} "
                   f"{replays:>7}")
-    engine.runner.decode_graphs = graphs
+    engine.runner.decode_graphs, engine._async = graphs, stepper
     return 0
 
 

@@ -251,7 +251,8 @@ def test_bench_model_runs_on_the_harness(capsys):
     assert bench.main(["--device", "sim"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()
             if line.strip() and line.split()[0].isdigit()]
-    # Each concurrency eagerly, then with decode graphs (which replayed).
+    # Each concurrency eagerly, with decode graphs (which replayed), and with graphs and
+    # asynchronous scheduling.
     assert [(int(r[0]), r[1]) for r in rows] == [
-        (c, mode) for c in bench.SIM_CONCURRENCY for mode in ("off", "on")]
-    assert all((int(r[-1]) > 0) == (r[1] == "on") for r in rows)
+        (c, mode) for c in bench.SIM_CONCURRENCY for mode in ("off", "on", "async")]
+    assert all((int(r[-1]) > 0) == (r[1] != "off") for r in rows)
