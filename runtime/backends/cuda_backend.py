@@ -79,9 +79,10 @@ class CudaBackend(KernelBackend):
         return cuda_graph_capture(self)
 
     def upload_into(self, dst, host) -> None:
-        # From pageable host memory the copy is staged before set() returns: the caller may
-        # refill `host` for the next step at once.
-        dst.set(host, stream=self.stream)
+        # cupy.asarray stages a host array through pinned memory and copies asynchronously
+        # (a copy from pageable memory may wait for the stream's earlier work, which would
+        # undo asynchronous scheduling); one small device-to-device copy into the static buffer.
+        dst[...] = self.xp.asarray(host)
 
     def graph_output(self, array):
         """A view of a captured graph's output that does not own its memory: the buffer goes

@@ -23,14 +23,27 @@ from pagedrun.runtime.sampler import (SamplerOutput, check_logprobs_mode, check_
 
 class DeferredSample:
     """Sampled token ids still on the device: `device` [rows] int32 (the backend's array),
-    `read()` the SamplerOutput (host ids, no logprobs), which waits for the sampling kernel."""
+    `read()` the SamplerOutput (host ids, no logprobs).
 
-    def __init__(self, device) -> None:
+    On a GPU the ids are copied to page-locked host memory right behind the sampling kernel
+    (an asynchronous copy, then an event on the stream), so `read()` waits for that event only,
+    not for the work queued after it (the next step's forward, asynchronous scheduling): a
+    plain .get() would synchronize the whole stream."""
+
+    def __init__(self, device, xp=np) -> None:
         self.device = device
+        self._host, self._event = device, None
+        if xp is not np:
+            import cupyx
+
+            self._host = cupyx.empty_pinned(device.shape, dtype=np.int32)
+            device.get(out=self._host, blocking=False)
+            self._event = xp.cuda.get_current_stream().record()
 
     def read(self) -> SamplerOutput:
-        host = self.device if isinstance(self.device, np.ndarray) else self.device.get()
-        token_ids = np.array(host, dtype=np.int32)
+        if self._event is not None:
+            self._event.synchronize()
+        token_ids = np.array(self._host, dtype=np.int32)
         return SamplerOutput(token_ids, [None] * token_ids.shape[0])
 
 
@@ -78,7 +91,7 @@ class KernelSampler:
                            self.eos_token_ids, lists=lists)
         tokens = sample(self.module, processed, params, self.draw_uniforms(params, generators))
         if defer_read and not want:
-            return DeferredSample(tokens)
+            return DeferredSample(tokens, self.xp)
         token_ids = np.asarray(tokens if self.xp is np else tokens.get(), dtype=np.int32)
         if want and not raw_mode:
             self._processed_values(values, self._host_rows(processed, want), want, params)

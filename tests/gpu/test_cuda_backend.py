@@ -69,6 +69,27 @@ def test_cuda_decode_graphs_equal_eager(sim_model, dtype):
     assert tokens[True] == tokens[False]
 
 
+def test_cuda_async_scheduling_equals_sync(sim_model):
+    """Asynchronous scheduling on a real stream (runtime/async_scheduling.py): the ids read
+    back through pinned memory one step late, stops found late, graphs on: the synchronous
+    engine's tokens and finish reasons."""
+    rng = np.random.default_rng(13)
+    prompts = [rng.integers(3, sim_model[0].vocab_size, n).tolist() for n in (5, 40, 70, 1, 17)]
+    outputs = {}
+    for asynchronous in (False, True):
+        engine = make_engine(sim_model, device="cuda", dtype="float32", num_kv_blocks=48,
+                             max_num_batched_tokens=48, cuda_graph_sizes=(1, 2, 4, 8),
+                             async_scheduling=asynchronous)
+        reqs = [(i, f"r{i}", dict(prompt_token_ids=p, sampling_params=greedy(10 + i)))
+                for i, p in enumerate(prompts)]
+        outs = run_requests(engine, reqs)
+        outputs[asynchronous] = {k: (v.outputs[0].token_ids, v.outputs[0].finish_reason)
+                                 for k, v in outs.items()}
+        if asynchronous:
+            assert engine._async.steps > 0
+    assert outputs[True] == outputs[False]
+
+
 def test_cuda_bf16_logits_within_tolerance(sim_model):
     config, weights = sim_model
     w = _bf16_weights(weights)
