@@ -20,7 +20,9 @@ Each step's host time is split (benchmarks/host/step_phases.py) into schedule, i
 (sampling plan, block moves, attention metadata, step inputs), launches (the model's forward and
 LM head: every op call), sampling, and postprocessing (detokenize, token bookkeeping and stop
 checks, scheduler update, output objects, the rest); medians over the measured steps, in
-microseconds (the total is the median of step totals, not the sum of the medians).
+microseconds (the total is the median of step totals, not the sum of the medians). "w/o
+sampling": the median over steps of the step's total less its sampling, per sequence (issue 13
+item 4's measure of the host's own time per sequence; the numpy sampler's is left out).
 
 After each step the benchmark reads every output's `text`, as the server's I/O thread does, and
 times that apart ("text read", microseconds per step, not part of the step; it includes the
@@ -229,6 +231,10 @@ def _summarize(kind: str, level: int, steps: list[dict]) -> dict:
     median_us = {p: _median(s[p] for s in per_step) / 1e3 for p in PHASES}
     result = {"backend": kind, "num_seqs": level, "steps_measured": len(steps),
               "median_us": median_us, "total_us_per_seq": median_us["total"] / level,
+              # Item 4's measure: the host's time per sequence with the sampler's left out (the
+              # median of each step's total less its sampling).
+              "host_us_per_seq_without_sampling": _median(
+                  s["total"] - s["sampling"] for s in per_step) / 1e3 / level,
               "text_read_us": _median(s["text_read_ns"] for s in steps) / 1e3}
     if kind == "null":
         result["op_calls_per_step"] = _median(s["op_calls"] for s in steps)
@@ -254,7 +260,7 @@ def _table(results: dict) -> str:
     cols = ("schedule", "input_prep", "launches", "sampling", "postprocess", "detokenize",
             "stop_checks", "scheduler_update", "output_objects", "other", "total")
     head = ("| seqs | backend | " + " | ".join(cols)
-            + " | us/seq | launches/step | arg bytes/step | text read |")
+            + " | us/seq | w/o sampling | launches/step | arg bytes/step | text read |")
     lines = [f"CPU: {results['cpu']}; load average {results['load_average_start']} at start, "
              f"{results['load_average_end']} at end; median microseconds per decode step",
              head, "|" + "---|" * (head.count("|") - 1)]
@@ -265,7 +271,8 @@ def _table(results: dict) -> str:
         arg_bytes = run.get("kernel_arg_bytes_per_step")
         lines.append(f"| {run['num_seqs']} | {run['backend']} | "
                      + " | ".join(f"{m[c]:.0f}" for c in cols)
-                     + f" | {run['total_us_per_seq']:.1f} | {launches:.0f}{unit} | "
+                     + f" | {run['total_us_per_seq']:.1f}"
+                     + f" | {run['host_us_per_seq_without_sampling']:.1f} | {launches:.0f}{unit} | "
                      + ("-" if arg_bytes is None else f"{arg_bytes:.0f}")
                      + f" | {run['text_read_us']:.0f} |")
     return "\n".join(lines)

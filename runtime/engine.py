@@ -65,7 +65,7 @@ from pagedrun.runtime.model_config import ModelConfig
 from pagedrun.runtime.model_loader import load_model
 from pagedrun.runtime.model_runner import ModelRunner, RunnerOutput
 from pagedrun.runtime.outputs import RequestOutput
-from pagedrun.runtime.request import Request, Sequence
+from pagedrun.runtime.request import Request, Sequence, take_outputs
 from pagedrun.runtime.sampler import (SamplerOutput, log_softmax, make_request_generator,
                                       token_logprobs)
 from pagedrun.runtime.sampling_params import SamplingParams, SamplingParamsError
@@ -73,7 +73,7 @@ from pagedrun.runtime.spec_decode.draft_model import DraftModelProposer
 from pagedrun.runtime.spec_decode.speculator import Speculator, SpecRow
 from pagedrun.runtime.stop_checker import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH,
                                            FINISH_STOP, check_token_stop, find_stop_string,
-                                           needs_text)
+                                           needs_text, token_stop_bounds)
 from pagedrun.runtime.weights import ModelWeights
 
 log = logging.getLogger("pagedrun.engine")
@@ -746,8 +746,7 @@ class LLMEngine:
     def _outputs(touched: dict[str, Request]) -> list[RequestOutput]:
         """The step's outputs: one per touched request, as its output_kind asks (a
         FINAL_ONLY request still running has none)."""
-        outputs = [r.take_output() for r in touched.values()]
-        return [o for o in outputs if o is not None]
+        return take_outputs(touched.values())
 
     def _plan_sampling(self, out, failed: dict[str, str]) -> SamplingBatch:
         """Which sequence samples from which logits row this step: the one place where an
@@ -756,44 +755,53 @@ class LLMEngine:
         prompt-logprob rows are picked. Also records prefix-cache hits and the first scheduled
         time of new requests."""
         now = time.monotonic()
-        for seq_id, num_cached in zip(out.new_req_ids, out.num_prefix_cached_tokens):
-            request, seq = self._seqs[int(seq_id)]
+        seqs = self._seqs
+        for seq_id, num_cached in zip(out.new_req_ids.tolist(),
+                                      out.num_prefix_cached_tokens.tolist()):
+            request, seq = seqs[seq_id]
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
             if seq.index == 0 and not seq.output_token_ids and not request.num_cached_prompt_tokens:
-                request.num_cached_prompt_tokens = int(num_cached)
-        req_ids = out.req_ids
+                request.num_cached_prompt_tokens = num_cached
+        # Python ints and (request, sequence) per row, converted once: this runs per row.
+        row_seq_ids = out.req_ids.tolist()
+        entries = [seqs[seq_id] for seq_id in row_seq_ids]
         batch = SamplingBatch(prompt_logit_rows=tuple(
-            row for row in range(out.num_reqs) if self._wants_prompt_logits(
-                int(req_ids[row]), int(out.num_computed_tokens_before[row]),
+            row for row, entry in enumerate(entries)
+            if entry[0].prompt_logprobs is not None and self._wants_prompt_logits(
+                row_seq_ids[row], int(out.num_computed_tokens_before[row]),
                 int(out.query_lens[row]))))
         sample_rows = np.flatnonzero(out.sample_mask)  # RunnerOutput.sample_rows
-        logits_start = np.arange(sample_rows.size)  # RunnerOutput.logits_start, if any
+        num_drafts = None  # per row, only when some row verifies drafts
+        logits_start = range(sample_rows.size)  # RunnerOutput.logits_start, if any
         if out.total_draft_tokens:
-            logits_start = np.cumsum(out.num_draft_tokens[sample_rows] + 1) - (
-                out.num_draft_tokens[sample_rows] + 1)
-        for row, start in zip(sample_rows.tolist(), logits_start.tolist()):
-            request, seq = self._seqs[int(req_ids[row])]
-            num_draft = int(out.num_draft_tokens[row])
-            if num_draft:  # verifies its drafts: the query tokens after its last token
+            num_drafts = out.num_draft_tokens.tolist()
+            logits_start = (np.cumsum(out.num_draft_tokens[sample_rows] + 1) - (
+                out.num_draft_tokens[sample_rows] + 1)).tolist()
+        targets, row_index = batch.targets, batch.row_index
+        for row, start in zip(sample_rows.tolist(), logits_start):
+            request, seq = entries[row]
+            if num_drafts is not None and num_drafts[row]:
+                # Verifies its drafts: the query tokens after its last token.
+                num_draft = num_drafts[row]
                 first = int(out.query_start_loc[row]) + 1
                 batch.spec.append(SpecRow(row, seq, request, start,
                                           out.input_token_ids[first:first + num_draft]))
                 continue
-            sequences = [seq]
-            if request.params.n > 1 and not request.forked:
-                request.forked = True
-                try:
-                    siblings = [self._new_sequence(request, k)
-                                for k in range(1, request.params.n)]
-                except Exception as exc:  # noqa: BLE001 -- this request's fault only
-                    failed[request.request_id] = _describe("expanding n > 1", exc)
-                    continue
-                batch.forks.append((seq, siblings))
-                sequences += siblings
-            for s in sequences:
-                batch.targets.append((int(row), s, request))
-                batch.row_index.append(start)
+            if request.params.n <= 1 or request.forked:  # one sequence samples from the row
+                targets.append((row, seq, request))
+                row_index.append(start)
+                continue
+            request.forked = True
+            try:
+                siblings = [self._new_sequence(request, k) for k in range(1, request.params.n)]
+            except Exception as exc:  # noqa: BLE001 -- this request's fault only
+                failed[request.request_id] = _describe("expanding n > 1", exc)
+                continue
+            batch.forks.append((seq, siblings))
+            for s in [seq, *siblings]:
+                targets.append((row, s, request))
+                row_index.append(start)
         return batch
 
     # ------------------------------------------------------------------ speculative decoding
@@ -938,67 +946,21 @@ class LLMEngine:
                                           logits)
             except Exception as exc:  # noqa: BLE001 -- this request's fault only
                 failed.setdefault(request.request_id, _describe("prompt logprobs", exc))
-        now = time.monotonic()
-        sampled_ids = sampled.token_ids.tolist()  # Python ints, one conversion per step
-        append_token = self._append_token
-        for j, (_, seq, request) in enumerate(batch.targets):
-            request_id = request.request_id
-            if request_id in failed or request.finished:  # finished: aborted in flight
-                continue
-            try:
-                if seq.logprobs is not None:
-                    entry = sampled.logprobs[j]  # TokenLogprobs
-                    seq.logprobs.append(position_logprobs(entry, self._token_texts))
-                    seq.cumulative_logprob += entry.logprob
-                append_token(request, seq, sampled_ids[j])
-            except Exception as exc:  # noqa: BLE001 -- this request's fault only
-                failed[request_id] = _describe("postprocessing a token", exc)
-                continue
-            if request.first_token_time is None:
-                request.first_token_time = now
-            touched[request_id] = request
-        # Spec rows: their tokens one at a time, up to the first that ends the sequence (so a
-        # stop is never overshot); `emitted` is what the scheduler appends.
-        emitted: list[list[int]] = []
-        for j, spec in enumerate(batch.spec):
-            request, seq = spec.request, spec.seq
-            emitted.append([])
-            if request.request_id in failed:
-                continue
-            try:
-                for i, token in enumerate(verified.tokens[j]):
-                    if verified.logprobs[j] is not None:
-                        entry = verified.logprobs[j][i]
-                        seq.logprobs.append(position_logprobs(entry, self._token_texts))
-                        seq.cumulative_logprob += entry.logprob
-                    self._append_token(request, seq, int(token))
-                    emitted[j].append(int(token))
-                    if seq.finished:
-                        break
-            except Exception as exc:  # noqa: BLE001 -- this request's fault only
-                failed[request.request_id] = _describe("postprocessing a token", exc)
-                continue
-            touched[request.request_id] = request
+        ended, stopped, complete, emitted = self._append_sampled(batch, sampled, verified,
+                                                                 failed, touched)
         self._fail_requests(failed, touched)  # aborted now: update_from_output skips their rows
-        # Scheduler rows: sampled token and stop flag. An n > 1 parent that stops on its first
-        # token while a sibling lives stays running until the siblings are forked from it.
-        # Built as lists (a numpy element write costs more than the rest of the row).
-        row_seq_ids = req_ids.tolist()
-        row_tokens = [0] * len(row_seq_ids)
-        row_stops = [False] * len(row_seq_ids)
-        siblings_of = {id(parent): sibs for parent, sibs in batch.forks}
-        for row, seq, request in batch.targets:
-            if seq.seq_id != row_seq_ids[row] or request.finished:
-                continue  # a sibling (not a scheduler row yet), or failed
-            row_tokens[row] = seq.output_token_ids[-1]
-            if seq.finish_reason is not None:
-                row_stops[row] = not (siblings_of and any(
-                    not s.finished for s in siblings_of.get(id(seq), ())))
-        token_ids = np.array(row_tokens, dtype=np.int32)
-        stop_mask = np.array(row_stops, dtype=bool)
+        num_reqs = out.num_reqs
+        if complete and not batch.forks and not batch.spec and len(batch.targets) == num_reqs:
+            # Every row sampled one token for its own sequence, in row order: the sampler's
+            # tokens are the rows' tokens and only the rows that ended stop.
+            token_ids = sampled.token_ids
+            stop_mask = np.zeros(num_reqs, dtype=bool)
+            stop_mask[stopped] = True
+        else:
+            token_ids, stop_mask = self._scheduler_rows(req_ids, batch)
         num_accepted, accepted = None, []
         if batch.spec:
-            num_accepted = np.zeros(out.num_reqs, dtype=np.int32)
+            num_accepted = np.zeros(num_reqs, dtype=np.int32)
             for spec, tokens in zip(batch.spec, emitted):
                 if not tokens:
                     continue  # failed before its first token: the scheduler skips the row
@@ -1033,10 +995,116 @@ class LLMEngine:
                 # tokens, so this is a defect, but the request must still end cleanly.
                 log.error("scheduler finished sequence %d before the engine did", seq_id)
                 entry[1].finish_reason = FINISH_LENGTH
-        for request in touched.values():
+                ended[entry[0].request_id] = entry[0]
+        # Only a request with a sequence that ended in this step can have just finished (the
+        # others' last sequence ended earlier, when it finished, or never did).
+        for request in ended.values():
             if not request.finished and all(s.finished for s in request.seqs) and (
                     len(request.seqs) == request.params.n):
                 self._finish_request(request)
+
+    def _append_sampled(self, batch: SamplingBatch, sampled: SamplerOutput,
+                        verified: VerifiedRows | None, failed: dict[str, str],
+                        touched: dict[str, Request]) -> tuple[dict[str, Request], list[int],
+                                                              bool, list[list[int]]]:
+        """Append every token of the step to its sequence and check its stops: the sampled
+        rows, then the spec rows' tokens one at a time, up to the first that ends the sequence
+        (so a stop is never overshot). A token of a request without stop strings that neither
+        reaches the length limit nor is a stop token id (Request.token_stops) is only appended:
+        check_token_stop would answer None; every other token takes _append_token.
+
+        Returns (ended: the requests with a sequence that ended, stopped: the indices into
+        batch.targets of the sequences that ended, complete: every target got its token,
+        emitted: per spec row, the tokens the scheduler appends)."""
+        now = time.monotonic()
+        sampled_ids = sampled.token_ids.tolist()  # Python ints, one conversion per step
+        append_token = self._append_token
+        ended: dict[str, Request] = {}
+        stopped: list[int] = []
+        complete = True
+        num_appended = 0  # tokens appended here without _append_token (which counts its own)
+        for j, (_, seq, request) in enumerate(batch.targets):
+            request_id = request.request_id
+            if request.finished or (failed and request_id in failed):  # finished: aborted
+                complete = False                                       # in flight
+                continue
+            token = sampled_ids[j]
+            try:
+                if seq.logprobs is not None:
+                    entry = sampled.logprobs[j]  # TokenLogprobs
+                    seq.logprobs.append(position_logprobs(entry, self._token_texts))
+                    seq.cumulative_logprob += entry.logprob
+                stops = request.token_stops
+                if stops is None:
+                    stops = request.token_stops = self._token_stops(request)
+                output_token_ids = seq.output_token_ids
+                if (stops and seq.finish_reason is None and len(output_token_ids) + 1 < stops[0]
+                        and token not in stops[1]):
+                    output_token_ids.append(token)
+                    num_appended += 1
+                else:
+                    append_token(request, seq, token)
+                    if seq.finish_reason is not None:
+                        stopped.append(j)
+                        ended[request_id] = request
+            except Exception as exc:  # noqa: BLE001 -- this request's fault only
+                failed[request_id] = _describe("postprocessing a token", exc)
+                complete = False
+                continue
+            if request.first_token_time is None:
+                request.first_token_time = now
+            touched[request_id] = request
+        self._generation_tokens_total += num_appended
+        emitted: list[list[int]] = []
+        for j, spec in enumerate(batch.spec):
+            request, seq = spec.request, spec.seq
+            emitted.append([])
+            if request.request_id in failed:
+                continue
+            try:
+                for i, token in enumerate(verified.tokens[j]):
+                    if verified.logprobs[j] is not None:
+                        entry = verified.logprobs[j][i]
+                        seq.logprobs.append(position_logprobs(entry, self._token_texts))
+                        seq.cumulative_logprob += entry.logprob
+                    self._append_token(request, seq, int(token))
+                    emitted[j].append(int(token))
+                    if seq.finished:
+                        ended[request.request_id] = request
+                        break
+            except Exception as exc:  # noqa: BLE001 -- this request's fault only
+                failed[request.request_id] = _describe("postprocessing a token", exc)
+                continue
+            touched[request.request_id] = request
+        return ended, stopped, complete, emitted
+
+    def _token_stops(self, request: Request) -> tuple[int, frozenset[int]] | bool:
+        """Request.token_stops: False (every token takes _append_token) for a request whose
+        text the engine decodes as it goes, else its stop_checker.token_stop_bounds."""
+        if needs_text(request.params):
+            return False
+        return token_stop_bounds(request.params, len(request.prompt_token_ids),
+                                 self.eos_token_ids, self.max_model_len)
+
+    def _scheduler_rows(self, req_ids: np.ndarray,
+                        batch: SamplingBatch) -> tuple[np.ndarray, np.ndarray]:
+        """Each scheduler row's sampled token and stop flag, from its sequence (rows that did
+        not sample, and those of failed requests, get 0 and no stop; the scheduler skips the
+        latter). An n > 1 parent that stops on its first token while a sibling lives stays
+        running until the siblings are forked from it. Built as lists (a numpy element write
+        costs more than the rest of the row)."""
+        row_seq_ids = req_ids.tolist()
+        row_tokens = [0] * len(row_seq_ids)
+        row_stops = [False] * len(row_seq_ids)
+        siblings_of = {id(parent): sibs for parent, sibs in batch.forks}
+        for row, seq, request in batch.targets:
+            if seq.seq_id != row_seq_ids[row] or request.finished:
+                continue  # a sibling (not a scheduler row yet), or failed
+            row_tokens[row] = seq.output_token_ids[-1]
+            if seq.finish_reason is not None:
+                row_stops[row] = not (siblings_of and any(
+                    not s.finished for s in siblings_of.get(id(seq), ())))
+        return np.array(row_tokens, dtype=np.int32), np.array(row_stops, dtype=bool)
 
     # ------------------------------------------------------------------ failures
 

@@ -82,10 +82,29 @@ def _set_completion_text(self: CompletionOutput, text: str) -> None:
     self.deferred_text = None
 
 
+_NEW_LIST = object()  # CompletionOutput's token_ids default: a new list per object
+
+
+def _completion_init(self: CompletionOutput, index: int, token_ids: list[int] = _NEW_LIST,
+                     text: str = "", logprobs: SampleLogprobs | None = None,
+                     cumulative_logprob: float | None = None, finish_reason: str | None = None,
+                     stop_reason: int | str | None = None) -> None:
+    # The dataclass's own __init__, less the call of the `text` property it would make (this
+    # runs for every sequence at every step).
+    self.index = index
+    self.token_ids = [] if token_ids is _NEW_LIST else token_ids
+    self._text = text
+    self.logprobs = logprobs
+    self.cumulative_logprob = cumulative_logprob
+    self.finish_reason = finish_reason
+    self.stop_reason = stop_reason
+
+
 # After the dataclass is made: `text` stays a field (the constructor's third argument, in
 # __eq__ and __repr__), read and written through the property.
 CompletionOutput.text = property(_completion_text, _set_completion_text,
                                  doc="The text (of this delta, or all of it).")
+CompletionOutput.__init__ = _completion_init
 
 
 @dataclass

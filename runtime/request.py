@@ -13,10 +13,14 @@ Text: a sequence with stop strings is detokenized by the engine token by token (
 read the text, and the stream holds back what could become one); any other sequence's outputs
 carry marks into a DeferredText instead, and the detokenizer runs when their `text` is read
 (stop_checker.needs_text), which gives the same text.
+
+`take_outputs` makes a step's outputs: the common request's inline (one sequence, DELTA,
+deferred text), every other through its take_output.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import numpy as np
 
@@ -126,6 +130,14 @@ class Request:
     error: str | None = None
     # Pipeline parallelism: the virtual engine (scheduler and KV pools) the request runs on.
     virtual_engine: int = 0
+    # The engine's per-token stop test, made on the first sampled token: (length_limit,
+    # stop_ids) from stop_checker.token_stop_bounds, or False when every token takes the full
+    # path (stop strings: the text is detokenized and searched at every token).
+    token_stops: tuple[int, frozenset[int]] | bool | None = None
+    # Whether take_outputs may build this request's outputs inline: one sequence, DELTA
+    # outputs, no prompt logprobs, text the engine does not decode (a tokenizer, no stop
+    # strings); made on the first output (None: not yet).
+    inline_output: bool | None = None
 
     def usage(self) -> Usage:
         return Usage(len(self.prompt_token_ids), self.num_cached_prompt_tokens,
@@ -162,3 +174,59 @@ class Request:
                              usage, prompt_logprobs, self.arrival_time,
                              self.first_scheduled_time, self.first_token_time,
                              self.finished_time, self.error)
+
+
+def take_outputs(requests: Iterable[Request]) -> list[RequestOutput]:
+    """The step's outputs: `take_output()` of each request, the Nones (FINAL_ONLY requests
+    still running) left out. This runs for every running request at every step, so the common
+    request -- one sequence, DELTA outputs, deferred text, no prompt logprobs -- is built here
+    inline, exactly as Request.take_output and Sequence.take_output(0, False, True) build it
+    (tests/engine/test_take_outputs.py holds the two to the same outputs); any other goes
+    through take_output."""
+    outputs = []
+    append = outputs.append
+    for request in requests:
+        inline = request.inline_output
+        if inline is None:  # (what it depends on is fixed at admission)
+            params = request.params
+            inline = request.inline_output = (
+                params.output_kind == _DELTA and not needs_text(params) and params.n == 1
+                and request.prompt_logprobs is None and len(request.seqs) == 1
+                and request.seqs[0].detokenizer is not None)
+        if not inline:
+            output = request.take_output()
+            if output is not None:
+                append(output)
+            continue
+        seq = request.seqs[0]
+        token_ids = seq.output_token_ids
+        num_tokens = len(token_ids)
+        first_token = seq.num_tokens_emitted
+        logprobs = seq.logprobs
+        completion = CompletionOutput(
+            seq.index, token_ids[first_token:], "",
+            None if logprobs is None else logprobs[first_token:],
+            None if logprobs is None else seq.cumulative_logprob,
+            seq.finish_reason, seq.stop_reason)
+        seq.num_tokens_emitted = num_tokens
+        deferred = seq.deferred_text
+        if deferred is None:
+            deferred = seq.deferred_text = DeferredText(seq.detokenizer, token_ids)
+        final_text_tokens = seq.final_text_tokens
+        if final_text_tokens is None:
+            end = num_tokens
+        else:  # ended by the engine: its held bytes come out too
+            deferred.final_num_tokens = final_text_tokens
+            end = FINAL_MARK
+        start = seq.text_mark
+        if start != end:  # (a delta without new tokens keeps "")
+            completion.deferred_text = (deferred, start, end)
+        seq.text_mark = end
+        prompt_token_ids = request.prompt_token_ids
+        append(RequestOutput(request.request_id, prompt_token_ids, [completion], request.finished,
+                             Usage(len(prompt_token_ids), request.num_cached_prompt_tokens,
+                                   num_tokens), None, request.arrival_time,
+                             request.first_scheduled_time, request.first_token_time,
+                             request.finished_time, request.error))
+    return outputs
+

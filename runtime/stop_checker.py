@@ -12,6 +12,8 @@ vllm/v1/core/sched/utils.py check_stop), each later rule only if no earlier one 
   4. a `stop_token_ids` member -> "stop", stop_reason = that id.
 The engine then skips detokenizing a token that ended the sequence with "stop" unless
 `include_stop_str_in_output` (its id stays in token_ids, its text never enters `text`).
+`token_stop_bounds` reduces these rules to two tests per token (made once per request), so the
+engine runs the check itself only on the few tokens that could end a sequence.
 
 `find_stop_string` -- on the text the token added (vLLM's vllm/v1/engine/detokenizer.py
 check_stop_strings), only once more than `min_tokens` tokens exist, and only for matches that
@@ -60,6 +62,23 @@ def check_token_stop(params: SamplingParams, token_id: int, num_output_tokens: i
     if params.stop_token_ids and token_id in params.stop_token_ids:
         return FINISH_STOP, token_id
     return None
+
+
+def token_stop_bounds(params: SamplingParams, prompt_len: int, eos_token_ids: frozenset[int],
+                      max_model_len: int) -> tuple[int, frozenset[int]]:
+    """What `check_token_stop` needs of one sequence, made once per request so that the engine's
+    per-token test is two comparisons: (length_limit, stop_ids). check_token_stop can answer
+    anything but None only when `num_output_tokens >= length_limit` (max_tokens, or prompt +
+    output reaching max_model_len) or `token_id in stop_ids` (EOS unless ignore_eos, and
+    stop_token_ids); for a token passing neither the answer is None, and only the tokens that
+    pass one need the full check (which applies min_tokens and the rules' order)."""
+    length_limit = max_model_len - prompt_len
+    if params.max_tokens is not None:
+        length_limit = min(length_limit, params.max_tokens)
+    stop_ids = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+    if params.stop_token_ids:
+        stop_ids |= frozenset(params.stop_token_ids)
+    return length_limit, stop_ids
 
 
 def find_stop_string(text: str, num_new_chars: int, stop: list[str],

@@ -10,14 +10,16 @@ Timers (inclusive nanoseconds per step) and where they sit in LLMEngine.step:
     forward, logits   runner.model.forward / runner.model.logits: every op call (launch)
     sample            LLMEngine._sample
     postprocess       LLMEngine._postprocess
-    append_token      LLMEngine._append_token: token stop checks, detokenization, stop strings
+    append            LLMEngine._append_sampled: every token appended and stop-checked (once per
+                      step; _append_token, with detokenization and stop strings, inside it)
     detokenize        IncrementalDetokenizer.add_token (patched on the class while installed)
     scheduler_update  scheduler.update_from_output
     outputs           LLMEngine._outputs: the RequestOutput objects
 
 `phases(raw)` turns them into the exclusive phases the benchmark reports (PHASES). Each
-wrapper costs a few hundred nanoseconds (`wrapper_overhead_ns` measures it); append_token and
-detokenize run once per sequence, so their wrappers add that much per sequence to postprocess.
+wrapper costs a few hundred nanoseconds (`wrapper_overhead_ns` measures it); detokenize runs
+once per token it decodes (only with stop strings inside a step), so its wrapper adds that much
+per sequence to postprocess.
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ def phases(raw: dict[str, int]) -> dict[str, int]:
         "sampling": g("sample", 0),
         "postprocess": postprocess,
         "detokenize": g("detokenize", 0),
-        "stop_checks": g("append_token", 0) - g("detokenize", 0),
+        "stop_checks": g("append", 0) - g("detokenize", 0),
         "scheduler_update": g("scheduler_update", 0),
         "output_objects": g("outputs", 0),
         "other": g("step", 0) - timed,
@@ -111,7 +113,7 @@ class StepPhases:
         engine.scheduler = self._scheduler
         self._undo.append(lambda: setattr(engine, "scheduler", inner_scheduler))
         for name, key in (("_plan_sampling", "plan_sampling"), ("_sample", "sample"),
-                          ("_postprocess", "postprocess"), ("_append_token", "append_token"),
+                          ("_postprocess", "postprocess"), ("_append_sampled", "append"),
                           ("_outputs", "outputs")):
             self._patch_instance(engine, name, key)
         self._patch_instance(engine.runner, "execute", "execute")

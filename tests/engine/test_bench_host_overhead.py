@@ -61,6 +61,7 @@ def test_every_level_and_backend_completed_its_steps_with_every_phase(smoke):
         assert run["median_us"]["total"] > 0
         assert run["total_us_per_seq"] == pytest.approx(run["median_us"]["total"]
                                                         / run["num_seqs"])
+        assert 0 < run["host_us_per_seq_without_sampling"] <= run["total_us_per_seq"]
 
 
 def test_null_backend_op_calls_do_not_depend_on_the_batch(smoke):

@@ -98,6 +98,12 @@ def test_sampling_fault_fails_only_its_request(tiny_cpu_model, monkeypatch):
 def test_postprocess_fault_fails_only_its_request(tiny_cpu_model, monkeypatch, phase, method,
                                                   failing_call):
     engine = _engine(tiny_cpu_model)
+    if method == "_append_token":
+        # Every victim token through _append_token (a plain request's token that cannot stop
+        # skips it: test_append_only_token_fault_fails_only_its_request covers that path).
+        token_stops = engine._token_stops
+        monkeypatch.setattr(engine, "_token_stops",
+                            lambda r: False if r.request_id == VICTIM else token_stops(r))
     original = getattr(engine, method)
     calls = {"n": 0}
 
@@ -117,6 +123,34 @@ def test_postprocess_fault_fails_only_its_request(tiny_cpu_model, monkeypatch, p
     outs = run_requests(engine, requests)
     assert calls["n"] >= failing_call
     _check(tiny_cpu_model, engine, requests, outs, phase)
+
+
+def test_append_only_token_fault_fails_only_its_request(tiny_cpu_model, monkeypatch):
+    """A token that can stop nothing is appended without _append_token; a fault there (here
+    its logprob entry's text, at the victim's second token) fails its request alone too."""
+    engine = _engine(tiny_cpu_model)
+    append_token = engine._append_token
+    victim_full_path = []
+
+    def counting_append_token(request, seq, token):
+        if request.request_id == VICTIM:
+            victim_full_path.append(token)
+        return append_token(request, seq, token)
+
+    calls = {"n": 0}
+
+    def faulty_text(token_id):
+        calls["n"] += 1  # only the victim asks for logprobs: one entry per token
+        if calls["n"] == 2:
+            raise InjectedFault("token text exploded")
+        return None
+
+    monkeypatch.setattr(engine, "_append_token", counting_append_token)
+    monkeypatch.setattr(engine, "_token_texts", faulty_text)
+    requests = _requests(greedy(NUM_TOKENS, logprobs=0))
+    outs = run_requests(engine, requests)
+    assert calls["n"] == 2 and not victim_full_path  # it failed on the append-only path
+    _check(tiny_cpu_model, engine, requests, outs, "postprocessing a token")
 
 
 def test_n_expansion_fault_fails_only_its_request(tiny_cpu_model, monkeypatch):
