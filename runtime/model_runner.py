@@ -369,7 +369,13 @@ class ModelRunner:
             last_token = (np.repeat(last_token - counts + 1, counts)
                           + np.arange(int(logits_start[-1])) - np.repeat(logits_start[:-1],
                                                                          counts))
-        logits = self.model.logits(x[last_token], residual[last_token])
+        if (logits_start is None and last_token.size == x.shape[0]
+                and (last_token.size == 0 or int(last_token[-1]) == last_token.size - 1)):
+            # Every token samples (a pure decode step): all rows, in order -- no gather copy.
+            # (last_token is increasing: size n ending at n - 1 is 0 .. n - 1.)
+            logits = self.model.logits(x, residual)
+        else:
+            logits = self.model.logits(x[last_token], residual[last_token])
         if not self.logits_on_device:
             logits = self.ops.to_host(logits)
         prompt_logits = {}
