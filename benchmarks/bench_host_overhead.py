@@ -12,9 +12,12 @@ times `--steps` pure-decode steps after `--warmup` more. Two backends, one engin
   recording  benchmarks/host/recording.py: the cuda backend's ops and sampler (KernelBackend,
              bf16) over a stand-in for CuPy's RawModule that counts each kernel launch and the
              bytes of its arguments and runs nothing. numpy arrays stand in for device memory,
-             so its host times include copies a GPU makes on the device (the sampler's copy of
-             the logits: 200 MB at 1,024 sequences) and leave out the cost of a real CuPy
-             launch; its point is the launch count and argument bytes per step.
+             so its host times leave out the cost of a real CuPy launch; its point is the
+             launch count and argument bytes per step.
+  recording-graphs  the same with the cuda backend's default decode graph sizes
+             (runtime/decode_graphs.py): a pure decode step that fits one fills the static
+             inputs and replays the graph, counted as one launch ("cudaGraphLaunch", as the
+             driver's is); "launches" then times that fill and replay.
 
 Each step's host time is split (benchmarks/host/step_phases.py) into schedule, input preparation
 (sampling plan, block moves, attention metadata, step inputs), launches (the model's forward and
@@ -68,7 +71,10 @@ from pagedrun.runtime.model_loader import resolve_model_dir  # noqa: E402
 from pagedrun.runtime.sampling_params import SamplingParams  # noqa: E402
 from pagedrun.runtime.tokenizer import Tokenizer  # noqa: E402
 
-BACKENDS = ("null", "recording")
+BACKENDS = ("null", "recording", "recording-graphs")
+# recording-graphs: the decode graph sizes the cuda backend captures by default
+# (CudaBackend.default_graph_sizes), capped at the level's max_num_seqs.
+CUDA_GRAPH_SIZES = (1, 2, 4, *range(8, 513, 8))
 DEFAULT_LEVELS = "1,64,256,1024"
 SMOKE_LEVELS = (1, 8)
 SMOKE_STEPS = 3
@@ -160,7 +166,8 @@ def run_level(args, kind: str, level: int, config: ModelConfig, weights, tokeniz
     engine_config = EngineConfig(
         device="cpu", block_size=BLOCK_SIZE, max_model_len=max_model_len, max_num_seqs=level,
         max_num_batched_tokens=budget, enable_prefix_caching=False,
-        num_kv_blocks=level * (max_model_len // BLOCK_SIZE) + 1)
+        num_kv_blocks=level * (max_model_len // BLOCK_SIZE) + 1,
+        cuda_graph_sizes=CUDA_GRAPH_SIZES if kind == "recording-graphs" else None)
     with _engine_backend(backend):
         engine = engine_module.LLMEngine(engine_config, model_config=config, weights=weights,
                                          tokenizer=tokenizer)
@@ -267,7 +274,7 @@ def _table(results: dict) -> str:
     for run in results["runs"]:
         m = run["median_us"]
         launches = run.get("kernel_launches_per_step", run.get("op_calls_per_step"))
-        unit = "" if run["backend"] == "recording" else " ops"
+        unit = "" if run["backend"].startswith("recording") else " ops"
         arg_bytes = run.get("kernel_arg_bytes_per_step")
         lines.append(f"| {run['num_seqs']} | {run['backend']} | "
                      + " | ".join(f"{m[c]:.0f}" for c in cols)

@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from contextlib import contextmanager
 
 import numpy as np
 
+from pagedrun.runtime.backends.graph_capture import CapturedGraph
 from pagedrun.runtime.backends.sim_backend import KernelBackend
 from pagedrun.runtime.kernels import kernel_args
 
@@ -40,15 +42,25 @@ FIRST_PLAIN_TOKEN_ID = 100
 SAMPLED_TOKENS_SEED = 0
 
 
+# The name a decode graph's replay is counted under (one cudaGraphLaunch).
+GRAPH_LAUNCH = "cudaGraphLaunch"
+
+
 class LaunchLog:
-    """Launches and kernel-argument bytes recorded since the last `take`."""
+    """Launches and kernel-argument bytes recorded since the last `take`; while `capturing`,
+    launches are counted into `captured` instead (a graph capture issues nothing)."""
 
     def __init__(self) -> None:
         self.num_launches = 0
         self.arg_bytes = 0
         self.by_kernel: Counter[str] = Counter()
+        self.capturing = False
+        self.captured = 0
 
     def record(self, name: str, args: tuple) -> None:
+        if self.capturing:
+            self.captured += 1
+            return
         self.num_launches += 1
         self.by_kernel[name] += 1
         # None: a NULL pointer under numpy (CuPy gets an 8-byte np.uint64(0) there instead).
@@ -57,7 +69,7 @@ class LaunchLog:
 
     def take(self) -> tuple[int, int, Counter]:
         taken = (self.num_launches, self.arg_bytes, self.by_kernel)
-        self.__init__()
+        self.num_launches, self.arg_bytes, self.by_kernel = 0, 0, Counter()
         return taken
 
 
@@ -113,6 +125,25 @@ class RecordingBackend(KernelBackend):
         if group not in self._modules:
             self._modules[group] = RecordingModule(self.launches, self._fill_tokens)
         return self._modules[group]
+
+    @contextmanager
+    def graph_capture(self):
+        """A CUDA graph's capture as the driver sees it: the region's launches are recorded
+        once (not counted per step) and each replay is one GRAPH_LAUNCH, as cudaGraphLaunch
+        is; nothing runs either way (runtime/decode_graphs.py drives it as on cuda)."""
+        log = self.launches
+        captured = CapturedGraph()
+        log.capturing, log.captured = True, 0
+        try:
+            yield captured
+        finally:
+            log.capturing = False
+        captured.num_launches = log.captured
+        captured._replay = lambda: log.record(GRAPH_LAUNCH, ())
+
+    def graph_memory_bytes(self, graphs, exclude=()) -> int:
+        del graphs, exclude
+        return 0  # nothing is allocated for real
 
     def close(self) -> None:
         kernel_args.SIM_NUM_SMS = self._saved_num_sms

@@ -7,7 +7,8 @@ Timers (inclusive nanoseconds per step) and where they sit in LLMEngine.step:
     schedule          scheduler.schedule()                      (a proxy around the scheduler)
     plan_sampling     LLMEngine._plan_sampling
     execute           runner.execute: block moves, attention metadata, step_inputs, the forward
-    forward, logits   runner.model.forward / runner.model.logits: every op call (launch)
+    forward, logits   runner.model.forward / runner.model.logits: every op call (launch); with
+                      decode graphs, runner.decode_graphs.run (inputs filled, one replay)
     sample            LLMEngine._sample
     postprocess       LLMEngine._postprocess
     append            LLMEngine._append_sampled: every token appended and stop-checked (once per
@@ -119,6 +120,10 @@ class StepPhases:
         self._patch_instance(engine.runner, "execute", "execute")
         self._patch_instance(engine.runner.model, "forward", "forward")
         self._patch_instance(engine.runner.model, "logits", "logits")
+        if getattr(engine.runner, "decode_graphs", None) is not None:
+            # A decode step replaying a graph: its host work (fill and upload the static
+            # inputs, the replay) is the step's "launches".
+            self._patch_instance(engine.runner.decode_graphs, "run", "forward")
         add_token = IncrementalDetokenizer.add_token  # every sequence's detokenizer
         IncrementalDetokenizer.add_token = _timed(add_token, timers, "detokenize")
         self._undo.append(lambda: setattr(IncrementalDetokenizer, "add_token", add_token))

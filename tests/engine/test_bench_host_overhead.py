@@ -15,7 +15,7 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_host_overhea
 SMOKE_LEVELS = [1, 8]
 SMOKE_STEPS = 3
 SMOKE_NUM_LAYERS = 2
-BACKENDS = ["null", "recording"]
+BACKENDS = ["null", "recording", "recording-graphs"]
 PHASES = {"schedule", "input_prep", "launches", "sampling", "postprocess", "detokenize",
           "stop_checks", "scheduler_update", "output_objects", "other", "total"}
 POINTER_BYTES = 8
@@ -86,3 +86,12 @@ def test_recording_backend_counts_launches_and_argument_bytes(smoke):
             == SMOKE_NUM_LAYERS
         # Every kernel takes at least one device pointer.
         assert run["kernel_arg_bytes_per_step"] >= POINTER_BYTES * launches
+
+
+def test_decode_graphs_make_a_step_one_launch_and_the_sampler(smoke):
+    """With the cuda backend's default graph sizes, a decode step of 1 or 8 sequences issues
+    one graph launch and the sampling kernel, where the eager step issues every op's."""
+    eager = {r["num_seqs"]: r["kernel_launches_per_step"] for r in _runs(smoke, "recording")}
+    for run in _runs(smoke, "recording-graphs"):
+        assert run["launches_by_kernel"] == {"cudaGraphLaunch": 1, "sample_f32": 1}
+        assert run["kernel_launches_per_step"] == 2 < eager[run["num_seqs"]]
