@@ -26,6 +26,9 @@ cdef extern from "cpu_gemm_kernels.h" namespace "pagedrun_gemm" nogil:
     const int TILE_N
     int cpu_has_avx512bf16()
     int cpu_has_avx2_fma()
+    int amx_available()
+    const int AMX_ROWS
+    const int AMX_MIN_ROWS
     void convert_rows(const float* x, long stride_m, long stride_k, int M, int K,
                       uint16_t* xb, int kp2)
     void gemm_tiles(int path, const uint16_t* xb, int M, int kp, const uint16_t* wp, int N,
@@ -46,8 +49,9 @@ cdef extern from "cpu_gemm_kernels.h" namespace "pagedrun_gemm" nogil:
     void run_job(const TileJob& job)
     void run_split(const TileJob& mine, const TileJob& theirs)
 
-PATHS = ("portable", "avx512bf16", "avx2")
-_PATH_CODE = {"portable": 0, "avx512bf16": 1, "avx2": 2}
+PATHS = ("portable", "avx512bf16", "avx2", "amx")
+_PATH_CODE = {"portable": 0, "avx512bf16": 1, "avx2": 2, "amx": 3}
+_AMX = 3
 # Below these the second thread costs more than it saves: tiles per thread (4 tiles = 64
 # outputs) and multiply-adds per call. The native helper's polled hand-off costs ~1 us, so a
 # one-token decode GEMM of SmolLM2 (0.3-1.8 M multiply-adds, 20-100 us) splits; the python
@@ -61,6 +65,7 @@ MIN_MACS_PER_THREADED_CALL = {"native": 1 << 17, "python": 1 << 22}
 
 cdef int _HAS_BF16 = cpu_has_avx512bf16()
 cdef int _HAS_AVX2 = cpu_has_avx2_fma()
+cdef int _HAS_AMX = amx_available()  # CPUID and the kernel's permission (asked once)
 _pool = None
 
 
@@ -85,10 +90,16 @@ def has_avx2_fma():
     return bool(_HAS_AVX2)
 
 
+def has_amx():
+    """True when this CPU (and the kernel's permission) runs the AMX path."""
+    return bool(_HAS_AMX)
+
+
 def available_paths():
-    """The paths this CPU runs, fastest first."""
-    return tuple(p for p, ok in (("avx512bf16", _HAS_BF16), ("avx2", _HAS_AVX2),
-                                 ("portable", True)) if ok)
+    """The paths this CPU runs, fastest first ("amx": AMX tiles from 8 rows of x, the
+    AVX512-BF16 kernels below that)."""
+    return tuple(p for p, ok in (("amx", _HAS_AMX), ("avx512bf16", _HAS_BF16),
+                                 ("avx2", _HAS_AVX2), ("portable", True)) if ok)
 
 
 _AVAILABLE = available_paths()
@@ -278,20 +289,25 @@ def _run_split(xb, packed, bias, y, int path, int split):
         run_split(mine, theirs)
 
 
-def _convert(const float[:, :] x, int kp2):
-    """x: [M, K] float32, any strides -> [M, kp2] bf16 bits (zero past K)."""
+def _convert(const float[:, :] x, int kp2, int row_multiple=1):
+    """x: [M, K] float32, any strides -> [M, kp2] bf16 bits (zero past K); with row_multiple
+    > 1 the buffer holds M rounded up to it rows, the extra ones zero (returned as the [M, kp2]
+    view of that buffer: its base is what the kernels read)."""
     cdef int m = x.shape[0], k = x.shape[1]
-    out = np.empty((m, kp2), dtype=np.uint16)
+    cdef int rows = (m + row_multiple - 1) // row_multiple * row_multiple
+    out = np.empty((rows, kp2), dtype=np.uint16)
+    if rows > m:
+        out[m:] = 0
     cdef uint16_t[:, ::1] xb = out
     if m == 0:
-        return out
+        return out[:0]
     if k == 0:
         out[:] = 0
-        return out
+        return out[:m]
     with nogil:
         convert_rows(&x[0, 0], x.strides[0] // sizeof(float), x.strides[1] // sizeof(float),
                      m, k, &xb[0, 0], kp2)
-    return out
+    return out[:m]
 
 
 def gemm_bf16(x, packed, bias=None, *, path="auto", threads=2, pool="native"):
@@ -329,7 +345,10 @@ def _gemm(x, packed, bias, path, threads, pool):
         bias = np.ascontiguousarray(bias, dtype=np.float32)
         if bias.shape != (packed.n,):
             raise ValueError(f"bias must be [{packed.n}], got shape {bias.shape}")
-    xb = _convert(x, packed.kp * 2)
+    # The AMX kernel (from AMX_MIN_ROWS rows) reads x in blocks of AMX_ROWS rows: zero rows
+    # pad the last block.
+    amx_rows = code == _AMX and x.shape[0] >= AMX_MIN_ROWS
+    xb = _convert(x, packed.kp * 2, AMX_ROWS if amx_rows else 1)
     y = np.empty((x.shape[0], packed.n), dtype=np.float32)
     num_tiles = packed.num_tiles
     if (threads < 2 or num_tiles < 2 * MIN_TILES_PER_THREAD

@@ -24,6 +24,11 @@
 #include <mutex>
 #include <thread>
 
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define PAGEDRUN_X86 1
@@ -409,12 +414,140 @@ static inline int cpu_has_avx512bf16() {
 #endif
 }
 
-// path 2: AVX2 + FMA, 1: AVX512-BF16 (the caller checked the CPU has it), 0: portable.
+// ------------------------------------------------------------------------- AMX (bf16 tiles)
+// Intel AMX (Sapphire Rapids on): TDPBF16PS multiplies a 16-row x 32-bf16 tile of x by a
+// 16-pair x 16-output tile of W into 16 x 16 float32 accumulators, ~1,000 multiply-adds a cycle
+// against vdpbf16ps's 32. The packed layout already is the B operand: one pair row of a weight
+// tile (16 outputs x (k, k+1)) is one 64-byte tile row, so 16 consecutive pair rows load as a B
+// tile with a 64-byte stride; x rows (kp pairs, 4 * kp bytes apart) load as A tiles.
+// Requirements the caller meets: kp a multiple of AMX_PAIRS (else it takes the AVX512 path),
+// xb holding a multiple of AMX_ROWS rows (the pad rows zero: they are computed, never stored),
+// and the process's AMX permission (amx_available()). Per weight tile pair, every row block of x
+// runs before the next pair, so a decode step streams each weight from memory once; the pair's
+// weights (64 * kp bytes per tile) stay in L1/L2 for the row blocks.
+constexpr int AMX_ROWS = 16;   // rows of an A / C tile
+constexpr int AMX_PAIRS = 16;  // K pairs per tile step: one 64-byte A row, 16 B rows
+// Fewer rows of x than this take the AVX512 kernels even on the AMX path: a decode GEMM of a
+// few rows is bound by streaming the weights, which both do alike, and the skinny AVX512
+// kernels waste no padded rows (measured in docs/kernels.md, "cpu GEMM").
+constexpr int AMX_MIN_ROWS = 8;
+
+#if PAGEDRUN_X86
+#define PAGEDRUN_AMX_TARGET \
+    __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16,avx512vl,avx512bw")))
+
+struct alignas(64) AmxTileConfig {  // the LDTILECFG memory operand, palette 1
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// C tile (row block rb, weight tile tb) + bias -> y rows [m0 + 16 rb, ...), valid rows/outputs.
+PAGEDRUN_AMX_TARGET static inline void amx_store(const float* c, int rows, int n0, int N,
+                                                 const float* bias, float* y, long ldy) {
+    const __mmask16 mask = tile_mask(n0, N);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; ++r)
+        _mm512_mask_storeu_ps(y + (long)r * ldy + n0, mask,
+                              _mm512_add_ps(_mm512_load_ps(c + r * TILE_N), b));
+}
+
+PAGEDRUN_AMX_TARGET static void gemm_tiles_amx(const uint16_t* xb, int M, int kp,
+                                               const uint16_t* wp, int N, int tile_begin,
+                                               int tile_end, const float* bias, float* y,
+                                               long ldy) {
+    // tmm0-3: accumulators (row blocks 0/1 x weight tiles 0/1); tmm4, 5: x row blocks;
+    // tmm6, 7: weight tiles. Each thread loads the configuration (it is per-thread state).
+    AmxTileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int i = 0; i < 8; ++i) {
+        cfg.rows[i] = AMX_ROWS;
+        cfg.colsb[i] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    const long tile_elems = (long)kp * TILE_N * 2;
+    const long x_stride = (long)kp * 4;  // bytes from one x row to the next
+    alignas(64) float c[4][AMX_ROWS * TILE_N];
+    for (int t = tile_begin; t < tile_end; t += 2) {
+        const bool two_tiles = t + 1 < tile_end;
+        const uint16_t* w0 = wp + t * tile_elems;
+        const uint16_t* w1 = w0 + tile_elems;
+        for (int m0 = 0; m0 < M; m0 += 2 * AMX_ROWS) {
+            const bool two_blocks = M - m0 > AMX_ROWS;
+            const uint16_t* x0 = xb + (long)m0 * kp * 2;
+            const uint16_t* x1 = x0 + (long)AMX_ROWS * kp * 2;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int p = 0; p < kp; p += AMX_PAIRS) {
+                _tile_loadd(4, x0 + 2 * p, x_stride);
+                _tile_loadd(6, w0 + (long)p * TILE_N * 2, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (two_tiles) {
+                    _tile_loadd(7, w1 + (long)p * TILE_N * 2, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+                if (two_blocks) {
+                    _tile_loadd(5, x1 + 2 * p, x_stride);
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (two_tiles) _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, c[0], 64);
+            _tile_stored(1, c[1], 64);
+            _tile_stored(2, c[2], 64);
+            _tile_stored(3, c[3], 64);
+            const int rows0 = M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS;
+            amx_store(c[0], rows0, t * TILE_N, N, bias, y + (long)m0 * ldy, ldy);
+            if (two_tiles)
+                amx_store(c[1], rows0, (t + 1) * TILE_N, N, bias, y + (long)m0 * ldy, ldy);
+            if (two_blocks) {
+                const int rows1 = M - m0 - AMX_ROWS < AMX_ROWS ? M - m0 - AMX_ROWS : AMX_ROWS;
+                float* y1 = y + (long)(m0 + AMX_ROWS) * ldy;
+                amx_store(c[2], rows1, t * TILE_N, N, bias, y1, ldy);
+                if (two_tiles) amx_store(c[3], rows1, (t + 1) * TILE_N, N, bias, y1, ldy);
+            }
+        }
+    }
+    _tile_release();
+}
+#endif
+
+// AMX-TILE and AMX-BF16 in CPUID, and the kernel's permission for this process to use the tile
+// data state (Linux arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA; asked once): 1 if the
+// AMX path may run here.
+static inline int amx_available() {
+#if PAGEDRUN_X86 && defined(__linux__)
+    static const int ok = [] {
+        unsigned eax, ebx, ecx, edx;
+        __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
+        const bool tile = (edx >> 24) & 1u, bf16 = (edx >> 22) & 1u;
+        if (!tile || !bf16 || !cpu_has_avx512bf16()) return 0;
+        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : 0;
+    }();
+    return ok;
+#else
+    return 0;
+#endif
+}
+
+// path 3: AMX (kp a multiple of AMX_PAIRS, M >= AMX_MIN_ROWS and xb padded to AMX_ROWS rows;
+// else AVX512-BF16),
+// 2: AVX2 + FMA, 1: AVX512-BF16 (the caller checked the CPU has it), 0: portable.
 static inline void gemm_tiles(int path, const uint16_t* xb, int M, int kp, const uint16_t* wp,
                               int N, int tile_begin, int tile_end, const float* bias, float* y,
                               long ldy) {
 #if PAGEDRUN_X86
-    if (path == 1) {
+    if (path == 3 && kp % AMX_PAIRS == 0 && M >= AMX_MIN_ROWS) {
+        gemm_tiles_amx(xb, M, kp, wp, N, tile_begin, tile_end, bias, y, ldy);
+        return;
+    }
+    if (path == 1 || path == 3) {
         gemm_tiles_avx512(xb, M, kp, wp, N, tile_begin, tile_end, bias, y, ldy);
         return;
     }
@@ -724,7 +857,7 @@ static inline void gemm_int8_tiles(int path, const uint16_t* xb, int M, int kp,
                                    int N, int tile_begin, int tile_end, const float* bias,
                                    float* y, long ldy) {
 #if PAGEDRUN_X86
-    if (path == 1) {
+    if (path == 1 || path == 3) {  // (no AMX int8-weight kernel: int8 x bf16 is not a tile op)
         gemm_int8_tiles_avx512(xb, M, kp, wq, scales, group_pairs, N, tile_begin, tile_end,
                                bias, y, ldy);
         return;

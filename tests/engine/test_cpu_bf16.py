@@ -60,6 +60,38 @@ def test_gemm_shapes(rng, path, m, n, k):
                    x, w, bias)
 
 
+@pytest.mark.skipif(not cpu_gemm.has_amx(), reason="this CPU has no AMX-BF16 (or the kernel "
+                    "refused the tile state): the amx path cannot run here")
+@pytest.mark.parametrize("m", [7, 8, 16, 31, 32, 33, 64])
+@pytest.mark.parametrize("n", [16, 40, 200])
+@pytest.mark.parametrize("k", [32, 96, 576, 40])
+def test_amx_row_blocks_tiles_and_fallbacks(rng, m, n, k):
+    """The AMX kernel's edges: one or two 16-row blocks, a partial last block (padded rows
+    computed, never stored), an odd number of weight tiles and a partial last tile; below
+    AMX_MIN_ROWS rows or with K not a multiple of 32 it takes the AVX512 kernels (k = 40)."""
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32) if m % 2 else None
+    packed = cpu_gemm.PackedWeight(w)
+    for threads in (1, 2):
+        check_gemm(cpu_gemm.gemm_bf16(x, packed, bias, path="amx", threads=threads), x, w, bias)
+
+
+def test_amx_detection_matches_the_cpu():
+    """A CPU whose flags list AMX-BF16 and AMX tiles gets the amx path (the kernel's
+    permission for the tile state granted): a refusal here would silently cost 2-5x at
+    batches of 8 and more."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f
+                          if line.startswith("flags")), [])
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    cpu_says = {"amx_bf16", "amx_tile", "avx512_bf16"} <= set(flags)
+    assert cpu_gemm.has_amx() == cpu_says
+    assert ("amx" in cpu_gemm.available_paths()) == cpu_says
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("m", [2, 3, 4, 5])
 def test_gemm_decode_rows(rng, path, m):
