@@ -15,9 +15,11 @@ Each has runtime/backends/numpy_ops.py's contract (arguments, the KV cache layou
 several numpy passes: float32 math, the kernels run without the GIL. Activations may be float32
 or float16 (numpy_ops' dtype policy: a float16 input gives a float16 output, computed in float32
 here through a copy; one difference: a float16 k goes into the cache as its float32 rotation,
-where numpy writes the float16-rounded one). The KV caches must be float32, or uint16 holding
+where numpy writes the float16-rounded one). The KV caches must be float32, uint16 holding
 bf16 bits (kv_cache_dtype "bfloat16": written rounded to nearest even as weights.to_bf16_bits,
-read widened exactly, as numpy_ops does with such a cache), both of one dtype, with a contiguous
+read widened exactly, as numpy_ops does with such a cache) or uint8 holding fp8 e4m3 bits
+(kv_cache_dtype "fp8": written rounded to nearest even and saturated to +-448 as
+numpy_ops.to_fp8_e4m3_bits, scale 1.0, read widened exactly), both of one dtype, with a contiguous
 last dimension (they are written or read in place). Activation strides are used as they are
 (q/k/v arrive as views of the fused qkv GEMM output: no copies); only an activation whose last
 dimension is not contiguous is copied. (pyx/ may not import runtime/, so numpy_ops' checks are
@@ -28,7 +30,7 @@ picks the first the CPU runs. Tests force each through every op's `path=`.
 """
 import numpy as np
 
-from libc.stdint cimport int32_t, uint16_t
+from libc.stdint cimport int32_t, uint8_t, uint16_t
 
 cdef extern from "cpu_ops_kernels.h" namespace "pagedrun_ops" nogil:
     const int ACT_SILU
@@ -52,7 +54,7 @@ cdef extern from "cpu_ops_kernels.h" namespace "pagedrun_ops" nogil:
                                  long ldo, float* new_res, long ldn)
     void act_and_mul_rows(int path, int kind, const float* gate_up, long ldg, int rows,
                           int inter, float* out, long ldo)
-    # The two cache element types of each template (float32, bf16 bits).
+    # The three cache element types of each template (float32, bf16 bits, fp8 e4m3 bits).
     void rotary_cache_write_f32 "pagedrun_ops::rotary_cache_write<float>"(
         int path, const float* q, long sq0, long sq1, const float* k, long sk0, long sk1,
         const float* v, long sv0, long sv1, const int32_t* positions, const float* cos_sin,
@@ -64,6 +66,12 @@ cdef extern from "cpu_ops_kernels.h" namespace "pagedrun_ops" nogil:
         const int32_t* slots, int T, int H, int KV, int D, uint16_t* k_cache,
         uint16_t* v_cache, long sc0, long sc1, long sc2, int block_size, float* q_rot,
         float* k_rot)
+    void rotary_cache_write_fp8 "pagedrun_ops::rotary_cache_write<uint8_t>"(
+        int path, const float* q, long sq0, long sq1, const float* k, long sk0, long sk1,
+        const float* v, long sv0, long sv1, const int32_t* positions, const float* cos_sin,
+        const int32_t* slots, int T, int H, int KV, int D, uint8_t* k_cache,
+        uint8_t* v_cache, long sc0, long sc1, long sc2, int block_size, float* q_rot,
+        float* k_rot)
     void paged_decode_attention_f32 "pagedrun_ops::paged_decode_attention<float>"(
         int path, const float* q, long sq0, long sq1, const float* k_cache,
         const float* v_cache, long sc0, long sc1, long sc2, int block_size,
@@ -72,6 +80,11 @@ cdef extern from "cpu_ops_kernels.h" namespace "pagedrun_ops" nogil:
     void paged_decode_attention_bf16 "pagedrun_ops::paged_decode_attention<uint16_t>"(
         int path, const float* q, long sq0, long sq1, const uint16_t* k_cache,
         const uint16_t* v_cache, long sc0, long sc1, long sc2, int block_size,
+        const int32_t* block_tables, long ldb, const int32_t* context_lens, int S, int H,
+        int KV, int D, float scale, int has_window, long sliding_window, float* out)
+    void paged_decode_attention_fp8 "pagedrun_ops::paged_decode_attention<uint8_t>"(
+        int path, const float* q, long sq0, long sq1, const uint8_t* k_cache,
+        const uint8_t* v_cache, long sc0, long sc1, long sc2, int block_size,
         const int32_t* block_tables, long ldb, const int32_t* context_lens, int S, int H,
         int KV, int D, float scale, int has_window, long sliding_window, float* out)
 
@@ -83,6 +96,12 @@ _F32 = np.dtype(np.float32)
 _F16 = np.dtype(np.float16)
 _I32 = np.dtype(np.int32)
 _U16 = np.dtype(np.uint16)  # a KV cache of bf16 bits
+_U8 = np.dtype(np.uint8)  # a KV cache of fp8 e4m3 bits
+# The cache kinds _cache_kind returns.
+cdef enum:
+    KV_F32 = 0
+    KV_BF16 = 1
+    KV_FP8 = 2
 
 
 def has_avx512f():
@@ -128,19 +147,22 @@ cdef _indices(a):
 
 
 cdef _cache(c, name):
-    if not isinstance(c, np.ndarray) or (c.dtype != _F32 and c.dtype != _U16):
+    if not isinstance(c, np.ndarray) or (c.dtype != _F32 and c.dtype != _U16
+                                         and c.dtype != _U8):
         raise ValueError(f"{name} must be a float32 numpy array (it is read or written in place)"
-                         " or a uint16 one of bf16 bits")
+                         ", a uint16 one of bf16 bits or a uint8 one of fp8 e4m3 bits")
     return c
 
 
-cdef bint _bf16_caches(k_cache, v_cache) except -1:
-    """True for uint16 (bf16 bits) caches, False for float32 ones; both must be one dtype."""
+cdef int _cache_kind(k_cache, v_cache) except -1:
+    """KV_F32, KV_BF16 (uint16 bf16 bits) or KV_FP8 (uint8 e4m3 bits); both one dtype."""
     _cache(k_cache, "k_cache")
     _cache(v_cache, "v_cache")
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache {k_cache.dtype} / v_cache {v_cache.dtype}: dtypes differ")
-    return k_cache.dtype == _U16
+    if k_cache.dtype == _U16:
+        return KV_BF16
+    return KV_FP8 if k_cache.dtype == _U8 else KV_F32
 
 
 cdef _rows(x):
@@ -238,8 +260,9 @@ def rotary_embedding_and_cache_write(q, k, v, positions, cos_sin_cache, k_cache,
 
     q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (strided views allowed);
     positions, slot_mapping: [T] int; cos_sin_cache: [max_position, head_dim] float32;
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] float32, or uint16 bf16
-    bits (k and v rounded to nearest even), in place.
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] float32, uint16 bf16
+    bits (k and v rounded to nearest even) or uint8 fp8 e4m3 bits (rounded to nearest even,
+    saturated to +-448), in place.
     Returns (q_rot, k_rot), new contiguous arrays (q's and k's dtype policy).
     """
     cdef int code = _resolve_path(path)
@@ -255,7 +278,7 @@ def rotary_embedding_and_cache_write(q, k, v, positions, cos_sin_cache, k_cache,
     pos, slots = _indices(positions), _indices(slot_mapping)
     if pos.shape != (num_tokens,) or slots.shape != (num_tokens,):
         raise ValueError("positions and slot_mapping must be [num_tokens]")
-    cdef bint bf16 = _bf16_caches(k_cache, v_cache)
+    cdef int kind = _cache_kind(k_cache, v_cache)
     num_kv_heads = k.shape[1]
     if (k_cache.ndim != 4 or k_cache.shape != v_cache.shape
             or k_cache.shape[2:] != (num_kv_heads, head_dim)):
@@ -288,9 +311,21 @@ def rotary_embedding_and_cache_write(q, k, v, positions, cos_sin_cache, k_cache,
     cdef float[:, :, :, ::1] vc
     cdef uint16_t[:, :, :, ::1] kh
     cdef uint16_t[:, :, :, ::1] vh
+    cdef uint8_t[:, :, :, ::1] kb
+    cdef uint8_t[:, :, :, ::1] vb
     cdef float[:, :, ::1] qo = q_rot
     cdef float[:, :, ::1] ko = k_rot
-    if bf16:
+    if kind == KV_FP8:
+        kb, vb = k_cache, v_cache
+        with nogil:
+            rotary_cache_write_fp8(code, &qs[0, 0, 0], qs.strides[0] // 4, qs.strides[1] // 4,
+                                   &ks[0, 0, 0], ks.strides[0] // 4, ks.strides[1] // 4,
+                                   &vs[0, 0, 0], vs.strides[0] // 4, vs.strides[1] // 4,
+                                   &pv[0], &ts[0, 0], &sv[0], qs.shape[0], qs.shape[1],
+                                   ks.shape[1], qs.shape[2], &kb[0, 0, 0, 0], &vb[0, 0, 0, 0],
+                                   kb.strides[0], kb.strides[1], kb.strides[2],
+                                   kb.shape[1], &qo[0, 0, 0], &ko[0, 0, 0])
+    elif kind == KV_BF16:
         kh, vh = k_cache, v_cache
         with nogil:
             rotary_cache_write_bf16(code, &qs[0, 0, 0], qs.strides[0] // 4, qs.strides[1] // 4,
@@ -319,12 +354,13 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, doub
     (with sliding_window: its last sliding_window positions, itself included).
 
     q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads,
-    head_dim] float32 or uint16 bf16 bits (widened exactly); block_tables: [num_seqs, max_blocks] int; context_lens: [num_seqs] int,
+    head_dim] float32, uint16 bf16 bits or uint8 fp8 e4m3 bits (widened exactly);
+    block_tables: [num_seqs, max_blocks] int; context_lens: [num_seqs] int,
     each >= 1. Returns [num_seqs, num_heads, head_dim] (q's dtype policy).
     """
     cdef int code = _resolve_path(path)
     q, out_dtype = _activation(q)
-    cdef bint bf16 = _bf16_caches(k_cache, v_cache)
+    cdef int kind = _cache_kind(k_cache, v_cache)
     # numpy_ops._check_attention_shapes
     num_seqs, num_heads, head_dim = q.shape
     if k_cache.shape != v_cache.shape or k_cache.ndim != 4:
@@ -367,8 +403,18 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, doub
     cdef const float[:, :, :, ::1] vc
     cdef const uint16_t[:, :, :, ::1] kh
     cdef const uint16_t[:, :, :, ::1] vh
+    cdef const uint8_t[:, :, :, ::1] kb
+    cdef const uint8_t[:, :, :, ::1] vb
     cdef float[:, :, ::1] ov = out
-    if bf16:
+    if kind == KV_FP8:
+        kb, vb = k_cache, v_cache
+        with nogil:
+            paged_decode_attention_fp8(
+                code, &qs[0, 0, 0], qs.strides[0] // 4, qs.strides[1] // 4, &kb[0, 0, 0, 0],
+                &vb[0, 0, 0, 0], kb.strides[0], kb.strides[1], kb.strides[2],
+                kb.shape[1], &bt[0, 0], bt.shape[1], &lv[0], qs.shape[0], qs.shape[1],
+                kb.shape[2], qs.shape[2], <float>scale, has_window, window, &ov[0, 0, 0])
+    elif kind == KV_BF16:
         kh, vh = k_cache, v_cache
         with nogil:
             paged_decode_attention_bf16(

@@ -1,13 +1,19 @@
 // cpu_ops_kernels.h: the non-GEMM ops of a decoder layer on the cpu bf16 backend, one pass each
 // (pyx/cpu_ops.pyx wraps them; runtime/backends/numpy_ops.py is the reference and the contract).
 //
-// Everything is float32 in and out, strides in elements (float, uint16 or int32), the last
-// dimension of every array contiguous. The KV cache alone may instead hold bf16 bits (uint16, the
-// cpu backends' kv_cache_dtype "bfloat16"): rotary_cache_write and paged_decode_attention are
-// templates on the cache element (kv_load / kv_store below), instantiated for float and uint16_t.
+// Everything is float32 in and out, strides in elements (float, uint16, uint8 or int32), the
+// last dimension of every array contiguous. The KV cache alone may instead hold bf16 bits (uint16,
+// the cpu backends' kv_cache_dtype "bfloat16") or fp8 e4m3 bits (uint8, kv_cache_dtype "fp8"):
+// rotary_cache_write and paged_decode_attention are templates on the cache element (kv_load /
+// kv_store below), instantiated for float, uint16_t and uint8_t.
 // A bf16 store rounds to nearest even (NaN stays a quiet NaN: weights.to_bf16_bits' rules,
-// restated as f32_to_bf16 in cpu_gemm_kernels.h too); a load widens exactly (bits << 16), so
-// the math stays float32 and only the cache bytes halve. The wrapper validates shapes, dtypes
+// restated as f32_to_bf16 in cpu_gemm_kernels.h too); a load widens exactly (bits << 16).
+// An fp8 store (OCP e4m3: bias 7, 3 mantissa bits, subnormals, no infinities, 0x7F / 0xFF NaN)
+// rounds to nearest even and saturates to +-448 (infinities too; NaN stays NaN with its sign):
+// NVIDIA's __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3), what vLLM's fp8 cache does, with
+// the per-tensor scale 1.0 vLLM uses when a checkpoint has no k_scale / v_scale (no scaling
+// here at all); numpy_ops.to_fp8_e4m3_bits is the reference. A load widens exactly. Either way
+// the math stays float32 and only the cache bytes shrink. The wrapper validates shapes, dtypes
 // and index ranges before any kernel runs (check_rotary_indices / check_decode_tables below do
 // the index checks in one pass), so the kernels themselves trust their inputs.
 //
@@ -170,6 +176,45 @@ static inline uint16_t kv_f32_to_bf16(float f) {
     return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
+// float32 -> fp8 e4m3 bits, integer only. |x| >= 2^-6 (float32 exponent >= 121) is an e4m3
+// normal: the 23-bit mantissa rounds to 3 bits (RNE; a carry bumps the exponent), the exponent
+// rebiases 127 -> 7 (- 120 << 3), and past the largest finite code 0x7E (448; inf included)
+// it saturates. Below 2^-6: a multiple of the smallest subnormal 2^-9, the significand
+// (implicit bit included) shifted right by 141 - exponent with RNE (a float32 subnormal, or
+// anything under 2^-10, rounds to 0). NaN -> 0x7F; the sign bit is kept in every case (-0 too).
+static inline uint8_t kv_f32_to_fp8(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    const uint32_t sign = (bits >> 24) & 0x80u, a = bits & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return (uint8_t)(sign | 0x7Fu);
+    uint32_t code;
+    if (a >= 0x3C800000u) {
+        code = ((a + 0x7FFFFu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
+        code = code > 0x7Eu ? 0x7Eu : code;
+    } else {
+        const uint32_t shift = std::min(141u - (a >> 23), 25u);  // 25: rounds to 0 anyway
+        const uint32_t s = (a & 0x7FFFFFu) | 0x800000u;
+        code = (s + (1u << (shift - 1)) - 1u + ((s >> shift) & 1u)) >> shift;
+    }
+    return (uint8_t)(sign | code);
+}
+
+// The 256 e4m3 codes widened (exact): e = 0 is m * 2^-9, else (8 + m) * 2^(e - 10); 0x7F /
+// 0xFF NaN. Built at compile time.
+struct Fp8E4m3Table {
+    float v[256];
+    constexpr Fp8E4m3Table() : v() {
+        for (int c = 0; c < 256; ++c) {
+            const int e = (c >> 3) & 15, m = c & 7;
+            float mag = e == 0 ? (float)m / 512.0f : (float)(8 + m) / 1024.0f;
+            for (int i = 0; i < e; ++i) mag *= 2.0f;
+            if ((c & 0x7F) == 0x7F) mag = __builtin_nanf("");
+            v[c] = (c & 0x80) ? -mag : mag;
+        }
+    }
+};
+static constexpr Fp8E4m3Table FP8_E4M3{};
+
 static inline float kv_load(const float* p) { return *p; }
 static inline float kv_load(const uint16_t* p) {
     const uint32_t bits = (uint32_t)*p << 16;
@@ -177,8 +222,10 @@ static inline float kv_load(const uint16_t* p) {
     memcpy(&f, &bits, 4);
     return f;
 }
+static inline float kv_load(const uint8_t* p) { return FP8_E4M3.v[*p]; }
 static inline void kv_store(float* p, float x) { *p = x; }
 static inline void kv_store(uint16_t* p, float x) { *p = kv_f32_to_bf16(x); }
+static inline void kv_store(uint8_t* p, float x) { *p = kv_f32_to_fp8(x); }
 
 // ------------------------------------------------------------------------- portable path
 
@@ -262,15 +309,32 @@ PAGEDRUN_AVX512_TARGET static inline __m512 kv_load16(const uint16_t* p) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-// The first lanes of m (a tail_mask), the rest 0. A masked 16-bit load needs AVX512BW: a
-// partial bf16 row goes through a zeroed copy instead (only head sizes that are not a multiple
-// of 16 have partial rows).
+// 16 fp8 e4m3 codes as float32, with integer ops (no table gather): the 7 magnitude bits
+// shifted into place (em << 20) are the float32 bits of a normal code once the exponent is
+// rebiased (+ 120 << 23); a subnormal code (em < 8) is em * 2^-9 (exact in float32); em 0x7F
+// is NaN; the sign bit moves to bit 31. The same values as FP8_E4M3 (tests check all 256).
+PAGEDRUN_AVX512_TARGET static inline __m512 kv_load16(const uint8_t* p) {
+    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512i em = _mm512_and_si512(c, _mm512_set1_epi32(0x7F));
+    __m512i bits = _mm512_add_epi32(_mm512_slli_epi32(em, 20), _mm512_set1_epi32(120 << 23));
+    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(em), _mm512_set1_ps(1.0f / 512.0f));
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmplt_epi32_mask(em, _mm512_set1_epi32(8)),
+                                 _mm512_castps_si512(sub));
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(em, _mm512_set1_epi32(0x7F)),
+                                 _mm512_set1_epi32(0x7FC00000));
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24);
+    return _mm512_castsi512_ps(_mm512_or_si512(bits, sign));
+}
+// The first lanes of m (a tail_mask), the rest 0. A masked 16- or 8-bit load needs AVX512BW: a
+// partial bf16 / fp8 row goes through a zeroed copy instead (only head sizes that are not a
+// multiple of 16 have partial rows).
 PAGEDRUN_AVX512_TARGET static inline __m512 kv_maskz_load16(__mmask16 m, const float* p) {
     return _mm512_maskz_loadu_ps(m, p);
 }
-PAGEDRUN_AVX512_TARGET static inline __m512 kv_maskz_load16(__mmask16 m, const uint16_t* p) {
+template <typename C>
+PAGEDRUN_AVX512_TARGET static inline __m512 kv_maskz_load16(__mmask16 m, const C* p) {
     if (m == (__mmask16)0xFFFF) return kv_load16(p);
-    alignas(32) uint16_t buf[16] = {0};
+    alignas(32) C buf[16] = {0};
     for (int i = 0; i < 16; ++i)
         if ((m >> i) & 1) buf[i] = p[i];
     return kv_load16(buf);
@@ -299,6 +363,43 @@ PAGEDRUN_AVX512_TARGET static inline void kv_store_row_avx512(const float* src, 
         const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(bits, abs_mask), inf);
         const __m512i out = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(upper, quiet));
         _mm512_mask_cvtepi32_storeu_epi16(dst + i, m, out);
+    }
+}
+// kv_f32_to_fp8 16 lanes at a time (variable shifts for the subnormal lanes, narrowed by
+// vpmovdb: all AVX512F).
+PAGEDRUN_AVX512_TARGET static inline void kv_store_row_avx512(const float* src, int n,
+                                                              uint8_t* dst) {
+    const __m512i one = _mm512_set1_epi32(1), abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+    for (int i = 0; i < n; i += 16) {
+        const __mmask16 m = tail_mask(n - i);
+        const __m512i bits = _mm512_castps_si512(_mm512_maskz_loadu_ps(m, src + i));
+        const __m512i a = _mm512_and_si512(bits, abs_mask);
+        const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 24),
+                                              _mm512_set1_epi32(0x80));
+        // normal: RNE to 3 mantissa bits, rebias, saturate at 0x7E
+        __m512i normal = _mm512_add_epi32(
+            _mm512_add_epi32(a, _mm512_set1_epi32(0x7FFFF)),
+            _mm512_and_si512(_mm512_srli_epi32(a, 20), one));
+        normal = _mm512_sub_epi32(_mm512_srli_epi32(normal, 20), _mm512_set1_epi32(120 << 3));
+        normal = _mm512_min_epi32(normal, _mm512_set1_epi32(0x7E));
+        // subnormal: the significand >> min(141 - exponent, 25), RNE
+        const __m512i shift = _mm512_min_epi32(
+            _mm512_sub_epi32(_mm512_set1_epi32(141), _mm512_srli_epi32(a, 23)),
+            _mm512_set1_epi32(25));
+        const __m512i s = _mm512_or_si512(_mm512_and_si512(a, _mm512_set1_epi32(0x7FFFFF)),
+                                          _mm512_set1_epi32(0x800000));
+        const __m512i half = _mm512_sub_epi32(
+            _mm512_sllv_epi32(one, _mm512_sub_epi32(shift, one)), one);
+        const __m512i sub = _mm512_srlv_epi32(
+            _mm512_add_epi32(_mm512_add_epi32(s, half),
+                             _mm512_and_si512(_mm512_srlv_epi32(s, shift), one)),
+            shift);
+        __m512i code = _mm512_mask_mov_epi32(
+            sub, _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(0x3C800000)), normal);
+        code = _mm512_mask_mov_epi32(
+            code, _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000)),
+            _mm512_set1_epi32(0x7F));
+        _mm512_mask_cvtepi32_storeu_epi8(dst + i, m, _mm512_or_si512(code, sign));
     }
 }
 
@@ -464,7 +565,7 @@ static inline void kv_store_row(int path, const float* src, int n, C* dst) {
     for (int i = 0; i < n; ++i) kv_store(dst + i, src[i]);
 }
 
-// C: the cache element, float or uint16_t (bf16 bits).
+// C: the cache element, float, uint16_t (bf16 bits) or uint8_t (fp8 e4m3 bits).
 template <typename C>
 static inline void rotary_cache_write(int path, const float* q, long sq0, long sq1,
                                       const float* k, long sk0, long sk1, const float* v,

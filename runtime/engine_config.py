@@ -29,9 +29,13 @@ QUANTIZATIONS = ("none", "int8")
 # The KV cache's element type (vLLM's kv_cache_dtype). "auto": bfloat16 on the cpu bf16 / int8
 # backends (bf16 bits: half the bytes attention reads per decode step, twice the blocks per
 # budget), float32 on the float32 cpu backend, the activation dtype on sim / cuda.
-# "float32" on the cpu bf16 / int8 backends keeps a float32 cache; a combination a backend
-# cannot hold is refused by make_backend (runtime/backends/factory.py).
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+# "float32" on the cpu bf16 / int8 backends keeps a float32 cache. "fp8" (alias "fp8_e4m3"):
+# uint8 pools of OCP fp8 e4m3 bits on every cpu backend (a quarter of float32's bytes, half of
+# bf16's), written round-to-nearest-even saturated to +-448 with vLLM's default per-tensor scale
+# 1.0 (no k_scale / v_scale calibration), read widened exactly (runtime/backends/numpy_ops.py);
+# not yet on sim / cuda. A combination a backend cannot hold is refused by make_backend
+# (runtime/backends/factory.py).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8", "fp8_e4m3")
 # vLLM's logprobs_mode: raw = from the model's logits before any processing; processed = after
 # bias, masks, penalties, temperature and the top-k / top-p / min-p filters (what is sampled).
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")

@@ -17,7 +17,10 @@ The KV cache (kv_cache_dtype, EngineConfig's): "bfloat16" (what "auto" picks) ke
 of bf16 bits, the sim backend's representation: the cache write rounds k and v to nearest even,
 decode attention (cpu_ops) and prefill attention (numpy_ops, the gathered blocks only) widen
 them exactly and compute in float32. Half the bytes per block, so twice the blocks per budget
-and half the KV bytes a decode step reads. "float32" keeps float32 pools.
+and half the KV bytes a decode step reads. "float32" keeps float32 pools. "fp8" / "fp8_e4m3"
+keeps uint8 pools of OCP fp8 e4m3 bits (vLLM's fp8 cache with its default per-tensor scale 1.0,
+no calibration): written rounded to nearest even and saturated to +-448, widened exactly where
+read (cpu_ops and numpy_ops alike); half of bf16's bytes again.
 Only the GEMM inputs are rounded to bf16; the float32 NumpyBackend stays pure numpy, the
 independent reference these ops are tested against (tests/pyx/test_cpu_ops.py).
 
@@ -53,7 +56,8 @@ DEFAULT_GEMM_THREADS = min(2, os.cpu_count() or 1)
 # The ops of pagedrun.pyx.cpu_ops this backend runs instead of numpy_ops'.
 # kv_cache_dtype -> the pools' element dtype.
 KV_DTYPES = {"auto": np.dtype(np.uint16), "bfloat16": np.dtype(np.uint16),
-             "float32": np.dtype(np.float32)}
+             "float32": np.dtype(np.float32), "fp8": np.dtype(np.uint8),
+             "fp8_e4m3": np.dtype(np.uint8)}
 CPU_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul",
            "rotary_embedding_and_cache_write", "paged_decode_attention")
 
@@ -76,7 +80,7 @@ class CpuBf16Backend(NumpyBackend):
         """gemm_threads: threads of one GEMM; path: cpu_gemm's "auto" | "avx512bf16" | "avx2"
         | "portable" (tests force each; "portable" also puts cpu_ops on its portable path);
         gemm_pool: cpu_gemm's "native" | "python" helper; kv_cache_dtype: "auto" / "bfloat16"
-        (uint16 pools of bf16 bits) or "float32"."""
+        (uint16 pools of bf16 bits), "float32", or "fp8" / "fp8_e4m3" (uint8 e4m3 bits)."""
         if kv_cache_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_DTYPES)}, "
                              f"got {kv_cache_dtype!r}")

@@ -8,7 +8,7 @@ cpu_gemm.DEFAULT_INT8_GROUP_SIZE says by how much) and packed for pagedrun.pyx.c
 kernel: y = sum over groups of (bf16(x_g) @ q_g.T) * scale_g (+ bias), float32 accumulation. A
 decode step streams 1.06 bytes per weight instead of the bf16 backend's two.
 Everything else (embedding, norms, rotary, attention, the KV cache -- bf16 bits unless
-kv_cache_dtype is "float32" --, LoRA deltas) is the bf16 backend's, float32 math.
+kv_cache_dtype is "float32" or "fp8" --, LoRA deltas) is the bf16 backend's, float32 math.
 
 The model keeps only the packed copies (CpuBf16Backend.linear_weight): ~143 MB for
 SmolLM2-135M's GEMM weights instead of ~540 MB of float32. The checkpoint is still read (or a

@@ -50,13 +50,18 @@ def _check_kv_cache_dtype(kv_cache_dtype: str, kv_dtype: str, backend: str) -> N
             "--quantization int8)")
 
 
+# kv_cache_dtype values of an fp8 e4m3 cache (vLLM's name and its explicit alias).
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+
+
 def make_backend(device: str, dtype: str = "auto", *, device_id: int = 0,
                  quantization: str | None = None, kv_cache_dtype: str = "auto") -> Backend:
     """The backend of a device ("auto" is resolved first); device_id: the GPU of a cuda rank;
     quantization: EngineConfig.quantization (None or "none": the dtype's weights);
     kv_cache_dtype: EngineConfig.kv_cache_dtype -- "auto": bfloat16 on the cpu bf16 / int8
-    backends, float32 on the float32 cpu backend, the activation dtype on sim / cuda; a
-    combination a backend cannot hold raises EngineConfigError."""
+    backends, float32 on the float32 cpu backend, the activation dtype on sim / cuda; "fp8" /
+    "fp8_e4m3" (uint8 e4m3 bits, scale 1.0) on the cpu backends only; a combination a backend
+    cannot hold raises EngineConfigError."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise EngineConfigError(
             f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
@@ -83,12 +88,18 @@ def make_backend(device: str, dtype: str = "auto", *, device_id: int = 0,
         if resolved == "float16":
             # numpy's float16 GEMMs are slow: the cpu backend computes float16 in float32.
             log.warning("dtype float16: the cpu backend runs float32")
-        _check_kv_cache_dtype(kv_cache_dtype, "float32", "the float32 cpu backend")
         from .numpy_backend import NumpyBackend
 
+        if kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+            return NumpyBackend(kv_cache_dtype=kv_cache_dtype)
+        _check_kv_cache_dtype(kv_cache_dtype, "float32", "the float32 cpu backend")
         return NumpyBackend()
     # sim / cuda: the KV cache is in the activation dtype.
     resolved = resolve_dtype(device, dtype)
+    if kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+        raise EngineConfigError(
+            f"kv_cache_dtype: {kv_cache_dtype!r} is not served by the {device} backend, not yet: "
+            "the CUDA kernels read float32/f16/bf16 caches (fp8 KV runs on device 'cpu')")
     _check_kv_cache_dtype(kv_cache_dtype, resolved, f"the {device} backend with dtype {resolved}")
     if device == "sim":
         from .sim_backend import SimBackend

@@ -2,6 +2,8 @@
 
 Everything is float32 numpy (numpy has no bfloat16; see numpy_ops' docstring); the ops are the
 reference functions themselves, so this backend is the oracle the others are compared with.
+The KV pools are float32, or with kv_cache_dtype "fp8" / "fp8_e4m3" uint8 fp8 e4m3 bits (scale
+1.0: numpy_ops rounds k and v to e4m3 where it stores them and widens the blocks it reads).
 """
 from __future__ import annotations
 
@@ -13,6 +15,10 @@ from pagedrun.runtime.sampler import Sampler
 from . import numpy_ops
 from .base import DEFAULT_HOST_KV_CACHE_BYTES
 from .step_inputs import StepInputs
+
+# kv_cache_dtype -> the pools' element dtype (CpuBf16Backend has its own table).
+KV_DTYPES = {"auto": np.dtype(np.float32), "float32": np.dtype(np.float32),
+             "fp8": np.dtype(np.uint8), "fp8_e4m3": np.dtype(np.uint8)}
 
 
 class NumpyBackend:
@@ -45,6 +51,14 @@ class NumpyBackend:
     moe_route = staticmethod(numpy_ops.moe_route)
     moe_experts = staticmethod(numpy_ops.moe_experts)
     lora_weights = (np.float32, np)   # slot stacks: float32 numpy, like the weights
+
+    def __init__(self, *, kv_cache_dtype: str = "auto") -> None:
+        """kv_cache_dtype: "auto" / "float32" (float32 pools) or "fp8" / "fp8_e4m3" (uint8
+        pools of e4m3 bits)."""
+        if kv_cache_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_DTYPES)}, "
+                             f"got {kv_cache_dtype!r}")
+        self.kv_dtype = KV_DTYPES[kv_cache_dtype]
 
     @staticmethod
     def lora_batch(batch):

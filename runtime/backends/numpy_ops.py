@@ -20,7 +20,13 @@ GQA: query head h reads kv head h // (num_heads // num_kv_heads).
 KV cache dtype: float32 (or float16), or uint16 holding bf16 bits (EngineConfig.kv_cache_dtype
 "bfloat16" on the cpu backends): the cache write rounds k and v to bf16 (`to_bf16_bits`, RNE),
 the attention ops widen only the blocks they gather (`from_bf16_bits`, exact) and compute in
-float32. copy_blocks / swap_blocks move elements of any dtype.
+float32. Or uint8 holding fp8 e4m3 bits (kv_cache_dtype "fp8", vLLM's name; OCP e4m3: 1 sign,
+4 exponent bits biased by 7, 3 mantissa bits, subnormals, no infinities, 0x7F / 0xFF NaN, largest
+finite 448): the write rounds to nearest even and saturates to +-448 (`to_fp8_e4m3_bits`,
+NVIDIA's __NV_SATFINITE conversion, the one vLLM's fp8 cache uses), the read widens exactly
+(`from_fp8_e4m3_bits`). The per-tensor scale is 1.0 -- vLLM's default when a checkpoint carries
+no k_scale / v_scale --, so values are stored as they are; no calibration. copy_blocks /
+swap_blocks move elements of any dtype.
 """
 from __future__ import annotations
 
@@ -113,13 +119,70 @@ def rotary_embedding_and_cache_write(
         if np.unique(slots).size != slots.size:
             raise ValueError("slot_mapping writes the same slot twice in one step")
     blocks, offsets = slots // block_size, slots % block_size
-    if k_cache.dtype == np.uint16:  # bf16 bits: round the float32 values once, RNE
-        k_cache[blocks, offsets] = to_bf16_bits(_f32(k_rot[valid]))
-        v_cache[blocks, offsets] = to_bf16_bits(_f32(v[valid]))
-    else:
-        k_cache[blocks, offsets] = k_rot[valid]
-        v_cache[blocks, offsets] = v[valid]
+    _store_kv(k_cache, blocks, offsets, k_rot[valid])  # bf16 / fp8 bits: rounded once
+    _store_kv(v_cache, blocks, offsets, v[valid])
     return q_rot, k_rot
+
+
+# --------------------------------------------------------------------------------- fp8 e4m3
+
+FP8_E4M3_MAX = 448.0
+
+
+def _fp8_e4m3_values() -> np.ndarray:
+    """The 256 e4m3 codes as float32 (exact): exponent field 0 is m * 2^-9 (subnormals), else
+    (1 + m / 8) * 2^(e - 7); magnitude bits 0x7F are NaN."""
+    codes = np.arange(256)
+    e, m = (codes >> 3) & 15, codes & 7
+    mag = np.where(e == 0, m * 2.0 ** -9, (8 + m) * 2.0 ** (e - 10))
+    mag[(codes & 0x7F) == 0x7F] = np.nan
+    return np.where(codes & 0x80, -mag, mag).astype(np.float32)
+
+
+_FP8_E4M3_VALUES = _fp8_e4m3_values()
+
+
+def to_fp8_e4m3_bits(x) -> np.ndarray:
+    """float32 values -> uint8 fp8 e4m3 bits: round to nearest, ties to even, saturating to
+    +-448 (infinities too); NaN -> 0x7F with its sign; -0 and values that round to 0 keep their
+    sign. Its C++ twin is kv_f32_to_fp8 in pyx/cpu_ops_kernels.h (the same integer steps)."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    sign = (bits >> np.uint32(24)) & np.uint32(0x80)
+    mag = bits & np.uint32(0x7FFFFFFF)
+    # |x| >= 2^-6 (float32 exponent >= 121): an e4m3 normal. RNE of the 23-bit mantissa to 3
+    # bits (a carry bumps the exponent), exponent rebiased 127 -> 7, saturated at code 0x7E.
+    normal = (mag + np.uint32(0x7FFFF) + ((mag >> np.uint32(20)) & np.uint32(1))) >> np.uint32(20)
+    normal = np.minimum(normal.astype(np.int64) - (120 << 3), 0x7E)
+    # Below 2^-6: multiples of 2^-9. |x| * 512 is exact and np.rint rounds half to even (the
+    # magnitude is clamped to 2^-6 first, so the other lanes stay finite).
+    small = np.minimum(mag, np.uint32(0x3C800000)).view(np.float32) * np.float32(512)
+    code = np.where(mag >= np.uint32(0x3C800000), normal, np.rint(small).astype(np.int64))
+    code = np.where(mag > np.uint32(0x7F800000), 0x7F, code)
+    return (code | sign).astype(np.uint8)
+
+
+def from_fp8_e4m3_bits(bits: np.ndarray) -> np.ndarray:
+    """uint8 fp8 e4m3 bits -> float32 values (exact; 0x7F / 0xFF NaN)."""
+    return _FP8_E4M3_VALUES[np.asarray(bits, dtype=np.uint8)]
+
+
+def _store_kv(cache: np.ndarray, blocks: np.ndarray, offsets: np.ndarray, values) -> None:
+    """values written into cache's slots in its element type: bf16 bits (RNE), fp8 e4m3 bits
+    (RNE, saturated), or as they are."""
+    if cache.dtype == np.uint16:
+        values = to_bf16_bits(_f32(values))
+    elif cache.dtype == np.uint8:
+        values = to_fp8_e4m3_bits(_f32(values))
+    cache[blocks, offsets] = values
+
+
+def widen_kv(cache_elements: np.ndarray) -> np.ndarray:
+    """KV cache elements as float32: bf16 (uint16) or fp8 e4m3 (uint8) bits widened exactly."""
+    if cache_elements.dtype == np.uint16:
+        return from_bf16_bits(cache_elements)
+    if cache_elements.dtype == np.uint8:
+        return from_fp8_e4m3_bits(cache_elements)
+    return _f32(cache_elements)
 
 
 # --------------------------------------------------------------------------------- attention
@@ -132,7 +195,8 @@ def _check_block_ids(block_ids: np.ndarray, num_blocks: int, what: str) -> None:
 
 def _gather_context(cache: np.ndarray, block_table_row: np.ndarray, context_len: int) -> np.ndarray:
     """K or V of the first context_len tokens of one request, [context_len, num_kv_heads, head_dim]
-    f32 (a uint16 cache's bf16 bits widened, the gathered rows only).
+    f32 (a uint16 cache's bf16 bits or a uint8 cache's fp8 bits widened, the gathered rows
+    only).
 
     Only slots < context_len are touched: the padding of the block table and the tail of the
     last block are never read.
@@ -144,8 +208,7 @@ def _gather_context(cache: np.ndarray, block_table_row: np.ndarray, context_len:
     token_pos = np.arange(context_len)
     blocks = block_table_row[token_pos // block_size].astype(np.int64)
     _check_block_ids(blocks, cache.shape[0], "block_tables")
-    gathered = cache[blocks, token_pos % block_size]
-    return from_bf16_bits(gathered) if gathered.dtype == np.uint16 else _f32(gathered)
+    return widen_kv(cache[blocks, token_pos % block_size])
 
 
 def _attend(q_rows: np.ndarray, k_ctx: np.ndarray, v_ctx: np.ndarray, first_query_pos: int,
