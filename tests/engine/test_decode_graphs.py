@@ -142,12 +142,12 @@ def test_replay_equals_eager_forward_of_the_same_static_inputs(sim_model):
     replay = graphs.run
     checked = []
 
-    def run(out, size):
-        got = np.array(replay(out, size))
+    def run(out, size, token_source=None):
+        got = np.array(replay(out, size, token_source))
         want = np.asarray(graphs._forward(size))[:out.num_reqs]
         assert np.array_equal(got, want), (size, out.num_reqs)
         checked.append(size)
-        return replay(out, size)
+        return replay(out, size, token_source)
 
     graphs.run = run
     run_requests(engine, _mix(9, 12))
