@@ -211,8 +211,10 @@ def random_prompts(rng: np.random.Generator, vocab: int, num: int, max_len: int,
 
 
 def run_requests(engine: LLMEngine, requests: list[tuple[int, str, dict]],
-                 max_steps: int = 100_000) -> dict[str, "object"]:
+                 max_steps: int = 100_000, before_step=None) -> dict[str, "object"]:
     """Drive the engine: requests are (arrival_step, request_id, add_request kwargs).
+    before_step(engine, step, totals), if given, runs before each step (after that step's
+    arrivals): aborts at chosen points, for instance.
 
     Returns request_id -> accumulated final RequestOutput (token ids, text, logprobs of every
     completion, concatenated from the streaming deltas).
@@ -226,6 +228,8 @@ def run_requests(engine: LLMEngine, requests: list[tuple[int, str, dict]],
         while pending and pending[0][0] <= step:
             _, request_id, kwargs = pending.pop(0)
             engine.add_request(request_id, **kwargs)
+        if before_step is not None:
+            before_step(engine, step, totals)
         for delta in engine.step():
             totals[delta.request_id] = _merge(totals.get(delta.request_id), delta)
         step += 1

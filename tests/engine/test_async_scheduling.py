@@ -18,7 +18,6 @@ from engine_helpers import (ENGINE_BACKENDS, TINY_VOCAB, EngineModel, PieceToken
                             make_engine, random_prompts, random_weights, reference_greedy,
                             run_requests, tiny_config)
 from pagedrun.runtime.engine_config import EngineConfigError
-from pagedrun.runtime.llm import _merge
 from pagedrun.runtime.sampling_params import SamplingParams
 
 
@@ -114,21 +113,14 @@ def test_async_equals_sync_with_stop_strings(sim_model):
 def _run_with_aborts(engine, requests, abort_after: dict[str, int]) -> dict:
     """Drive the engine; abort a request once it has emitted `abort_after[id]` tokens (a point
     in its output, the same for both kinds of stepping)."""
-    pending = sorted(requests, key=lambda r: r[0])
-    totals, step = {}, 0
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][0] <= step:
-            _, rid, kwargs = pending.pop(0)
-            engine.add_request(rid, **kwargs)
-        for delta in engine.step():
-            totals[delta.request_id] = _merge(totals.get(delta.request_id), delta)
+    def abort_at_counts(engine, step, totals):
+        assert step < 1000
         for rid, count in abort_after.items():
             out = totals.get(rid)
             if out is not None and not out.finished and len(out.outputs[0].token_ids) >= count:
                 engine.abort_request(rid)
-        step += 1
-        assert step < 1000
-    return totals
+
+    return run_requests(engine, requests, before_step=abort_at_counts)
 
 
 def test_async_aborts_keep_what_was_emitted(sim_model):

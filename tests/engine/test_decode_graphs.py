@@ -108,27 +108,18 @@ def test_graph_replay_matches_eager_on_a_mix(sim_model, preemption_mode):
 
 
 def test_graph_replay_matches_eager_with_aborts(sim_model):
+    def abort_mid_decode(engine, step, totals):
+        if step in (8, 11):  # mid-decode: the next graph batch shrinks under the abort
+            running = sorted(r for r in totals if not totals[r].finished)
+            if running:
+                engine.abort_request(running[0])
+
     requests = _mix(5, 10)
     results = []
     for graphs in (False, True):
         engine = _engine(sim_model, graphs)
-        pending = sorted(requests, key=lambda r: r[0])
-        totals, step = {}, 0
-        from pagedrun.runtime.llm import _merge
-
-        while pending or engine.has_unfinished_requests():
-            while pending and pending[0][0] <= step:
-                _, rid, kwargs = pending.pop(0)
-                engine.add_request(rid, **kwargs)
-            if step in (8, 11):  # mid-decode: the next graph batch shrinks under the abort
-                running = sorted(r for r in totals if not totals[r].finished)
-                if running:
-                    engine.abort_request(running[0])
-            for delta in engine.step():
-                totals[delta.request_id] = _merge(totals.get(delta.request_id), delta)
-            step += 1
+        results.append(run_requests(engine, requests, before_step=abort_mid_decode))
         _assert_clean(engine)
-        results.append(totals)
     assert sum(results[1][r].finished and results[1][r].outputs[0].finish_reason == "abort"
                for r in results[1]) >= 1
     _assert_same(*results)
