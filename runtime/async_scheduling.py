@@ -28,7 +28,7 @@ speculation, pipelining or tensor parallelism (the engine enables it only then);
 the step in flight is collected and the engine steps synchronously until it is allowed again.
 Unseeded random sampling draws from one generator in row order, so its draws differ from a
 synchronous run's (as in vLLM); seeded requests draw from their own generators and do not.
-On the CPU backends there is no device to overlap with: EngineConfig refuses it there.
+On the CPU backends there is no device to overlap with: the engine refuses it there.
 """
 from __future__ import annotations
 
