@@ -54,39 +54,23 @@ cdef extern from "cpu_ops_kernels.h" namespace "pagedrun_ops" nogil:
                                  long ldo, float* new_res, long ldn)
     void act_and_mul_rows(int path, int kind, const float* gate_up, long ldg, int rows,
                           int inter, float* out, long ldo)
-    # The three cache element types of each template (float32, bf16 bits, fp8 e4m3 bits).
-    void rotary_cache_write_f32 "pagedrun_ops::rotary_cache_write<float>"(
+    # Templates over the cache element type (float32, bf16 bits, fp8 e4m3 bits: cache_t).
+    void rotary_cache_write[C](
         int path, const float* q, long sq0, long sq1, const float* k, long sk0, long sk1,
         const float* v, long sv0, long sv1, const int32_t* positions, const float* cos_sin,
-        const int32_t* slots, int T, int H, int KV, int D, float* k_cache, float* v_cache,
+        const int32_t* slots, int T, int H, int KV, int D, C* k_cache, C* v_cache,
         long sc0, long sc1, long sc2, int block_size, float* q_rot, float* k_rot)
-    void rotary_cache_write_bf16 "pagedrun_ops::rotary_cache_write<uint16_t>"(
-        int path, const float* q, long sq0, long sq1, const float* k, long sk0, long sk1,
-        const float* v, long sv0, long sv1, const int32_t* positions, const float* cos_sin,
-        const int32_t* slots, int T, int H, int KV, int D, uint16_t* k_cache,
-        uint16_t* v_cache, long sc0, long sc1, long sc2, int block_size, float* q_rot,
-        float* k_rot)
-    void rotary_cache_write_fp8 "pagedrun_ops::rotary_cache_write<uint8_t>"(
-        int path, const float* q, long sq0, long sq1, const float* k, long sk0, long sk1,
-        const float* v, long sv0, long sv1, const int32_t* positions, const float* cos_sin,
-        const int32_t* slots, int T, int H, int KV, int D, uint8_t* k_cache,
-        uint8_t* v_cache, long sc0, long sc1, long sc2, int block_size, float* q_rot,
-        float* k_rot)
-    void paged_decode_attention_f32 "pagedrun_ops::paged_decode_attention<float>"(
-        int path, const float* q, long sq0, long sq1, const float* k_cache,
-        const float* v_cache, long sc0, long sc1, long sc2, int block_size,
-        const int32_t* block_tables, long ldb, const int32_t* context_lens, int S, int H,
-        int KV, int D, float scale, int has_window, long sliding_window, float* out)
-    void paged_decode_attention_bf16 "pagedrun_ops::paged_decode_attention<uint16_t>"(
-        int path, const float* q, long sq0, long sq1, const uint16_t* k_cache,
-        const uint16_t* v_cache, long sc0, long sc1, long sc2, int block_size,
-        const int32_t* block_tables, long ldb, const int32_t* context_lens, int S, int H,
-        int KV, int D, float scale, int has_window, long sliding_window, float* out)
-    void paged_decode_attention_fp8 "pagedrun_ops::paged_decode_attention<uint8_t>"(
-        int path, const float* q, long sq0, long sq1, const uint8_t* k_cache,
-        const uint8_t* v_cache, long sc0, long sc1, long sc2, int block_size,
-        const int32_t* block_tables, long ldb, const int32_t* context_lens, int S, int H,
-        int KV, int D, float scale, int has_window, long sliding_window, float* out)
+    void decode_attention_kernel "pagedrun_ops::paged_decode_attention"[C](
+        int path, const float* q, long sq0, long sq1, const C* k_cache, const C* v_cache,
+        long sc0, long sc1, long sc2, int block_size, const int32_t* block_tables, long ldb,
+        const int32_t* context_lens, int S, int H, int KV, int D, float scale, int has_window,
+        long sliding_window, float* out)
+
+# The KV cache element types: float32, uint16 bf16 bits, uint8 fp8 e4m3 bits.
+ctypedef fused cache_t:
+    float
+    uint16_t
+    uint8_t
 
 PATHS = ("portable", "avx512")
 _PATH_CODE = {"portable": 0, "avx512": 1}
@@ -253,6 +237,35 @@ def gelu_tanh_and_mul(gate_up, *, path="auto"):
     return _act_and_mul(gate_up, ACT_GELU_TANH, path)
 
 
+cdef void _rotary_write(int code, const float[:, :, :] qs, const float[:, :, :] ks,
+                        const float[:, :, :] vs, const int32_t[::1] pv, const float[:, ::1] ts,
+                        const int32_t[::1] sv, cache_t[:, :, :, ::1] kc,
+                        cache_t[:, :, :, ::1] vc, float[:, :, ::1] qo, float[:, :, ::1] ko):
+    """rotary_cache_write<cache_t> over the checked views (strides in elements)."""
+    cdef long es = sizeof(cache_t)
+    with nogil:
+        rotary_cache_write(
+            code, &qs[0, 0, 0], qs.strides[0] // 4, qs.strides[1] // 4, &ks[0, 0, 0],
+            ks.strides[0] // 4, ks.strides[1] // 4, &vs[0, 0, 0], vs.strides[0] // 4,
+            vs.strides[1] // 4, &pv[0], &ts[0, 0], &sv[0], qs.shape[0], qs.shape[1],
+            ks.shape[1], qs.shape[2], &kc[0, 0, 0, 0], &vc[0, 0, 0, 0], kc.strides[0] // es,
+            kc.strides[1] // es, kc.strides[2] // es, kc.shape[1], &qo[0, 0, 0], &ko[0, 0, 0])
+
+
+cdef void _decode_attention(int code, const float[:, :, :] qs, const cache_t[:, :, :, ::1] kc,
+                            const cache_t[:, :, :, ::1] vc, const int32_t[:, ::1] bt,
+                            const int32_t[::1] lv, double scale, int has_window, long window,
+                            float[:, :, ::1] ov):
+    """paged_decode_attention<cache_t> over the checked views (strides in elements)."""
+    cdef long es = sizeof(cache_t)
+    with nogil:
+        decode_attention_kernel(
+            code, &qs[0, 0, 0], qs.strides[0] // 4, qs.strides[1] // 4, &kc[0, 0, 0, 0],
+            &vc[0, 0, 0, 0], kc.strides[0] // es, kc.strides[1] // es, kc.strides[2] // es,
+            kc.shape[1], &bt[0, 0], bt.shape[1], &lv[0], qs.shape[0], qs.shape[1],
+            kc.shape[2], qs.shape[2], <float>scale, has_window, window, &ov[0, 0, 0])
+
+
 def rotary_embedding_and_cache_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
                                      slot_mapping, *, path="auto"):
     """numpy_ops.rotary_embedding_and_cache_write: rotate q and k by their positions, write
@@ -307,44 +320,14 @@ def rotary_embedding_and_cache_write(q, k, v, positions, cos_sin_cache, k_cache,
     cdef const float[:, :, :] ks = k
     cdef const float[:, :, :] vs = v
     cdef const float[:, ::1] ts = table
-    cdef float[:, :, :, ::1] kc
-    cdef float[:, :, :, ::1] vc
-    cdef uint16_t[:, :, :, ::1] kh
-    cdef uint16_t[:, :, :, ::1] vh
-    cdef uint8_t[:, :, :, ::1] kb
-    cdef uint8_t[:, :, :, ::1] vb
     cdef float[:, :, ::1] qo = q_rot
     cdef float[:, :, ::1] ko = k_rot
     if kind == KV_FP8:
-        kb, vb = k_cache, v_cache
-        with nogil:
-            rotary_cache_write_fp8(code, &qs[0, 0, 0], qs.strides[0] // 4, qs.strides[1] // 4,
-                                   &ks[0, 0, 0], ks.strides[0] // 4, ks.strides[1] // 4,
-                                   &vs[0, 0, 0], vs.strides[0] // 4, vs.strides[1] // 4,
-                                   &pv[0], &ts[0, 0], &sv[0], qs.shape[0], qs.shape[1],
-                                   ks.shape[1], qs.shape[2], &kb[0, 0, 0, 0], &vb[0, 0, 0, 0],
-                                   kb.strides[0], kb.strides[1], kb.strides[2],
-                                   kb.shape[1], &qo[0, 0, 0], &ko[0, 0, 0])
+        _rotary_write[uint8_t](code, qs, ks, vs, pv, ts, sv, k_cache, v_cache, qo, ko)
     elif kind == KV_BF16:
-        kh, vh = k_cache, v_cache
-        with nogil:
-            rotary_cache_write_bf16(code, &qs[0, 0, 0], qs.strides[0] // 4, qs.strides[1] // 4,
-                                    &ks[0, 0, 0], ks.strides[0] // 4, ks.strides[1] // 4,
-                                    &vs[0, 0, 0], vs.strides[0] // 4, vs.strides[1] // 4,
-                                    &pv[0], &ts[0, 0], &sv[0], qs.shape[0], qs.shape[1],
-                                    ks.shape[1], qs.shape[2], &kh[0, 0, 0, 0], &vh[0, 0, 0, 0],
-                                    kh.strides[0] // 2, kh.strides[1] // 2, kh.strides[2] // 2,
-                                    kh.shape[1], &qo[0, 0, 0], &ko[0, 0, 0])
+        _rotary_write[uint16_t](code, qs, ks, vs, pv, ts, sv, k_cache, v_cache, qo, ko)
     else:
-        kc, vc = k_cache, v_cache
-        with nogil:
-            rotary_cache_write_f32(code, &qs[0, 0, 0], qs.strides[0] // 4, qs.strides[1] // 4,
-                                   &ks[0, 0, 0], ks.strides[0] // 4, ks.strides[1] // 4,
-                                   &vs[0, 0, 0], vs.strides[0] // 4, vs.strides[1] // 4,
-                                   &pv[0], &ts[0, 0], &sv[0], qs.shape[0], qs.shape[1],
-                                   ks.shape[1], qs.shape[2], &kc[0, 0, 0, 0], &vc[0, 0, 0, 0],
-                                   kc.strides[0] // 4, kc.strides[1] // 4, kc.strides[2] // 4,
-                                   kc.shape[1], &qo[0, 0, 0], &ko[0, 0, 0])
+        _rotary_write[float](code, qs, ks, vs, pv, ts, sv, k_cache, v_cache, qo, ko)
     return q_rot.astype(q_dtype, copy=False), k_rot.astype(k_dtype, copy=False)
 
 
@@ -399,35 +382,14 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, doub
     cdef int has_window = sliding_window is not None
     cdef long window = int(sliding_window) if has_window else 0
     cdef const float[:, :, :] qs = q
-    cdef const float[:, :, :, ::1] kc
-    cdef const float[:, :, :, ::1] vc
-    cdef const uint16_t[:, :, :, ::1] kh
-    cdef const uint16_t[:, :, :, ::1] vh
-    cdef const uint8_t[:, :, :, ::1] kb
-    cdef const uint8_t[:, :, :, ::1] vb
     cdef float[:, :, ::1] ov = out
     if kind == KV_FP8:
-        kb, vb = k_cache, v_cache
-        with nogil:
-            paged_decode_attention_fp8(
-                code, &qs[0, 0, 0], qs.strides[0] // 4, qs.strides[1] // 4, &kb[0, 0, 0, 0],
-                &vb[0, 0, 0, 0], kb.strides[0], kb.strides[1], kb.strides[2],
-                kb.shape[1], &bt[0, 0], bt.shape[1], &lv[0], qs.shape[0], qs.shape[1],
-                kb.shape[2], qs.shape[2], <float>scale, has_window, window, &ov[0, 0, 0])
+        _decode_attention[uint8_t](code, qs, k_cache, v_cache, bt, lv, scale, has_window,
+                                   window, ov)
     elif kind == KV_BF16:
-        kh, vh = k_cache, v_cache
-        with nogil:
-            paged_decode_attention_bf16(
-                code, &qs[0, 0, 0], qs.strides[0] // 4, qs.strides[1] // 4, &kh[0, 0, 0, 0],
-                &vh[0, 0, 0, 0], kh.strides[0] // 2, kh.strides[1] // 2, kh.strides[2] // 2,
-                kh.shape[1], &bt[0, 0], bt.shape[1], &lv[0], qs.shape[0], qs.shape[1],
-                kh.shape[2], qs.shape[2], <float>scale, has_window, window, &ov[0, 0, 0])
+        _decode_attention[uint16_t](code, qs, k_cache, v_cache, bt, lv, scale, has_window,
+                                    window, ov)
     else:
-        kc, vc = k_cache, v_cache
-        with nogil:
-            paged_decode_attention_f32(
-                code, &qs[0, 0, 0], qs.strides[0] // 4, qs.strides[1] // 4, &kc[0, 0, 0, 0],
-                &vc[0, 0, 0, 0], kc.strides[0] // 4, kc.strides[1] // 4, kc.strides[2] // 4,
-                kc.shape[1], &bt[0, 0], bt.shape[1], &lv[0], qs.shape[0], qs.shape[1],
-                kc.shape[2], qs.shape[2], <float>scale, has_window, window, &ov[0, 0, 0])
+        _decode_attention[float](code, qs, k_cache, v_cache, bt, lv, scale, has_window,
+                                 window, ov)
     return out.astype(out_dtype, copy=False)
