@@ -19,15 +19,21 @@ NEEDS_SECRET = ("paged-run serve: --nnodes > 1 needs --tp-secret-file FILE, the 
                 "FILE`)")
 
 
+def _positive_ints(text: str, example: str, too_small: str) -> tuple[int, ...]:
+    """"N,N,..." -> a tuple of ints >= 1 (argparse errors: `example` for text that is not a
+    list of ints, `too_small` for a value below 1)."""
+    try:
+        values = tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {example}, got {text!r}")
+    if any(n < 1 for n in values):
+        raise argparse.ArgumentTypeError(f"{too_small}, got {text!r}")
+    return values
+
+
 def _layer_partition(text: str) -> tuple[int, ...]:
     """--pp-layer-partition: "10,11,9" -> (10, 11, 9)."""
-    try:
-        parts = tuple(int(n) for n in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected layer counts like 10,11,9, got {text!r}")
-    if any(n < 1 for n in parts):
-        raise argparse.ArgumentTypeError(f"every stage needs at least one layer, got {text!r}")
-    return parts
+    return _positive_ints(text, "layer counts like 10,11,9", "every stage needs at least one layer")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -194,13 +200,7 @@ def add_quantization_option(group) -> None:
 
 def _graph_sizes(text: str) -> tuple[int, ...]:
     """--cuda-graph-sizes: "1,2,4,8" -> (1, 2, 4, 8)."""
-    try:
-        sizes = tuple(int(n) for n in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected batch sizes like 1,2,4,8, got {text!r}")
-    if any(n < 1 for n in sizes):
-        raise argparse.ArgumentTypeError(f"batch sizes must be >= 1, got {text!r}")
-    return sizes
+    return _positive_ints(text, "batch sizes like 1,2,4,8", "batch sizes must be >= 1")
 
 
 def add_step_options(group) -> None:
