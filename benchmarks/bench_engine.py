@@ -17,7 +17,8 @@ Subcommands (`all` runs each in turn; `--json PATH` writes every number measured
                prefix cache) vs warm (the prefix cached by an earlier request).
   concurrency  output tokens/s with 1, 8 and 32 concurrent requests (32-token prompts,
                24 new tokens each); `--dtype` takes a comma list of float32, bfloat16 (the
-               bf16-weight cpu backend) and int8 (weight-only int8, --quantization int8), or
+               bf16-weight cpu backend), int8 (weight-only int8, --quantization int8) and
+               gguf (the model's own GGUF blocks, --quantization gguf), or
                `both` (float32,bfloat16), run interleaved, medians of `--repeats` - 2 runs
                (at least 1); `--levels 1,8,32,64`.
 
@@ -44,7 +45,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--blas-threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats (medians)")
     parser.add_argument("--dtype", default="float32",
-                        help="concurrency: comma list of float32, bfloat16, int8; or both")
+                        help="concurrency: comma list of float32, bfloat16, int8, gguf; or both")
     parser.add_argument("--gemm-threads", type=int, default=None,
                         help="concurrency, bfloat16: threads of one GEMM (default: the backend's)")
     parser.add_argument("--levels", default="1,8,32", help="concurrency: concurrent requests")
@@ -275,7 +276,9 @@ def read_bandwidth(threads: int, nbytes: int = 512 << 20) -> float:
 
 # --dtype arms -> LLM keywords.
 CONC_ARMS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
-             "int8": {"dtype": "bfloat16", "quantization": "int8"}}
+             "int8": {"dtype": "bfloat16", "quantization": "int8"},
+             # The default model's own Q4_1 / Q8_0 GGUF blocks (issue 16).
+             "gguf": {"quantization": "gguf"}}
 
 
 def concurrency_arms(text: str) -> tuple[str, ...]:

@@ -13,17 +13,44 @@ ThreadPoolExecutor worker that sleeps on a queue.
 
 Paths: "avx512bf16" (vdpbf16ps), "avx2" (bf16 widened to float32, FMA), "portable" (scalar
 C, any CPU); "auto" picks the first of these the CPU runs. Tests force each.
+
+GGUF weights kept quantized (Q4_0 / Q4_1 / Q8_0 blocks as stored in the file):
+
+    packed = PackedGgufWeight(raw, "Q4_1", k)  # raw: uint8 [N, row_bytes], the file's blocks
+    y = gemm_gguf(x, packed, bias)             # x: [M, K] float32 -> y: [M, N] float32
+
+x is quantized per row per 32-wide block to int8 (llama.cpp's q8 activations; or, with
+activations="q8x2", two int8 passes: the second over the first one's residual) once per
+call, and the integer dot products run on vpdpbusd (GGUF paths "avx512vnni", "portable"); the
+math and the packed layout are in pyx/cpu_quant_kernels.h.
 """
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from libc.stdint cimport int8_t, uint16_t
+from libc.stdint cimport int8_t, int32_t, uint8_t, uint16_t
 from libc.stdlib cimport free, malloc
+from libc.string cimport memset
 
 cdef extern from "cpu_gemm_kernels.h" namespace "pagedrun_gemm" nogil:
     const int TILE_N
+    cdef struct GgufJob:
+        int type
+        int path
+        const uint8_t* wq
+        int nb
+        int M
+        const int8_t* xq
+        const float* xd
+        const float* xs
+        const int32_t* xcorr
+    int cpu_has_avx512vnni()
+    int gguf_block_bytes_of(int type)
+    int gguf_offset(int type)
+    void gguf_quantize_rows(int path, const float* x, long stride_m, long stride_k, int M,
+                            int K, int offset, int residual, int8_t* xq, float* xd, float* xs,
+                            int32_t* xcorr)
     int cpu_has_avx512bf16()
     int cpu_has_avx2_fma()
     int amx_available()
@@ -45,6 +72,7 @@ cdef extern from "cpu_gemm_kernels.h" namespace "pagedrun_gemm" nogil:
         const float* bias
         float* y
         long ldy
+        const GgufJob* gguf
     void init_helper()
     void run_job(const TileJob& job)
     void run_split(const TileJob& mine, const TileJob& theirs)
@@ -249,6 +277,7 @@ cdef TileJob _job(const uint16_t[:, ::1] xb, packed, bias, float[:, ::1] y, int 
     job.wq = NULL
     job.scales = NULL
     job.group_pairs = 0
+    job.gguf = NULL
     if isinstance(packed, PackedInt8Weight):
         wq = packed.flat
         scales = packed.flat_scales
@@ -367,3 +396,285 @@ def _gemm(x, packed, bias, path, threads, pool):
     _run_tiles(xb, packed, bias, y, code, 0, split)
     job.result()
     return y
+
+
+# ------------------------------------------------------------------------- GGUF blocks
+GGUF_NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+GGUF_PATHS = ("portable", "avx512vnni")
+GGUF_BLOCK = 32  # weights per GGUF block
+# Activation quantization of gemm_gguf: "q8" (llama.cpp's: int8 per 32-wide block, error <=
+# dx / 2 per activation) or "q8x2" (a second int8 pass over the residual, error <= dx / 256:
+# twice the multiply-adds, the same weight bytes). Measured on the default model's GEMMs with
+# its real activations: "q8" 0.6-0.9% relative error per GEMM (the greedy answer to "What is
+# the capital of France?" changes), the float product of the same weights answers "Paris".
+GGUF_ACTIVATIONS = ("q8", "q8x2")
+_GGUF_TYPE_CODE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
+# Bytes of one block in the file: fp16 d (+ fp16 m for Q4_1), then the quants.
+_GGUF_FILE_BLOCK = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+_GGUF_PATH_CODE = {"portable": 0, "avx512vnni": 1}
+cdef int _HAS_VNNI = cpu_has_avx512vnni()
+
+
+def has_avx512vnni():
+    """True when this CPU runs the GGUF GEMM's vpdpbusd path (AVX512F+BW+VL+VNNI)."""
+    return bool(_HAS_VNNI)
+
+
+def available_gguf_paths():
+    """The GGUF GEMM paths this CPU runs, fastest first."""
+    return ("avx512vnni", "portable") if _HAS_VNNI else ("portable",)
+
+
+_GGUF_RESOLVED = {p: _GGUF_PATH_CODE[p] for p in available_gguf_paths()}
+_GGUF_RESOLVED["auto"] = _GGUF_PATH_CODE[available_gguf_paths()[0]]
+
+
+def _resolve_gguf_path(path):
+    code = _GGUF_RESOLVED.get(path)
+    if code is not None:
+        return code
+    if path not in _GGUF_PATH_CODE:
+        raise ValueError(f"path must be 'auto' or one of {GGUF_PATHS}, got {path!r}")
+    raise RuntimeError(f"this CPU cannot run the {path} path")
+
+
+class PackedGgufWeight:
+    """A [N, K] GGUF-quantized weight (Q4_0 / Q4_1 / Q8_0) in the kernel's tiled layout
+    (pyx/cpu_quant_kernels.h): packed [num_tiles, K / 32, block_bytes] uint8, per tile-block
+    the quants of 16 outputs x 32 k interleaved for vpdpbusd, then their fp16 d (and m).
+
+    raw: uint8 [N, K / 32 * file block bytes], the tensor's blocks exactly as in the file (row n
+    = output n); ggml_type: "Q4_0", "Q4_1" or "Q8_0"; k: weights per row (a multiple of 32).
+    Repacked once; the values are not changed (dequantize() gives gguf's dequantization).
+    """
+
+    def __init__(self, raw, ggml_type, k):
+        if ggml_type not in _GGUF_TYPE_CODE:
+            raise ValueError(f"ggml_type must be one of {GGUF_NATIVE_TYPES}, got {ggml_type!r}")
+        k = int(k)
+        if k < GGUF_BLOCK or k % GGUF_BLOCK:
+            raise ValueError(f"k must be a positive multiple of {GGUF_BLOCK}, got {k}")
+        raw = np.asarray(raw)
+        fb = _GGUF_FILE_BLOCK[ggml_type]
+        nb = k // GGUF_BLOCK
+        if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[0] < 1 or raw.shape[1] != nb * fb:
+            raise ValueError(f"raw must be uint8 [N >= 1, {nb * fb}] for {ggml_type} with k {k}, "
+                             f"got {raw.dtype} {raw.shape}")
+        code = _GGUF_TYPE_CODE[ggml_type]
+        n = int(raw.shape[0])
+        tile = TILE_N
+        num_tiles = -(-n // tile)
+        blocks = np.zeros((num_tiles * tile, nb, fb), dtype=np.uint8)
+        blocks[:n] = raw.reshape(n, nb, fb)
+        scale_bytes = 4 if ggml_type == "Q4_1" else 2
+        qs = blocks[:, :, scale_bytes:]
+        if ggml_type == "Q8_0":
+            qs = qs ^ np.uint8(0x80)  # int8 q -> u8 q + 128 (vpdpbusd's unsigned operand)
+            qs[n:] = 0
+        groups = qs.shape[2] // 4  # 4-byte lanes per output per block (4 or 8)
+        quants = (qs.reshape(num_tiles, tile, nb, groups, 4).transpose(0, 2, 3, 1, 4)
+                  .reshape(num_tiles, nb, groups * tile * 4))
+        parts = [quants]
+        for off in range(0, scale_bytes, 2):  # d, then m: [tile][block][16 outputs] fp16
+            parts.append(blocks[:, :, off:off + 2].reshape(num_tiles, tile, nb, 2)
+                         .transpose(0, 2, 1, 3).reshape(num_tiles, nb, tile * 2))
+        self.packed = np.ascontiguousarray(np.concatenate(parts, axis=2))
+        if self.packed.shape[2] != gguf_block_bytes_of(code):
+            raise AssertionError("packed block size disagrees with cpu_quant_kernels.h")
+        self.flat = self.packed.reshape(-1)  # the kernel's view, made once
+        self.n, self.k, self.ggml_type = n, k, ggml_type
+        self.type_code, self.nb, self.num_tiles = code, nb, num_tiles
+        self.offset = gguf_offset(code)  # W = d * (u - offset): the activations' correction
+
+    @property
+    def nbytes(self):
+        return self.packed.nbytes
+
+    def dequantize(self):
+        """float32 [N, K] from the packed form, with gguf.quants.dequantize's float32 ops."""
+        t, nb, tile = self.num_tiles, self.nb, TILE_N
+        qbytes = 512 if self.ggml_type == "Q8_0" else 256
+        groups = qbytes // (tile * 4)
+        quants = (self.packed[:, :, :qbytes].reshape(t, nb, groups, tile, 4)
+                  .transpose(0, 3, 1, 2, 4).reshape(t * tile, nb, groups * 4)[:self.n])
+
+        def scale(off):
+            part = self.packed[:, :, qbytes + off:qbytes + off + 32].reshape(t, nb, tile, 2)
+            part = np.ascontiguousarray(part.transpose(0, 2, 1, 3)).reshape(t * tile, nb * 2)
+            return part[:self.n].view(np.float16).astype(np.float32)[:, :, None]
+
+        d = scale(0)
+        if self.ggml_type == "Q8_0":
+            w = (quants ^ np.uint8(0x80)).view(np.int8).astype(np.float32) * d
+        else:
+            q = np.concatenate([quants & np.uint8(0x0F), quants >> np.uint8(4)], axis=2)
+            if self.ggml_type == "Q4_1":
+                w = (d * q.astype(np.float32)) + scale(32)
+            else:
+                w = d * (q.astype(np.int8) - np.int8(8)).astype(np.float32)
+        return w.reshape(self.n, self.k)
+
+
+cdef void _gguf_tiles(GgufJob* g, int n, const float* bias, float* y, long ldy, int tile_begin,
+                      int tile_end, int split) noexcept nogil:
+    """Tiles [tile_begin, tile_end) of y on this thread, or (split >= 0) [tile_begin, split)
+    here and [split, tile_end) on the native helper."""
+    cdef TileJob mine
+    memset(&mine, 0, sizeof(TileJob))
+    mine.gguf = g
+    mine.N = n
+    mine.tile_begin = tile_begin
+    mine.tile_end = tile_end if split < 0 else split
+    mine.bias = bias
+    mine.y = y
+    mine.ldy = ldy
+    cdef TileJob theirs = mine
+    theirs.tile_begin = split
+    theirs.tile_end = tile_end
+    if split < 0:
+        run_job(mine)
+    else:
+        run_split(mine, theirs)
+
+
+cdef const float* _bias_ptr(bias) except? NULL:
+    cdef const float[::1] b
+    if bias is None:
+        return NULL
+    b = bias
+    return &b[0]  # borrowed: the caller holds `bias`
+
+
+def _gguf_native(const float[:, :] x, packed, bias, float[:, ::1] y, int path, int split,
+                 int residual):
+    """The whole call on the calling thread (+ the native helper from tile `split` when >= 0):
+    activations quantized into one malloc'ed workspace, then the tiles, without the GIL.
+    residual: y has 2M rows, the second M those of the residual pass."""
+    cdef const uint8_t[::1] wq = packed.flat
+    cdef const float* b = _bias_ptr(bias)
+    cdef int m = x.shape[0], k = x.shape[1], nb = packed.nb, n = packed.n
+    cdef int rows = 2 * m if residual else m
+    cdef int num_tiles = packed.num_tiles, offset = packed.offset
+    cdef GgufJob g
+    g.type = packed.type_code
+    g.path = path
+    g.wq = &wq[0]
+    g.nb = nb
+    g.M = rows
+    cdef size_t per_block = (<size_t>rows) * nb
+    # xd, xs, xcorr (4-byte aligned: malloc's alignment), then xq.
+    cdef char* work = <char*>malloc(per_block * 12 + (<size_t>rows) * k)
+    if work == NULL:
+        raise MemoryError()
+    g.xd = <float*>work
+    g.xs = <float*>(work + per_block * 4)
+    g.xcorr = <int32_t*>(work + per_block * 8)
+    g.xq = <int8_t*>(work + per_block * 12)
+    with nogil:
+        gguf_quantize_rows(path, &x[0, 0], x.strides[0] // sizeof(float),
+                           x.strides[1] // sizeof(float), m, k, offset, residual,
+                           <int8_t*>g.xq, <float*>g.xd, <float*>g.xs, <int32_t*>g.xcorr)
+        _gguf_tiles(&g, n, b, &y[0, 0], y.shape[1], 0, num_tiles, split)
+    free(work)
+
+
+def _gguf_run(const int8_t[:, ::1] xq, const float[:, ::1] xd, const float[:, ::1] xs,
+              const int32_t[:, ::1] xcorr, packed, bias, float[:, ::1] y, int path,
+              int tile_begin, int tile_end):
+    """Tiles [tile_begin, tile_end) of y from activations quantized by _gguf_quantize (the
+    python pool's share), without the GIL."""
+    cdef const uint8_t[::1] wq = packed.flat
+    cdef const float* b = _bias_ptr(bias)
+    cdef GgufJob g
+    g.type = packed.type_code
+    g.path = path
+    g.wq = &wq[0]
+    g.nb = packed.nb
+    g.M = xq.shape[0]
+    g.xq = &xq[0, 0]
+    g.xd = &xd[0, 0]
+    g.xs = &xs[0, 0]
+    g.xcorr = &xcorr[0, 0]
+    cdef int n = packed.n
+    with nogil:
+        _gguf_tiles(&g, n, b, &y[0, 0], y.shape[1], tile_begin, tile_end, -1)
+
+
+def _gguf_quantize(const float[:, :] x, int path, int offset, int residual, xq, xd, xs, xcorr):
+    cdef int8_t[:, ::1] q = xq
+    cdef float[:, ::1] d = xd
+    cdef float[:, ::1] s = xs
+    cdef int32_t[:, ::1] t = xcorr
+    with nogil:
+        gguf_quantize_rows(path, &x[0, 0], x.strides[0] // sizeof(float),
+                           x.strides[1] // sizeof(float), x.shape[0], x.shape[1], offset,
+                           residual, &q[0, 0], &d[0, 0], &s[0, 0], &t[0, 0])
+
+
+def gemm_gguf(x, packed, bias=None, *, path="auto", threads=2, pool="native",
+              activations="q8"):
+    """y = x @ W.T (+ bias) for a PackedGgufWeight W, with x quantized to int8 per row per
+    32-wide block (pyx/cpu_quant_kernels.h has the exact math).
+
+    x: [M, K] float32 (any strides; other float dtypes are converted); bias: [N] float32 or
+    None. Returns a new [M, N] float32 array. path: "auto" or one of GGUF_PATHS; threads and
+    pool as gemm_bf16; activations: one of GGUF_ACTIVATIONS ("q8x2": y = the kernel's rows of
+    the first pass + those of the residual pass, + bias).
+    """
+    if not isinstance(packed, PackedGgufWeight):
+        raise TypeError(f"gemm_gguf takes a PackedGgufWeight, got {type(packed).__name__}")
+    if pool not in POOLS:
+        raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
+    cdef int code = _resolve_gguf_path(path)
+    if activations not in GGUF_ACTIVATIONS:
+        raise ValueError(f"activations must be one of {GGUF_ACTIVATIONS}, got {activations!r}")
+    cdef int residual = activations == "q8x2"
+    x = np.asarray(x)
+    if x.dtype != np.float32:
+        x = x.astype(np.float32)
+    if x.ndim != 2 or x.shape[1] != packed.k:
+        raise ValueError(f"x must be [M, {packed.k}], got shape {x.shape}")
+    if x.strides[0] % 4 or x.strides[1] % 4:
+        x = np.ascontiguousarray(x)
+    if bias is not None:
+        bias = np.ascontiguousarray(bias, dtype=np.float32)
+        if bias.shape != (packed.n,):
+            raise ValueError(f"bias must be [{packed.n}], got shape {bias.shape}")
+    m = x.shape[0]
+    if m == 0:
+        return np.empty((0, packed.n), dtype=np.float32)
+    rows = 2 * m if residual else m
+    y = np.empty((rows, packed.n), dtype=np.float32)
+    kernel_bias = None if residual else bias
+    num_tiles = packed.num_tiles
+    split = -1
+    if not (threads < 2 or num_tiles < 2 * MIN_TILES_PER_THREAD
+            or rows * packed.n * packed.k < MIN_MACS_PER_THREADED_CALL[pool]):
+        split = (num_tiles // 2 + 1) & ~1  # even: both halves on the two-tile micro-kernel
+    if pool == "native" or split < 0:
+        _gguf_native(x, packed, kernel_bias, y, code, split, residual)
+        return _gguf_finish(y, m, bias, residual)
+    xq = np.empty((rows, packed.k), dtype=np.int8)
+    xd = np.empty((rows, packed.nb), dtype=np.float32)
+    xs = np.empty((rows, packed.nb), dtype=np.float32)
+    xcorr = np.empty((rows, packed.nb), dtype=np.int32)
+    _gguf_quantize(x, code, packed.offset, residual, xq, xd, xs, xcorr)
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedrun-gemm")
+    job = _pool.submit(_gguf_run, xq, xd, xs, xcorr, packed, kernel_bias, y, code, split,
+                       num_tiles)
+    _gguf_run(xq, xd, xs, xcorr, packed, kernel_bias, y, code, 0, split)
+    job.result()
+    return _gguf_finish(y, m, bias, residual)
+
+
+def _gguf_finish(y, m, bias, residual):
+    """The kernel's rows -> the [M, N] result: as they are, or (residual) the two passes'
+    rows summed, then the bias."""
+    if not residual:
+        return y
+    out = np.add(y[:m], y[m:])
+    if bias is not None:
+        out += bias
+    return out

@@ -1,5 +1,6 @@
 // cpu_gemm_kernels.h: the bf16-weight and int8-weight GEMMs of the cpu backends (pyx/cpu_gemm.pyx
-// wraps them; the int8 format is described at its section below).
+// wraps them; the int8 format is described at its section below). The GEMM over GGUF blocks
+// is in cpu_quant_kernels.h, run through this file's TileJob and helper thread.
 //
 //   y[M, N] (float32) = x[M, K] (bf16 bits) @ W[N, K]^T (bf16 bits, packed) (+ bias[N])
 //
@@ -35,6 +36,8 @@
 #else
 #define PAGEDRUN_X86 0
 #endif
+
+#include "cpu_quant_kernels.h"  // the GGUF-block GEMM (GgufJob, gguf_tiles): run by TileJob too
 
 namespace pagedrun_gemm {
 
@@ -896,10 +899,13 @@ struct TileJob {
     const float* bias;
     float* y;
     long ldy;
+    const GgufJob* gguf;  // non-null: GGUF-block weights (cpu_quant_kernels.h), xb/wp unused
 };
 
 static inline void run_job(const TileJob& j) {
-    if (j.wq != nullptr)
+    if (j.gguf != nullptr)
+        gguf_tiles(*j.gguf, j.N, j.tile_begin, j.tile_end, j.bias, j.y, j.ldy);
+    else if (j.wq != nullptr)
         gemm_int8_tiles(j.path, j.xb, j.M, j.kp, j.wq, j.scales, j.group_pairs, j.N,
                         j.tile_begin, j.tile_end, j.bias, j.y, j.ldy);
     else

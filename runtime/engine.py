@@ -43,7 +43,7 @@ from functools import partial
 
 import numpy as np
 
-from pagedrun.runtime.backends import make_backend
+from pagedrun.runtime.backends import make_backend, resolve_device
 from pagedrun.runtime.admission import render_chat, truncate_prompt, verify_params
 from pagedrun.runtime.async_scheduling import AsyncScheduler
 from pagedrun.runtime.chat_options import ChatOptions
@@ -62,7 +62,7 @@ from pagedrun.runtime.lora.lora_request import LoRARequest  # noqa: F401
 from pagedrun.runtime.kv_capacity import (num_swap_blocks, plan_num_kv_blocks,
                                           resolve_max_model_len)
 from pagedrun.runtime.model_config import ModelConfig
-from pagedrun.runtime.model_loader import load_model
+from pagedrun.runtime.model_loader import load_model, resolve_quantization
 from pagedrun.runtime.model_runner import ModelRunner, RunnerOutput
 from pagedrun.runtime.outputs import RequestOutput
 from pagedrun.runtime.request import Request, Sequence, take_outputs
@@ -161,14 +161,19 @@ class LLMEngine:
 
         self.config = config
         self.model_name = config.model or "default"
+        # What quantization None means here (a .gguf on cpu: "gguf"), settled before loading.
+        self.quantization = resolve_quantization(
+            config.quantization, config.model, resolve_device(config.device), config.dtype,
+            config.world_size, model_given=model_config is not None)
         if model_config is None:  # tensor parallel: each rank reads its own shard
             model_config, weights, tokenizer = load_model(config.model,
-                                                          config.world_size == 1)
+                                                          config.world_size == 1,
+                                                          quantization=self.quantization)
         self.model_config = model_config
         self.tokenizer = tokenizer
         # The one place that picks ops.
         self.backend = make_backend(config.device, config.dtype,
-                                    quantization=config.quantization,
+                                    quantization=self.quantization,
                                     kv_cache_dtype=config.kv_cache_dtype)
         self.device = self.backend.name
         self.backend.check_model(model_config, config.block_size)  # not mid-step

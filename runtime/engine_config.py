@@ -24,8 +24,10 @@ PREEMPTION_MODES = ("recompute", "swap")
 EXECUTOR_BACKENDS = ("mp", "ray")
 # Weight quantization (vLLM's `quantization`): None / "none" keeps the dtype's weights; "int8"
 # is weight-only int8 with per-output-channel scales, made at load from any checkpoint
-# (runtime/backends/cpu_int8_backend.py; cpu only for now).
-QUANTIZATIONS = ("none", "int8")
+# (runtime/backends/cpu_int8_backend.py); "gguf" keeps a .gguf file's GEMM matrices in the
+# file's block types (runtime/gguf_quantized.py, runtime/backends/cpu_gguf_backend.py). Both
+# on the cpu device, one process, for now.
+QUANTIZATIONS = ("none", "int8", "gguf")
 # The KV cache's element type (vLLM's kv_cache_dtype). "auto": bfloat16 on the cpu bf16 / int8
 # backends (bf16 bits: half the bytes attention reads per decode step, twice the blocks per
 # budget), float32 on the float32 cpu backend, the activation dtype on sim / cuda.

@@ -37,15 +37,64 @@ def resolve_model_dir(model: str | os.PathLike | None, progress: bool = True) ->
     return str(path)
 
 
-def load_model(model: str | os.PathLike | None, load_weights: bool = True):
+def gguf_source(model: str | os.PathLike | None):
+    """The .gguf file behind `model` (the default model's own file when None), or None for a
+    Hugging Face directory."""
+    from pathlib import Path
+
+    from pagedrun.runtime.default_model import default_gguf_path
+
+    if model is None:
+        return default_gguf_path()
+    path = Path(model)
+    return path if path.is_file() and path.name.lower().endswith(GGUF_SUFFIX) else None
+
+
+def resolve_quantization(quantization: str | None, model, device: str, dtype: str,
+                         world_size: int = 1, model_given: bool = False) -> str:
+    """What EngineConfig.quantization means for this engine: as given, or when None, "gguf"
+    for a .gguf file named as the model and served on the cpu device in one process with dtype
+    "auto" (its GEMM matrices kept in the file's block types, as llama.cpp serves it), else
+    "none". `--dtype float32` keeps the dequantized float32 reference; the default model
+    (model None) stays float32 unless asked. An explicit "gguf" elsewhere is refused here with
+    the reason."""
+    from pagedrun.runtime.engine_config import EngineConfigError
+
+    if quantization is None:
+        if (model is not None and not model_given and device == "cpu" and dtype == "auto"
+                and world_size == 1 and gguf_source(model) is not None):
+            return "gguf"
+        return "none"
+    if quantization == "gguf":
+        if world_size > 1:
+            raise EngineConfigError("quantization: 'gguf' runs in one process for now "
+                                    "(tensor / pipeline parallel ranks load float shards)")
+        if not model_given and gguf_source(model) is None:
+            raise EngineConfigError(f"quantization: 'gguf' needs a .gguf model file, got "
+                                    f"{model!r}")
+    return quantization
+
+
+def load_model(model: str | os.PathLike | None, load_weights: bool = True,
+               quantization: str | None = None):
     """(ModelConfig, ModelWeights | None, Tokenizer | None) from an HF directory, a .gguf, or
-    None (the default model). Tensor parallel: no weights here, each rank reads its own shard."""
+    None (the default model). Tensor parallel: no weights here, each rank reads its own shard.
+    quantization "gguf": the GEMM matrices stay in the file's block types
+    (runtime/gguf_quantized.py); a model that is not a .gguf is refused."""
     from pagedrun.runtime.tokenizer import TOKENIZER_FILE, Tokenizer
     from pagedrun.runtime.weights import load_model_weights
 
+    source = gguf_source(model) if quantization == "gguf" else None
+    if quantization == "gguf" and source is None:
+        raise ModelLoadError(model, "quantization 'gguf' needs a .gguf model file "
+                             "(this is a Hugging Face directory: use --quantization int8 or none)")
     model_dir = resolve_model_dir(model)
     config = ModelConfig.from_model_dir(model_dir)
     weights = load_model_weights(model_dir, config, np.float32) if load_weights else None
+    if weights is not None and source is not None:
+        from pagedrun.runtime.gguf_quantized import attach_quantized, read_quantized_linears
+
+        attach_quantized(weights, read_quantized_linears(source, config), source)
     tokenizer = (Tokenizer.from_dir(model_dir)
                  if os.path.isfile(os.path.join(model_dir, TOKENIZER_FILE)) else None)
     return config, weights, tokenizer

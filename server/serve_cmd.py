@@ -186,9 +186,12 @@ def add_quantization_option(group) -> None:
     """--quantization and --kv-cache-dtype, shared by serve, generate and chat --in-process."""
     from pagedrun.runtime.engine_config import KV_CACHE_DTYPES, QUANTIZATIONS
 
-    group.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
-                       help="weight quantization (vLLM's name): int8 = weight-only int8 with "
-                            "per-output-channel scales, made at load (cpu backend)")
+    group.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                       help="weight quantization (vLLM's name): gguf = a .gguf model's GEMM "
+                            "weights kept in the file's block types (Q4_0/Q4_1/Q8_0 kernels; "
+                            "the default for a .gguf --model on cpu with --dtype auto); int8 = "
+                            "weight-only int8 with per-channel group scales, made at load; "
+                            "none = the dtype's weights (a .gguf dequantized). cpu backend only")
     group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                        help="KV cache element type (vLLM's name): auto = bfloat16 on cpu with "
                             "--dtype bfloat16 or --quantization int8 (half the KV bytes), "

@@ -70,9 +70,16 @@ def make_backend(device: str, dtype: str = "auto", *, device_id: int = 0,
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
         if device != "cpu":
-            raise ValueError(f"quantization 'int8' runs on the cpu backend; device {device!r} "
-                             "has no int8 GEMM yet")
+            raise ValueError(f"quantization {quantization!r} runs on the cpu backend; device "
+                             f"{device!r} has no {quantization} GEMM yet")
         resolved = resolve_dtype(device, dtype)
+        if quantization == "gguf":
+            from .cpu_gguf_backend import CpuGgufBackend
+
+            if resolved != "bfloat16":
+                log.info("quantization gguf: int8-quantized activations in the GEMMs, the rest "
+                         "of the step as the bf16 backend (dtype %s is not used)", resolved)
+            return CpuGgufBackend(kv_cache_dtype=kv_cache_dtype)
         if resolved != "bfloat16":
             log.info("quantization int8: the GEMMs take bf16-rounded activations "
                      "(dtype %s applies to the rest of the step)", resolved)

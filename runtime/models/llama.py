@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pagedrun.runtime.gguf_quantized import QuantizedMatrix, dense
 from pagedrun.runtime.model_config import ModelConfig
 from pagedrun.runtime.models.moe import MoeBlock
 from pagedrun.runtime.rope import build_cos_sin_cache, model_inv_freq
@@ -96,6 +97,18 @@ def _t(*matrices: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate(matrices, axis=0).T, dtype=np.float32)
 
 
+def _linear_weight(ops, *matrices):
+    """ops.linear_weight of HF [out, in] matrices stacked along out. GGUF-quantized ones
+    (quantization "gguf") reach a backend that keeps them (ops.keeps_quantized) as one
+    QuantizedMatrix when they share a type; otherwise they are dequantized here."""
+    if any(isinstance(m, QuantizedMatrix) for m in matrices):
+        stacked = QuantizedMatrix.stack(matrices)
+        if stacked is not None and getattr(ops, "keeps_quantized", False):
+            return ops.linear_weight(stacked)
+        matrices = tuple(dense(m) for m in matrices)
+    return ops.linear_weight(_t(*matrices).T)
+
+
 def _f32(x: np.ndarray | None) -> np.ndarray | None:
     return None if x is None else np.ascontiguousarray(x, dtype=np.float32)
 
@@ -113,8 +126,12 @@ class LlamaModel:
         self.config = config
         self.ops = ops
         self.first_layer = first_layer
-        self.embed_tokens = (None if weights.embed_tokens is None else
-                             np.ascontiguousarray(weights.embed_tokens, dtype=np.float32))
+        # A GGUF-quantized table (quantization "gguf") stays in its blocks: embed() dequantizes
+        # the rows a step reads.
+        self.embed_tokens = (
+            None if weights.embed_tokens is None else weights.embed_tokens
+            if isinstance(weights.embed_tokens, QuantizedMatrix)
+            else np.ascontiguousarray(weights.embed_tokens, dtype=np.float32))
         # [max_position, head_dim] float32 rows [cos | sin]: the reference's float64 angles
         # (runtime/rope.py), so the paged forward rotates exactly as the reference does. Gemma 3's
         # local layers have their own base: one table per distinct base.
@@ -137,14 +154,14 @@ class LlamaModel:
                 qkv_bias = _f32(np.concatenate([lw.q_bias, lw.k_bias, lw.v_bias]))
             self.layers.append(_Layer(
                 input_norm=_f32(lw.input_layernorm),
-                qkv=ops.linear_weight(_t(lw.q_proj, lw.k_proj, lw.v_proj).T),
+                qkv=_linear_weight(ops, lw.q_proj, lw.k_proj, lw.v_proj),
                 qkv_bias=qkv_bias,
-                o=ops.linear_weight(_t(lw.o_proj).T),
+                o=_linear_weight(ops, lw.o_proj),
                 o_bias=_f32(lw.o_bias),
                 post_norm=_f32(lw.pre_feedforward_layernorm if sandwich
                                else lw.post_attention_layernorm),
-                gate_up=None if moe else ops.linear_weight(_t(lw.gate_proj, lw.up_proj).T),
-                down=None if moe else ops.linear_weight(_t(lw.down_proj).T),
+                gate_up=None if moe else _linear_weight(ops, lw.gate_proj, lw.up_proj),
+                down=None if moe else _linear_weight(ops, lw.down_proj),
                 q_norm=_f32(lw.q_norm) if config.qk_norm else None,
                 k_norm=_f32(lw.k_norm) if config.qk_norm else None,
                 moe=MoeBlock.from_weights(lw, config) if moe else None,
@@ -155,7 +172,7 @@ class LlamaModel:
             ))
         self.norm = _f32(weights.norm)
         self.lm_head = (None if weights.lm_head is None
-                        else ops.linear_weight(_t(weights.lm_head).T))  # [vocab, hidden]
+                        else _linear_weight(ops, weights.lm_head))  # [vocab, hidden]
         self.cos_sin_cache = self.layers[0].cos_sin_cache if self.layers else (
             build_cos_sin_cache(model_inv_freq(config), max_position))
         self.scale = config.softmax_scale
@@ -250,6 +267,8 @@ class LlamaModel:
     # to rank 0.
     def embed(self, token_ids: np.ndarray):
         """token_ids: [num_tokens] int32 -> [num_tokens, hidden] activations."""
+        if isinstance(self.embed_tokens, QuantizedMatrix):  # host arrays: the cpu backends
+            return self.embed_tokens.dequantize_rows(token_ids)
         return self.ops.embedding(token_ids, self.embed_tokens)
 
     def all_reduce(self, x):

@@ -1,0 +1,495 @@
+// cpu_quant_kernels.h: the cpu GEMM over GGUF-quantized weights kept quantized (Q4_0, Q4_1,
+// Q8_0), wrapped by pagedrun.pyx.cpu_gemm's PackedGgufWeight / gemm_gguf. Included from
+// cpu_gemm_kernels.h (its TileJob carries a GgufJob; the tile split and helper thread are the
+// bf16 GEMM's).
+//
+//   y[M, N] (float32) = x[M, K] (float32) @ W[N, K]^T (+ bias[N]),  K % 32 == 0
+//
+// The math (llama.cpp's q8 activations). x is quantized per row per 32-wide block b, once per
+// call: dx = max |x_b| / 127 (float32 division), qx = round-half-even(x / dx) in [-127, 127]
+// (dx == 0: qx = 0), sx = dx * (float)sum(qx). The weights are stored as
+// unsigned bytes u with W = d * u + m per block (GGUF's fp16 d and, for Q4_1, m), so one
+// vpdpbusd (u8 weights x s8 activations) gives the integer dot = sum_k u * qx exactly:
+//   Q4_1: u = q (0..15)          y += (d * dx) * dot + m * sx
+//   Q4_0: u = q (0..15), m = -8d y += (d * dx) * (dot + xcorr)   xcorr = -8 sum(qx)
+//   Q8_0: u = q + 128 (0..255)   y += (d * dx) * (dot + xcorr)   xcorr = -128 sum(qx)
+// (integers: exact; the kernel starts the block's dot at xcorr, a broadcast load, so the
+// correction costs no vector ALU op).
+// Per block and output, in this order, float32: dd = d * dx; acc = fma(float(int), dd, acc);
+// Q4_1 then acc = fma(m, sx, acc); finally y = acc + bias. Both paths do exactly these float
+// operations per output (the integer dot is exact whatever the order), so they agree bit for
+// bit; tests allow float summation slack anyway.
+//
+// Packed weight layout (PackedGgufWeight builds it once from the file's blocks):
+//   wq[num_tiles][nb][BLOCK] uint8, num_tiles = ceil(N / 16), nb = K / 32; a tile = 16 outputs,
+//   each tile's panel is one contiguous, front-to-back stream over K (the bf16 kernel's
+//   finding: one sequential stream per tile is what the hardware prefetcher keeps up with).
+//   One tile-block (BLOCK bytes) = the quants of 16 outputs x 32 k, then the scales:
+//   Q4_0 / Q4_1: quants[4 L][16 n][4 j] bytes (256): byte (L, n, j) = the file's qs[4 L + j] of
+//       output n: low nibble = k 4L + j, high nibble = k 16 + 4L + j (GGUF's own pairing, so
+//       the repack only moves whole bytes). One 64-byte load (one L) is two vpdpbusd operands:
+//       AND 0x0F -> k 4L..4L+3, shift right 4 (or, at 1-3 rows, AND NOT 0x0F into a separate
+//       accumulator shifted back per block) -> k 16+4L..+3; each 32-bit lane = 4 consecutive
+//       k of one output, 16 outputs per zmm, against 4 bytes of qx broadcast.
+//   Q8_0: quants[8 g][16 n][4 j] (512): byte (g, n, j) = qs[4 g + j] of output n, XOR 0x80
+//       (int8 q -> u8 q + 128).
+//   then d[16] fp16 (32 bytes), and for Q4_1 m[16] fp16 (32 bytes): kept fp16, as in the
+//   file, so Q4_1 streams 0.625 bytes a weight (20 per 32), Q4_0 0.5625, Q8_0 1.0625.
+//   BLOCK = 288 (Q4_0), 320 (Q4_1), 544 (Q8_0). Outputs past N: zero quants and scales.
+// Quantized activations: xq[M][K] int8 (row m, k in file order), xd[M][nb] float32 (dx),
+//   xs[M][nb] float32 (sx), xcorr[M][nb] int32 (-offset * sum(qx), the weight type's
+//   offset: 8, 128, or 0 for Q4_1); the kernels broadcast 4 bytes of xq per vpdpbusd and one
+//   scalar of the others per block.
+//
+// Paths: "avx512vnni" (AVX512F+BW+VL+VNNI, per-function target attribute: the module builds
+// for any x86-64) and "portable" (plain C++ reading the same layout).
+//
+// Measured (Sapphire Rapids, 2 threads, benchmarks/bench_gguf_gemm.py): decode (M 1) streams
+// 45-65 GB/s of packed bytes on the default model's shapes, 1.9-2.5x faster than the bf16
+// GEMM per call. From 4 rows the kernel is bound by the vector ports, not memory: vpdpbusd
+// issues 2 a cycle here, but each 8 of them (one 32-k block, one row, one tile) carry ~7 more
+// ops (nibble unpack shared by 4 rows x 2 tiles, cvt, d * dx, fma, Q4_1's m * sx fma): ~50%
+// of vpdpbusd peak, 180-210 G multiply-adds a second a core; AMX's bf16 GEMM is faster there
+// (an AMX-int8 kernel would be the next step). 8 rows x 1 tile measured no better than 4 x 2.
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+namespace pagedrun_gemm {
+
+enum GgufType { GGUF_Q4_0 = 0, GGUF_Q4_1 = 1, GGUF_Q8_0 = 2 };
+constexpr int GGUF_TILE_N = 16;  // outputs per tile (one zmm of int32 / float32 lanes)
+constexpr int GGUF_QK = 32;      // weights per GGUF block
+
+static inline constexpr long gguf_quant_bytes(int type) { return type == GGUF_Q8_0 ? 512 : 256; }
+static inline constexpr long gguf_block_bytes(int type) {
+    return gguf_quant_bytes(type) + (type == GGUF_Q4_1 ? 64 : 32);
+}
+// The offset of the unsigned weight: W = d * (u - offset) (+ m for Q4_1, offset 0).
+static inline constexpr int gguf_offset(int type) {
+    return type == GGUF_Q4_0 ? 8 : (type == GGUF_Q8_0 ? 128 : 0);
+}
+static inline int gguf_block_bytes_of(int type) { return (int)gguf_block_bytes(type); }
+
+// One gemm_gguf call: the packed weights and the quantized activations (shared by both
+// threads; a TileJob points at it and names the tile range).
+struct GgufJob {
+    int type;  // GgufType
+    int path;  // 0 portable, 1 avx512vnni
+    const uint8_t* wq;
+    int nb;  // blocks per row, K / 32
+    int M;
+    const int8_t* xq;
+    const float* xd;
+    const float* xs;
+    const int32_t* xcorr;
+};
+
+// IEEE half -> float, exact (subnormals, inf, NaN): the portable path's vcvtph2ps.
+static inline float gguf_half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, bits;
+    if (exp == 0x1Fu) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else {  // subnormal: normalize
+        int e = -1;
+        do { man <<= 1; ++e; } while (!(man & 0x400u));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3FFu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+// ------------------------------------------------------------------------- activations
+// Residual mode ("q8x2", `residual` below): a second int8 pass over what the first one
+// rounded away, r = fma(-dx, qx, x) (one rounding), with dx2 = dx / 256: qx2 =
+// round-half-even(r / dx2) clamped to [-127, 127] (|r| <= dx / 2, so |r / dx2| <= 128). The
+// second pass is M more rows [M, 2M) of the same arrays, run by the same kernels: y = y(rows
+// of qx) + y(rows of qx2), each weight block against x ~= dx qx + dx2 qx2 (error <= dx / 256
+// instead of dx / 2, at twice the multiply-adds and the same weight bytes).
+
+// v[32] against scale dx -> q (dx 0: zeros); returns sum(q).
+static inline int32_t gguf_round_block_scalar(const float* v, float dx, int8_t* q) {
+    int32_t sum = 0;
+    for (int i = 0; i < GGUF_QK; ++i) {
+        int qi = 0;
+        if (dx != 0.0f) {
+            const float r = nearbyintf(v[i] / dx);  // the default rounding mode: half-even
+            qi = r > 127.0f ? 127 : (r < -127.0f ? -127 : (int)r);
+        }
+        q[i] = (int8_t)qi;
+        sum += qi;
+    }
+    return sum;
+}
+
+// Rows of x (strides in elements) -> qx, dx, sx, xcorr (the definition above); residual:
+// rows [M, 2M) of the arrays get the second pass.
+static inline void gguf_quantize_rows_scalar(const float* x, long stride_m, long stride_k, int M,
+                                             int K, int offset, int residual, int8_t* xq,
+                                             float* xd, float* xs, int32_t* xcorr) {
+    const int nb = K / GGUF_QK;
+    float v[GGUF_QK], r[GGUF_QK];
+    for (int m = 0; m < M; ++m) {
+        const float* row = x + (long)m * stride_m;
+        for (int b = 0; b < nb; ++b) {
+            float amax = 0.0f;
+            for (int i = 0; i < GGUF_QK; ++i) {
+                v[i] = row[(long)(b * GGUF_QK + i) * stride_k];
+                const float a = fabsf(v[i]);
+                amax = a > amax ? a : amax;
+            }
+            const float dx = amax / 127.0f;
+            long o = (long)m * nb + b;
+            int8_t* q = xq + (long)m * K + b * GGUF_QK;
+            int32_t sum = gguf_round_block_scalar(v, dx, q);
+            xd[o] = dx;
+            xcorr[o] = -offset * sum;
+            xs[o] = dx * (float)sum;
+            if (!residual) continue;
+            for (int i = 0; i < GGUF_QK; ++i) r[i] = fmaf(-dx, (float)q[i], v[i]);
+            const float dx2 = dx / 256.0f;
+            o += (long)M * nb;
+            sum = gguf_round_block_scalar(r, dx2, q + (long)M * K);
+            xd[o] = dx2;
+            xcorr[o] = -offset * sum;
+            xs[o] = dx2 * (float)sum;
+        }
+    }
+}
+
+// ------------------------------------------------------------------------- portable path
+template <int TYPE>
+static void gguf_tiles_portable_t(const GgufJob& g, int N, int tile_begin, int tile_end,
+                                  const float* bias, float* y, long ldy) {
+    constexpr long BLOCK = gguf_block_bytes(TYPE), QB = gguf_quant_bytes(TYPE);
+    const int nb = g.nb, K = nb * GGUF_QK;
+    const long tile_bytes = (long)nb * BLOCK;
+    for (int t = tile_begin; t < tile_end; ++t) {
+        const uint8_t* wt = g.wq + t * tile_bytes;
+        const int n0 = t * GGUF_TILE_N;
+        const int width = N - n0 < GGUF_TILE_N ? N - n0 : GGUF_TILE_N;
+        for (int r = 0; r < g.M; ++r) {
+            float acc[GGUF_TILE_N] = {0};
+            for (int b = 0; b < nb; ++b) {
+                const uint8_t* wb = wt + b * BLOCK;
+                const int8_t* xr = g.xq + (long)r * K + b * GGUF_QK;
+                int32_t dot[GGUF_TILE_N] = {0};
+                for (int n = 0; n < GGUF_TILE_N; ++n) {
+                    if (TYPE == GGUF_Q8_0) {
+                        for (int gq = 0; gq < 8; ++gq)
+                            for (int j = 0; j < 4; ++j)
+                                dot[n] += (int32_t)wb[64 * gq + 4 * n + j] * xr[4 * gq + j];
+                    } else {
+                        for (int L = 0; L < 4; ++L)
+                            for (int j = 0; j < 4; ++j) {
+                                const uint8_t byte = wb[64 * L + 4 * n + j];
+                                dot[n] += (int32_t)(byte & 0x0F) * xr[4 * L + j] +
+                                          (int32_t)(byte >> 4) * xr[16 + 4 * L + j];
+                            }
+                    }
+                }
+                const long o = (long)r * nb + b;
+                const float dx = g.xd[o], sx = g.xs[o];
+                const int32_t corr = g.xcorr[o];
+                for (int n = 0; n < GGUF_TILE_N; ++n) {
+                    uint16_t h;
+                    memcpy(&h, wb + QB + 2 * n, 2);
+                    const float dd = gguf_half_to_float(h) * dx;
+                    acc[n] = fmaf((float)(dot[n] + corr), dd, acc[n]);
+                    if (TYPE == GGUF_Q4_1) {
+                        memcpy(&h, wb + QB + 32 + 2 * n, 2);
+                        acc[n] = fmaf(gguf_half_to_float(h), sx, acc[n]);
+                    }
+                }
+            }
+            float* yr = y + (long)r * ldy + n0;
+            for (int n = 0; n < width; ++n) yr[n] = acc[n] + (bias ? bias[n0 + n] : 0.0f);
+        }
+    }
+}
+
+// ------------------------------------------------------------------------- AVX512-VNNI path
+#if PAGEDRUN_X86
+#define PAGEDRUN_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+static inline int cpu_has_avx512vnni() {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
+static inline int gguf_load_i32(const int8_t* p) {
+    int v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+// v0, v1 (32 floats) against scale dx -> q (dx 0: zeros), q as int32 in q0, q1; returns sum.
+PAGEDRUN_VNNI_TARGET static inline int32_t gguf_round_block_vnni(__m512 v0, __m512 v1, float dx,
+                                                                 int8_t* q, __m512i& q0,
+                                                                 __m512i& q1) {
+    const __m512i lim = _mm512_set1_epi32(127), nlim = _mm512_set1_epi32(-127);
+    if (dx == 0.0f) {
+        memset(q, 0, GGUF_QK);
+        q0 = q1 = _mm512_setzero_si512();
+        return 0;
+    }
+    const __m512 vd = _mm512_set1_ps(dx);
+    q0 = _mm512_cvtps_epi32(_mm512_div_ps(v0, vd));
+    q1 = _mm512_cvtps_epi32(_mm512_div_ps(v1, vd));
+    q0 = _mm512_max_epi32(_mm512_min_epi32(q0, lim), nlim);
+    q1 = _mm512_max_epi32(_mm512_min_epi32(q1, lim), nlim);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
+    return _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+}
+
+// Contiguous rows, 32 floats at a time: the same operations as the scalar quantizer (exact
+// division, round-half-even conversion under the default MXCSR, the residual's single-rounding
+// fma), so the same bytes.
+PAGEDRUN_VNNI_TARGET static void gguf_quantize_rows_vnni(const float* x, long stride_m, int M,
+                                                         int K, int offset, int residual,
+                                                         int8_t* xq, float* xd, float* xs,
+                                                         int32_t* xcorr) {
+    const int nb = K / GGUF_QK;
+    for (int m = 0; m < M; ++m) {
+        const float* row = x + (long)m * stride_m;
+        for (int b = 0; b < nb; ++b) {
+            const __m512 v0 = _mm512_loadu_ps(row + b * GGUF_QK);
+            const __m512 v1 = _mm512_loadu_ps(row + b * GGUF_QK + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0),
+                                                                  _mm512_abs_ps(v1)));
+            const float dx = amax / 127.0f;
+            long o = (long)m * nb + b;
+            int8_t* q = xq + (long)m * K + b * GGUF_QK;
+            __m512i q0, q1;
+            int32_t sum = gguf_round_block_vnni(v0, v1, dx, q, q0, q1);
+            xd[o] = dx;
+            xcorr[o] = -offset * sum;
+            xs[o] = dx * (float)sum;
+            if (!residual) continue;
+            const __m512 nd = _mm512_set1_ps(-dx);
+            const __m512 r0 = _mm512_fmadd_ps(nd, _mm512_cvtepi32_ps(q0), v0);
+            const __m512 r1 = _mm512_fmadd_ps(nd, _mm512_cvtepi32_ps(q1), v1);
+            const float dx2 = dx / 256.0f;
+            o += (long)M * nb;
+            sum = gguf_round_block_vnni(r0, r1, dx2, q + (long)M * K, q0, q1);
+            xd[o] = dx2;
+            xcorr[o] = -offset * sum;
+            xs[o] = dx2 * (float)sum;
+        }
+    }
+}
+
+// MR_ rows x NR_ tiles over all of K. S = 2 keeps two integer accumulators per (row, tile)
+// (low / high nibbles, or even / odd groups): at 1-3 rows there are too few independent
+// vpdpbusd chains to hide its latency otherwise.
+template <int TYPE, int MR_, int NR_, int S>
+PAGEDRUN_VNNI_TARGET static inline void gguf_micro_vnni(const GgufJob& g, int m0,
+                                                        const uint8_t* wt, long tile_bytes,
+                                                        int n0, int N, const float* bias,
+                                                        float* y, long ldy) {
+    constexpr long BLOCK = gguf_block_bytes(TYPE), QB = gguf_quant_bytes(TYPE);
+    const int nb = g.nb, K = nb * GGUF_QK;
+    const int8_t* xq = g.xq + (long)m0 * K;
+    const long xo = (long)m0 * nb;
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512 acc[MR_][NR_];
+#pragma GCC unroll 16
+    for (int r = 0; r < MR_; ++r)
+#pragma GCC unroll 16
+        for (int c = 0; c < NR_; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+        const uint8_t* wb = wt + b * BLOCK;
+        __m512i dot[MR_][NR_][S];
+#pragma GCC unroll 16
+        for (int r = 0; r < MR_; ++r) {
+            const __m512i corr = TYPE == GGUF_Q4_1
+                                     ? _mm512_setzero_si512()
+                                     : _mm512_set1_epi32(g.xcorr[xo + (long)r * nb + b]);
+#pragma GCC unroll 16
+            for (int c = 0; c < NR_; ++c) {
+                dot[r][c][0] = corr;
+                if constexpr (S == 2) dot[r][c][1] = _mm512_setzero_si512();
+            }
+        }
+        if constexpr (TYPE == GGUF_Q8_0) {
+#pragma GCC unroll 8
+            for (int gq = 0; gq < 8; ++gq) {
+                __m512i w[NR_];
+#pragma GCC unroll 16
+                for (int c = 0; c < NR_; ++c)
+                    w[c] = _mm512_loadu_si512(wb + c * tile_bytes + 64 * gq);
+#pragma GCC unroll 16
+                for (int r = 0; r < MR_; ++r) {
+                    const __m512i xv =
+                        _mm512_set1_epi32(gguf_load_i32(xq + (long)r * K + b * GGUF_QK + 4 * gq));
+#pragma GCC unroll 16
+                    for (int c = 0; c < NR_; ++c)
+                        dot[r][c][gq % S] = _mm512_dpbusd_epi32(dot[r][c][gq % S], w[c], xv);
+                }
+            }
+        } else {
+#pragma GCC unroll 4
+            for (int L = 0; L < 4; ++L) {
+                __m512i lo[NR_], hi[NR_];
+#pragma GCC unroll 16
+                for (int c = 0; c < NR_; ++c) {
+                    const __m512i v = _mm512_loadu_si512(wb + c * tile_bytes + 64 * L);
+                    lo[c] = _mm512_and_si512(v, low4);
+                    // S = 2: the high nibbles in place (16 q, one op), their own accumulator
+                    // shifted back once per block (exact: it holds 16 * the dot).
+                    hi[c] = S == 2 ? _mm512_andnot_si512(low4, v)
+                                   : _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                }
+#pragma GCC unroll 16
+                for (int r = 0; r < MR_; ++r) {
+                    const int8_t* xr = xq + (long)r * K + b * GGUF_QK;
+                    const __m512i xl = _mm512_set1_epi32(gguf_load_i32(xr + 4 * L));
+                    const __m512i xh = _mm512_set1_epi32(gguf_load_i32(xr + 16 + 4 * L));
+#pragma GCC unroll 16
+                    for (int c = 0; c < NR_; ++c) {
+                        dot[r][c][0] = _mm512_dpbusd_epi32(dot[r][c][0], lo[c], xl);
+                        dot[r][c][S - 1] = _mm512_dpbusd_epi32(dot[r][c][S - 1], hi[c], xh);
+                    }
+                }
+            }
+        }
+        __m512 d[NR_], mn[NR_];
+#pragma GCC unroll 16
+        for (int c = 0; c < NR_; ++c) {
+            d[c] = _mm512_cvtph_ps(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + c * tile_bytes + QB)));
+            if constexpr (TYPE == GGUF_Q4_1)
+                mn[c] = _mm512_cvtph_ps(_mm256_loadu_si256(
+                    reinterpret_cast<const __m256i*>(wb + c * tile_bytes + QB + 32)));
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < MR_; ++r) {
+            const long o = xo + (long)r * nb + b;
+            const __m512 dxv = _mm512_set1_ps(g.xd[o]);
+#pragma GCC unroll 16
+            for (int c = 0; c < NR_; ++c) {
+                __m512i s = dot[r][c][0];
+                if constexpr (S == 2 && TYPE == GGUF_Q8_0) s = _mm512_add_epi32(s, dot[r][c][1]);
+                if constexpr (S == 2 && TYPE != GGUF_Q8_0)
+                    s = _mm512_add_epi32(s, _mm512_srai_epi32(dot[r][c][1], 4));
+                acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d[c], dxv),
+                                            acc[r][c]);
+                if constexpr (TYPE == GGUF_Q4_1)
+                    acc[r][c] = _mm512_fmadd_ps(mn[c], _mm512_set1_ps(g.xs[o]), acc[r][c]);
+            }
+        }
+    }
+#pragma GCC unroll 16
+    for (int c = 0; c < NR_; ++c) {
+        const int nc = n0 + c * GGUF_TILE_N;
+        const int width = N - nc < GGUF_TILE_N ? N - nc : GGUF_TILE_N;
+        const __mmask16 mask = (__mmask16)((1u << width) - 1u);
+        const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + nc) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+        for (int r = 0; r < MR_; ++r)
+            _mm512_mask_storeu_ps(y + (long)(m0 + r) * ldy + nc, mask,
+                                  _mm512_add_ps(acc[r][c], bv));
+    }
+}
+
+// Rows of a pass [m0, m0 + rows) against NR_ tiles from wt: blocks of 4 rows, then the rest.
+template <int TYPE, int NR_>
+PAGEDRUN_VNNI_TARGET static inline void gguf_rows_vnni(const GgufJob& g, int m0, int rows,
+                                                       const uint8_t* wt, long tile_bytes,
+                                                       int n0, int N, const float* bias,
+                                                       float* y, long ldy) {
+    int m = m0;
+    const int end = m0 + rows;
+    for (; m + 4 <= end; m += 4)
+        gguf_micro_vnni<TYPE, 4, NR_, 1>(g, m, wt, tile_bytes, n0, N, bias, y, ldy);
+    switch (end - m) {
+        case 3: gguf_micro_vnni<TYPE, 3, NR_, 1>(g, m, wt, tile_bytes, n0, N, bias, y, ldy); break;
+        case 2: gguf_micro_vnni<TYPE, 2, NR_, 1>(g, m, wt, tile_bytes, n0, N, bias, y, ldy); break;
+        case 1: gguf_micro_vnni<TYPE, 1, NR_, 1>(g, m, wt, tile_bytes, n0, N, bias, y, ldy); break;
+        default: break;
+    }
+}
+
+// Rows of qx per pass over the weights: a pass's qx (rows * K bytes) stays in L2 while every
+// tile streams past it; decode batches take one pass.
+constexpr long GGUF_X_BLOCK_BYTES = 256 * 1024;
+
+template <int TYPE>
+PAGEDRUN_VNNI_TARGET static void gguf_tiles_vnni_t(const GgufJob& g, int N, int tile_begin,
+                                                   int tile_end, const float* bias, float* y,
+                                                   long ldy) {
+    const long tile_bytes = (long)g.nb * gguf_block_bytes(TYPE);
+    const int M = g.M;
+    if (M <= 3) {  // decode: one tile's stream at a time, two accumulator chains per row
+        for (int t = tile_begin; t < tile_end; ++t) {
+            const uint8_t* wt = g.wq + t * tile_bytes;
+            const int n0 = t * GGUF_TILE_N;
+            if (M == 1) gguf_micro_vnni<TYPE, 1, 1, 2>(g, 0, wt, tile_bytes, n0, N, bias, y, ldy);
+            else if (M == 2)
+                gguf_micro_vnni<TYPE, 2, 1, 2>(g, 0, wt, tile_bytes, n0, N, bias, y, ldy);
+            else gguf_micro_vnni<TYPE, 3, 1, 2>(g, 0, wt, tile_bytes, n0, N, bias, y, ldy);
+        }
+        return;
+    }
+    long pass = GGUF_X_BLOCK_BYTES / ((long)g.nb * GGUF_QK) / 4 * 4;
+    const int pass_rows = pass < 4 ? 4 : (int)pass;
+    for (int m0 = 0; m0 < M; m0 += pass_rows) {
+        const int rows = M - m0 < pass_rows ? M - m0 : pass_rows;
+        int t = tile_begin;
+        for (; t + 2 <= tile_end; t += 2)
+            gguf_rows_vnni<TYPE, 2>(g, m0, rows, g.wq + t * tile_bytes, tile_bytes,
+                                    t * GGUF_TILE_N, N, bias, y, ldy);
+        if (t < tile_end)
+            gguf_rows_vnni<TYPE, 1>(g, m0, rows, g.wq + t * tile_bytes, tile_bytes,
+                                    t * GGUF_TILE_N, N, bias, y, ldy);
+    }
+}
+#else
+static inline int cpu_has_avx512vnni() { return 0; }
+#endif
+
+// ------------------------------------------------------------------------- dispatch
+// x [M, K] float32 (strides in elements) -> the quantized activations (layout above): M rows,
+// or with residual 2M (the second pass in rows [M, 2M)).
+static inline void gguf_quantize_rows(int path, const float* x, long stride_m, long stride_k,
+                                      int M, int K, int offset, int residual, int8_t* xq,
+                                      float* xd, float* xs, int32_t* xcorr) {
+#if PAGEDRUN_X86
+    if (path == 1 && stride_k == 1) {
+        gguf_quantize_rows_vnni(x, stride_m, M, K, offset, residual, xq, xd, xs, xcorr);
+        return;
+    }
+#endif
+    gguf_quantize_rows_scalar(x, stride_m, stride_k, M, K, offset, residual, xq, xd, xs, xcorr);
+}
+
+// Tiles [tile_begin, tile_end) of y.
+static inline void gguf_tiles(const GgufJob& g, int N, int tile_begin, int tile_end,
+                              const float* bias, float* y, long ldy) {
+#if PAGEDRUN_X86
+    if (g.path == 1) {
+        switch (g.type) {
+            case GGUF_Q4_0: gguf_tiles_vnni_t<GGUF_Q4_0>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+            case GGUF_Q4_1: gguf_tiles_vnni_t<GGUF_Q4_1>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+            default: gguf_tiles_vnni_t<GGUF_Q8_0>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+        }
+    }
+#endif
+    switch (g.type) {
+        case GGUF_Q4_0: gguf_tiles_portable_t<GGUF_Q4_0>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+        case GGUF_Q4_1: gguf_tiles_portable_t<GGUF_Q4_1>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+        default: gguf_tiles_portable_t<GGUF_Q8_0>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+    }
+}
+
+}  // namespace pagedrun_gemm

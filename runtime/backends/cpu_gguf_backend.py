@@ -1,0 +1,72 @@
+"""CpuGgufBackend: the cpu backend that computes on a GGUF file's quantized weights as the file
+stores them (EngineConfig.quantization "gguf").
+
+The loader (runtime/gguf_quantized.py) hands the model the GEMM matrices -- q/k/v/o, gate/up,
+down, the LM head -- as QuantizedMatrix blocks; `linear_weight` repacks the types
+pagedrun.pyx.cpu_gemm has a kernel for (cpu_gemm.GGUF_NATIVE_TYPES: Q4_0, Q4_1, Q8_0) into that
+kernel's layout at the file's own bytes per weight (Q4_1: 0.625), and `linear` runs
+cpu_gemm.gemm_gguf on them: activations quantized per row per 32-weight block to int8 twice
+(the value, then the residual; see __init__), integer dot products (AVX512-VNNI), float32
+scales and output. A matrix in another
+block type (K-quants until they get a kernel) or a fused matrix whose parts differ in type is
+dequantized at load and packed as bf16 (the bf16 backend's GEMM), logged once per type.
+
+Everything else -- embedding (the float32 table), norms, rotary, attention, the bf16 KV cache
+(kv_cache_dtype "auto"), MoE experts, LoRA deltas -- is the bf16 backend's.
+"""
+from __future__ import annotations
+
+import logging
+
+from pagedrun.pyx import cpu_gemm
+from pagedrun.runtime.gguf_quantized import QuantizedMatrix
+
+from .cpu_bf16_backend import CpuBf16Backend
+
+log = logging.getLogger(__name__)
+
+
+class CpuGgufBackend(CpuBf16Backend):
+    dtype_name = "bfloat16"  # the non-GEMM ops and the KV cache are the bf16 backend's
+    quantization = "gguf"
+    keeps_quantized = True  # llama.py hands QuantizedMatrix weights to linear_weight
+
+    def __init__(self, *, activations: str = "q8x2", **kwargs) -> None:
+        """activations: how gemm_gguf quantizes a GEMM's input (cpu_gemm.GGUF_ACTIVATIONS).
+        "q8x2" (the default): int8 per 32 weights plus a second int8 pass over the residual,
+        error <= dx / 256 -- llama.cpp's single pass "q8" (error <= dx / 2) measured 0.6-0.9%
+        relative error per GEMM on the default model and changed its greedy answer to the demo
+        question; q8x2 keeps it (benchmarks/bench_quant_accuracy.py has both) at about the
+        same decode speed, memory-bound at batch 1. kwargs: CpuBf16Backend's."""
+        super().__init__(**kwargs)
+        if activations not in cpu_gemm.GGUF_ACTIVATIONS:
+            raise ValueError(f"activations must be one of {cpu_gemm.GGUF_ACTIVATIONS}, "
+                             f"got {activations!r}")
+        self.activations = activations
+        # The quantized kernel's path follows a forced portable GEMM path (tests).
+        self.gguf_path = "portable" if self.path == "portable" else "auto"
+        self.dequantized_types: set[str] = set()  # types that fell back to bf16 (logged once)
+
+    def linear_weight(self, weight):
+        """A model weight [out, in] packed once at load: a QuantizedMatrix of a native type in
+        the quantized kernel's layout, anything else as the bf16 backend packs it."""
+        if isinstance(weight, QuantizedMatrix):
+            if weight.ggml_type in cpu_gemm.GGUF_NATIVE_TYPES:
+                packed = cpu_gemm.PackedGgufWeight(weight.raw, weight.ggml_type, weight.shape[1])
+                self._model_weight_bytes += packed.nbytes
+                return packed
+            if weight.ggml_type not in self.dequantized_types:
+                self.dequantized_types.add(weight.ggml_type)
+                log.info("quantization gguf: %s has no cpu kernel yet; its matrices are "
+                         "dequantized and packed as bf16", weight.ggml_type)
+            weight = weight.dequantize()
+        return super().linear_weight(weight)
+
+    def linear(self, x, weight, bias=None, *, out_dtype=None):
+        """x: [num_tokens, in] float32; weight: what linear_weight returned (or a float32
+        [out, in] array); bias: [out] or None. Returns [num_tokens, out] float32."""
+        if isinstance(weight, cpu_gemm.PackedGgufWeight):
+            return cpu_gemm.gemm_gguf(x, weight, bias, path=self.gguf_path,
+                                      threads=self.gemm_threads, pool=self.gemm_pool,
+                                      activations=self.activations)
+        return super().linear(x, weight, bias, out_dtype=out_dtype)

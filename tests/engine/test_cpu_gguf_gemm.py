@@ -1,0 +1,283 @@
+"""The cpu GEMM over GGUF blocks kept quantized (pagedrun.pyx.cpu_gemm.PackedGgufWeight /
+gemm_gguf): the packing against gguf's own dequantization, every path against a numpy
+reference of the same quantized-activation math (read straight from the file's blocks, not
+from the packed layout), and against the float64 product of the dequantized weights within the
+bound the activation rounding allows; paths and thread counts against each other; refusals."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, quants
+
+from pagedrun.pyx import cpu_gemm
+
+TYPES = cpu_gemm.GGUF_NATIVE_TYPES
+PATHS = list(cpu_gemm.available_gguf_paths())
+FP32_UNIT_ROUNDOFF = 2.0 ** -24
+# (N, K, M): awkward widths (a partial last tile, one output), K of 1 .. 48 blocks, decode and
+# prefill row counts (the kernels' 1-3-row and 4-row-block shapes and their remainders).
+SHAPES = [(1, 32, 1), (17, 96, 3), (111, 576, 8), (576, 576, 17), (17, 1536, 64),
+          (111, 32, 64), (576, 1536, 1), (1, 96, 17)]
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(20261216)
+
+
+def qtype(name: str) -> GGMLQuantizationType:
+    return getattr(GGMLQuantizationType, name)
+
+
+def random_raw(rng, ggml_type: str, n: int, k: int) -> np.ndarray:
+    """The file's blocks of a random [n, k] weight, via gguf's own quantizer; rows of varied
+    scale and offset (Q4_1's min matters), one all-zero row when there are several."""
+    w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 2.0, (n, 1))
+    w += rng.uniform(-0.5, 0.5, (n, 1)).astype(np.float32)
+    if n > 2:
+        w[n // 2] = 0.0
+    return quants.quantize(w.astype(np.float32), qtype(ggml_type))
+
+
+def file_blocks(raw: np.ndarray, ggml_type: str, k: int):
+    """The GGUF block format read independently of the packing: (d [N, nb], m [N, nb] or
+    None, q [N, nb, 32] int64) with W = d * q + m (Q4_1) or d * q (Q4_0, Q8_0; Q4_0's q is
+    the nibble - 8). Q4 nibbles: byte i holds weight i (low) and weight i + 16 (high)."""
+    n, nb = raw.shape[0], k // 32
+    blocks = raw.reshape(n, nb, -1)
+    d = blocks[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float64)
+    if ggml_type == "Q8_0":
+        q = blocks[:, :, 2:].copy().view(np.int8).astype(np.int64)
+        return d, None, q
+    qs = blocks[:, :, 4:] if ggml_type == "Q4_1" else blocks[:, :, 2:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).astype(np.int64)
+    if ggml_type == "Q4_1":
+        return d, blocks[:, :, 2:4].copy().view(np.float16)[:, :, 0].astype(np.float64), q
+    return d, None, q - 8
+
+
+def round_blocks(xb: np.ndarray, dx: np.ndarray):
+    """xb [M, nb, 32] float32 against dx [M, nb] float32: (qx int64, sx float32), qx =
+    round-half-even(x / dx) in [-127, 127] (dx 0: qx 0), sx = dx * sum(qx)."""
+    safe = np.where(dx > 0, dx, np.float32(1.0))[:, :, None]
+    qx = np.where(dx[:, :, None] > 0, np.clip(np.rint(xb / safe), -127, 127), 0).astype(np.int64)
+    return qx, (dx * qx.sum(axis=2).astype(np.float32)).astype(np.float32)
+
+
+def quantize_activations(x: np.ndarray, activations: str = "q8"):
+    """The passes [(qx, dx, sx)] of llama.cpp-style q8 activations per 32-wide block, float32
+    like the kernel: dx = max|x| / 127; "q8x2" adds the residual r = x - dx qx (rounded once
+    to float32) against dx / 256."""
+    m, k = x.shape
+    xb = x.reshape(m, k // 32, 32).astype(np.float32)
+    dx = (np.abs(xb).max(axis=2) / np.float32(127.0)).astype(np.float32)
+    qx, sx = round_blocks(xb, dx)
+    passes = [(qx, dx, sx)]
+    if activations == "q8x2":
+        r = (xb.astype(np.float64) - dx.astype(np.float64)[:, :, None] * qx).astype(np.float32)
+        dx2 = (dx / np.float32(256.0)).astype(np.float32)
+        q2, sx2 = round_blocks(r, dx2)
+        passes.append((q2, dx2, sx2))
+    return passes
+
+
+def reference(x, raw, ggml_type, k, bias, activations="q8"):
+    """(y, slack): y = sum over the passes and blocks b of (d * dx)_f32 * intdot_b (+ m *
+    sx_b) (+ bias) in float64 from the kernel's float32 factors; slack = the float32
+    accumulation bound of the kernel's per-block FMAs (gamma_(2 nb + 2) times the sum of
+    |terms|), plus q8x2's two float32 adds (the passes' sum, the bias)."""
+    passes = quantize_activations(x, activations)
+    y, slack = 0.0, 0.0
+    for qx, dx, sx in passes:
+        yp, sp = reference_pass(qx, dx, sx, raw, ggml_type, k, bias if len(passes) == 1 else None)
+        y, slack = y + yp, slack + sp
+    if len(passes) > 1:
+        if bias is not None:
+            y = y + bias.astype(np.float64)
+        slack = slack + 2 * FP32_UNIT_ROUNDOFF * (np.abs(y) + np.abs(slack))
+    return y, slack
+
+
+def reference_pass(qx, dx, sx, raw, ggml_type, k, bias):
+    d, mins, q = file_blocks(raw, ggml_type, k)
+    dot = np.einsum("mbk,nbk->mnb", qx.astype(np.float64), q.astype(np.float64))  # exact ints
+    dd = (d.astype(np.float32)[None, :, :] * dx[:, None, :]).astype(np.float64)  # f32 product
+    terms = dot * dd
+    mag = np.abs(terms).sum(axis=2)
+    y = terms.sum(axis=2)
+    if mins is not None:
+        mterms = mins[None, :, :] * sx.astype(np.float64)[:, None, :]
+        y += mterms.sum(axis=2)
+        mag += np.abs(mterms).sum(axis=2)
+    if bias is not None:
+        y += bias.astype(np.float64)
+        mag += np.abs(bias.astype(np.float64))
+    nb = k // 32
+    gamma = (2 * nb + 2) * FP32_UNIT_ROUNDOFF / (1 - (2 * nb + 2) * FP32_UNIT_ROUNDOFF)
+    return y, gamma * mag
+
+
+def make_x(rng, m, k, layout):
+    x = rng.standard_normal((m, k)).astype(np.float32) * np.float32(3.0)
+    if m > 1 and k > 32:
+        x[1, 32:64] = 0.0  # an all-zero activation block: dx 0
+    if layout == "transposed":
+        return np.ascontiguousarray(x.T).T
+    if layout == "strided":
+        big = np.zeros((m, 2 * k), np.float32)
+        big[:, ::2] = x
+        return big[:, ::2]
+    return x
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+@pytest.mark.parametrize("n,k", [(1, 32), (17, 96), (111, 576), (576, 1536)])
+def test_dequantize_matches_gguf(rng, ggml_type, n, k):
+    raw = random_raw(rng, ggml_type, n, k)
+    packed = cpu_gemm.PackedGgufWeight(raw, ggml_type, k)
+    assert (packed.n, packed.k, packed.ggml_type) == (n, k, ggml_type)
+    want = quants.dequantize(raw, qtype(ggml_type))
+    got = packed.dequantize()
+    assert got.dtype == np.float32 and got.shape == (n, k)
+    assert np.array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
+    # Streamed bytes: the file's block bytes per 32 weights (+ padding to 16 outputs).
+    per_block = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[ggml_type]
+    assert packed.nbytes == -(-n // 16) * 16 * (k // 32) * per_block
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+@pytest.mark.parametrize("n,k,m", SHAPES)
+@pytest.mark.parametrize("activations", cpu_gemm.GGUF_ACTIVATIONS)
+def test_gemm_matches_reference(rng, ggml_type, n, k, m, activations):
+    raw = random_raw(rng, ggml_type, n, k)
+    packed = cpu_gemm.PackedGgufWeight(raw, ggml_type, k)
+    layout = ("contiguous", "transposed", "strided")[(n + m) % 3]
+    x = make_x(rng, m, k, layout)
+    bias = rng.standard_normal(n).astype(np.float32) if m % 2 else None
+    want, slack = reference(x, raw, ggml_type, k, bias, activations)
+    # Against float64 dequantize(W) @ x: each activation moves by at most dx / 2 when rounded
+    # ("q8x2": dx / 256 (the residual's clamp at 127 included), + its float32 rounding u dx /
+    # 2), so |err| <= sum_b bound_b * sum_k |w_k| (+ the float32 slack, + gguf's float32
+    # dequantization's own rounding: u |w| per weight).
+    w = quants.dequantize(raw, qtype(ggml_type)).astype(np.float64)
+    dx = quantize_activations(x)[0][1].astype(np.float64)
+    per_dx = 0.5 if activations == "q8" else 1.0 / 256 + FP32_UNIT_ROUNDOFF / 2
+    absw = np.abs(w).reshape(n, k // 32, 32).sum(axis=2)  # [N, nb]
+    act_bound = per_dx * dx @ absw.T  # [M, N]
+    exact = x.astype(np.float64) @ w.T + (0 if bias is None else bias.astype(np.float64))
+    deq_slack = FP32_UNIT_ROUNDOFF * (np.abs(x.astype(np.float64)) @ np.abs(w).T)
+    results = {}
+    for path in PATHS:
+        for threads in (1, 2):
+            y = cpu_gemm.gemm_gguf(x, packed, bias, path=path, threads=threads,
+                                   activations=activations)
+            assert y.shape == (m, n) and y.dtype == np.float32
+            err = np.abs(y.astype(np.float64) - want)
+            tol = slack + FP32_UNIT_ROUNDOFF * np.abs(want)  # + the output's own rounding
+            assert (err <= tol).all(), (path, threads, float((err - tol).max()))
+            assert (np.abs(y - exact) <= act_bound + 2 * slack + deq_slack).all(), (path, threads)
+            results[path, threads] = y
+    # Both paths do the same float32 operations per output, in the same order: bit-identical.
+    first = next(iter(results.values()))
+    for key, y in results.items():
+        assert np.array_equal(y, first), key
+
+
+def test_activation_rounding_is_half_even():
+    """Ties x / dx = j + 0.5 round to even (np.rint), not away from zero (roundf): dx = 1
+    exactly (the block's max is 127), the weight a single one-hot row per output."""
+    k = 32
+    x = np.zeros((1, k), np.float32)
+    x[0, 0] = 127.0
+    x[0, 1:6] = [0.5, 1.5, 2.5, -0.5, -2.5]  # -> 0, 2, 2, 0, -2
+    w = np.zeros((6, k), np.float32)
+    for j in range(6):
+        w[j, j] = 1.0  # Q8_0 of a one-hot row: d = 1/127 rounded to fp16, q 127
+    raw = quants.quantize(w, GGMLQuantizationType.Q8_0)
+    packed = cpu_gemm.PackedGgufWeight(raw, "Q8_0", k)
+    d = raw[:, :2].copy().view(np.float16).astype(np.float32)[:, 0]
+    for path in PATHS:
+        y = cpu_gemm.gemm_gguf(x, packed, path=path, threads=1)[0]
+        qx = np.array([127, 0, 2, 2, 0, -2], np.float32)
+        want = (qx * 127).astype(np.float32) * (d * np.float32(1.0))
+        assert np.array_equal(y, want), (path, y, want)
+
+
+def test_q4_nibble_order_and_min():
+    """A Q4_1 block built by hand: weight i (i < 16) in byte i's low nibble, weight i + 16 in
+    its high nibble, w = d * q + m; y against the hand-written dot product."""
+    k = 32
+    q = np.arange(32) % 16
+    q[16:] = 15 - q[16:]  # high nibbles differ from low ones
+    d, mn = np.float16(0.25), np.float16(-1.5)
+    block = np.concatenate([np.array([d, mn], np.float16).view(np.uint8),
+                            (q[:16] | (q[16:] << 4)).astype(np.uint8)])
+    raw = block[None, :]
+    packed = cpu_gemm.PackedGgufWeight(raw, "Q4_1", k)
+    w = (np.float32(d) * q + np.float32(mn)).astype(np.float32)
+    assert np.array_equal(packed.dequantize()[0], w)
+    x = np.zeros((1, k), np.float32)
+    x[0, :] = 0.0
+    x[0, 0] = 127.0  # dx = 1: qx = x exactly for integer x
+    x[0, 3], x[0, 20], x[0, 31] = 5.0, -7.0, 1.0
+    want = float(w.astype(np.float64) @ x[0].astype(np.float64))
+    for path in PATHS:
+        y = cpu_gemm.gemm_gguf(x, packed, path=path, threads=1)
+        assert y[0, 0] == pytest.approx(want, rel=1e-6, abs=1e-5), path
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+@pytest.mark.parametrize("activations", cpu_gemm.GGUF_ACTIVATIONS)
+def test_pools_and_thread_split_agree(rng, ggml_type, activations):
+    n, k, m = 576, 576, 16  # 36 tiles, 5.3 M multiply-adds: both pools split the tiles
+    packed = cpu_gemm.PackedGgufWeight(random_raw(rng, ggml_type, n, k), ggml_type, k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    one = cpu_gemm.gemm_gguf(x, packed, bias, threads=1, activations=activations)
+    for pool in cpu_gemm.POOLS:
+        y = cpu_gemm.gemm_gguf(x, packed, bias, threads=2, pool=pool, activations=activations)
+        assert np.array_equal(y, one), pool
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_residual_pass_is_far_more_accurate(rng, ggml_type):
+    """q8x2 against q8 on the same product: its error bound is 128x smaller, and so is the
+    measured error (by well over 30x on random data)."""
+    n, k, m = 111, 576, 5
+    raw = random_raw(rng, ggml_type, n, k)
+    packed = cpu_gemm.PackedGgufWeight(raw, ggml_type, k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    exact = x.astype(np.float64) @ quants.dequantize(raw, qtype(ggml_type)).astype(np.float64).T
+    err = {a: np.linalg.norm(cpu_gemm.gemm_gguf(x, packed, activations=a) - exact)
+           for a in cpu_gemm.GGUF_ACTIVATIONS}
+    assert err["q8x2"] * 30 < err["q8"], err
+
+
+def test_empty_batch_and_refusals(rng):
+    raw = random_raw(rng, "Q4_1", 17, 64)
+    packed = cpu_gemm.PackedGgufWeight(raw, "Q4_1", 64)
+    assert cpu_gemm.gemm_gguf(np.zeros((0, 64), np.float32), packed).shape == (0, 17)
+    with pytest.raises(ValueError, match="ggml_type"):
+        cpu_gemm.PackedGgufWeight(raw, "Q5_0", 64)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_gemm.PackedGgufWeight(raw, "Q4_1", 48)
+    with pytest.raises(ValueError, match="raw must be"):
+        cpu_gemm.PackedGgufWeight(raw, "Q4_1", 96)  # 2 blocks of bytes, 3 claimed
+    with pytest.raises(ValueError, match="raw must be"):
+        cpu_gemm.PackedGgufWeight(raw, "Q4_0", 64)  # Q4_1 rows are not Q4_0 rows
+    with pytest.raises(ValueError, match="raw must be"):
+        cpu_gemm.PackedGgufWeight(raw.astype(np.int16), "Q4_1", 64)
+    with pytest.raises(ValueError, match="raw must be"):
+        cpu_gemm.PackedGgufWeight(raw.reshape(-1), "Q4_1", 64)
+    with pytest.raises(ValueError, match="x must be"):
+        cpu_gemm.gemm_gguf(np.zeros((1, 32), np.float32), packed)
+    with pytest.raises(ValueError, match="bias must be"):
+        cpu_gemm.gemm_gguf(np.zeros((1, 64), np.float32), packed, np.zeros(16, np.float32))
+    with pytest.raises(ValueError, match="activations"):
+        cpu_gemm.gemm_gguf(np.zeros((1, 64), np.float32), packed, activations="q16")
+    with pytest.raises(ValueError, match="path"):
+        cpu_gemm.gemm_gguf(np.zeros((1, 64), np.float32), packed, path="avx512bf16")
+    with pytest.raises(TypeError):
+        cpu_gemm.gemm_gguf(np.zeros((1, 64), np.float32),
+                           cpu_gemm.PackedWeight(np.zeros((17, 64), np.float32)))
+    assert "auto" not in cpu_gemm.GGUF_PATHS and set(PATHS) <= set(cpu_gemm.GGUF_PATHS)
