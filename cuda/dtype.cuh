@@ -1,8 +1,9 @@
 // dtype.cuh -- the element-type conversions every kernel shares: widen a stored element
 // (float, __half, __nv_bfloat16) to float for arithmetic, and narrow a float result back to
-// the stored type with round-to-nearest-even. Included by common.cuh after the half/bfloat16
-// types exist (toolkit headers under nvcc/NVRTC, cuda/sim/fp16.cuh under the CPU harness),
-// so a kernel file never includes it itself.
+// the stored type with round-to-nearest-even. fp8.cuh (included at the end) adds the fp8 e4m3
+// KV cache element and the to_cache / cache_to_f32 pair of cache-typed kernels. Included by
+// common.cuh after the half/bfloat16 types exist (toolkit headers under nvcc/NVRTC,
+// cuda/sim/fp16.cuh under the CPU harness), so a kernel file never includes it itself.
 //
 // Global namespace on purpose: kernel files call `to_f32(x)` / `from_f32<T>(v)` unqualified
 // from inside their own namespaces, and several kernel files share one translation unit (the
@@ -19,3 +20,5 @@ template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return
 template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
     return __float2bfloat16_rn(v);
 }
+
+#include "fp8.cuh"

@@ -9,10 +9,11 @@
 // context_lens[s] - 1 (the query sits at context_lens[s] - 1 and sees keys j > pos - W). Blocks
 // before the window are neither read nor indexed: the walk starts at the window.
 //
-// Pointers (T = float | __half | __nv_bfloat16, one T per instantiation; all contiguous):
+// Pointers (T = float | __half | __nv_bfloat16, one T per instantiation; CacheT = T, or uint8_t
+// for an fp8 e4m3 cache (the _kv_fp8 instantiations); all contiguous):
 //   q             [num_seqs, num_heads, head_dim]                      T
-//   k_cache       [num_blocks, block_size, num_kv_heads, head_dim]     T   (NHD, docs/kernels.md)
-//   v_cache       [num_blocks, block_size, num_kv_heads, head_dim]     T
+//   k_cache       [num_blocks, block_size, num_kv_heads, head_dim]     CacheT (NHD, kernels.md)
+//   v_cache       [num_blocks, block_size, num_kv_heads, head_dim]     CacheT
 //   block_tables  [num_seqs, max_blocks_per_seq]                       int32
 //   context_lens  [num_seqs]                                           int32 (0 allowed: out = 0)
 //   out           [num_seqs, num_heads, head_dim]                      T   (num_splits == 1)
@@ -30,6 +31,10 @@
 // online softmax (fp32, base 2, scores pre-scaled by scale * log2 e); at the end the groups
 // merge inside the warp by shuffles and the warps merge through shared memory. Unused cache
 // slots are never read (NaN there cannot leak).
+// fp8 caches (CacheT uint8_t) keep this lane layout: a lane's VEC elements of a K/V row are VEC
+// bytes (8 for 16-bit T, 4 for f32), loaded as one uint2 / uint32 and widened exactly to fp32
+// (cuda/fp8.cuh), so registers and the q / accumulator layout are those of T's kernel and the
+// cache traffic is halved (16-bit T) or quartered (f32).
 // Each step issues the next step's K/V loads before computing on the current ones (one step of
 // software prefetch: two steps of loads in flight per warp; by Little's law an SM needs ~25 KB
 // in flight to stream HBM3e, and one step of 4 warps x 32 lanes x 32 bytes is 4 KB per CTA).
@@ -47,11 +52,13 @@
 //     Runs any group_size <= group (the wrapper picks the smallest instantiation that fits).
 //   paged_attention_decode_merge_<dtype>: grid (num_heads, num_seqs), block 128, no smem.
 //
-// Instantiations: dtype in {f32, f16, bf16} x head_dim in {64, 128, 256} x group in
-// {1, 2, 4, 8}, merge for each dtype. block_size is a runtime power of two (16, 32, 64
-// accepted by the wrapper; head_dim and block size are attention.py's SUPPORTED_HEAD_DIMS
-// and SUPPORTED_BLOCK_SIZES). Scalars: float scale; int num_heads, num_kv_heads, group_size,
-// block_size_log2, max_blocks_per_seq, partition_size, num_splits, sliding_window (0: none).
+// Instantiations: dtype in {f32, f16, bf16, f32_kv_fp8, f16_kv_fp8, bf16_kv_fp8} x head_dim in
+// {64, 128, 256} x group in {1, 2, 4, 8} (dtype: q / out's T, then _kv_fp8 for a uint8_t e4m3
+// cache), merge for f32, f16, bf16 (it reads only fp32 partials and writes T). block_size is
+// a runtime power of two (16, 32, 64 accepted by the wrapper; head_dim and block size are
+// attention.py's SUPPORTED_HEAD_DIMS and SUPPORTED_BLOCK_SIZES). Scalars: float scale; int
+// num_heads, num_kv_heads, group_size, block_size_log2, max_blocks_per_seq, partition_size,
+// num_splits, sliding_window (0: none).
 // Signatures: paged_attention_decode_*(out, partial_out, partial_lse, q, k_cache, v_cache,
 // block_tables, context_lens, scale, num_heads, num_kv_heads, group_size, block_size_log2,
 // max_blocks_per_seq, partition_size, num_splits, sliding_window); with num_splits == 1
@@ -67,7 +74,8 @@
 // step of prefetched K/V (8 x VECS registers of raw vectors each) and measures 233-244 at
 // d64/d128 and 238-254 at d256 (f32 d256 246-250: its 16 registers of raw K/V in flight) on
 // sm_80/sm_90 with nvcc 13.0 (anything <= 255 still fits two CTAs per SM); groups 1-4 use
-// <= 144. 0 spill bytes.
+// <= 144. 0 spill bytes. The _kv_fp8 instantiations (same q / accumulator layout, 4-8 byte raw
+// K/V per vector) measure 46-240 on sm_90a (g8 d256: 238-240), 0 spill bytes.
 // Measured: no GPU numbers yet (benchmarks/kernels/bench_attention.py writes them).
 #include "common.cuh"
 
@@ -114,23 +122,48 @@ __device__ __forceinline__ void unpack_vec<float, 4>(const uint4& raw, float (&d
     dst[3] = __uint_as_float(raw.w);
 }
 
-template <typename T>
-__device__ __forceinline__ uint4 load_raw(const T* src) {
-    return *reinterpret_cast<const uint4*>(src);
+template <typename Raw, typename T>
+__device__ __forceinline__ Raw load_raw(const T* src) {
+    return *reinterpret_cast<const Raw*>(src);
 }
 
 template <typename T, int VEC>
 __device__ __forceinline__ void load_vec(const T* src, float (&dst)[VEC]) {
-    unpack_vec<T, VEC>(load_raw(src), dst);
+    unpack_vec<T, VEC>(load_raw<uint4>(src), dst);
+}
+
+// The raw load of one lane's VEC cache elements: a 16-byte vector when the cache holds T; VEC
+// bytes (uint2 for 16-bit T, one word for f32) when it holds fp8 e4m3 codes.
+template <int BYTES> struct RawBytes;
+template <> struct RawBytes<16> { using type = uint4; };
+template <> struct RawBytes<8> { using type = uint2; };
+template <> struct RawBytes<4> { using type = uint32_t; };
+template <typename CacheT, int VEC>
+using KvRaw = typename RawBytes<VEC * static_cast<int>(sizeof(CacheT))>::type;
+
+__device__ __forceinline__ uint32_t raw_word(const uint2& raw, int i) { return i ? raw.y : raw.x; }
+__device__ __forceinline__ uint32_t raw_word(uint32_t raw, int) { return raw; }
+
+// Widens one lane's raw K/V vector to fp32: T's unpacking, or four e4m3 codes per word
+// (lower-indexed element in the low byte, the memory order).
+template <typename T, typename CacheT, int VEC>
+__device__ __forceinline__ void unpack_kv(const KvRaw<CacheT, VEC>& raw, float (&dst)[VEC]) {
+    if constexpr (sizeof(CacheT) == 1) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i)
+            dst[i] = fp8_e4m3_word_to_f32(raw_word(raw, i / 4), i % 4);
+    } else {
+        unpack_vec<T, VEC>(raw, dst);
+    }
 }
 
 // Issues the K and V loads of one token (zeros when it is past the partition): raw 16-byte
 // vectors, so a load in flight costs 8 registers per vector whatever T is. Vector j of the
 // lane covers dims dim0 + j * VEC_STRIDE .. + VEC (VEC_STRIDE = LANES_PER_TOKEN * VEC, so each
 // load instruction of a warp reads whole contiguous rows).
-template <typename T, int HEAD_DIM, int VECS, int VEC_STRIDE>
-__device__ __forceinline__ void fetch_token(uint4 (&k_raw)[VECS], uint4 (&v_raw)[VECS],
-                                            const T* k_cache, const T* v_cache,
+template <typename CacheT, typename Raw, int HEAD_DIM, int VECS, int VEC_STRIDE>
+__device__ __forceinline__ void fetch_token(Raw (&k_raw)[VECS], Raw (&v_raw)[VECS],
+                                            const CacheT* k_cache, const CacheT* v_cache,
                                             const int* block_table, int token, int part_end,
                                             int block_size_log2, int num_kv_heads, int kv_head,
                                             int dim0) {
@@ -142,22 +175,23 @@ __device__ __forceinline__ void fetch_token(uint4 (&k_raw)[VECS], uint4 (&v_raw)
             (static_cast<long long>(slot) * num_kv_heads + kv_head) * HEAD_DIM + dim0;
 #pragma unroll
         for (int j = 0; j < VECS; ++j) {
-            k_raw[j] = load_raw(k_cache + elem + j * VEC_STRIDE);
-            v_raw[j] = load_raw(v_cache + elem + j * VEC_STRIDE);
+            k_raw[j] = load_raw<Raw>(k_cache + elem + j * VEC_STRIDE);
+            v_raw[j] = load_raw<Raw>(v_cache + elem + j * VEC_STRIDE);
         }
     } else {
 #pragma unroll
-        for (int j = 0; j < VECS; ++j) k_raw[j] = v_raw[j] = make_uint4(0u, 0u, 0u, 0u);
+        for (int j = 0; j < VECS; ++j) k_raw[j] = v_raw[j] = Raw{};  // zeros (fp8 0x00 is +0)
     }
 }
 
 // Widens a lane's VECS raw vectors into ELEMS = VECS * VEC floats (vector j at j * VEC).
-template <typename T, int VEC, int VECS>
-__device__ __forceinline__ void unpack_vecs(const uint4 (&raw)[VECS], float (&dst)[VECS * VEC]) {
+template <typename T, typename CacheT, int VEC, int VECS>
+__device__ __forceinline__ void unpack_vecs(const KvRaw<CacheT, VEC> (&raw)[VECS],
+                                            float (&dst)[VECS * VEC]) {
 #pragma unroll
     for (int j = 0; j < VECS; ++j) {
         float part[VEC];
-        unpack_vec<T, VEC>(raw[j], part);
+        unpack_kv<T, CacheT, VEC>(raw[j], part);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) dst[j * VEC + i] = part[i];
     }
@@ -182,10 +216,11 @@ __device__ __forceinline__ void merge_state(float& m, float& l, float (&acc)[N],
     m = m_new;
 }
 
-template <typename T, int HEAD_DIM, int GROUP>
+template <typename T, typename CacheT, int HEAD_DIM, int GROUP>
 __device__ __forceinline__ void decode_partition(
     T* __restrict__ out, float* __restrict__ partial_out, float* __restrict__ partial_lse,
-    const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    const T* __restrict__ q, const CacheT* __restrict__ k_cache,
+    const CacheT* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int* __restrict__ context_lens, float scale,
     int num_heads, int num_kv_heads, int group_size, int block_size_log2, int max_blocks_per_seq,
     int partition_size, int num_splits, int sliding_window) {
@@ -256,18 +291,20 @@ __device__ __forceinline__ void decode_partition(
     // K/V loads before computing on the current ones (one step of software prefetch), so a
     // warp keeps two steps of loads in flight.
     const int first = part_begin + warp * TOKENS_PER_WARP;
-    uint4 k_next[VECS], v_next[VECS];
-    fetch_token<T, HEAD_DIM, VECS, VEC_STRIDE>(k_next, v_next, k_cache, v_cache, block_table,
-                                               first + token_slot, part_end, block_size_log2,
-                                               num_kv_heads, kv_head, dim0);
+    using Raw = KvRaw<CacheT, VEC>;
+    Raw k_next[VECS], v_next[VECS];
+    fetch_token<CacheT, Raw, HEAD_DIM, VECS, VEC_STRIDE>(k_next, v_next, k_cache, v_cache,
+                                                         block_table, first + token_slot,
+                                                         part_end, block_size_log2,
+                                                         num_kv_heads, kv_head, dim0);
     for (int base = first; base < part_end; base += TOKENS_PER_STEP) {
         const bool valid = base + token_slot < part_end;
         float k[ELEMS], v[ELEMS];
-        unpack_vecs<T, VEC, VECS>(k_next, k);
-        unpack_vecs<T, VEC, VECS>(v_next, v);
-        fetch_token<T, HEAD_DIM, VECS, VEC_STRIDE>(k_next, v_next, k_cache, v_cache, block_table,
-                                                   base + TOKENS_PER_STEP + token_slot, part_end,
-                                                   block_size_log2, num_kv_heads, kv_head, dim0);
+        unpack_vecs<T, CacheT, VEC, VECS>(k_next, k);
+        unpack_vecs<T, CacheT, VEC, VECS>(v_next, v);
+        fetch_token<CacheT, Raw, HEAD_DIM, VECS, VEC_STRIDE>(
+            k_next, v_next, k_cache, v_cache, block_table, base + TOKENS_PER_STEP + token_slot,
+            part_end, block_size_log2, num_kv_heads, kv_head, dim0);
         float s[GROUP];
 #pragma unroll
         for (int g = 0; g < GROUP; ++g) {
@@ -385,33 +422,44 @@ __device__ __forceinline__ void decode_merge(T* __restrict__ out,
 
 }  // namespace decode_attn
 
-#define PAGEDRUN_DECODE_KERNEL(NAME, T, HEAD_DIM, GROUP)                                        \
+#define PAGEDRUN_DECODE_KERNEL(NAME, T, CacheT, HEAD_DIM, GROUP)                                \
     extern "C" __global__ void __launch_bounds__(decode_attn::kThreads, decode_attn::kMinCtasPerSm) \
-        NAME(T* out, float* partial_out, float* partial_lse, const T* q, const T* k_cache,      \
-             const T* v_cache, const int* block_tables, const int* context_lens, float scale,   \
+        NAME(T* out, float* partial_out, float* partial_lse, const T* q, const CacheT* k_cache, \
+             const CacheT* v_cache, const int* block_tables, const int* context_lens,           \
+             float scale,                                                                       \
              int num_heads, int num_kv_heads, int group_size, int block_size_log2,              \
              int max_blocks_per_seq, int partition_size, int num_splits, int sliding_window) {  \
-        decode_attn::decode_partition<T, HEAD_DIM, GROUP>(                                      \
+        decode_attn::decode_partition<T, CacheT, HEAD_DIM, GROUP>(                              \
             out, partial_out, partial_lse, q, k_cache, v_cache, block_tables, context_lens,     \
             scale, num_heads, num_kv_heads, group_size, block_size_log2, max_blocks_per_seq,    \
             partition_size, num_splits, sliding_window);                                        \
     }
 
-#define PAGEDRUN_DECODE_GROUPS(DT, T, HEAD_DIM)                                  \
-    PAGEDRUN_DECODE_KERNEL(paged_attention_decode_##DT##_d##HEAD_DIM##_g1, T, HEAD_DIM, 1) \
-    PAGEDRUN_DECODE_KERNEL(paged_attention_decode_##DT##_d##HEAD_DIM##_g2, T, HEAD_DIM, 2) \
-    PAGEDRUN_DECODE_KERNEL(paged_attention_decode_##DT##_d##HEAD_DIM##_g4, T, HEAD_DIM, 4) \
-    PAGEDRUN_DECODE_KERNEL(paged_attention_decode_##DT##_d##HEAD_DIM##_g8, T, HEAD_DIM, 8)
+#define PAGEDRUN_DECODE_GROUPS(DT, T, CacheT, HEAD_DIM)                                        \
+    PAGEDRUN_DECODE_KERNEL(paged_attention_decode_##DT##_d##HEAD_DIM##_g1, T, CacheT, HEAD_DIM, 1) \
+    PAGEDRUN_DECODE_KERNEL(paged_attention_decode_##DT##_d##HEAD_DIM##_g2, T, CacheT, HEAD_DIM, 2) \
+    PAGEDRUN_DECODE_KERNEL(paged_attention_decode_##DT##_d##HEAD_DIM##_g4, T, CacheT, HEAD_DIM, 4) \
+    PAGEDRUN_DECODE_KERNEL(paged_attention_decode_##DT##_d##HEAD_DIM##_g8, T, CacheT, HEAD_DIM, 8)
 
-PAGEDRUN_DECODE_GROUPS(f32, float, 64)
-PAGEDRUN_DECODE_GROUPS(f32, float, 128)
-PAGEDRUN_DECODE_GROUPS(f32, float, 256)
-PAGEDRUN_DECODE_GROUPS(f16, __half, 64)
-PAGEDRUN_DECODE_GROUPS(f16, __half, 128)
-PAGEDRUN_DECODE_GROUPS(f16, __half, 256)
-PAGEDRUN_DECODE_GROUPS(bf16, __nv_bfloat16, 64)
-PAGEDRUN_DECODE_GROUPS(bf16, __nv_bfloat16, 128)
-PAGEDRUN_DECODE_GROUPS(bf16, __nv_bfloat16, 256)
+PAGEDRUN_DECODE_GROUPS(f32, float, float, 64)
+PAGEDRUN_DECODE_GROUPS(f32, float, float, 128)
+PAGEDRUN_DECODE_GROUPS(f32, float, float, 256)
+PAGEDRUN_DECODE_GROUPS(f16, __half, __half, 64)
+PAGEDRUN_DECODE_GROUPS(f16, __half, __half, 128)
+PAGEDRUN_DECODE_GROUPS(f16, __half, __half, 256)
+PAGEDRUN_DECODE_GROUPS(bf16, __nv_bfloat16, __nv_bfloat16, 64)
+PAGEDRUN_DECODE_GROUPS(bf16, __nv_bfloat16, __nv_bfloat16, 128)
+PAGEDRUN_DECODE_GROUPS(bf16, __nv_bfloat16, __nv_bfloat16, 256)
+// fp8 e4m3 caches (kv_cache_dtype "fp8"): q and out in T, K/V as uint8_t codes.
+PAGEDRUN_DECODE_GROUPS(f32_kv_fp8, float, uint8_t, 64)
+PAGEDRUN_DECODE_GROUPS(f32_kv_fp8, float, uint8_t, 128)
+PAGEDRUN_DECODE_GROUPS(f32_kv_fp8, float, uint8_t, 256)
+PAGEDRUN_DECODE_GROUPS(f16_kv_fp8, __half, uint8_t, 64)
+PAGEDRUN_DECODE_GROUPS(f16_kv_fp8, __half, uint8_t, 128)
+PAGEDRUN_DECODE_GROUPS(f16_kv_fp8, __half, uint8_t, 256)
+PAGEDRUN_DECODE_GROUPS(bf16_kv_fp8, __nv_bfloat16, uint8_t, 64)
+PAGEDRUN_DECODE_GROUPS(bf16_kv_fp8, __nv_bfloat16, uint8_t, 128)
+PAGEDRUN_DECODE_GROUPS(bf16_kv_fp8, __nv_bfloat16, uint8_t, 256)
 
 #define PAGEDRUN_DECODE_MERGE(DT, T)                                                            \
     extern "C" __global__ void __launch_bounds__(decode_attn::kThreads)                         \

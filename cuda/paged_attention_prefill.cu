@@ -14,9 +14,10 @@
 // in the cache (rotary_cache_write.cu runs first). Rows of a request with query_len 0 and
 // rows past query_start_loc[num_reqs] are not written.
 //
-// Pointers (T = float | __half | __nv_bfloat16 per instantiation; contiguous):
+// Pointers (T = float | __half | __nv_bfloat16 per instantiation; CacheT = T, or uint8_t for an
+// fp8 e4m3 cache, the _kv_fp8 instantiations; contiguous):
 //   q                [num_tokens, num_heads, head_dim]                    T
-//   k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]     T (NHD)
+//   k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]     CacheT (NHD)
 //   block_tables     [num_reqs, max_blocks_per_seq]                       int32
 //   query_start_loc  [num_reqs + 1]                                       int32, cu_seqlens style
 //   context_lens     [num_reqs]                                           int32, >= query_len
@@ -46,6 +47,12 @@
 //     so 128 threads cover 32 rows and the 64-row tile runs in two passes over its keys (the
 //     second is skipped when the tile has <= 32 rows).
 // Softmax in fp32, base 2, scores scaled by scale * log2 e.
+// fp8 caches (CacheT uint8_t): the key tiles are widened exactly to T on their way into shared
+// memory (every e4m3 value is an f16 / bf16 / f32), so both paths compute on the T tiles they
+// would have loaded from a T cache: same shared memory, same math. The widening takes plain
+// loads (8 codes per 16-byte shared chunk of 16-bit T, 4 of f32) instead of cp.async, so a
+// tile's loads are waited for where they are issued (the next tile's, still before tile i's
+// math): the pipeline's overlap is lost on this path for now.
 //
 // Launch geometry: grid (max over requests of ceil(query_len / 64), num_reqs, num_heads),
 // block 128 (CTAs past their request's rows exit at once). Dynamic shared memory:
@@ -55,7 +62,8 @@
 // at d256 the wrapper sets the kernel's max_dynamic_shared_size_bytes first (opt_in_smem).
 // Two d256 CTAs need 135 KB: they fit an SM on sm_80 (164 KB) and sm_90 (228 KB).
 //
-// Instantiations: paged_attention_prefill_{f32,f16,bf16}_d{64,128,256}. block_size is a runtime
+// Instantiations: paged_attention_prefill_{f32,f16,bf16}_d{64,128,256}, and the same with
+// _kv_fp8 after the dtype (uint8_t e4m3 caches). block_size is a runtime
 // power of two (16, 32, 64 accepted by the wrapper: attention.py's SUPPORTED_BLOCK_SIZES).
 // Scalars: float scale; int num_heads, num_kv_heads, group_size, block_size_log2,
 // max_blocks_per_seq, sliding_window (0: none).
@@ -66,7 +74,8 @@
 // Register budget: 240 per thread at 128 threads; the gate must show 0 spill bytes. Measured
 // (nvcc 13.0, sm_80/sm_90): d64/d128 96-168 (d128 mma: 32 registers of Q fragments, 64 of
 // output accumulators); d256 mma 227-229 (128 of accumulators, Q reloaded from smem), d256 f32
-// 213-220. Anything <= 255 keeps two CTAs per SM at 128 threads, which is also what d256's
+// 213-220; the _kv_fp8 instantiations 95-179 on sm_90a (d256 mma 168).
+// Anything <= 255 keeps two CTAs per SM at 128 threads, which is also what d256's
 // shared memory allows on sm_80; 240 leaves the gate a margin to flag growth before a spill.
 // Measured: no GPU numbers yet (benchmarks/kernels/bench_attention.py writes them).
 #include "common.cuh"
@@ -145,35 +154,84 @@ __device__ __forceinline__ bool key_visible(int key, int q_pos, int sliding_wind
     return key <= q_pos && (sliding_window <= 0 || key > q_pos - sliding_window);
 }
 
-// Issues the cp.asyncs of one [kBlockN, HEAD_DIM] key tile (K or V) into rows of
-// `row_elems` elements; keys at or past kv_end are zero-filled and read nothing.
+// The row of key `key` in a cache: its kv head's head_dim elements, `col` of them skipped.
+template <typename CacheT, int HEAD_DIM>
+__device__ __forceinline__ const CacheT* key_row(const CacheT* cache, int key, int col,
+                                                 const TileCoords& c, int num_kv_heads,
+                                                 int block_size_log2) {
+    const int block = c.block_table[key >> block_size_log2];
+    const int slot = (block << block_size_log2) + (key & ((1 << block_size_log2) - 1));
+    return cache + (static_cast<long long>(slot) * num_kv_heads + c.kv_head) * HEAD_DIM + col;
+}
+
+// One [kBlockN, HEAD_DIM] key tile (K or V) of an fp8 e4m3 cache into rows of `row_elems`
+// elements of T, widened exactly: plain loads of the codes (a uint2 of 8 per 16-byte chunk of
+// 16-bit T, one word of 4 per chunk of f32); keys at or past kv_end are zeros and read nothing.
 template <typename T, int HEAD_DIM>
-__device__ __forceinline__ void load_kv_tile(T* dst, int row_elems, const T* cache, int kv0,
-                                             const TileCoords& c, int num_kv_heads,
-                                             int block_size_log2) {
+__device__ __forceinline__ void load_kv_tile_fp8(T* dst, int row_elems, const uint8_t* cache,
+                                                 int kv0, const TileCoords& c, int num_kv_heads,
+                                                 int block_size_log2) {
     constexpr int CHUNKS_PER_ROW = HEAD_DIM * sizeof(T) / kChunk;
     constexpr int ELEMS_PER_CHUNK = kChunk / sizeof(T);
+    constexpr int WORDS = ELEMS_PER_CHUNK / 4;
     for (int chunk = threadIdx.x; chunk < kBlockN * CHUNKS_PER_ROW; chunk += kThreads) {
         const int row = chunk / CHUNKS_PER_ROW;
         const int col = (chunk % CHUNKS_PER_ROW) * ELEMS_PER_CHUNK;
         const int key = kv0 + row;
-        const T* src = cache;  // a valid address even when nothing is read
-        int src_bytes = 0;
+        uint32_t words[WORDS];
+#pragma unroll
+        for (int w = 0; w < WORDS; ++w) words[w] = 0u;  // past the context: +0 codes
         if (key < c.kv_end) {
-            const int block = c.block_table[key >> block_size_log2];
-            const int slot = (block << block_size_log2) + (key & ((1 << block_size_log2) - 1));
-            src = cache + (static_cast<long long>(slot) * num_kv_heads + c.kv_head) * HEAD_DIM + col;
-            src_bytes = kChunk;
+            const uint8_t* src =
+                key_row<uint8_t, HEAD_DIM>(cache, key, col, c, num_kv_heads, block_size_log2);
+            if constexpr (WORDS == 2) {
+                const uint2 raw = *reinterpret_cast<const uint2*>(src);
+                words[0] = raw.x;
+                words[1] = raw.y;
+            } else {
+                words[0] = *reinterpret_cast<const uint32_t*>(src);
+            }
         }
-        cp_async_16_zfill(dst + row * row_elems + col, src, src_bytes);
+        T* out = dst + row * row_elems + col;
+#pragma unroll
+        for (int i = 0; i < ELEMS_PER_CHUNK; ++i)
+            out[i] = from_f32<T>(fp8_e4m3_word_to_f32(words[i / 4], i % 4));
+    }
+}
+
+// Issues the cp.asyncs of one [kBlockN, HEAD_DIM] key tile (K or V) into rows of
+// `row_elems` elements; keys at or past kv_end are zero-filled and read nothing. An fp8 cache
+// (CacheT uint8_t) goes through load_kv_tile_fp8 instead (no cp.async: nothing to commit).
+template <typename T, typename CacheT, int HEAD_DIM>
+__device__ __forceinline__ void load_kv_tile(T* dst, int row_elems, const CacheT* cache, int kv0,
+                                             const TileCoords& c, int num_kv_heads,
+                                             int block_size_log2) {
+    if constexpr (sizeof(CacheT) == 1) {
+        load_kv_tile_fp8<T, HEAD_DIM>(dst, row_elems, cache, kv0, c, num_kv_heads,
+                                      block_size_log2);
+    } else {
+        constexpr int CHUNKS_PER_ROW = HEAD_DIM * sizeof(T) / kChunk;
+        constexpr int ELEMS_PER_CHUNK = kChunk / sizeof(T);
+        for (int chunk = threadIdx.x; chunk < kBlockN * CHUNKS_PER_ROW; chunk += kThreads) {
+            const int row = chunk / CHUNKS_PER_ROW;
+            const int col = (chunk % CHUNKS_PER_ROW) * ELEMS_PER_CHUNK;
+            const int key = kv0 + row;
+            const T* src = cache;  // a valid address even when nothing is read
+            int src_bytes = 0;
+            if (key < c.kv_end) {
+                src = key_row<T, HEAD_DIM>(cache, key, col, c, num_kv_heads, block_size_log2);
+                src_bytes = kChunk;
+            }
+            cp_async_16_zfill(dst + row * row_elems + col, src, src_bytes);
+        }
     }
 }
 
 // ------------------------------------------------------------------ tensor-core path (f16/bf16)
-template <typename T, int HEAD_DIM>
+template <typename T, typename CacheT, int HEAD_DIM>
 __device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __restrict__ q,
-                                            const T* __restrict__ k_cache,
-                                            const T* __restrict__ v_cache, const TileCoords& c,
+                                            const CacheT* __restrict__ k_cache,
+                                            const CacheT* __restrict__ v_cache, const TileCoords& c,
                                             float scale, int num_heads, int num_kv_heads,
                                             int block_size_log2) {
     constexpr int ROW = HEAD_DIM + kPad;          // smem row, elements
@@ -218,10 +276,10 @@ __device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __rest
     }
     cp_async_commit();
     // Key tile 0 into stage 0 while Q lands.
-    load_kv_tile<T, HEAD_DIM>(stage_k(0), ROW, k_cache, c.kv_begin, c, num_kv_heads,
-                              block_size_log2);
-    load_kv_tile<T, HEAD_DIM>(stage_k(0) + V_OFFSET, ROW, v_cache, c.kv_begin, c, num_kv_heads,
-                              block_size_log2);
+    load_kv_tile<T, CacheT, HEAD_DIM>(stage_k(0), ROW, k_cache, c.kv_begin, c, num_kv_heads,
+                                      block_size_log2);
+    load_kv_tile<T, CacheT, HEAD_DIM>(stage_k(0) + V_OFFSET, ROW, v_cache, c.kv_begin, c,
+                                      num_kv_heads, block_size_log2);
     cp_async_commit();
     // A fragment of k-step kk from the warp's 16 Q rows.
     const T* q_frag_src = s_q + (warp * 16 + lane % 16) * ROW + (lane / 16) * 8;
@@ -258,10 +316,10 @@ __device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __rest
         const T* s_v = s_k + V_OFFSET;
         if (STAGES == 2 && kv0 + kBlockN < c.kv_end) {
             T* next_k = stage_k(stage ^ 1);
-            load_kv_tile<T, HEAD_DIM>(next_k, ROW, k_cache, kv0 + kBlockN, c, num_kv_heads,
-                                      block_size_log2);
-            load_kv_tile<T, HEAD_DIM>(next_k + V_OFFSET, ROW, v_cache, kv0 + kBlockN, c,
-                                      num_kv_heads, block_size_log2);
+            load_kv_tile<T, CacheT, HEAD_DIM>(next_k, ROW, k_cache, kv0 + kBlockN, c,
+                                              num_kv_heads, block_size_log2);
+            load_kv_tile<T, CacheT, HEAD_DIM>(next_k + V_OFFSET, ROW, v_cache, kv0 + kBlockN, c,
+                                              num_kv_heads, block_size_log2);
         }
         cp_async_commit();
         cp_async_wait<STAGES - 1>();  // tile i (and with Q_IN_SMEM, Q) landed
@@ -350,10 +408,10 @@ __device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __rest
         }
         __syncthreads();  // the next iteration's cp.async overwrites this stage
         if (STAGES == 1 && kv0 + kBlockN < c.kv_end) {  // committed at the loop's top
-            load_kv_tile<T, HEAD_DIM>(stage_k(0), ROW, k_cache, kv0 + kBlockN, c, num_kv_heads,
-                                      block_size_log2);
-            load_kv_tile<T, HEAD_DIM>(stage_k(0) + V_OFFSET, ROW, v_cache, kv0 + kBlockN, c,
-                                      num_kv_heads, block_size_log2);
+            load_kv_tile<T, CacheT, HEAD_DIM>(stage_k(0), ROW, k_cache, kv0 + kBlockN, c,
+                                              num_kv_heads, block_size_log2);
+            load_kv_tile<T, CacheT, HEAD_DIM>(stage_k(0) + V_OFFSET, ROW, v_cache, kv0 + kBlockN,
+                                              c, num_kv_heads, block_size_log2);
         }
     }
 
@@ -373,11 +431,11 @@ __device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __rest
 
 // ------------------------------------------------------------------ SIMT path (f32)
 // One pass of the SIMT path: this thread's HALF dims of query row `row` over every key tile.
-template <int HEAD_DIM, int ROW_THREADS>
+template <typename CacheT, int HEAD_DIM, int ROW_THREADS>
 __device__ __forceinline__ void prefill_simt_rows(float* __restrict__ out,
                                                   const float* __restrict__ q,
-                                                  const float* __restrict__ k_cache,
-                                                  const float* __restrict__ v_cache,
+                                                  const CacheT* __restrict__ k_cache,
+                                                  const CacheT* __restrict__ v_cache,
                                                   float* s_k, float* s_v, const TileCoords& c,
                                                   int row, int dim0, float scale_log2,
                                                   int num_heads, int num_kv_heads,
@@ -398,9 +456,11 @@ __device__ __forceinline__ void prefill_simt_rows(float* __restrict__ out,
     float m = -CUDART_INF_F, l = 0.f;
 
     for (int kv0 = c.kv_begin; kv0 < c.kv_end; kv0 += kBlockN) {
-        load_kv_tile<float, HEAD_DIM>(s_k, HEAD_DIM, k_cache, kv0, c, num_kv_heads, block_size_log2);
+        load_kv_tile<float, CacheT, HEAD_DIM>(s_k, HEAD_DIM, k_cache, kv0, c, num_kv_heads,
+                                              block_size_log2);
         cp_async_commit();
-        load_kv_tile<float, HEAD_DIM>(s_v, HEAD_DIM, v_cache, kv0, c, num_kv_heads, block_size_log2);
+        load_kv_tile<float, CacheT, HEAD_DIM>(s_v, HEAD_DIM, v_cache, kv0, c, num_kv_heads,
+                                              block_size_log2);
         cp_async_commit();
         cp_async_wait_all();
         __syncthreads();
@@ -448,10 +508,10 @@ __device__ __forceinline__ void prefill_simt_rows(float* __restrict__ out,
     for (int i = 0; i < HALF; ++i) out_row[i] = acc[i] * inv_l;
 }
 
-template <int HEAD_DIM>
+template <typename CacheT, int HEAD_DIM>
 __device__ __forceinline__ void prefill_simt(float* __restrict__ out, const float* __restrict__ q,
-                                             const float* __restrict__ k_cache,
-                                             const float* __restrict__ v_cache,
+                                             const CacheT* __restrict__ k_cache,
+                                             const CacheT* __restrict__ v_cache,
                                              const TileCoords& c, float scale, int num_heads,
                                              int num_kv_heads, int block_size_log2) {
     // Threads sharing a query row, each holding HALF dims of q and of the accumulator: two up
@@ -469,22 +529,23 @@ __device__ __forceinline__ void prefill_simt(float* __restrict__ out, const floa
     const int thread_row = c.tile_row0 + static_cast<int>(threadIdx.x) / ROW_THREADS;
     const float scale_log2 = scale * kLog2e;
     if constexpr (PASS_ROWS == kBlockM) {
-        prefill_simt_rows<HEAD_DIM, ROW_THREADS>(out, q, k_cache, v_cache, s_k, s_v, c,
-                                                 thread_row, dim0, scale_log2, num_heads,
-                                                 num_kv_heads, block_size_log2);
+        prefill_simt_rows<CacheT, HEAD_DIM, ROW_THREADS>(out, q, k_cache, v_cache, s_k, s_v, c,
+                                                         thread_row, dim0, scale_log2, num_heads,
+                                                         num_kv_heads, block_size_log2);
     } else {
 #pragma unroll 1
         for (int pass_row0 = 0; pass_row0 < kBlockM; pass_row0 += PASS_ROWS) {
             if (c.tile_row0 + pass_row0 >= c.query_len) break;  // CTA-uniform: no rows left
-            prefill_simt_rows<HEAD_DIM, ROW_THREADS>(out, q, k_cache, v_cache, s_k, s_v, c,
-                                                     thread_row + pass_row0, dim0, scale_log2,
-                                                     num_heads, num_kv_heads, block_size_log2);
+            prefill_simt_rows<CacheT, HEAD_DIM, ROW_THREADS>(
+                out, q, k_cache, v_cache, s_k, s_v, c, thread_row + pass_row0, dim0, scale_log2,
+                num_heads, num_kv_heads, block_size_log2);
         }
     }
 }
 
-template <typename T, int HEAD_DIM>
-__device__ __forceinline__ void prefill(T* out, const T* q, const T* k_cache, const T* v_cache,
+template <typename T, typename CacheT, int HEAD_DIM>
+__device__ __forceinline__ void prefill(T* out, const T* q, const CacheT* k_cache,
+                                        const CacheT* v_cache,
                                         const int* block_tables, const int* query_start_loc,
                                         const int* context_lens, float scale, int num_heads,
                                         int num_kv_heads, int group_size, int block_size_log2,
@@ -494,35 +555,46 @@ __device__ __forceinline__ void prefill(T* out, const T* q, const T* k_cache, co
                      max_blocks_per_seq, sliding_window))
         return;  // whole CTA leaves together, before any barrier
     if constexpr (sizeof(T) == 4) {
-        prefill_simt<HEAD_DIM>(out, q, k_cache, v_cache, c, scale, num_heads, num_kv_heads,
-                               block_size_log2);
+        prefill_simt<CacheT, HEAD_DIM>(out, q, k_cache, v_cache, c, scale, num_heads,
+                                       num_kv_heads, block_size_log2);
     } else {
-        prefill_mma<T, HEAD_DIM>(out, q, k_cache, v_cache, c, scale, num_heads, num_kv_heads,
-                                 block_size_log2);
+        prefill_mma<T, CacheT, HEAD_DIM>(out, q, k_cache, v_cache, c, scale, num_heads,
+                                         num_kv_heads, block_size_log2);
     }
 }
 
 }  // namespace prefill_attn
 
-#define PAGEDRUN_PREFILL_KERNEL(DT, T, HEAD_DIM)                                                \
+#define PAGEDRUN_PREFILL_KERNEL(DT, T, CacheT, HEAD_DIM)                                        \
     extern "C" __global__ void __launch_bounds__(prefill_attn::kThreads)                        \
         paged_attention_prefill_##DT##_d##HEAD_DIM(                                             \
-            T* out, const T* q, const T* k_cache, const T* v_cache, const int* block_tables,    \
-            const int* query_start_loc, const int* context_lens, float scale, int num_heads,    \
-            int num_kv_heads, int group_size, int block_size_log2, int max_blocks_per_seq,      \
-            int sliding_window) {                                                               \
-        prefill_attn::prefill<T, HEAD_DIM>(out, q, k_cache, v_cache, block_tables,              \
-                                           query_start_loc, context_lens, scale, num_heads,     \
-                                           num_kv_heads, group_size, block_size_log2,           \
-                                           max_blocks_per_seq, sliding_window);                 \
+            T* out, const T* q, const CacheT* k_cache, const CacheT* v_cache,                   \
+            const int* block_tables, const int* query_start_loc, const int* context_lens,       \
+            float scale, int num_heads, int num_kv_heads, int group_size, int block_size_log2,  \
+            int max_blocks_per_seq, int sliding_window) {                                       \
+        prefill_attn::prefill<T, CacheT, HEAD_DIM>(out, q, k_cache, v_cache, block_tables,      \
+                                                   query_start_loc, context_lens, scale,        \
+                                                   num_heads, num_kv_heads, group_size,         \
+                                                   block_size_log2, max_blocks_per_seq,         \
+                                                   sliding_window);                             \
     }
 
-PAGEDRUN_PREFILL_KERNEL(f32, float, 64)
-PAGEDRUN_PREFILL_KERNEL(f32, float, 128)
-PAGEDRUN_PREFILL_KERNEL(f16, __half, 64)
-PAGEDRUN_PREFILL_KERNEL(f16, __half, 128)
-PAGEDRUN_PREFILL_KERNEL(bf16, __nv_bfloat16, 64)
-PAGEDRUN_PREFILL_KERNEL(bf16, __nv_bfloat16, 128)
-PAGEDRUN_PREFILL_KERNEL(f32, float, 256)
-PAGEDRUN_PREFILL_KERNEL(f16, __half, 256)
-PAGEDRUN_PREFILL_KERNEL(bf16, __nv_bfloat16, 256)
+PAGEDRUN_PREFILL_KERNEL(f32, float, float, 64)
+PAGEDRUN_PREFILL_KERNEL(f32, float, float, 128)
+PAGEDRUN_PREFILL_KERNEL(f16, __half, __half, 64)
+PAGEDRUN_PREFILL_KERNEL(f16, __half, __half, 128)
+PAGEDRUN_PREFILL_KERNEL(bf16, __nv_bfloat16, __nv_bfloat16, 64)
+PAGEDRUN_PREFILL_KERNEL(bf16, __nv_bfloat16, __nv_bfloat16, 128)
+PAGEDRUN_PREFILL_KERNEL(f32, float, float, 256)
+PAGEDRUN_PREFILL_KERNEL(f16, __half, __half, 256)
+PAGEDRUN_PREFILL_KERNEL(bf16, __nv_bfloat16, __nv_bfloat16, 256)
+// fp8 e4m3 caches (kv_cache_dtype "fp8"): q and out in T, K/V as uint8_t codes.
+PAGEDRUN_PREFILL_KERNEL(f32_kv_fp8, float, uint8_t, 64)
+PAGEDRUN_PREFILL_KERNEL(f32_kv_fp8, float, uint8_t, 128)
+PAGEDRUN_PREFILL_KERNEL(f32_kv_fp8, float, uint8_t, 256)
+PAGEDRUN_PREFILL_KERNEL(f16_kv_fp8, __half, uint8_t, 64)
+PAGEDRUN_PREFILL_KERNEL(f16_kv_fp8, __half, uint8_t, 128)
+PAGEDRUN_PREFILL_KERNEL(f16_kv_fp8, __half, uint8_t, 256)
+PAGEDRUN_PREFILL_KERNEL(bf16_kv_fp8, __nv_bfloat16, uint8_t, 64)
+PAGEDRUN_PREFILL_KERNEL(bf16_kv_fp8, __nv_bfloat16, uint8_t, 128)
+PAGEDRUN_PREFILL_KERNEL(bf16_kv_fp8, __nv_bfloat16, uint8_t, 256)

@@ -24,13 +24,17 @@
 //   q_out         [num_tokens, num_heads, head_dim]      T contiguous (may be q itself when
 //                 q is contiguous: each element is read and written by the same thread)
 //   k_out         [num_tokens, num_kv_heads, head_dim]   T contiguous (may be k itself)
-//   k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]  T (NHD); a slot's
-//                 num_kv_heads * head_dim elements are contiguous, so the write is one run.
+//   k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]  CacheT (NHD); a
+//                 slot's num_kv_heads * head_dim elements are contiguous, so the write is one
+//                 run. CacheT is T, or uint8_t for an fp8 cache (kv_cache_dtype "fp8"): the
+//                 rotated k (already rounded to T, as k_out) and v are stored as fp8 e4m3 bits
+//                 (cuda/fp8.cuh: RNE, saturated to +-448, scale 1.0).
 //
 // Launch geometry: grid (num_tokens), block 128, no shared memory. Math in fp32, one rounding
 // to T at each store.
 // Instantiations: rotary_cache_write_f32, rotary_cache_write_f16, rotary_cache_write_bf16
-// (any even head_dim). Scalars: int num_heads, num_kv_heads, head_dim; long long
+// (CacheT == T) and rotary_cache_write_{f32,f16,bf16}_kv_fp8 (uint8_t e4m3 caches); any even
+// head_dim. Scalars: int num_heads, num_kv_heads, head_dim; long long
 // q_token_stride, k_token_stride, v_token_stride. No block_size: a slot index already is
 // block * block_size + offset, and NHD makes slot * num_kv_heads * head_dim its row.
 // Signature: (q_out, k_out, k_cache, v_cache, q, k, v, positions, cos_sin_cache, slot_mapping,
@@ -46,9 +50,10 @@ namespace rotary {
 constexpr int kThreads = 128;
 
 // Rotates the (i, i + half) pairs of `num_heads` rows of one token; writes them to `dst` and,
-// when `cache_row` is not null, to the cache row as well.
-template <typename T>
-__device__ __forceinline__ void rotate_heads(T* dst, T* cache_row, const T* src, int num_heads,
+// when `cache_row` is not null, to the cache row as well (the value stored to dst, converted
+// to the cache's element type).
+template <typename T, typename CacheT>
+__device__ __forceinline__ void rotate_heads(T* dst, CacheT* cache_row, const T* src, int num_heads,
                                              int head_dim, const float* cos_row) {
     const int half = head_dim / 2;
     const float* sin_row = cos_row + half;
@@ -66,15 +71,15 @@ __device__ __forceinline__ void rotate_heads(T* dst, T* cache_row, const T* src,
         dst[lo] = out_lo;
         dst[hi] = out_hi;
         if (cache_row != nullptr) {
-            cache_row[lo] = out_lo;
-            cache_row[hi] = out_hi;
+            cache_row[lo] = to_cache<CacheT>(out_lo);
+            cache_row[hi] = to_cache<CacheT>(out_hi);
         }
     }
 }
 
-template <typename T>
+template <typename T, typename CacheT>
 __device__ __forceinline__ void rotary_cache_write(
-    T* q_out, T* k_out, T* k_cache, T* v_cache, const T* q, const T* k, const T* v,
+    T* q_out, T* k_out, CacheT* k_cache, CacheT* v_cache, const T* q, const T* k, const T* v,
     const int* __restrict__ positions, const float* __restrict__ cos_sin_cache,
     const int* __restrict__ slot_mapping, int num_heads, int num_kv_heads, int head_dim,
     long long q_token_stride, long long k_token_stride, long long v_token_stride) {
@@ -82,33 +87,38 @@ __device__ __forceinline__ void rotary_cache_write(
     const float* cos_row = cos_sin_cache + static_cast<long long>(positions[token]) * head_dim;
     const int slot = slot_mapping[token];
     const long long kv_row_elems = static_cast<long long>(num_kv_heads) * head_dim;
-    T* k_cache_row = (slot >= 0) ? k_cache + slot * kv_row_elems : nullptr;
+    CacheT* k_cache_row = (slot >= 0) ? k_cache + slot * kv_row_elems : nullptr;
 
-    rotate_heads<T>(q_out + token * static_cast<long long>(num_heads) * head_dim, nullptr,
-                    q + token * q_token_stride, num_heads, head_dim, cos_row);
-    rotate_heads<T>(k_out + token * kv_row_elems, k_cache_row, k + token * k_token_stride,
-                    num_kv_heads, head_dim, cos_row);
+    rotate_heads<T, CacheT>(q_out + token * static_cast<long long>(num_heads) * head_dim,
+                            static_cast<CacheT*>(nullptr), q + token * q_token_stride,
+                            num_heads, head_dim, cos_row);
+    rotate_heads<T, CacheT>(k_out + token * kv_row_elems, k_cache_row,
+                            k + token * k_token_stride, num_kv_heads, head_dim, cos_row);
     if (slot >= 0) {
-        T* v_cache_row = v_cache + slot * kv_row_elems;
+        CacheT* v_cache_row = v_cache + slot * kv_row_elems;
         const T* v_row = v + token * v_token_stride;
-        for (int e = threadIdx.x; e < kv_row_elems; e += kThreads) v_cache_row[e] = v_row[e];
+        for (int e = threadIdx.x; e < kv_row_elems; e += kThreads)
+            v_cache_row[e] = to_cache<CacheT>(v_row[e]);
     }
 }
 
 }  // namespace rotary
 
-#define PAGEDRUN_ROTARY_KERNEL(DT, T)                                                           \
+#define PAGEDRUN_ROTARY_KERNEL(DT, T, CacheT)                                                   \
     extern "C" __global__ void __launch_bounds__(rotary::kThreads) rotary_cache_write_##DT(     \
-        T* q_out, T* k_out, T* k_cache, T* v_cache, const T* q, const T* k, const T* v,         \
-        const int* positions, const float* cos_sin_cache, const int* slot_mapping,              \
+        T* q_out, T* k_out, CacheT* k_cache, CacheT* v_cache, const T* q, const T* k,           \
+        const T* v, const int* positions, const float* cos_sin_cache, const int* slot_mapping,  \
         int num_heads, int num_kv_heads, int head_dim, long long q_token_stride,                \
         long long k_token_stride, long long v_token_stride) {                                   \
-        rotary::rotary_cache_write<T>(q_out, k_out, k_cache, v_cache, q, k, v, positions,       \
-                                      cos_sin_cache, slot_mapping, num_heads, num_kv_heads,     \
-                                      head_dim, q_token_stride, k_token_stride,                 \
-                                      v_token_stride);                                          \
+        rotary::rotary_cache_write<T, CacheT>(q_out, k_out, k_cache, v_cache, q, k, v,          \
+                                              positions, cos_sin_cache, slot_mapping, num_heads, \
+                                              num_kv_heads, head_dim, q_token_stride,           \
+                                              k_token_stride, v_token_stride);                  \
     }
 
-PAGEDRUN_ROTARY_KERNEL(f32, float)
-PAGEDRUN_ROTARY_KERNEL(f16, __half)
-PAGEDRUN_ROTARY_KERNEL(bf16, __nv_bfloat16)
+PAGEDRUN_ROTARY_KERNEL(f32, float, float)
+PAGEDRUN_ROTARY_KERNEL(f16, __half, __half)
+PAGEDRUN_ROTARY_KERNEL(bf16, __nv_bfloat16, __nv_bfloat16)
+PAGEDRUN_ROTARY_KERNEL(f32_kv_fp8, float, uint8_t)
+PAGEDRUN_ROTARY_KERNEL(f16_kv_fp8, __half, uint8_t)
+PAGEDRUN_ROTARY_KERNEL(bf16_kv_fp8, __nv_bfloat16, uint8_t)

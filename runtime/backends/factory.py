@@ -60,8 +60,8 @@ def make_backend(device: str, dtype: str = "auto", *, device_id: int = 0,
     quantization: EngineConfig.quantization (None or "none": the dtype's weights);
     kv_cache_dtype: EngineConfig.kv_cache_dtype -- "auto": bfloat16 on the cpu bf16 / int8
     backends, float32 on the float32 cpu backend, the activation dtype on sim / cuda; "fp8" /
-    "fp8_e4m3" (uint8 e4m3 bits, scale 1.0) on the cpu backends only; a combination a backend
-    cannot hold raises EngineConfigError."""
+    "fp8_e4m3" (uint8 e4m3 bits, scale 1.0) on every backend; a combination a backend cannot
+    hold raises EngineConfigError."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise EngineConfigError(
             f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
@@ -101,17 +101,17 @@ def make_backend(device: str, dtype: str = "auto", *, device_id: int = 0,
             return NumpyBackend(kv_cache_dtype=kv_cache_dtype)
         _check_kv_cache_dtype(kv_cache_dtype, "float32", "the float32 cpu backend")
         return NumpyBackend()
-    # sim / cuda: the KV cache is in the activation dtype.
+    # sim / cuda: the KV cache is in the activation dtype, or fp8 e4m3 codes (the kernels'
+    # _kv_fp8 instantiations).
     resolved = resolve_dtype(device, dtype)
-    if kv_cache_dtype in FP8_KV_CACHE_DTYPES:
-        raise EngineConfigError(
-            f"kv_cache_dtype: {kv_cache_dtype!r} is not served by the {device} backend, not yet: "
-            "the CUDA kernels read float32/f16/bf16 caches (fp8 KV runs on device 'cpu')")
-    _check_kv_cache_dtype(kv_cache_dtype, resolved, f"the {device} backend with dtype {resolved}")
+    if kv_cache_dtype not in FP8_KV_CACHE_DTYPES:
+        _check_kv_cache_dtype(kv_cache_dtype, resolved,
+                              f"the {device} backend with dtype {resolved}")
+        kv_cache_dtype = "auto"
     if device == "sim":
         from .sim_backend import SimBackend
 
-        return SimBackend(resolved)
+        return SimBackend(resolved, kv_cache_dtype=kv_cache_dtype)
     from .cuda_backend import CudaBackend
 
-    return CudaBackend(resolved, device_id=device_id)
+    return CudaBackend(resolved, device_id=device_id, kv_cache_dtype=kv_cache_dtype)

@@ -7,12 +7,14 @@ backend runs exactly the code paths of the cuda backend except the memory placem
 
 Dtypes: activations, weights and KV pools in the backend dtype -- float32 (the kernels' fp32
 test instantiations), float16, or bfloat16 stored as uint16 bits; the residual stream and the
-logits in float32. Weights arrive as the model's float32 numpy arrays (llama.py keeps the
-`w_t.T` views `linear_weight` handed back, and passes them each call); each is converted at its
-first use, once, to a contiguous HF [out, in] matrix (the
-layout the skinny decode GEMM streams; MoE expert stacks stay [E, out, in]), and kept keyed
-by the array's memory. Shapes a kernel does not serve (head_dim, block_size) are refused by
-`check_model` at start-up.
+logits in float32. With kv_cache_dtype "fp8" / "fp8_e4m3" the KV pools are uint8 fp8 e4m3 codes
+(scale 1.0): the rotary kernel rounds k and v to e4m3 as it stores them, the attention kernels
+widen what they read (the _kv_fp8 instantiations), the block moves copy bytes.
+Weights arrive as the model's float32 numpy arrays (llama.py keeps the `w_t.T` views
+`linear_weight` handed back, and passes them each call); each is converted at its first use,
+once, to a contiguous HF [out, in] matrix (the layout the skinny decode GEMM streams; MoE
+expert stacks stay [E, out, in]), and kept keyed by the array's memory. Shapes a kernel does not
+serve (head_dim, block_size) are refused by `check_model` at start-up.
 """
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ import numpy as np
 
 from pagedrun.runtime.kernels import attention, cache_ops, fused_ops, gemm, lora, moe
 from pagedrun.runtime.kernels.attention import SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS
-from pagedrun.runtime.kernels.kernel_args import (UnsupportedKernelShape, from_bf16_bits,
-                                                  to_bf16_bits)
+from pagedrun.runtime.kernels.kernel_args import (FP8_KV_DTYPE, UnsupportedKernelShape,
+                                                  from_bf16_bits, to_bf16_bits)
 from pagedrun.runtime.kernels.loader import load_module
 
 from . import numpy_ops
@@ -30,6 +32,9 @@ from .graph_capture import RecordingModule, sim_graph_capture
 from .kernel_sampler import KernelSampler
 from .step_inputs import DeviceInts, StepInputs, upload_step
 
+# kv_cache_dtype -> the pools' element dtype (None: the activation dtype). fp8 / fp8_e4m3
+# (vLLM's name and its explicit alias): uint8 e4m3 codes.
+KV_DTYPES = {"auto": None, "fp8": FP8_KV_DTYPE, "fp8_e4m3": FP8_KV_DTYPE}
 _ACTIVATION_DTYPE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
                      "bfloat16": np.dtype(np.uint16)}
 # Kernel sources per op group (one module each, built on first use).
@@ -60,12 +65,17 @@ class KernelBackend:
     # The sampler can leave token ids on the device (asynchronous scheduling).
     supports_async_scheduling = True
 
-    def __init__(self, dtype_name: str, xp) -> None:
+    def __init__(self, dtype_name: str, xp, *, kv_cache_dtype: str = "auto") -> None:
+        """kv_cache_dtype: "auto" (KV pools in the activation dtype) or "fp8" / "fp8_e4m3"
+        (uint8 pools of e4m3 codes)."""
         if dtype_name not in _ACTIVATION_DTYPE:
             raise ValueError(f"dtype must be one of {tuple(_ACTIVATION_DTYPE)}, got {dtype_name!r}")
+        if kv_cache_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_DTYPES)}, "
+                             f"got {kv_cache_dtype!r}")
         self.dtype_name = dtype_name
         self.act_dtype = _ACTIVATION_DTYPE[dtype_name]
-        self.kv_dtype = self.act_dtype
+        self.kv_dtype = KV_DTYPES[kv_cache_dtype] or self.act_dtype
         self.xp = xp
         self._modules: dict[str, object] = {}
         self._weights: dict[tuple, tuple[np.ndarray, object]] = {}
@@ -329,5 +339,5 @@ class SimBackend(KernelBackend):
     name = "sim"
     loader_backend = "sim"
 
-    def __init__(self, dtype_name: str = "float32") -> None:
-        super().__init__(dtype_name, np)
+    def __init__(self, dtype_name: str = "float32", *, kv_cache_dtype: str = "auto") -> None:
+        super().__init__(dtype_name, np, kv_cache_dtype=kv_cache_dtype)

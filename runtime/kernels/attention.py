@@ -11,10 +11,11 @@ Both take sliding_window= (None: full causal; W: a query at position p sees keys
 Gemma 3's local layers); the kernels then never read the blocks before the window.
 
 Arguments are the numpy backend's (runtime/backends/numpy_ops.py), so the numpy ops are the
-reference: KV caches [num_blocks, block_size, num_kv_heads, head_dim] (NHD), block_tables
-[num_seqs, max_blocks] int32, context_lens [num_seqs] int32. Arrays are numpy under the CPU
-harness and cupy on a GPU; the wrappers only check, plan and launch. Every shape the kernels do
-not serve raises UnsupportedKernelShape before launching.
+reference: KV caches [num_blocks, block_size, num_kv_heads, head_dim] (NHD) in q's dtype, or
+uint8 fp8 e4m3 codes (kv_cache_dtype "fp8": the _kv_fp8 kernels widen them exactly on load),
+block_tables [num_seqs, max_blocks] int32, context_lens [num_seqs] int32. Arrays are numpy
+under the CPU harness and cupy on a GPU; the wrappers only check, plan and launch. Every shape
+the kernels do not serve raises UnsupportedKernelShape before launching.
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .kernel_args import (UnsupportedKernelShape, array_module, ceil_div, device_num_sms,
-                          dtype_suffix, log2_exact, require, require_contiguous, require_int32)
+from .kernel_args import (UnsupportedKernelShape, array_module, cache_suffix, ceil_div,
+                          device_num_sms, log2_exact, require, require_contiguous, require_int32)
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_BLOCK_SIZES = (16, 32, 64)
@@ -96,8 +97,10 @@ def decode_smem_bytes(group: int, head_dim: int) -> int:
 def prefill_smem_bytes(dtype_name: str, head_dim: int) -> int:
     """Dynamic shared memory of a prefill CTA: f32, one K and one V tile; f16/bf16, the Q tile
     plus one K/V stage (padded rows; below d256 the Q rows double as the second stage).
-    Over DEFAULT_DYNAMIC_SMEM_LIMIT at d256: 65,536 (f32), 67,584 (f16/bf16) bytes."""
-    if dtype_name == "f32":
+    Over DEFAULT_DYNAMIC_SMEM_LIMIT at d256: 65,536 (f32), 67,584 (f16/bf16) bytes. dtype_name
+    is a kernel's dtype part ("bf16", "f32_kv_fp8", ...): an fp8 cache's tiles are widened to
+    the activation dtype in shared memory, so they take the same bytes."""
+    if dtype_name.split("_kv_")[0] == "f32":
         return 2 * PREFILL_BLOCK_N * head_dim * FLOAT32_BYTES
     return (PREFILL_BLOCK_M + 2 * PREFILL_BLOCK_N) * (head_dim + PREFILL_SMEM_PAD) * 2
 
@@ -119,15 +122,13 @@ def window_arg(sliding_window: int | None) -> np.int32:
 
 
 def _check_attention(q, k_cache, v_cache, block_tables) -> tuple[str, int, int, int]:
-    """Returns (dtype suffix, group_size, block_size_log2, head_dim)."""
+    """Returns (kernel dtype suffix, group_size, block_size_log2, head_dim); the suffix is q's
+    dtype, plus "_kv_fp8" for uint8 fp8 e4m3 caches."""
     require(q.ndim == 3, lambda: f"q must be [tokens, num_heads, head_dim], got shape {q.shape}")
     require(k_cache.ndim == 4 and k_cache.shape == v_cache.shape,
             lambda: f"k_cache {k_cache.shape} / v_cache {v_cache.shape}: expected equal "
             "[num_blocks, block_size, num_kv_heads, head_dim]")
-    require(q.dtype == k_cache.dtype == v_cache.dtype,
-            lambda: f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, "
-                    f"{v_cache.dtype}")
-    suffix = dtype_suffix(q)
+    suffix = cache_suffix(q, k_cache, v_cache)
     num_heads, head_dim = q.shape[1:]
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     require(head_dim in SUPPORTED_HEAD_DIMS,
@@ -151,8 +152,8 @@ def paged_decode_attention(module, q, k_cache, v_cache, block_tables, context_le
     """Decode attention of one query token per request; returns out [num_seqs, num_heads, head_dim].
 
     q: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size,
-    num_kv_heads, head_dim], same dtype as q; block_tables: [num_seqs, max_blocks] int32;
-    context_lens: [num_seqs] int32, each in [1, max_blocks * block_size].
+    num_kv_heads, head_dim], q's dtype or uint8 fp8 e4m3 codes; block_tables: [num_seqs,
+    max_blocks] int32; context_lens: [num_seqs] int32, each in [1, max_blocks * block_size].
     max_context_len: the largest context_lens entry, if the caller knows it (saves a device
     sync on GPU). split: force a plan (tests, benchmarks); default plan_decode_split, over at
     most sliding_window tokens per request (the splits walk the window only).
@@ -204,7 +205,8 @@ def paged_decode_attention(module, q, k_cache, v_cache, block_tables, context_le
             np.int32(split.partition_size), np.int32(split.num_splits), window),
            shared_mem=decode_smem_bytes(group, head_dim))
     if split.num_splits > 1:
-        merge = module.get_function(f"paged_attention_decode_merge_{suffix}")
+        # The merge reads fp32 partials and writes q's dtype: no cache type in its name.
+        merge = module.get_function(f"paged_attention_decode_merge_{suffix.split('_kv_')[0]}")
         merge((num_heads, num_seqs), (MERGE_THREADS,),
               (out, partial_out, partial_lse, context_lens, np.int32(num_heads),
                np.int32(head_dim), np.int32(split.partition_size), np.int32(split.num_splits),

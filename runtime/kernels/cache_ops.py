@@ -7,16 +7,18 @@
     copy_blocks(blk, k_caches, v_caches, block_copies)                  # copy-on-write
     swap_blocks(blk, src_caches, dst_caches, block_pairs)               # swap out / in
 
-Arguments mirror runtime/backends/numpy_ops.py, the reference. Arrays are numpy under the CPU
-harness and cupy on a GPU. A swap between a device pool and a host pool goes through a
-contiguous staging buffer on each side: gather the blocks (kernel), one bulk copy between
-host and device, scatter them (kernel). Unsupported shapes raise UnsupportedKernelShape.
+Arguments mirror runtime/backends/numpy_ops.py, the reference. A KV cache holds q's dtype, or
+uint8 fp8 e4m3 codes (kv_cache_dtype "fp8": rotary_cache_write_<dtype>_kv_fp8 rounds k and v
+to e4m3 as it stores them; the block moves copy bytes, whatever the element). Arrays are numpy
+under the CPU harness and cupy on a GPU. A swap between a device pool and a host pool goes
+through a contiguous staging buffer on each side: gather the blocks (kernel), one bulk copy
+between host and device, scatter them (kernel). Unsupported shapes raise UnsupportedKernelShape.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .kernel_args import (UnsupportedKernelShape, array_module, dtype_suffix, require,
+from .kernel_args import (UnsupportedKernelShape, array_module, cache_suffix, require,
                           require_contiguous, require_int32)
 
 ROTARY_THREADS = 128
@@ -42,14 +44,15 @@ def rotary_embedding_and_cache_write(module, q, k, v, positions, cos_sin_cache, 
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] (token
     stride free, heads/dims contiguous); positions, slot_mapping: [num_tokens] int32 (negative
     slot = padding: rotated, not written); cos_sin_cache: [max_position, head_dim] float32;
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], written in place.
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], written in place: q's
+    dtype, or uint8 (fp8 e4m3 codes of the rotated k, as k_out holds it, and of v; RNE,
+    saturated to +-448, bit for bit numpy_ops.to_fp8_e4m3_bits).
     q_out / k_out (contiguous; may be q / k themselves when contiguous) default to new arrays.
     Returns (q_out, k_out).
     """
     xp = array_module(q)
-    suffix = dtype_suffix(q)
-    require(q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype,
-            "q, k, v, k_cache, v_cache must share one dtype")
+    suffix = cache_suffix(q, k_cache, v_cache)
+    require(q.dtype == k.dtype == v.dtype, "q, k, v must share one dtype")
     q_stride, k_stride, v_stride = (_token_stride("q", q), _token_stride("k", k),
                                     _token_stride("v", v))
     num_tokens, num_heads, head_dim = q.shape

@@ -20,6 +20,10 @@ from pagedrun.runtime.weights import from_bf16_bits, to_bf16_bits  # noqa: F401
 _DTYPE_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
                  np.dtype(np.uint16): "bf16"}
 
+# An fp8 e4m3 KV cache (kv_cache_dtype "fp8"): uint8 codes (cuda/fp8.cuh); its kernels carry
+# "_kv_fp8" after the activation dtype in their names.
+FP8_KV_DTYPE = np.dtype(np.uint8)
+
 # The CPU harness runs blocks one at a time; this only shapes the launch plans there.
 SIM_NUM_SMS = 4
 
@@ -68,6 +72,22 @@ def dtype_suffix(x) -> str:
     if suffix is None:
         raise UnsupportedKernelShape(f"dtype {x.dtype} has no kernel: use float32, float16 or "
                                      "uint16 holding bf16 bits")
+    return suffix
+
+
+def cache_suffix(x, k_cache, v_cache) -> str:
+    """The `_<dtype>` part of a cache-typed kernel's name (rotary cache write, attention): x's
+    suffix when both caches hold x's dtype, that plus "_kv_fp8" when both are uint8 arrays of
+    fp8 e4m3 codes (kv_cache_dtype "fp8"); any other pairing is refused."""
+    suffix = dtype_suffix(x)
+    cache_dtype = k_cache.dtype  # a numpy dtype for numpy and cupy arrays alike
+    require(cache_dtype == v_cache.dtype,
+            lambda: f"k_cache {k_cache.dtype} and v_cache {v_cache.dtype} dtypes differ")
+    if cache_dtype == FP8_KV_DTYPE:
+        return suffix + "_kv_fp8"
+    require(cache_dtype == x.dtype,
+            lambda: f"KV cache dtype {cache_dtype} is neither the activations' ({x.dtype}) nor "
+                    "uint8 fp8 e4m3 codes")
     return suffix
 
 
