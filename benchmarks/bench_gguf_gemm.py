@@ -2,8 +2,12 @@
 over the same weights dequantized) on the default model's (SmolLM2-135M GGUF) shapes: median
 time per call on 2 threads and GB/s of weight bytes streamed (packed nbytes / time); speedup =
 bf16 time / gguf time ("q8x2": gemm_gguf's residual-pass activations, the accurate mode).
+K-quant rows (Q4_K, Q6_K: K a multiple of 256, so the 576-wide inputs cannot be one) use a
+3072x1536 matrix (a 1.7B-class FFN shape) next to Q4_1 on the same shape; gguf has no numpy
+K-quantizer, so their blocks are random bytes with weight-like fp16 super-scales.
 
     scripts/python benchmarks/bench_gguf_gemm.py [--repeats 30] [--m 1 8 32 64]
+        [--types Q4_1 Q4_K Q6_K]
 """
 from __future__ import annotations
 
@@ -23,7 +27,26 @@ SHAPES = (
     ("gate/up fused", "Q4_1", 3072, 576),
     ("down", "Q4_1", 576, 1536),
     ("lm head", "Q8_0", 49152, 576),
+    ("3072x1536", "Q4_1", 3072, 1536),
+    ("3072x1536", "Q4_K", 3072, 1536),
+    ("down", "Q4_K", 576, 1536),
+    ("3072x1536", "Q6_K", 3072, 1536),
+    ("down", "Q6_K", 576, 1536),
 )
+# Bytes per 256-weight super-block in the file: the scale bytes' offsets and sizes differ.
+K_FILE_BYTES = {"Q4_K": 144, "Q6_K": 210}
+
+
+def k_quant_raw(rng, ggml_type: str, n: int, k: int) -> np.ndarray:
+    """Random [n, k] K-quant blocks: random bytes, fp16 super-scales in [1e-3, 2e-2)."""
+    sb = k // 256
+    raw = rng.integers(0, 256, (n, sb, K_FILE_BYTES[ggml_type]), dtype=np.uint8)
+    scale = rng.uniform(1e-3, 2e-2, (n, sb, 2)).astype(np.float16).view(np.uint8)
+    if ggml_type == "Q4_K":
+        raw[:, :, 0:4] = scale  # d, dmin
+    else:
+        raw[:, :, 208:210] = scale[:, :, :2]  # d
+    return raw.reshape(n, -1)
 
 
 def cpu_model() -> str:
@@ -51,6 +74,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--m", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--types", nargs="+", default=list(cpu_gemm.GGUF_NATIVE_TYPES))
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     amx = cpu_gemm.available_paths()[0] == "amx"
@@ -61,8 +85,13 @@ def main() -> None:
           f"{'q8x2 us':>8} {'speedup':>7}"
           + (f" | {'avx512bf16 us':>8} {'speedup':>7}" if amx else ""))
     for name, ggml_type, n, k in SHAPES:
-        w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
-        raw = quants.quantize(w, getattr(GGMLQuantizationType, ggml_type))
+        if ggml_type not in args.types:
+            continue
+        if ggml_type in K_FILE_BYTES:
+            raw = k_quant_raw(rng, ggml_type, n, k)
+        else:
+            w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+            raw = quants.quantize(w, getattr(GGMLQuantizationType, ggml_type))
         packed = cpu_gemm.PackedGgufWeight(raw, ggml_type, k)
         bf16 = cpu_gemm.PackedWeight(packed.dequantize())
         for m in args.m:

@@ -14,7 +14,7 @@ ThreadPoolExecutor worker that sleeps on a queue.
 Paths: "avx512bf16" (vdpbf16ps), "avx2" (bf16 widened to float32, FMA), "portable" (scalar
 C, any CPU); "auto" picks the first of these the CPU runs. Tests force each.
 
-GGUF weights kept quantized (Q4_0 / Q4_1 / Q8_0 blocks as stored in the file):
+GGUF weights kept quantized (Q4_0 / Q4_1 / Q8_0 blocks, Q4_K / Q6_K super-blocks):
 
     packed = PackedGgufWeight(raw, "Q4_1", k)  # raw: uint8 [N, row_bytes], the file's blocks
     y = gemm_gguf(x, packed, bias)             # x: [M, K] float32 -> y: [M, N] float32
@@ -22,7 +22,9 @@ GGUF weights kept quantized (Q4_0 / Q4_1 / Q8_0 blocks as stored in the file):
 x is quantized per row per 32-wide block to int8 (llama.cpp's q8 activations; or, with
 activations="q8x2", two int8 passes: the second over the first one's residual) once per
 call, and the integer dot products run on vpdpbusd (GGUF paths "avx512vnni", "portable"); the
-math and the packed layout are in pyx/cpu_quant_kernels.h.
+math and the packed layout are in pyx/cpu_quant_kernels.h. Q4_K / Q6_K super-blocks run through the
+same per-32 kernels with float32 scales that are exact products of their fp16 super-scales and
+small int scales (K a multiple of 256); dequantize() is bit-exact against gguf's.
 """
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -399,18 +401,22 @@ def _gemm(x, packed, bias, path, threads, pool):
 
 
 # ------------------------------------------------------------------------- GGUF blocks
-GGUF_NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+GGUF_NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 GGUF_PATHS = ("portable", "avx512vnni")
 GGUF_BLOCK = 32  # weights per GGUF block
+GGUF_SUPER_BLOCK = 256  # weights per K-quant super-block (Q4_K, Q6_K): k must be a multiple
 # Activation quantization of gemm_gguf: "q8" (llama.cpp's: int8 per 32-wide block, error <=
 # dx / 2 per activation) or "q8x2" (a second int8 pass over the residual, error <= dx / 256:
 # twice the multiply-adds, the same weight bytes). Measured on the default model's GEMMs with
 # its real activations: "q8" 0.6-0.9% relative error per GEMM (the greedy answer to "What is
 # the capital of France?" changes), the float product of the same weights answers "Paris".
 GGUF_ACTIVATIONS = ("q8", "q8x2")
-_GGUF_TYPE_CODE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
-# Bytes of one block in the file: fp16 d (+ fp16 m for Q4_1), then the quants.
-_GGUF_FILE_BLOCK = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+_GGUF_TYPE_CODE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q6_K": 4}
+# Bytes of one block in the file: fp16 d (+ fp16 m for Q4_1), then the quants; Q4_K: fp16 d,
+# fp16 dmin, 12 bytes of 6-bit scales / mins, 128 of nibbles; Q6_K: 128 bytes of low nibbles,
+# 64 of high 2 bits, 16 int8 scales, fp16 d.
+_GGUF_FILE_BLOCK = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}
+_GGUF_K_TYPES = ("Q4_K", "Q6_K")
 _GGUF_PATH_CODE = {"portable": 0, "avx512vnni": 1}
 cdef int _HAS_VNNI = cpu_has_avx512vnni()
 
@@ -438,53 +444,119 @@ def _resolve_gguf_path(path):
     raise RuntimeError(f"this CPU cannot run the {path} path")
 
 
-class PackedGgufWeight:
-    """A [N, K] GGUF-quantized weight (Q4_0 / Q4_1 / Q8_0) in the kernel's tiled layout
-    (pyx/cpu_quant_kernels.h): packed [num_tiles, K / 32, block_bytes] uint8, per tile-block
-    the quants of 16 outputs x 32 k interleaved for vpdpbusd, then their fp16 d (and m).
+def _tile_scales(a, t, per):
+    """[t * 16, U, per] bytes (per output) -> [t, U, per * 16]: [per][16 outputs] per unit."""
+    u = a.shape[1]
+    return a.reshape(t, TILE_N, u, per).transpose(0, 2, 3, 1).reshape(t, u, per * TILE_N)
 
-    raw: uint8 [N, K / 32 * file block bytes], the tensor's blocks exactly as in the file (row n
-    = output n); ggml_type: "Q4_0", "Q4_1" or "Q8_0"; k: weights per row (a multiple of 32).
-    Repacked once; the values are not changed (dequantize() gives gguf's dequantization).
+
+def _tile_halves(a, t):
+    """[t * 16, U, 2] (one fp16 per output) -> [t, U, 32]: 16 fp16 per unit."""
+    u = a.shape[1]
+    return a.reshape(t, TILE_N, u, 2).transpose(0, 2, 1, 3).reshape(t, u, 2 * TILE_N)
+
+
+def _untile_halves(part, t, u):
+    """[t, U, 32] -> float32 [t * 16, U, 1], the inverse of _tile_halves."""
+    part = np.ascontiguousarray(part.reshape(t, u, TILE_N, 2).transpose(0, 2, 1, 3))
+    return part.reshape(t * TILE_N, u * 2).view(np.float16).astype(np.float32)[:, :, None]
+
+
+def _pack_q4_k(blocks, t):
+    """Q4_K super-blocks [t * 16, U, 144] -> [t, U, 2368]: per 32-block j the Q4_1 nibble
+    form (byte i: k i low, k 16 + i high) tiled as Q4_1's, then sc[8][16], m[8][16] (the
+    6-bit ints as bytes), d[16], dmin[16] fp16."""
+    n, u = blocks.shape[0], blocks.shape[1]
+    scales = blocks[:, :, 4:16].reshape(n, u, 3, 4)
+    lo, hi, both = scales[:, :, 0], scales[:, :, 1], scales[:, :, 2]
+    sc = np.concatenate([lo & 0x3F, (both & 0x0F) | ((lo >> 2) & 0x30)], axis=2)
+    mn = np.concatenate([hi & 0x3F, (both >> 4) | ((hi >> 2) & 0x30)], axis=2)
+    # ggml's Q4_K nibbles: per 64 weights, 32 bytes: low nibble k l, high nibble k 32 + l.
+    qs = blocks[:, :, 16:].reshape(n, u, 4, 1, 32)
+    q = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=3).reshape(n, u, 8, 32)
+    nib = q[:, :, :, :16] | (q[:, :, :, 16:] << np.uint8(4))
+    quants = (nib.reshape(t, TILE_N, u, 8, 4, 4).transpose(0, 2, 3, 4, 1, 5)
+              .reshape(t, u, 8 * 256))
+    return np.concatenate([quants, _tile_scales(sc, t, 8), _tile_scales(mn, t, 8),
+                           _tile_halves(blocks[:, :, 0:2], t),
+                           _tile_halves(blocks[:, :, 2:4], t)], axis=2)
+
+
+def _pack_q6_k(blocks, t):
+    """Q6_K super-blocks [t * 16, U, 210] -> [t, U, 4384]: per 32-block j the 6-bit q as one
+    byte a weight (0..63, the -32 goes to the activations' 16-sums) tiled as Q8_0's, then the
+    int8 scales [8 j][2 halves][16], d[16] fp16."""
+    n, u = blocks.shape[0], blocks.shape[1]
+    ql = blocks[:, :, 0:128].reshape(n, u, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
+    qh = blocks[:, :, 128:192].reshape(n, u, 2, 1, 32) >> np.array([0, 2, 4, 6],
+                                                                    np.uint8)[:, None]
+    q = (ql & np.uint8(0x0F)).reshape(n, u, 256) | ((qh & np.uint8(3)).reshape(n, u, 256)
+                                                    << np.uint8(4))
+    quants = (q.reshape(t, TILE_N, u, 8, 8, 4).transpose(0, 2, 3, 4, 1, 5)
+              .reshape(t, u, 8 * 512))
+    return np.concatenate([quants, _tile_scales(blocks[:, :, 192:208], t, 16),
+                           _tile_halves(blocks[:, :, 208:210], t)], axis=2)
+
+
+class PackedGgufWeight:
+    """A [N, K] GGUF-quantized weight (Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K) in the kernel's tiled
+    layout (pyx/cpu_quant_kernels.h): packed [num_tiles, units, unit_bytes] uint8, a unit = a
+    block of 32 k (Q4_0 / Q4_1 / Q8_0: the quants of 16 outputs x 32 k interleaved for
+    vpdpbusd, then their fp16 d (and m)) or a K-quant super-block of 256 k (8 such quant
+    blocks, then the small int scales and the fp16 super-scales).
+
+    raw: uint8 [N, K / block weights * file block bytes], the tensor's blocks exactly as in
+    the file (row n = output n); ggml_type: one of GGUF_NATIVE_TYPES; k: weights per row (a
+    multiple of 32, of 256 for Q4_K / Q6_K). Repacked once; the values are not changed
+    (dequantize() gives gguf's dequantization).
     """
 
     def __init__(self, raw, ggml_type, k):
         if ggml_type not in _GGUF_TYPE_CODE:
             raise ValueError(f"ggml_type must be one of {GGUF_NATIVE_TYPES}, got {ggml_type!r}")
         k = int(k)
-        if k < GGUF_BLOCK or k % GGUF_BLOCK:
-            raise ValueError(f"k must be a positive multiple of {GGUF_BLOCK}, got {k}")
+        unit = GGUF_SUPER_BLOCK if ggml_type in _GGUF_K_TYPES else GGUF_BLOCK
+        if k < unit or k % unit:
+            raise ValueError(f"k must be a positive multiple of {unit} for {ggml_type}, got {k}")
         raw = np.asarray(raw)
         fb = _GGUF_FILE_BLOCK[ggml_type]
         nb = k // GGUF_BLOCK
-        if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[0] < 1 or raw.shape[1] != nb * fb:
-            raise ValueError(f"raw must be uint8 [N >= 1, {nb * fb}] for {ggml_type} with k {k}, "
-                             f"got {raw.dtype} {raw.shape}")
+        units = k // unit
+        if (raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[0] < 1
+                or raw.shape[1] != units * fb):
+            raise ValueError(f"raw must be uint8 [N >= 1, {units * fb}] for {ggml_type} with k "
+                             f"{k}, got {raw.dtype} {raw.shape}")
         code = _GGUF_TYPE_CODE[ggml_type]
         n = int(raw.shape[0])
         tile = TILE_N
         num_tiles = -(-n // tile)
-        blocks = np.zeros((num_tiles * tile, nb, fb), dtype=np.uint8)
-        blocks[:n] = raw.reshape(n, nb, fb)
-        scale_bytes = 4 if ggml_type == "Q4_1" else 2
-        qs = blocks[:, :, scale_bytes:]
-        if ggml_type == "Q8_0":
-            qs = qs ^ np.uint8(0x80)  # int8 q -> u8 q + 128 (vpdpbusd's unsigned operand)
-            qs[n:] = 0
-        groups = qs.shape[2] // 4  # 4-byte lanes per output per block (4 or 8)
-        quants = (qs.reshape(num_tiles, tile, nb, groups, 4).transpose(0, 2, 3, 1, 4)
-                  .reshape(num_tiles, nb, groups * tile * 4))
-        parts = [quants]
-        for off in range(0, scale_bytes, 2):  # d, then m: [tile][block][16 outputs] fp16
-            parts.append(blocks[:, :, off:off + 2].reshape(num_tiles, tile, nb, 2)
-                         .transpose(0, 2, 1, 3).reshape(num_tiles, nb, tile * 2))
-        self.packed = np.ascontiguousarray(np.concatenate(parts, axis=2))
+        blocks = np.zeros((num_tiles * tile, units, fb), dtype=np.uint8)
+        blocks[:n] = raw.reshape(n, units, fb)
+        if ggml_type == "Q4_K":
+            packed = _pack_q4_k(blocks, num_tiles)
+        elif ggml_type == "Q6_K":
+            packed = _pack_q6_k(blocks, num_tiles)
+        else:
+            scale_bytes = 4 if ggml_type == "Q4_1" else 2
+            qs = blocks[:, :, scale_bytes:]
+            if ggml_type == "Q8_0":
+                qs = qs ^ np.uint8(0x80)  # int8 q -> u8 q + 128 (vpdpbusd's unsigned operand)
+                qs[n:] = 0
+            groups = qs.shape[2] // 4  # 4-byte lanes per output per block (4 or 8)
+            quants = (qs.reshape(num_tiles, tile, nb, groups, 4).transpose(0, 2, 3, 1, 4)
+                      .reshape(num_tiles, nb, groups * tile * 4))
+            parts = [quants]
+            for off in range(0, scale_bytes, 2):  # d, then m: [tile][block][16 outputs] fp16
+                parts.append(_tile_halves(blocks[:, :, off:off + 2], num_tiles))
+            packed = np.concatenate(parts, axis=2)
+        self.packed = np.ascontiguousarray(packed)
         if self.packed.shape[2] != gguf_block_bytes_of(code):
             raise AssertionError("packed block size disagrees with cpu_quant_kernels.h")
         self.flat = self.packed.reshape(-1)  # the kernel's view, made once
         self.n, self.k, self.ggml_type = n, k, ggml_type
         self.type_code, self.nb, self.num_tiles = code, nb, num_tiles
-        self.offset = gguf_offset(code)  # W = d * (u - offset): the activations' correction
+        # W = d * (u - offset): the activations' correction (Q6_K: -1, per-16 sums packed)
+        self.offset = gguf_offset(code)
 
     @property
     def nbytes(self):
@@ -493,6 +565,10 @@ class PackedGgufWeight:
     def dequantize(self):
         """float32 [N, K] from the packed form, with gguf.quants.dequantize's float32 ops."""
         t, nb, tile = self.num_tiles, self.nb, TILE_N
+        if self.ggml_type == "Q4_K":
+            return self._dequantize_q4_k()
+        if self.ggml_type == "Q6_K":
+            return self._dequantize_q6_k()
         qbytes = 512 if self.ggml_type == "Q8_0" else 256
         groups = qbytes // (tile * 4)
         quants = (self.packed[:, :, :qbytes].reshape(t, nb, groups, tile, 4)
@@ -513,6 +589,36 @@ class PackedGgufWeight:
             else:
                 w = d * (q.astype(np.int8) - np.int8(8)).astype(np.float32)
         return w.reshape(self.n, self.k)
+
+    def _dequantize_q4_k(self):
+        """gguf's float32 ops: (d * sc) * q - dmin * m per 32-block."""
+        t, u, tile = self.num_tiles, self.packed.shape[1], TILE_N
+        p = self.packed
+        nib = (p[:, :, :2048].reshape(t, u, 8, 4, tile, 4).transpose(0, 4, 1, 2, 3, 5)
+               .reshape(t * tile, u, 8, 16))
+        q = np.concatenate([nib & np.uint8(0x0F), nib >> np.uint8(4)], axis=3).astype(np.float32)
+
+        def ints(off):
+            part = p[:, :, off:off + 128].reshape(t, u, 8, tile).transpose(0, 3, 1, 2)
+            return part.reshape(t * tile, u, 8).astype(np.float32)
+
+        d = _untile_halves(p[:, :, 2304:2336], t, u) * ints(2048)
+        dm = _untile_halves(p[:, :, 2336:2368], t, u) * ints(2176)
+        w = d[:, :, :, None] * q - dm[:, :, :, None]
+        return w.reshape(t * tile, self.k)[:self.n]
+
+    def _dequantize_q6_k(self):
+        """gguf's float32 ops: (d * sc) * (q - 32) per 16 weights."""
+        t, u, tile = self.num_tiles, self.packed.shape[1], TILE_N
+        p = self.packed
+        q = (p[:, :, :4096].reshape(t, u, 8, 8, tile, 4).transpose(0, 4, 1, 2, 3, 5)
+             .reshape(t * tile, u, 16, 16))
+        q = (q.astype(np.int8) - np.int8(32)).astype(np.float32)
+        sc = (p[:, :, 4096:4352].reshape(t, u, 16, tile).transpose(0, 3, 1, 2)
+              .reshape(t * tile, u, 16).view(np.int8).astype(np.float32))
+        d = _untile_halves(p[:, :, 4352:4384], t, u) * sc
+        w = d[:, :, :, None] * q
+        return w.reshape(t * tile, self.k)[:self.n]
 
 
 cdef void _gguf_tiles(GgufJob* g, int n, const float* bias, float* y, long ldy, int tile_begin,

@@ -1,9 +1,10 @@
 // cpu_quant_kernels.h: the cpu GEMM over GGUF-quantized weights kept quantized (Q4_0, Q4_1,
-// Q8_0), wrapped by pagedrun.pyx.cpu_gemm's PackedGgufWeight / gemm_gguf. Included from
-// cpu_gemm_kernels.h (its TileJob carries a GgufJob; the tile split and helper thread are the
-// bf16 GEMM's).
+// Q8_0, Q4_K, Q6_K), wrapped by pagedrun.pyx.cpu_gemm's PackedGgufWeight / gemm_gguf.
+// Included from cpu_gemm_kernels.h (its TileJob carries a GgufJob; the tile split and helper
+// thread are the bf16 GEMM's).
 //
-//   y[M, N] (float32) = x[M, K] (float32) @ W[N, K]^T (+ bias[N]),  K % 32 == 0
+//   y[M, N] (float32) = x[M, K] (float32) @ W[N, K]^T (+ bias[N]),  K % 32 == 0 (K-quants:
+//   K % 256 == 0)
 //
 // The math (llama.cpp's q8 activations). x is quantized per row per 32-wide block b, once per
 // call: dx = max |x_b| / 127 (float32 division), qx = round-half-even(x / dx) in [-127, 127]
@@ -15,10 +16,17 @@
 //   Q8_0: u = q + 128 (0..255)   y += (d * dx) * (dot + xcorr)   xcorr = -128 sum(qx)
 // (integers: exact; the kernel starts the block's dot at xcorr, a broadcast load, so the
 // correction costs no vector ALU op).
-// Per block and output, in this order, float32: dd = d * dx; acc = fma(float(int), dd, acc);
-// Q4_1 then acc = fma(m, sx, acc); finally y = acc + bias. Both paths do exactly these float
-// operations per output (the integer dot is exact whatever the order), so they agree bit for
-// bit; tests allow float summation slack anyway.
+// K-quants (256-weight super-blocks) map onto the same per-32 form with float32 scales that
+// are EXACT products of the file's fp16 super-scale and small int scales (11 + 6 or 8 bits):
+//   Q4_K: block j of a super-block: d = float(d_fp16) * sc_j, m = -(float(dmin_fp16) * m_j)
+//         (sc_j, m_j the 6-bit pairs), u = q (0..15): y += (d * dx) * dot + m * sx as Q4_1.
+//   Q6_K: scales per 16 weights: d_h = float(d_fp16) * sc (int8), h = the block's halves
+//         k 0-15 / 16-31; u = q (0..63), W = d_h * (u - 32): y += (d_h * dx) * (dot_h + c_h),
+//         c_h = -32 sum_h(qx): xcorr holds the two 16-sums (gguf_xcorr), two fmas per block.
+// Per block and output, in this order, float32: dd = d * dx; acc = fma(float(int), dd, acc)
+// (Q6_K: h 0 then h 1); Q4_1 / Q4_K then acc = fma(m, sx, acc); finally y = acc + bias.
+// Both paths do exactly these float operations per output (the integer dot is exact whatever
+// the order), so they agree bit for bit; tests allow float summation slack anyway.
 //
 // Packed weight layout (PackedGgufWeight builds it once from the file's blocks):
 //   wq[num_tiles][nb][BLOCK] uint8, num_tiles = ceil(N / 16), nb = K / 32; a tile = 16 outputs,
@@ -36,10 +44,24 @@
 //   then d[16] fp16 (32 bytes), and for Q4_1 m[16] fp16 (32 bytes): kept fp16, as in the
 //   file, so Q4_1 streams 0.625 bytes a weight (20 per 32), Q4_0 0.5625, Q8_0 1.0625.
 //   BLOCK = 288 (Q4_0), 320 (Q4_1), 544 (Q8_0). Outputs past N: zero quants and scales.
+//   K-quants: the unit is a tile-super-block (8 blocks, 256 k; wq[num_tiles][K / 256][SBLOCK]):
+//   Q4_K (SBLOCK 2368): quants[8 blocks] in the Q4_1 form above (the repack re-pairs ggml's
+//       Q4_K nibbles, whose 32 bytes per 64 weights hold k 0-31 low and k 32-63 high), then
+//       sc[8][16] and m[8][16] (the 6-bit ints, a byte each), d[16], dmin[16] fp16:
+//       0.578 bytes a weight (the file: 0.5625). Chosen over float32 per-32 scales (same
+//       float32 values, 0.75 bytes a weight: +30% streamed at decode) for ~6 vector ops per
+//       tile-block (zero-extend, convert, multiply by d; the same for m).
+//   Q6_K (SBLOCK 4384): quants[8 blocks] in the Q8_0 form with u = q (0..63, no XOR), then the
+//       int8 scales [8 blocks][2 halves][16], d[16] fp16: 1.07 bytes a weight (the file: 0.82).
+//       Measured against the file's 6 bits (nibbles + 2-bit planes, 0.82 bytes a weight,
+//       unpacked by shift / and / vpternlogd, ~3 ops per vpdpbusd operand): decode (M 1) only
+//       6-9% faster (the unpack eats most of the 23% fewer bytes) and M 4-8 30-40% slower
+//       (unpacked per 4 rows in registers, or once per tile into a byte scratch), so bytes.
 // Quantized activations: xq[M][K] int8 (row m, k in file order), xd[M][nb] float32 (dx),
 //   xs[M][nb] float32 (sx), xcorr[M][nb] int32 (-offset * sum(qx), the weight type's
-//   offset: 8, 128, or 0 for Q4_1); the kernels broadcast 4 bytes of xq per vpdpbusd and one
-//   scalar of the others per block.
+//   offset: 8, 128, or 0 for Q4_1 / Q4_K; Q6_K (offset GGUF_XCORR_SPLIT16): its two 16-sums,
+//   packed); the kernels broadcast 4 bytes of xq per vpdpbusd and one scalar of the others per
+//   block. Callers pass gguf_offset(type) to gguf_quantize_rows.
 //
 // Paths: "avx512vnni" (AVX512F+BW+VL+VNNI, per-function target attribute: the module builds
 // for any x86-64) and "portable" (plain C++ reading the same layout).
@@ -51,6 +73,10 @@
 // ops (nibble unpack shared by 4 rows x 2 tiles, cvt, d * dx, fma, Q4_1's m * sx fma): ~50%
 // of vpdpbusd peak, 180-210 G multiply-adds a second a core; AMX's bf16 GEMM is faster there
 // (an AMX-int8 kernel would be the next step). 8 rows x 1 tile measured no better than 4 x 2.
+// K-quants, 3072 x 1536, best of 60 (shared 2-core box, 2 threads): M 1: Q4_K 63 us (43
+// GB/s) ~ Q4_1 62 us, Q6_K 90 us (56 GB/s) vs Q8_0 104 us, bf16 171 us; M 8: Q4_K 151 us
+// (Q4_1 131: the per-tile-block scale ops, ~+15%), Q6_K 173 us; M 64: Q4_K 1.09 ms, Q6_K
+// 1.17 ms, Q4_1 0.97 ms, AMX bf16 0.65 ms.
 #pragma once
 
 #include <math.h>
@@ -59,17 +85,33 @@
 
 namespace pagedrun_gemm {
 
-enum GgufType { GGUF_Q4_0 = 0, GGUF_Q4_1 = 1, GGUF_Q8_0 = 2 };
+enum GgufType { GGUF_Q4_0 = 0, GGUF_Q4_1 = 1, GGUF_Q8_0 = 2, GGUF_Q4_K = 3, GGUF_Q6_K = 4 };
 constexpr int GGUF_TILE_N = 16;  // outputs per tile (one zmm of int32 / float32 lanes)
 constexpr int GGUF_QK = 32;      // weights per GGUF block
+constexpr int GGUF_XCORR_SPLIT16 = -1;  // gguf_offset(Q6_K): xcorr packs the two 16-sums
 
-static inline constexpr long gguf_quant_bytes(int type) { return type == GGUF_Q8_0 ? 512 : 256; }
-static inline constexpr long gguf_block_bytes(int type) {
-    return gguf_quant_bytes(type) + (type == GGUF_Q4_1 ? 64 : 32);
+static inline constexpr bool gguf_is_k(int type) {
+    return type == GGUF_Q4_K || type == GGUF_Q6_K;
 }
-// The offset of the unsigned weight: W = d * (u - offset) (+ m for Q4_1, offset 0).
+// 32-blocks per packing unit: a K-quant super-block is 8 of them (256 weights).
+static inline constexpr int gguf_super(int type) { return gguf_is_k(type) ? 8 : 1; }
+// Quant bytes of one tile-block (16 outputs x 32 k): nibbles, or one byte a weight.
+static inline constexpr long gguf_quant_bytes(int type) {
+    return type == GGUF_Q8_0 || type == GGUF_Q6_K ? 512 : 256;
+}
+// Bytes of one packing unit of a tile (a tile-block, or a K-quant tile-super-block).
+static inline constexpr long gguf_block_bytes(int type) {
+    return type == GGUF_Q4_K   ? 8 * 256 + 256 + 64
+           : type == GGUF_Q6_K ? 8 * 512 + 256 + 32
+                               : gguf_quant_bytes(type) + (type == GGUF_Q4_1 ? 64 : 32);
+}
+// The offset of the unsigned weight: W = d * (u - offset) (+ m for Q4_1 / Q4_K, offset 0);
+// Q6_K's (32) is applied per 16-wide half block: GGUF_XCORR_SPLIT16 (see the activations).
 static inline constexpr int gguf_offset(int type) {
-    return type == GGUF_Q4_0 ? 8 : (type == GGUF_Q8_0 ? 128 : 0);
+    return type == GGUF_Q4_0   ? 8
+           : type == GGUF_Q8_0 ? 128
+           : type == GGUF_Q6_K ? GGUF_XCORR_SPLIT16
+                               : 0;
 }
 static inline int gguf_block_bytes_of(int type) { return (int)gguf_block_bytes(type); }
 
@@ -115,6 +157,22 @@ static inline float gguf_half_to_float(uint16_t h) {
 // of qx) + y(rows of qx2), each weight block against x ~= dx qx + dx2 qx2 (error <= dx / 256
 // instead of dx / 2, at twice the multiply-adds and the same weight bytes).
 
+// A block's xcorr: -offset * sum(qx), or (Q6_K: offset GGUF_XCORR_SPLIT16, whose weights
+// carry a scale per 16) the sums of its two 16-wide halves packed as lo + 65536 * hi (each
+// |sum| <= 16 * 127 fits int16; gguf_split16 decodes it exactly). Integers: both paths agree.
+static inline int32_t gguf_xcorr(int offset, int32_t sum, int32_t sum_lo) {
+    return offset == GGUF_XCORR_SPLIT16 ? sum_lo + 65536 * (sum - sum_lo) : -offset * sum;
+}
+static inline void gguf_split16(int32_t c, int32_t& lo, int32_t& hi) {
+    lo = (int16_t)(uint16_t)(c & 0xFFFF);
+    hi = (c - lo) / 65536;
+}
+static inline int32_t gguf_sum16(const int8_t* q) {
+    int32_t s = 0;
+    for (int i = 0; i < 16; ++i) s += q[i];
+    return s;
+}
+
 // v[32] against scale dx -> q (dx 0: zeros); returns sum(q).
 static inline int32_t gguf_round_block_scalar(const float* v, float dx, int8_t* q) {
     int32_t sum = 0;
@@ -136,6 +194,7 @@ static inline void gguf_quantize_rows_scalar(const float* x, long stride_m, long
                                              int K, int offset, int residual, int8_t* xq,
                                              float* xd, float* xs, int32_t* xcorr) {
     const int nb = K / GGUF_QK;
+    const bool split = offset == GGUF_XCORR_SPLIT16;
     float v[GGUF_QK], r[GGUF_QK];
     for (int m = 0; m < M; ++m) {
         const float* row = x + (long)m * stride_m;
@@ -151,7 +210,7 @@ static inline void gguf_quantize_rows_scalar(const float* x, long stride_m, long
             int8_t* q = xq + (long)m * K + b * GGUF_QK;
             int32_t sum = gguf_round_block_scalar(v, dx, q);
             xd[o] = dx;
-            xcorr[o] = -offset * sum;
+            xcorr[o] = gguf_xcorr(offset, sum, split ? gguf_sum16(q) : 0);
             xs[o] = dx * (float)sum;
             if (!residual) continue;
             for (int i = 0; i < GGUF_QK; ++i) r[i] = fmaf(-dx, (float)q[i], v[i]);
@@ -159,19 +218,60 @@ static inline void gguf_quantize_rows_scalar(const float* x, long stride_m, long
             o += (long)M * nb;
             sum = gguf_round_block_scalar(r, dx2, q + (long)M * K);
             xd[o] = dx2;
-            xcorr[o] = -offset * sum;
+            xcorr[o] = gguf_xcorr(offset, sum, split ? gguf_sum16(q + (long)M * K) : 0);
             xs[o] = dx2 * (float)sum;
         }
     }
 }
 
 // ------------------------------------------------------------------------- portable path
+// Bytes of one tile's panel (nb 32-blocks).
+static inline constexpr long gguf_tile_bytes(int type, int nb) {
+    return (long)(nb / gguf_super(type)) * gguf_block_bytes(type);
+}
+
+// The per-output float32 scales of block b of a tile panel wt, the definitions above:
+// ds[h][n] (h: Q6_K's 16-wide halves, else h 0 only) and, for Q4_1 / Q4_K, the min mn[n].
+template <int TYPE>
+static inline void gguf_block_scales_scalar(const uint8_t* wt, int b, float ds[2][GGUF_TILE_N],
+                                            float mn[GGUF_TILE_N]) {
+    constexpr long SB = gguf_block_bytes(TYPE), QB = gguf_quant_bytes(TYPE);
+    constexpr int SUP = gguf_super(TYPE);
+    const uint8_t* ws = wt + (long)(b / SUP) * SB;
+    const int j = b % SUP;
+    const uint8_t* sc = ws + SUP * QB;  // the scales after the unit's quants
+    for (int n = 0; n < GGUF_TILE_N; ++n) {
+        uint16_t h;
+        if (TYPE == GGUF_Q4_K) {
+            memcpy(&h, sc + 256 + 2 * n, 2);
+            ds[0][n] = gguf_half_to_float(h) * (float)sc[16 * j + n];
+            memcpy(&h, sc + 288 + 2 * n, 2);
+            mn[n] = -(gguf_half_to_float(h) * (float)sc[128 + 16 * j + n]);
+        } else if (TYPE == GGUF_Q6_K) {
+            memcpy(&h, sc + 256 + 2 * n, 2);
+            const float d = gguf_half_to_float(h);
+            ds[0][n] = d * (float)(int8_t)sc[32 * j + n];
+            ds[1][n] = d * (float)(int8_t)sc[32 * j + 16 + n];
+        } else {
+            memcpy(&h, sc + 2 * n, 2);
+            ds[0][n] = gguf_half_to_float(h);
+            if (TYPE == GGUF_Q4_1) {
+                memcpy(&h, sc + 32 + 2 * n, 2);
+                mn[n] = gguf_half_to_float(h);
+            }
+        }
+    }
+}
+
 template <int TYPE>
 static void gguf_tiles_portable_t(const GgufJob& g, int N, int tile_begin, int tile_end,
                                   const float* bias, float* y, long ldy) {
-    constexpr long BLOCK = gguf_block_bytes(TYPE), QB = gguf_quant_bytes(TYPE);
+    constexpr long SB = gguf_block_bytes(TYPE), QB = gguf_quant_bytes(TYPE);
+    constexpr int SUP = gguf_super(TYPE);
+    constexpr bool BYTES = TYPE == GGUF_Q8_0 || TYPE == GGUF_Q6_K;  // one byte a weight
+    constexpr bool HAS_MIN = TYPE == GGUF_Q4_1 || TYPE == GGUF_Q4_K;
     const int nb = g.nb, K = nb * GGUF_QK;
-    const long tile_bytes = (long)nb * BLOCK;
+    const long tile_bytes = gguf_tile_bytes(TYPE, nb);
     for (int t = tile_begin; t < tile_end; ++t) {
         const uint8_t* wt = g.wq + t * tile_bytes;
         const int n0 = t * GGUF_TILE_N;
@@ -179,35 +279,39 @@ static void gguf_tiles_portable_t(const GgufJob& g, int N, int tile_begin, int t
         for (int r = 0; r < g.M; ++r) {
             float acc[GGUF_TILE_N] = {0};
             for (int b = 0; b < nb; ++b) {
-                const uint8_t* wb = wt + b * BLOCK;
+                const uint8_t* wb = wt + (long)(b / SUP) * SB + (b % SUP) * QB;
                 const int8_t* xr = g.xq + (long)r * K + b * GGUF_QK;
-                int32_t dot[GGUF_TILE_N] = {0};
+                int32_t dot[2][GGUF_TILE_N] = {{0}};  // Q6_K: k 0-15, k 16-31
                 for (int n = 0; n < GGUF_TILE_N; ++n) {
-                    if (TYPE == GGUF_Q8_0) {
+                    if (BYTES) {
                         for (int gq = 0; gq < 8; ++gq)
                             for (int j = 0; j < 4; ++j)
-                                dot[n] += (int32_t)wb[64 * gq + 4 * n + j] * xr[4 * gq + j];
+                                dot[TYPE == GGUF_Q6_K ? gq / 4 : 0][n] +=
+                                    (int32_t)wb[64 * gq + 4 * n + j] * xr[4 * gq + j];
                     } else {
                         for (int L = 0; L < 4; ++L)
                             for (int j = 0; j < 4; ++j) {
                                 const uint8_t byte = wb[64 * L + 4 * n + j];
-                                dot[n] += (int32_t)(byte & 0x0F) * xr[4 * L + j] +
-                                          (int32_t)(byte >> 4) * xr[16 + 4 * L + j];
+                                dot[0][n] += (int32_t)(byte & 0x0F) * xr[4 * L + j] +
+                                             (int32_t)(byte >> 4) * xr[16 + 4 * L + j];
                             }
                     }
                 }
                 const long o = (long)r * nb + b;
                 const float dx = g.xd[o], sx = g.xs[o];
-                const int32_t corr = g.xcorr[o];
+                int32_t corr[2] = {g.xcorr[o], 0};
+                if (TYPE == GGUF_Q6_K) {
+                    gguf_split16(g.xcorr[o], corr[0], corr[1]);
+                    corr[0] *= -32;
+                    corr[1] *= -32;
+                }
+                float ds[2][GGUF_TILE_N], mn[GGUF_TILE_N];
+                gguf_block_scales_scalar<TYPE>(wt, b, ds, mn);
                 for (int n = 0; n < GGUF_TILE_N; ++n) {
-                    uint16_t h;
-                    memcpy(&h, wb + QB + 2 * n, 2);
-                    const float dd = gguf_half_to_float(h) * dx;
-                    acc[n] = fmaf((float)(dot[n] + corr), dd, acc[n]);
-                    if (TYPE == GGUF_Q4_1) {
-                        memcpy(&h, wb + QB + 32 + 2 * n, 2);
-                        acc[n] = fmaf(gguf_half_to_float(h), sx, acc[n]);
-                    }
+                    acc[n] = fmaf((float)(dot[0][n] + corr[0]), ds[0][n] * dx, acc[n]);
+                    if (TYPE == GGUF_Q6_K)
+                        acc[n] = fmaf((float)(dot[1][n] + corr[1]), ds[1][n] * dx, acc[n]);
+                    if (HAS_MIN) acc[n] = fmaf(mn[n], sx, acc[n]);
                 }
             }
             float* yr = y + (long)r * ldy + n0;
@@ -260,6 +364,7 @@ PAGEDRUN_VNNI_TARGET static void gguf_quantize_rows_vnni(const float* x, long st
                                                          int8_t* xq, float* xd, float* xs,
                                                          int32_t* xcorr) {
     const int nb = K / GGUF_QK;
+    const bool split = offset == GGUF_XCORR_SPLIT16;
     for (int m = 0; m < M; ++m) {
         const float* row = x + (long)m * stride_m;
         for (int b = 0; b < nb; ++b) {
@@ -273,7 +378,7 @@ PAGEDRUN_VNNI_TARGET static void gguf_quantize_rows_vnni(const float* x, long st
             __m512i q0, q1;
             int32_t sum = gguf_round_block_vnni(v0, v1, dx, q, q0, q1);
             xd[o] = dx;
-            xcorr[o] = -offset * sum;
+            xcorr[o] = gguf_xcorr(offset, sum, split ? _mm512_reduce_add_epi32(q0) : 0);
             xs[o] = dx * (float)sum;
             if (!residual) continue;
             const __m512 nd = _mm512_set1_ps(-dx);
@@ -283,21 +388,67 @@ PAGEDRUN_VNNI_TARGET static void gguf_quantize_rows_vnni(const float* x, long st
             o += (long)M * nb;
             sum = gguf_round_block_vnni(r0, r1, dx2, q + (long)M * K, q0, q1);
             xd[o] = dx2;
-            xcorr[o] = -offset * sum;
+            xcorr[o] = gguf_xcorr(offset, sum, split ? _mm512_reduce_add_epi32(q0) : 0);
             xs[o] = dx2 * (float)sum;
+        }
+    }
+}
+
+// The per-output float32 scales of block b for NR_ tile panels (the scalar definitions of
+// gguf_block_scales_scalar, the same float ops): ds[c][h], and mn[c] (Q4_1 / Q4_K; Q4_K's
+// is +dmin * m, subtracted by fnmadd).
+template <int TYPE, int NR_>
+PAGEDRUN_VNNI_TARGET static inline void gguf_block_scales_vnni(const uint8_t* wt, long tile_bytes,
+                                                               int b, __m512 ds[NR_][2],
+                                                               __m512 mn[NR_]) {
+    constexpr long SB = gguf_block_bytes(TYPE), QB = gguf_quant_bytes(TYPE);
+    constexpr int SUP = gguf_super(TYPE);
+    const int j = b % SUP;
+#pragma GCC unroll 16
+    for (int c = 0; c < NR_; ++c) {
+        const uint8_t* sc = wt + c * tile_bytes + (long)(b / SUP) * SB + SUP * QB;
+        if constexpr (TYPE == GGUF_Q4_K) {
+            const __m512 d = _mm512_cvtph_ps(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 256)));
+            const __m512 dmin = _mm512_cvtph_ps(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 288)));
+            ds[c][0] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                                                sc + 16 * j)))));
+            mn[c] = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                                                sc + 128 + 16 * j)))));
+        } else if constexpr (TYPE == GGUF_Q6_K) {
+            const __m512 d = _mm512_cvtph_ps(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 256)));
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; ++h)
+                ds[c][h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                                                    sc + 32 * j + 16 * h)))));
+        } else {
+            ds[c][0] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
+            if constexpr (TYPE == GGUF_Q4_1)
+                mn[c] = _mm512_cvtph_ps(
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 32)));
         }
     }
 }
 
 // MR_ rows x NR_ tiles over all of K. S = 2 keeps two integer accumulators per (row, tile)
 // (low / high nibbles, or even / odd groups): at 1-3 rows there are too few independent
-// vpdpbusd chains to hide its latency otherwise.
+// vpdpbusd chains to hide its latency otherwise. Q6_K always keeps two: its 16-wide halves
+// (k 0-15, k 16-31: groups 0-3 and 4-7) carry their own scales.
 template <int TYPE, int MR_, int NR_, int S>
 PAGEDRUN_VNNI_TARGET static inline void gguf_micro_vnni(const GgufJob& g, int m0,
                                                         const uint8_t* wt, long tile_bytes,
                                                         int n0, int N, const float* bias,
                                                         float* y, long ldy) {
-    constexpr long BLOCK = gguf_block_bytes(TYPE), QB = gguf_quant_bytes(TYPE);
+    constexpr long SB = gguf_block_bytes(TYPE), QB = gguf_quant_bytes(TYPE);
+    constexpr int SUP = gguf_super(TYPE);
+    constexpr bool BYTES = TYPE == GGUF_Q8_0 || TYPE == GGUF_Q6_K;  // one byte a weight
+    constexpr bool HAS_MIN = TYPE == GGUF_Q4_1 || TYPE == GGUF_Q4_K;
+    constexpr int SA = TYPE == GGUF_Q6_K ? 2 : S;  // integer accumulators per (row, tile)
     const int nb = g.nb, K = nb * GGUF_QK;
     const int8_t* xq = g.xq + (long)m0 * K;
     const long xo = (long)m0 * nb;
@@ -308,22 +459,30 @@ PAGEDRUN_VNNI_TARGET static inline void gguf_micro_vnni(const GgufJob& g, int m0
 #pragma GCC unroll 16
         for (int c = 0; c < NR_; ++c) acc[r][c] = _mm512_setzero_ps();
     for (int b = 0; b < nb; ++b) {
-        const uint8_t* wb = wt + b * BLOCK;
-        __m512i dot[MR_][NR_][S];
+        const uint8_t* wb = wt + (long)(b / SUP) * SB + (b % SUP) * QB;
+        __m512i dot[MR_][NR_][SA];
 #pragma GCC unroll 16
         for (int r = 0; r < MR_; ++r) {
-            const __m512i corr = TYPE == GGUF_Q4_1
-                                     ? _mm512_setzero_si512()
-                                     : _mm512_set1_epi32(g.xcorr[xo + (long)r * nb + b]);
+            const int32_t xc = g.xcorr[xo + (long)r * nb + b];
+            __m512i corr0, corr1 = _mm512_setzero_si512();
+            if constexpr (TYPE == GGUF_Q6_K) {
+                int32_t lo, hi;
+                gguf_split16(xc, lo, hi);
+                corr0 = _mm512_set1_epi32(-32 * lo);
+                corr1 = _mm512_set1_epi32(-32 * hi);
+            } else {
+                corr0 = HAS_MIN ? _mm512_setzero_si512() : _mm512_set1_epi32(xc);
+            }
 #pragma GCC unroll 16
             for (int c = 0; c < NR_; ++c) {
-                dot[r][c][0] = corr;
-                if constexpr (S == 2) dot[r][c][1] = _mm512_setzero_si512();
+                dot[r][c][0] = corr0;
+                if constexpr (SA == 2) dot[r][c][1] = corr1;
             }
         }
-        if constexpr (TYPE == GGUF_Q8_0) {
+        if constexpr (BYTES) {
 #pragma GCC unroll 8
             for (int gq = 0; gq < 8; ++gq) {
+                const int a = TYPE == GGUF_Q6_K ? gq / 4 : gq % SA;
                 __m512i w[NR_];
 #pragma GCC unroll 16
                 for (int c = 0; c < NR_; ++c)
@@ -334,7 +493,7 @@ PAGEDRUN_VNNI_TARGET static inline void gguf_micro_vnni(const GgufJob& g, int m0
                         _mm512_set1_epi32(gguf_load_i32(xq + (long)r * K + b * GGUF_QK + 4 * gq));
 #pragma GCC unroll 16
                     for (int c = 0; c < NR_; ++c)
-                        dot[r][c][gq % S] = _mm512_dpbusd_epi32(dot[r][c][gq % S], w[c], xv);
+                        dot[r][c][a] = _mm512_dpbusd_epi32(dot[r][c][a], w[c], xv);
                 }
             }
         } else {
@@ -363,15 +522,8 @@ PAGEDRUN_VNNI_TARGET static inline void gguf_micro_vnni(const GgufJob& g, int m0
                 }
             }
         }
-        __m512 d[NR_], mn[NR_];
-#pragma GCC unroll 16
-        for (int c = 0; c < NR_; ++c) {
-            d[c] = _mm512_cvtph_ps(
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + c * tile_bytes + QB)));
-            if constexpr (TYPE == GGUF_Q4_1)
-                mn[c] = _mm512_cvtph_ps(_mm256_loadu_si256(
-                    reinterpret_cast<const __m256i*>(wb + c * tile_bytes + QB + 32)));
-        }
+        __m512 ds[NR_][2], mn[NR_];
+        gguf_block_scales_vnni<TYPE, NR_>(wt, tile_bytes, b, ds, mn);
 #pragma GCC unroll 16
         for (int r = 0; r < MR_; ++r) {
             const long o = xo + (long)r * nb + b;
@@ -380,12 +532,17 @@ PAGEDRUN_VNNI_TARGET static inline void gguf_micro_vnni(const GgufJob& g, int m0
             for (int c = 0; c < NR_; ++c) {
                 __m512i s = dot[r][c][0];
                 if constexpr (S == 2 && TYPE == GGUF_Q8_0) s = _mm512_add_epi32(s, dot[r][c][1]);
-                if constexpr (S == 2 && TYPE != GGUF_Q8_0)
+                if constexpr (S == 2 && !BYTES)
                     s = _mm512_add_epi32(s, _mm512_srai_epi32(dot[r][c][1], 4));
-                acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d[c], dxv),
+                acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(ds[c][0], dxv),
                                             acc[r][c]);
+                if constexpr (TYPE == GGUF_Q6_K)
+                    acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][c][1]),
+                                                _mm512_mul_ps(ds[c][1], dxv), acc[r][c]);
                 if constexpr (TYPE == GGUF_Q4_1)
                     acc[r][c] = _mm512_fmadd_ps(mn[c], _mm512_set1_ps(g.xs[o]), acc[r][c]);
+                if constexpr (TYPE == GGUF_Q4_K)  // - dmin * m * sx, one rounding as fma(-dm, sx)
+                    acc[r][c] = _mm512_fnmadd_ps(mn[c], _mm512_set1_ps(g.xs[o]), acc[r][c]);
             }
         }
     }
@@ -428,7 +585,7 @@ template <int TYPE>
 PAGEDRUN_VNNI_TARGET static void gguf_tiles_vnni_t(const GgufJob& g, int N, int tile_begin,
                                                    int tile_end, const float* bias, float* y,
                                                    long ldy) {
-    const long tile_bytes = (long)g.nb * gguf_block_bytes(TYPE);
+    const long tile_bytes = gguf_tile_bytes(TYPE, g.nb);
     const int M = g.M;
     if (M <= 3) {  // decode: one tile's stream at a time, two accumulator chains per row
         for (int t = tile_begin; t < tile_end; ++t) {
@@ -481,6 +638,8 @@ static inline void gguf_tiles(const GgufJob& g, int N, int tile_begin, int tile_
         switch (g.type) {
             case GGUF_Q4_0: gguf_tiles_vnni_t<GGUF_Q4_0>(g, N, tile_begin, tile_end, bias, y, ldy); return;
             case GGUF_Q4_1: gguf_tiles_vnni_t<GGUF_Q4_1>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+            case GGUF_Q4_K: gguf_tiles_vnni_t<GGUF_Q4_K>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+            case GGUF_Q6_K: gguf_tiles_vnni_t<GGUF_Q6_K>(g, N, tile_begin, tile_end, bias, y, ldy); return;
             default: gguf_tiles_vnni_t<GGUF_Q8_0>(g, N, tile_begin, tile_end, bias, y, ldy); return;
         }
     }
@@ -488,6 +647,8 @@ static inline void gguf_tiles(const GgufJob& g, int N, int tile_begin, int tile_
     switch (g.type) {
         case GGUF_Q4_0: gguf_tiles_portable_t<GGUF_Q4_0>(g, N, tile_begin, tile_end, bias, y, ldy); return;
         case GGUF_Q4_1: gguf_tiles_portable_t<GGUF_Q4_1>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+        case GGUF_Q4_K: gguf_tiles_portable_t<GGUF_Q4_K>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+        case GGUF_Q6_K: gguf_tiles_portable_t<GGUF_Q6_K>(g, N, tile_begin, tile_end, bias, y, ldy); return;
         default: gguf_tiles_portable_t<GGUF_Q8_0>(g, N, tile_begin, tile_end, bias, y, ldy); return;
     }
 }

@@ -2,7 +2,9 @@
 gemm_gguf): the packing against gguf's own dequantization, every path against a numpy
 reference of the same quantized-activation math (read straight from the file's blocks, not
 from the packed layout), and against the float64 product of the dequantized weights within the
-bound the activation rounding allows; paths and thread counts against each other; refusals."""
+bound the activation rounding allows; paths and thread counts against each other; refusals.
+K-quants (Q4_K, Q6_K): gguf has no numpy quantizer for them, so their blocks are random bytes
+with finite fp16 super-scales (every such block is a valid one)."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,12 +14,20 @@ from gguf import GGMLQuantizationType, quants
 from pagedrun.pyx import cpu_gemm
 
 TYPES = cpu_gemm.GGUF_NATIVE_TYPES
+K_TYPES = ("Q4_K", "Q6_K")
 PATHS = list(cpu_gemm.available_gguf_paths())
 FP32_UNIT_ROUNDOFF = 2.0 ** -24
 # (N, K, M): awkward widths (a partial last tile, one output), K of 1 .. 48 blocks, decode and
 # prefill row counts (the kernels' 1-3-row and 4-row-block shapes and their remainders).
 SHAPES = [(1, 32, 1), (17, 96, 3), (111, 576, 8), (576, 576, 17), (17, 1536, 64),
           (111, 32, 64), (576, 1536, 1), (1, 96, 17)]
+# K-quants: K a multiple of 256 (1, 2, 6 super-blocks); N 1 / 17 / 111, M 1 / 3 / 17 / 64.
+K_SHAPES = [(1, 256, 1), (17, 512, 3), (111, 1536, 17), (17, 256, 64), (111, 512, 1),
+            (1, 1536, 64), (17, 1536, 17), (111, 256, 3)]
+GEMM_CASES = [(t, *shape) for t in TYPES for shape in (K_SHAPES if t in K_TYPES else SHAPES)]
+# File bytes per super-block (256 weights) and packed bytes per output per super-block.
+K_FILE_BYTES = {"Q4_K": 144, "Q6_K": 210}
+K_PACKED_BYTES = {"Q4_K": 148, "Q6_K": 274}
 
 
 @pytest.fixture
@@ -29,9 +39,37 @@ def qtype(name: str) -> GGMLQuantizationType:
     return getattr(GGMLQuantizationType, name)
 
 
+def random_fp16_bytes(rng, shape, wild: bool) -> np.ndarray:
+    """Finite fp16 values as bytes [..., 2]: wild = any finite bit pattern (subnormals,
+    negatives, 65504), else a weight-like scale in [1e-3, 2e-2)."""
+    if wild:
+        bits = rng.integers(0, 1 << 16, shape, dtype=np.uint16)
+        bits = np.where((bits & 0x7C00) == 0x7C00, bits & 0x83FF, bits).astype(np.uint16)
+    else:
+        bits = rng.uniform(1e-3, 2e-2, shape).astype(np.float16).view(np.uint16)
+    return bits.view(np.uint8).reshape(*shape, 2)
+
+
+def random_k_raw(rng, ggml_type: str, n: int, k: int, wild: bool = False) -> np.ndarray:
+    """Random [n, k] K-quant super-blocks: random bytes, finite fp16 d (and dmin), one
+    all-zero row when there are several."""
+    sb = k // 256
+    raw = rng.integers(0, 256, (n, sb, K_FILE_BYTES[ggml_type]), dtype=np.uint8)
+    if ggml_type == "Q4_K":  # fp16 d, fp16 dmin, scales, nibbles
+        raw[:, :, 0:2] = random_fp16_bytes(rng, (n, sb), wild)
+        raw[:, :, 2:4] = random_fp16_bytes(rng, (n, sb), wild)
+    else:  # Q6_K: ql, qh, scales, fp16 d
+        raw[:, :, 208:210] = random_fp16_bytes(rng, (n, sb), wild)
+    if n > 2:
+        raw[n // 2] = 0
+    return raw.reshape(n, -1)
+
+
 def random_raw(rng, ggml_type: str, n: int, k: int) -> np.ndarray:
     """The file's blocks of a random [n, k] weight, via gguf's own quantizer; rows of varied
     scale and offset (Q4_1's min matters), one all-zero row when there are several."""
+    if ggml_type in K_TYPES:
+        return random_k_raw(rng, ggml_type, n, k)
     w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 2.0, (n, 1))
     w += rng.uniform(-0.5, 0.5, (n, 1)).astype(np.float32)
     if n > 2:
@@ -39,10 +77,38 @@ def random_raw(rng, ggml_type: str, n: int, k: int) -> np.ndarray:
     return quants.quantize(w.astype(np.float32), qtype(ggml_type))
 
 
+def file_k_blocks(raw: np.ndarray, ggml_type: str, k: int):
+    """K-quant super-blocks read from ggml's format as file_blocks: Q4_K per 32 weights d =
+    d * sc, m = -dmin * mn (the 6-bit pairs via gguf's own unpacker), q the nibble (per 64
+    weights, 32 bytes: low nibbles weights 0-31, high 32-63); Q6_K per 16 weights d = d * sc,
+    q = ql | qh << 4 - 32 (per 128 weights: ql's 64 bytes low nibbles 0-63, high 64-127; qh's
+    32 bytes bit pairs 2s weights 32 s + l)."""
+    n, sb = raw.shape[0], k // 256
+    blocks = raw.reshape(n * sb, -1)
+    half = lambda b: b.copy().view(np.float16)[:, 0].astype(np.float64)  # noqa: E731
+    if ggml_type == "Q4_K":
+        sc, mn = quants.Q4_K.get_scale_min(blocks[:, 4:16].copy())
+        d = half(blocks[:, 0:2])[:, None] * sc
+        m = -half(blocks[:, 2:4])[:, None] * mn
+        qs = blocks[:, 16:].reshape(n * sb, 4, 32)
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).astype(np.int64)
+        return d.reshape(n, sb * 8), m.reshape(n, sb * 8), q.reshape(n, sb * 8, 32)
+    ql = blocks[:, 0:128].reshape(n * sb, 2, 64).astype(np.int64)
+    qh = blocks[:, 128:192].reshape(n * sb, 2, 32).astype(np.int64)
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=2)  # [., 2, 128]
+    high = np.concatenate([(qh >> (2 * s)) & 3 for s in range(4)], axis=2)
+    q = (low | (high << 4)) - 32
+    d = half(blocks[:, 208:210])[:, None] * blocks[:, 192:208].view(np.int8)
+    return d.reshape(n, sb * 16), None, q.reshape(n, sb * 16, 16)
+
+
 def file_blocks(raw: np.ndarray, ggml_type: str, k: int):
     """The GGUF block format read independently of the packing: (d [N, nb], m [N, nb] or
     None, q [N, nb, 32] int64) with W = d * q + m (Q4_1) or d * q (Q4_0, Q8_0; Q4_0's q is
-    the nibble - 8). Q4 nibbles: byte i holds weight i (low) and weight i + 16 (high)."""
+    the nibble - 8). Q4 nibbles: byte i holds weight i (low) and weight i + 16 (high).
+    K-quants: file_k_blocks (Q6_K's sub-blocks are 16 wide: [N, 2 nb] and [N, 2 nb, 16])."""
+    if ggml_type in K_TYPES:
+        return file_k_blocks(raw, ggml_type, k)
     n, nb = raw.shape[0], k // 32
     blocks = raw.reshape(n, nb, -1)
     d = blocks[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float64)
@@ -100,6 +166,9 @@ def reference(x, raw, ggml_type, k, bias, activations="q8"):
 
 def reference_pass(qx, dx, sx, raw, ggml_type, k, bias):
     d, mins, q = file_blocks(raw, ggml_type, k)
+    if q.shape[2] != 32:  # sub-blocks of 16 (Q6_K): the activation block's dx for both
+        qx = qx.reshape(qx.shape[0], -1, q.shape[2])
+        dx = np.repeat(dx, 32 // q.shape[2], axis=1)
     dot = np.einsum("mbk,nbk->mnb", qx.astype(np.float64), q.astype(np.float64))  # exact ints
     dd = (d.astype(np.float32)[None, :, :] * dx[:, None, :]).astype(np.float64)  # f32 product
     terms = dot * dd
@@ -112,7 +181,7 @@ def reference_pass(qx, dx, sx, raw, ggml_type, k, bias):
     if bias is not None:
         y += bias.astype(np.float64)
         mag += np.abs(bias.astype(np.float64))
-    nb = k // 32
+    nb = d.shape[1]  # one or two float32 fmas per 32-block, whatever their kind
     gamma = (2 * nb + 2) * FP32_UNIT_ROUNDOFF / (1 - (2 * nb + 2) * FP32_UNIT_ROUNDOFF)
     return y, gamma * mag
 
@@ -130,7 +199,26 @@ def make_x(rng, m, k, layout):
     return x
 
 
-@pytest.mark.parametrize("ggml_type", TYPES)
+@pytest.mark.parametrize("ggml_type", K_TYPES)
+@pytest.mark.parametrize("n,k", [(1, 256), (17, 512), (111, 1536)])
+def test_k_dequantize_matches_gguf(rng, ggml_type, n, k):
+    """Any finite fp16 super-scales (subnormal, negative, 65504) and any scale / quant bytes:
+    bit-exact against gguf's float32 dequantization; the packed bytes per 256 weights."""
+    assert ggml_type in TYPES
+    raw = random_k_raw(rng, ggml_type, n, k, wild=True)
+    packed = cpu_gemm.PackedGgufWeight(raw, ggml_type, k)
+    want = quants.dequantize(raw, qtype(ggml_type)).astype(np.float32)
+    got = packed.dequantize()
+    assert got.dtype == np.float32 and got.shape == (n, k)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    # The independent reader (used by the gemm reference) agrees with gguf too.
+    d, mins, q = file_k_blocks(raw, ggml_type, k)
+    w = d[:, :, None] * q + (0 if mins is None else mins[:, :, None])
+    assert np.allclose(w.reshape(n, k), want, rtol=2 ** -23, atol=0)
+    assert packed.nbytes == -(-n // 16) * 16 * (k // 256) * K_PACKED_BYTES[ggml_type]
+
+
+@pytest.mark.parametrize("ggml_type", [t for t in TYPES if t not in K_TYPES])
 @pytest.mark.parametrize("n,k", [(1, 32), (17, 96), (111, 576), (576, 1536)])
 def test_dequantize_matches_gguf(rng, ggml_type, n, k):
     raw = random_raw(rng, ggml_type, n, k)
@@ -145,8 +233,7 @@ def test_dequantize_matches_gguf(rng, ggml_type, n, k):
     assert packed.nbytes == -(-n // 16) * 16 * (k // 32) * per_block
 
 
-@pytest.mark.parametrize("ggml_type", TYPES)
-@pytest.mark.parametrize("n,k,m", SHAPES)
+@pytest.mark.parametrize("ggml_type,n,k,m", GEMM_CASES)
 @pytest.mark.parametrize("activations", cpu_gemm.GGUF_ACTIVATIONS)
 def test_gemm_matches_reference(rng, ggml_type, n, k, m, activations):
     raw = random_raw(rng, ggml_type, n, k)
@@ -230,6 +317,7 @@ def test_q4_nibble_order_and_min():
 @pytest.mark.parametrize("activations", cpu_gemm.GGUF_ACTIVATIONS)
 def test_pools_and_thread_split_agree(rng, ggml_type, activations):
     n, k, m = 576, 576, 16  # 36 tiles, 5.3 M multiply-adds: both pools split the tiles
+    k = 512 if ggml_type in K_TYPES else k
     packed = cpu_gemm.PackedGgufWeight(random_raw(rng, ggml_type, n, k), ggml_type, k)
     x = rng.standard_normal((m, k)).astype(np.float32)
     bias = rng.standard_normal(n).astype(np.float32)
@@ -244,6 +332,7 @@ def test_residual_pass_is_far_more_accurate(rng, ggml_type):
     """q8x2 against q8 on the same product: its error bound is 128x smaller, and so is the
     measured error (by well over 30x on random data)."""
     n, k, m = 111, 576, 5
+    k = 512 if ggml_type in K_TYPES else k
     raw = random_raw(rng, ggml_type, n, k)
     packed = cpu_gemm.PackedGgufWeight(raw, ggml_type, k)
     x = rng.standard_normal((m, k)).astype(np.float32)
@@ -261,6 +350,14 @@ def test_empty_batch_and_refusals(rng):
         cpu_gemm.PackedGgufWeight(raw, "Q5_0", 64)
     with pytest.raises(ValueError, match="multiple of 32"):
         cpu_gemm.PackedGgufWeight(raw, "Q4_1", 48)
+    for ggml_type in K_TYPES:  # super-blocks of 256: K 64 / 288 cannot be one
+        k_raw = random_k_raw(rng, ggml_type, 3, 256)
+        with pytest.raises(ValueError, match="multiple of 256"):
+            cpu_gemm.PackedGgufWeight(k_raw, ggml_type, 64)
+        with pytest.raises(ValueError, match="multiple of 256"):
+            cpu_gemm.PackedGgufWeight(k_raw, ggml_type, 288)
+        with pytest.raises(ValueError, match="raw must be"):
+            cpu_gemm.PackedGgufWeight(k_raw, ggml_type, 512)
     with pytest.raises(ValueError, match="raw must be"):
         cpu_gemm.PackedGgufWeight(raw, "Q4_1", 96)  # 2 blocks of bytes, 3 claimed
     with pytest.raises(ValueError, match="raw must be"):
