@@ -179,6 +179,12 @@ class LlamaModel:
         # SwiGLU, or Gemma's GeGLU (gelu_pytorch_tanh): the backend op of the activation.
         self.act_and_mul = (ops.silu_and_mul if config.hidden_activation == "silu"
                             else ops.gelu_tanh_and_mul)
+        # A backend's compiled pure-decode step (the cpu bf16 / int8 backends: all layers in
+        # one call, the per-op path's bits), or None. Not for subclasses: tensor parallelism
+        # overrides embed / all_reduce / logits. `forward` takes it per step where it applies.
+        make_decode_loop = getattr(ops, "make_decode_loop", None)
+        self.decode_loop = (make_decode_loop(self) if make_decode_loop is not None
+                            and type(self) is LlamaModel else None)
 
     def forward(self, token_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
                 attn: AttentionInputs, k_caches: list[np.ndarray], v_caches: list[np.ndarray],
@@ -194,6 +200,8 @@ class LlamaModel:
         by slot); the model runner passes None when no token of the step has an adapter.
         hidden: a later pipeline stage's input, the previous stage's (x, residual); the
         embedding is skipped (token_ids still give the step's length).
+        A pure-decode step without LoRA or `hidden` runs all layers in one call of
+        `self.decode_loop` when the backend made one (the same results, bit for bit).
         """
         ops, cfg = self.ops, self.config
         num_tokens = token_ids.shape[0]
@@ -207,6 +215,10 @@ class LlamaModel:
                 # table).
                 x = ops.scale_activations(x, cfg.embedding_scale)
             residual = None
+            if (self.decode_loop is not None and lora is None and attn.num_prefill == 0
+                    and attn.num_decode == num_tokens):
+                return self.decode_loop(x, positions, slot_mapping, attn.decode_block_tables,
+                                        attn.decode_context_lens, k_caches, v_caches)
         for index, (layer, k_cache, v_cache) in enumerate(zip(self.layers, k_caches, v_caches)):
             if residual is None:
                 residual = x

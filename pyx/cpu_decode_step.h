@@ -1,0 +1,332 @@
+// cpu_decode_step.h: every layer of a pure-decode step of a dense Llama-family model in one C++
+// call (pyx/cpu_decode_step.pyx wraps it for runtime/backends/cpu_bf16_backend.py).
+//
+// Per layer, exactly the backend calls runtime/models/llama.py's `forward` makes, on the same
+// kernels with the same arguments, so x and residual and the KV caches come out bit for bit
+// the same as the Python path's:
+//   h = rms_norm(x) (layer 0; residual = x) | h, residual = fused_add_rms_norm(x, residual)
+//   qkv = h @ Wqkv (+ bias)                           GEMM: convert_rows + TileJob (cpu_gemm)
+//   q_rot = rotary(q, k) and k_rot, v -> paged cache  rotary_cache_write<C>   (cpu_ops)
+//   attn = paged_decode_attention(q_rot)              decode_seq_range<C>     (cpu_ops)
+//   o = attn @ Wo (+ bias);  h, residual = fused_add_rms_norm(o, residual)
+//   gate_up = h @ Wgu;  act = silu(gate) * up;  x = act @ Wdown
+// The GEMM's thread split is cpu_gemm.pyx's `_gemm` (native pool): one thread below
+// MIN_TILES_PER_THREAD tiles per thread or MIN_MACS multiply-adds, else tiles [0, split) here
+// and [split, num_tiles) on the helper, split = (num_tiles / 2 + 1) & ~1; AMX (path 3) from
+// AMX_MIN_ROWS rows reads x in blocks of AMX_ROWS rows, the pad rows zero.
+// Threads: the GEMM halves and, from two sequences up, the two halves of decode attention (split
+// at half the total context, as cpu_ops' attention splits large batches: each sequence is
+// computed alone, so the split does not change a bit) run on this file's own Worker, a polled
+// helper like cpu_gemm_kernels.h's HelperThread that can run either kind of job. cpu_ops spawns
+// a thread per call for attention, so it splits only from 8 M multiply-adds; the polled hand-off
+// costs ~1 us, so here every batch of two or more splits. (This translation unit's copy of
+// cpu_gemm's g_helper is never started: its thread starts on its first run_split.)
+//
+// The caller (the .pyx) validates shapes, dtypes and index ranges once per step; everything
+// here trusts its inputs and runs without the GIL.
+#pragma once
+
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
+#include "cpu_gemm_kernels.h"
+#include "cpu_ops_kernels.h"
+
+namespace pagedrun_decode {
+
+// ------------------------------------------------------------------------- the helper thread
+// run_pair(fn, ctx): fn(ctx, 0) on the calling thread while the helper runs fn(ctx, 1); returns
+// when both are done. cpu_gemm_kernels.h's HelperThread protocol (see there): the helper polls
+// a generation counter for HELPER_SPIN_US after its last job, then sleeps on a condition
+// variable; a half it has not claimed when the caller is done with its own, the caller runs.
+using PartFn = void (*)(const void* ctx, int part);
+
+class Worker {
+  public:
+    void run_pair(PartFn fn, const void* ctx) {
+        std::lock_guard<std::mutex> serial(call_mu_);  // one pair at a time (two loops' calls)
+        if (!started_) {
+            std::thread(&Worker::loop, this).detach();
+            started_ = true;
+        }
+        fn_ = fn;
+        ctx_ = ctx;
+        const uint64_t generation = generation_.load(std::memory_order_relaxed) + 1;
+        generation_.store(generation, std::memory_order_seq_cst);
+        if (sleeping_.load(std::memory_order_seq_cst)) {
+            std::lock_guard<std::mutex> lock(mu_);
+            wake_cv_.notify_one();
+        }
+        fn(ctx, 0);
+        uint64_t unclaimed = generation - 1;
+        if (claimed_.compare_exchange_strong(unclaimed, generation, std::memory_order_acq_rel)) {
+            fn(ctx, 1);
+            return;
+        }
+        for (long spins = 0; done_.load(std::memory_order_acquire) != generation; ++spins) {
+            if (spins < 4096) pagedrun_gemm::cpu_relax();
+            else std::this_thread::yield();
+        }
+    }
+
+  private:
+    void loop() {
+        uint64_t seen = 0;
+        for (;;) {
+            const auto idle_since = std::chrono::steady_clock::now();
+            long polls = 0;
+            while (generation_.load(std::memory_order_acquire) == seen) {
+                pagedrun_gemm::cpu_relax();
+                if ((++polls & 63) == 0 &&
+                    std::chrono::steady_clock::now() - idle_since >
+                        std::chrono::microseconds(pagedrun_gemm::HELPER_SPIN_US)) {
+                    std::unique_lock<std::mutex> lock(mu_);
+                    sleeping_.store(true, std::memory_order_seq_cst);
+                    wake_cv_.wait(lock, [this, seen] {
+                        return generation_.load(std::memory_order_seq_cst) != seen;
+                    });
+                    sleeping_.store(false, std::memory_order_relaxed);
+                    break;
+                }
+            }
+            seen = generation_.load(std::memory_order_acquire);
+            uint64_t unclaimed = seen - 1;
+            if (!claimed_.compare_exchange_strong(unclaimed, seen, std::memory_order_acq_rel))
+                continue;
+            fn_(ctx_, 1);
+            done_.store(seen, std::memory_order_release);
+        }
+    }
+
+    std::mutex call_mu_, mu_;
+    std::condition_variable wake_cv_;
+    PartFn fn_ = nullptr;  // published by the seq_cst store of generation_
+    const void* ctx_ = nullptr;
+    std::atomic<uint64_t> generation_{0}, claimed_{0}, done_{0};
+    std::atomic<bool> sleeping_{false};
+    bool started_ = false;  // under call_mu_
+};
+
+static Worker* g_worker = nullptr;
+
+// The old worker is leaked: its thread did not survive the fork (as cpu_gemm's helper).
+static void fresh_worker_in_child() { g_worker = new Worker(); }
+
+// Once, at module import (under the GIL).
+static inline void init_worker() {
+    if (g_worker != nullptr) return;
+    g_worker = new Worker();
+    pthread_atfork(nullptr, nullptr, fresh_worker_in_child);
+}
+
+struct TilePair {
+    pagedrun_gemm::TileJob half[2];
+};
+
+static void run_tile_part(const void* ctx, int part) {
+    pagedrun_gemm::run_job(static_cast<const TilePair*>(ctx)->half[part]);
+}
+
+// The packed forms of a GEMM weight this loop runs (cpu_gemm.PackedWeight,
+// PackedInt8Weight). WEIGHT_GGUF is reserved for cpu_gemm.PackedGgufWeight: its TileJob needs
+// a GgufJob over x quantized by gguf_quantize_rows (per-row int8 blocks) instead of xb; see
+// `linear` below for where it goes. The .pyx refuses it today (the model falls back).
+enum { WEIGHT_BF16 = 0, WEIGHT_INT8 = 1, WEIGHT_GGUF = 2 };
+// The KV cache element: float32, bf16 bits, fp8 e4m3 bits.
+enum { KV_F32 = 0, KV_BF16 = 1, KV_FP8 = 2 };
+
+struct Weight {
+    int kind;
+    const uint16_t* wp;    // WEIGHT_BF16
+    const int8_t* wq;      // WEIGHT_INT8, with scales and group_pairs
+    const float* scales;
+    int group_pairs;
+    int n, k, kp, num_tiles;
+    const float* bias;     // [n] or nullptr
+};
+
+struct Layer {
+    const float* input_norm;
+    const float* post_norm;
+    Weight qkv, o, gate_up, down;
+    const float* cos_sin;  // [max_position, D]
+    void* k_cache;         // [NB, BS, KV, D] C-contiguous, element per kv_kind
+    void* v_cache;
+};
+
+struct Config {
+    int num_layers, hidden, H, KV, D, inter;
+    float eps, scale;
+    int ops_path, gemm_path, threads, kv_kind;
+    long sc0, sc1, sc2;
+    int block_size;
+    int min_tiles_per_thread;
+    long min_macs;  // per threaded call
+};
+
+// Work buffers, each for at least T rows (the .pyx owns them). xb: rows rounded up to AMX_ROWS,
+// xb_cols uint16 per row (the widest 2 * kp of the four weights).
+struct Buffers {
+    uint16_t* xb;
+    int xb_cols;
+    float *h, *qkv, *q_rot, *k_rot, *attn, *o, *gate_up, *act;
+};
+
+struct Step {
+    int T;
+    const float* x_in;            // [T, hidden], the embedding
+    const int32_t* positions;     // [T]
+    const int32_t* slots;         // [T]
+    const int32_t* block_tables;  // [T, ldb]
+    long ldb;
+    const int32_t* context_lens;  // [T]
+    float* x_out;                 // [T, hidden]
+    float* residual_out;          // [T, hidden]
+};
+
+// y [M, w.n] = x [M, w.k] (strides ldx, ldk) @ W.T (+ bias): cpu_gemm._gemm's native path,
+// x converted into xb (M rows, or M rounded up to AMX_ROWS on the AMX path).
+static inline void gemm_rows(int gemm_path, int threads, int min_tiles_per_thread,
+                             long min_macs, uint16_t* xb, const Weight& w, const float* x,
+                             long ldx, long ldk, int M, float* y) {
+    using namespace pagedrun_gemm;
+    TileJob job;
+    memset(&job, 0, sizeof(job));
+    // WEIGHT_GGUF goes here (cpu_gemm.gemm_gguf's steps): gguf_quantize_rows(path, x, ...)
+    // into work buffers xq [M, K] int8, xd / xs / xsum [M, K / 32], a GgufJob {type, path, wq,
+    // nb, M, xq, xd, xs, xsum} and job.gguf = &that (xb / wp unused), the same split below.
+    const int kp2 = w.kp * 2;
+    const bool amx_rows = gemm_path == 3 && M >= AMX_MIN_ROWS;
+    const int rows = amx_rows ? (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : M;
+    convert_rows(x, ldx, ldk, M, w.k, xb, kp2);
+    if (rows > M) memset(xb + (long)M * kp2, 0, sizeof(uint16_t) * (size_t)(rows - M) * kp2);
+    job.path = gemm_path;
+    job.xb = xb;
+    job.M = M;
+    job.kp = w.kp;
+    if (w.kind == WEIGHT_INT8) {
+        job.wq = w.wq;
+        job.scales = w.scales;
+        job.group_pairs = w.group_pairs;
+    } else {
+        job.wp = w.wp;
+    }
+    job.N = w.n;
+    job.bias = w.bias;
+    job.y = y;
+    job.ldy = w.n;
+    if (threads < 2 || w.num_tiles < 2 * min_tiles_per_thread || (long)M * w.n * w.k < min_macs) {
+        job.tile_begin = 0;
+        job.tile_end = w.num_tiles;
+        run_job(job);
+        return;
+    }
+    // An even split point keeps both halves on the two-tile micro-kernel (cpu_gemm's choice).
+    const int split = (w.num_tiles / 2 + 1) & ~1;
+    TilePair pair;
+    pair.half[0] = pair.half[1] = job;
+    pair.half[0].tile_begin = 0;
+    pair.half[0].tile_end = split;
+    pair.half[1].tile_begin = split;
+    pair.half[1].tile_end = w.num_tiles;
+    g_worker->run_pair(run_tile_part, &pair);
+}
+
+static inline void linear(const Config& c, const Buffers& b, const Weight& w, const float* x,
+                          long ldx, int M, float* y) {
+    gemm_rows(c.gemm_path, c.threads, c.min_tiles_per_thread, c.min_macs, b.xb, w, x, ldx, 1, M,
+              y);
+}
+
+// Decode attention over sequences [0, split) and [split, S): the two parts of a run_pair.
+template <typename C>
+struct AttentionJob {
+    const Config* c;
+    const C* k_cache;
+    const C* v_cache;
+    const Buffers* b;
+    const Step* s;
+    int split;
+
+    void run(int begin, int end) const {
+        pagedrun_ops::decode_seq_range<C>(
+            c->ops_path, b->q_rot, (long)c->H * c->D, c->D, k_cache, v_cache, c->sc0, c->sc1,
+            c->sc2, c->block_size, s->block_tables, s->ldb, s->context_lens, begin, end, c->H,
+            c->KV, c->D, c->scale, 0, 0, b->attn);
+    }
+    static void part(const void* ctx, int part) {
+        const AttentionJob* j = static_cast<const AttentionJob*>(ctx);
+        if (part == 0) j->run(0, j->split);
+        else j->run(j->split, j->s->T);
+    }
+};
+
+template <typename C>
+static inline void attention_part(const Config& c, const Layer& l, const Buffers& b,
+                                  const Step& s) {
+    const int q_size = c.H * c.D, kv_size = c.KV * c.D;
+    const long ld = q_size + 2L * kv_size;  // the fused qkv row
+    C* kc = static_cast<C*>(l.k_cache);
+    C* vc = static_cast<C*>(l.v_cache);
+    pagedrun_ops::rotary_cache_write<C>(
+        c.ops_path, b.qkv, ld, c.D, b.qkv + q_size, ld, c.D, b.qkv + q_size + kv_size, ld, c.D,
+        s.positions, l.cos_sin, s.slots, s.T, c.H, c.KV, c.D, kc, vc, c.sc0, c.sc1, c.sc2,
+        c.block_size, b.q_rot, b.k_rot);
+    AttentionJob<C> job{&c, kc, vc, &b, &s, s.T};
+    if (c.threads >= 2 && s.T >= 2) {
+        // paged_decode_attention's split point: half the total visible context.
+        long total = 0, running = 0;
+        for (int i = 0; i < s.T; ++i) total += s.context_lens[i];
+        for (job.split = 0; job.split < s.T - 1 && running * 2 < total; ++job.split)
+            running += s.context_lens[job.split];
+    }
+    if (job.split <= 0 || job.split >= s.T) {
+        job.run(0, s.T);
+        return;
+    }
+    g_worker->run_pair(AttentionJob<C>::part, &job);
+}
+
+static inline void decode_layers(const Config& c, const Layer* layers, const Buffers& b,
+                                 const Step& s) {
+    using namespace pagedrun_ops;
+    const int T = s.T, hidden = c.hidden;
+    float* x = s.x_out;
+    float* res = s.residual_out;
+    for (int i = 0; i < c.num_layers; ++i) {
+        const Layer& l = layers[i];
+        if (i == 0) {
+            memcpy(res, s.x_in, sizeof(float) * (size_t)T * hidden);
+            rms_norm_rows(c.ops_path, s.x_in, hidden, l.input_norm, T, hidden, c.eps, b.h,
+                          hidden);
+        } else {
+            // new residual in place: each element is read before it is written.
+            fused_add_rms_norm_rows(c.ops_path, x, hidden, res, hidden, l.input_norm, T, hidden,
+                                    c.eps, b.h, hidden, res, hidden);
+        }
+        linear(c, b, l.qkv, b.h, hidden, T, b.qkv);
+        if (c.kv_kind == KV_BF16)
+            attention_part<uint16_t>(c, l, b, s);
+        else if (c.kv_kind == KV_FP8)
+            attention_part<uint8_t>(c, l, b, s);
+        else
+            attention_part<float>(c, l, b, s);
+        linear(c, b, l.o, b.attn, (long)c.H * c.D, T, b.o);
+        fused_add_rms_norm_rows(c.ops_path, b.o, hidden, res, hidden, l.post_norm, T, hidden,
+                                c.eps, b.h, hidden, res, hidden);
+        linear(c, b, l.gate_up, b.h, hidden, T, b.gate_up);
+        act_and_mul_rows(c.ops_path, ACT_SILU, b.gate_up, 2L * c.inter, T, c.inter, b.act,
+                         c.inter);
+        linear(c, b, l.down, b.act, c.inter, T, x);
+    }
+}
+
+}  // namespace pagedrun_decode
