@@ -135,10 +135,9 @@ static void run_tile_part(const void* ctx, int part) {
     pagedrun_gemm::run_job(static_cast<const TilePair*>(ctx)->half[part]);
 }
 
-// The packed forms of a GEMM weight this loop runs (cpu_gemm.PackedWeight,
-// PackedInt8Weight). WEIGHT_GGUF is reserved for cpu_gemm.PackedGgufWeight: its TileJob needs
-// a GgufJob over x quantized by gguf_quantize_rows (per-row int8 blocks) instead of xb; see
-// `linear` below for where it goes. The .pyx refuses it today (the model falls back).
+// The packed forms of a GEMM weight this loop runs: cpu_gemm.PackedWeight (bf16),
+// PackedInt8Weight, and PackedGgufWeight (GGUF blocks, pyx/cpu_quant_kernels.h: its TileJob
+// carries a GgufJob over x quantized by gguf_quantize_rows instead of xb; gemm_rows_gguf).
 enum { WEIGHT_BF16 = 0, WEIGHT_INT8 = 1, WEIGHT_GGUF = 2 };
 // The KV cache element: float32, bf16 bits, fp8 e4m3 bits.
 enum { KV_F32 = 0, KV_BF16 = 1, KV_FP8 = 2 };
@@ -149,6 +148,9 @@ struct Weight {
     const int8_t* wq;      // WEIGHT_INT8, with scales and group_pairs
     const float* scales;
     int group_pairs;
+    const uint8_t* wg;     // WEIGHT_GGUF: PackedGgufWeight.flat, with its type, blocks per row
+    int gguf_type, nb;     // and the activations' correction offset (gguf_offset)
+    int gguf_offset;
     int n, k, kp, num_tiles;
     const float* bias;     // [n] or nullptr
 };
@@ -170,6 +172,19 @@ struct Config {
     int block_size;
     int min_tiles_per_thread;
     long min_macs;  // per threaded call
+    int gguf_path;      // cpu_gemm's GGUF path code (0 portable, 1 avx512vnni)
+    int gguf_residual;  // activations "q8x2": the second int8 pass over the residual
+};
+
+// gemm_gguf's workspace for up to R kernel rows (2 M with the residual pass) of width <= Kmax
+// and outputs <= Nmax: xq [R, Kmax] int8, xd / xs / xcorr [R, Kmax / 32], y2 [R, Nmax] (the two
+// passes' rows before they are summed).
+struct GgufWork {
+    int8_t* xq;
+    float* xd;
+    float* xs;
+    int32_t* xcorr;
+    float* y2;
 };
 
 // Work buffers, each for at least T rows (the .pyx owns them). xb: rows rounded up to AMX_ROWS,
@@ -178,6 +193,7 @@ struct Buffers {
     uint16_t* xb;
     int xb_cols;
     float *h, *qkv, *q_rot, *k_rot, *attn, *o, *gate_up, *act;
+    GgufWork gguf;  // null pointers when no layer has GGUF weights
 };
 
 struct Step {
@@ -200,9 +216,6 @@ static inline void gemm_rows(int gemm_path, int threads, int min_tiles_per_threa
     using namespace pagedrun_gemm;
     TileJob job;
     memset(&job, 0, sizeof(job));
-    // WEIGHT_GGUF goes here (cpu_gemm.gemm_gguf's steps): gguf_quantize_rows(path, x, ...)
-    // into work buffers xq [M, K] int8, xd / xs / xsum [M, K / 32], a GgufJob {type, path, wq,
-    // nb, M, xq, xd, xs, xsum} and job.gguf = &that (xb / wp unused), the same split below.
     const int kp2 = w.kp * 2;
     const bool amx_rows = gemm_path == 3 && M >= AMX_MIN_ROWS;
     const int rows = amx_rows ? (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : M;
@@ -240,8 +253,67 @@ static inline void gemm_rows(int gemm_path, int threads, int min_tiles_per_threa
     g_worker->run_pair(run_tile_part, &pair);
 }
 
+// y [M, w.n] = x [M, w.k] @ W.T (+ bias) for GGUF blocks: cpu_gemm.gemm_gguf's native path
+// step for step (the same quantization, kernel rows, split point and sums, so the same bits):
+// x quantized into `work`, the kernel's rows (2 M with the residual pass, summed after, then
+// the bias) split over the two threads at the same tile.
+static inline void gemm_rows_gguf(int gguf_path, int residual, int threads,
+                                  int min_tiles_per_thread, long min_macs, const GgufWork& work,
+                                  const Weight& w, const float* x, long ldx, long ldk, int M,
+                                  float* y) {
+    using namespace pagedrun_gemm;
+    const int rows = residual ? 2 * M : M;
+    gguf_quantize_rows(gguf_path, x, ldx, ldk, M, w.k, w.gguf_offset, residual, work.xq,
+                       work.xd, work.xs, work.xcorr);
+    GgufJob g;
+    g.type = w.gguf_type;
+    g.path = gguf_path;
+    g.wq = w.wg;
+    g.nb = w.nb;
+    g.M = rows;
+    g.xq = work.xq;
+    g.xd = work.xd;
+    g.xs = work.xs;
+    g.xcorr = work.xcorr;
+    TileJob job;
+    memset(&job, 0, sizeof(job));
+    job.gguf = &g;
+    job.N = w.n;
+    job.bias = residual ? nullptr : w.bias;
+    job.y = residual ? work.y2 : y;
+    job.ldy = w.n;
+    if (threads < 2 || w.num_tiles < 2 * min_tiles_per_thread
+            || (long)rows * w.n * w.k < min_macs) {
+        job.tile_begin = 0;
+        job.tile_end = w.num_tiles;
+        run_job(job);
+    } else {
+        const int split = (w.num_tiles / 2 + 1) & ~1;
+        TilePair pair;
+        pair.half[0] = pair.half[1] = job;
+        pair.half[0].tile_begin = 0;
+        pair.half[0].tile_end = split;
+        pair.half[1].tile_begin = split;
+        pair.half[1].tile_end = w.num_tiles;
+        g_worker->run_pair(run_tile_part, &pair);
+    }
+    if (!residual) return;
+    // cpu_gemm._gguf_finish: (first pass + residual pass), then + bias, in float32.
+    const long n = w.n, total = (long)M * n;
+    const float* y2 = work.y2;
+    for (long i = 0; i < total; ++i) y[i] = y2[i] + y2[total + i];
+    if (w.bias != nullptr)
+        for (long r = 0; r < M; ++r)
+            for (long j = 0; j < n; ++j) y[r * n + j] += w.bias[j];
+}
+
 static inline void linear(const Config& c, const Buffers& b, const Weight& w, const float* x,
                           long ldx, int M, float* y) {
+    if (w.kind == WEIGHT_GGUF) {
+        gemm_rows_gguf(c.gguf_path, c.gguf_residual, c.threads, c.min_tiles_per_thread,
+                       c.min_macs, b.gguf, w, x, ldx, 1, M, y);
+        return;
+    }
     gemm_rows(c.gemm_path, c.threads, c.min_tiles_per_thread, c.min_macs, b.xb, w, x, ldx, 1, M,
               y);
 }

@@ -1,6 +1,6 @@
 # cython: language_level=3
 """cpu_decode_step: all layers of a pure-decode step in one call without the GIL, for the cpu
-bf16 / int8 backends (runtime/backends/cpu_bf16_backend.py `make_decode_loop`).
+bf16 / int8 / gguf backends (runtime/backends/cpu_bf16_backend.py `make_decode_loop`).
 
     loop = DecodeLoop(layers, hidden=..., ...)     # once per model: weights, buffers
     x, residual = loop(x, positions, slot_mapping, block_tables, context_lens,
@@ -16,13 +16,15 @@ cpu_ops' rotary and attention wrappers, over the step's arrays) and the intermed
 work buffers allocated once per model, grown to the largest batch seen.
 
 Only dense SwiGLU layers (no MoE, QK-norm, sliding window, post-sublayer norms) with weights
-packed as cpu_gemm.PackedWeight or PackedInt8Weight: the backend checks that before it builds
+packed as cpu_gemm.PackedWeight, PackedInt8Weight or PackedGgufWeight (the GGUF GEMM's
+quantization, kernel rows and split as cpu_gemm.gemm_gguf's, with its `activations` mode):
+the backend checks that before it builds
 a loop, the model asks for one only where it applies and falls back to the Python path per step
 (prefill rows, LoRA, a pipeline stage's input).
 """
 import numpy as np
 
-from libc.stdint cimport int8_t, int32_t, uint16_t
+from libc.stdint cimport int8_t, int32_t, uint8_t, uint16_t
 from libc.stdlib cimport calloc, free
 
 from pagedrun.pyx import cpu_gemm, cpu_ops
@@ -30,6 +32,7 @@ from pagedrun.pyx import cpu_gemm, cpu_ops
 cdef extern from "cpu_decode_step.h" namespace "pagedrun_decode" nogil:
     const int WEIGHT_BF16
     const int WEIGHT_INT8
+    const int WEIGHT_GGUF
     const int KV_F32
     const int KV_BF16
     const int KV_FP8
@@ -39,6 +42,9 @@ cdef extern from "cpu_decode_step.h" namespace "pagedrun_decode" nogil:
         const int8_t* wq
         const float* scales
         int group_pairs
+        const uint8_t* wg
+        int gguf_type, nb
+        int gguf_offset
         int n, k, kp, num_tiles
         const float* bias
     cdef struct Layer:
@@ -56,6 +62,14 @@ cdef extern from "cpu_decode_step.h" namespace "pagedrun_decode" nogil:
         int block_size
         int min_tiles_per_thread
         long min_macs
+        int gguf_path
+        int gguf_residual
+    cdef struct GgufWork:
+        int8_t* xq
+        float* xd
+        float* xs
+        int32_t* xcorr
+        float* y2
     cdef struct Buffers:
         uint16_t* xb
         int xb_cols
@@ -67,6 +81,7 @@ cdef extern from "cpu_decode_step.h" namespace "pagedrun_decode" nogil:
         float* o
         float* gate_up
         float* act
+        GgufWork gguf
     cdef struct Step:
         int T
         const float* x_in
@@ -81,6 +96,9 @@ cdef extern from "cpu_decode_step.h" namespace "pagedrun_decode" nogil:
     void gemm_rows(int gemm_path, int threads, int min_tiles_per_thread, long min_macs,
                    uint16_t* xb, const Weight& w, const float* x, long ldx, long ldk, int M,
                    float* y)
+    void gemm_rows_gguf(int gguf_path, int residual, int threads, int min_tiles_per_thread,
+                        long min_macs, const GgufWork& work, const Weight& w, const float* x,
+                        long ldx, long ldk, int M, float* y)
 
     void init_worker()
 
@@ -113,10 +131,13 @@ _KV_KINDS = {np.dtype(np.float32): KV_F32, np.dtype(np.uint16): KV_BF16,
              np.dtype(np.uint8): KV_FP8}
 
 
+_SUPPORTED = (cpu_gemm.PackedWeight, cpu_gemm.PackedInt8Weight, cpu_gemm.PackedGgufWeight)
+
+
 def weight_supported(w):
     """True for the packed weight types the loop runs (exact types: a subclass may compute
-    differently). cpu_gemm.PackedGgufWeight is not one yet (cpu_decode_step.h, WEIGHT_GGUF)."""
-    return type(w) is cpu_gemm.PackedWeight or type(w) is cpu_gemm.PackedInt8Weight
+    differently)."""
+    return type(w) in _SUPPORTED
 
 
 cdef Weight _weight(w, bias, int k, list refs) except *:
@@ -124,6 +145,7 @@ cdef Weight _weight(w, bias, int k, list refs) except *:
     cdef Weight out
     cdef const uint16_t[::1] wp
     cdef const int8_t[::1] wq
+    cdef const uint8_t[::1] wg
     cdef const float[::1] sc
     cdef const float[::1] bv
     if not weight_supported(w):
@@ -134,7 +156,16 @@ cdef Weight _weight(w, bias, int k, list refs) except *:
     out.wq = NULL
     out.scales = NULL
     out.group_pairs = 0
-    if type(w) is cpu_gemm.PackedInt8Weight:
+    out.wg = NULL
+    out.gguf_type = out.nb = out.gguf_offset = 0
+    out.kp = 0
+    if type(w) is cpu_gemm.PackedGgufWeight:
+        out.kind = WEIGHT_GGUF
+        wg = w.flat
+        out.wg = &wg[0]
+        out.gguf_type, out.nb, out.gguf_offset = w.type_code, w.nb, w.offset
+        refs.append(w.flat)
+    elif type(w) is cpu_gemm.PackedInt8Weight:
         out.kind = WEIGHT_INT8
         wq = w.flat
         sc = w.flat_scales
@@ -147,7 +178,9 @@ cdef Weight _weight(w, bias, int k, list refs) except *:
         wp = w.flat
         out.wp = &wp[0]
         refs.append(w.flat)
-    out.n, out.k, out.kp, out.num_tiles = w.n, w.k, w.kp, w.num_tiles
+    out.n, out.k, out.num_tiles = w.n, w.k, w.num_tiles
+    if out.kind != WEIGHT_GGUF:
+        out.kp = w.kp
     out.bias = NULL
     if bias is not None:
         b = np.ascontiguousarray(bias, dtype=_F32)
@@ -159,10 +192,36 @@ cdef Weight _weight(w, bias, int k, list refs) except *:
     return out
 
 
-def gemm(x, packed, bias=None, *, path="auto", int threads=2):
+def _gguf_options(gguf_path, activations):
+    """(path code, residual) of cpu_gemm.gemm_gguf's `path` and `activations` arguments."""
+    if activations not in cpu_gemm.GGUF_ACTIVATIONS:
+        raise ValueError(f"activations must be one of {cpu_gemm.GGUF_ACTIVATIONS}, got "
+                         f"{activations!r}")
+    return cpu_gemm._resolve_gguf_path(gguf_path), int(activations == "q8x2")
+
+
+cdef dict _gguf_work(GgufWork* work, int rows, int k, int n):
+    """Arrays of a GgufWork for `rows` kernel rows of width <= k and <= n outputs, pointed to
+    by `work`; the caller keeps the returned dict alive while `work` is used."""
+    arrays = {"xq": np.empty(rows * k, np.int8), "xd": np.empty(rows * (k // 32), _F32),
+              "xs": np.empty(rows * (k // 32), _F32),
+              "xcorr": np.empty(rows * (k // 32), _I32), "y2": np.empty(rows * n, _F32)}
+    cdef int8_t[::1] q = arrays["xq"]
+    cdef float[::1] d = arrays["xd"]
+    cdef float[::1] xs = arrays["xs"]
+    cdef int32_t[::1] corr = arrays["xcorr"]
+    cdef float[::1] y2 = arrays["y2"]
+    work.xq, work.xd, work.xs, work.xcorr, work.y2 = &q[0], &d[0], &xs[0], &corr[0], &y2[0]
+    return arrays
+
+
+def gemm(x, packed, bias=None, *, path="auto", int threads=2, gguf_path="auto",
+         activations="q8x2"):
     """y = bf16(x) @ W.T (+ bias) for a cpu_gemm.PackedWeight or PackedInt8Weight: what
     cpu_gemm.gemm_bf16 / gemm_int8 compute with pool "native" -- the same checks, conversion,
-    tile split and bits -- with this module's worker as the second thread. The cpu bf16 backend
+    tile split and bits -- with this module's worker as the second thread; for a
+    PackedGgufWeight what cpu_gemm.gemm_gguf(x, packed, bias, path=gguf_path,
+    activations=activations) computes, the same way. The cpu bf16 backend
     sends its other GEMMs (prefill, the LM head) here too, so one polling helper thread serves
     a whole step: two (cpu_gemm's and this one) would take turns on a 2-core machine's second
     core. x: [M, K] float32 (any strides); returns a new [M, N] float32 array."""
@@ -179,6 +238,21 @@ def gemm(x, packed, bias=None, *, path="auto", int threads=2):
     cdef int m = x.shape[0]
     y = np.empty((m, packed.n), _F32)
     if m == 0:
+        return y
+    cdef GgufWork work
+    cdef int gguf_code, residual
+    cdef const float[:, :] xg
+    cdef float[:, ::1] yg
+    cdef long gx0, gx1
+    if w.kind == WEIGHT_GGUF:
+        gguf_code, residual = _gguf_options(gguf_path, activations)
+        refs.append(_gguf_work(&work, (2 if residual else 1) * m, w.k, w.n))
+        xg = x
+        yg = y
+        gx0, gx1 = xg.strides[0] // 4, xg.strides[1] // 4
+        with nogil:
+            gemm_rows_gguf(gguf_code, residual, threads, _MIN_TILES_PER_THREAD, _MIN_MACS,
+                           work, w, &xg[0, 0], gx0, gx1, m, &yg[0, 0])
         return y
     # The AMX kernel (from AMX_MIN_ROWS rows) reads x in blocks of AMX_ROWS rows.
     cdef int rows = m
@@ -227,6 +301,7 @@ cdef class DecodeLoop:
     cdef tuple v_refs
     cdef long num_blocks
     cdef object threads_from
+    cdef int gguf_k, gguf_n  # widest GGUF weight input / output (0: no GGUF weights)
 
     def __cinit__(self):
         self.layers = NULL
@@ -236,7 +311,8 @@ cdef class DecodeLoop:
 
     def __init__(self, list layers, *, int hidden, int num_heads, int num_kv_heads,
                  int head_dim, int intermediate, double eps, double scale, gemm_path="auto",
-                 ops_path="auto", threads=2, int max_tokens=1):
+                 ops_path="auto", threads=2, int max_tokens=1, gguf_path="auto",
+                 activations="q8x2"):
         cdef Config* c = &self.cfg
         cdef Layer* l
         cdef const float[:, ::1] table
@@ -256,7 +332,9 @@ cdef class DecodeLoop:
         c.threads = threads if self.threads_from is None else threads.gemm_threads
         c.min_tiles_per_thread = _MIN_TILES_PER_THREAD
         c.min_macs = _MIN_MACS
+        c.gguf_path, c.gguf_residual = _gguf_options(gguf_path, activations)
         c.kv_kind = -1
+        self.gguf_k = self.gguf_n = 0
         self.refs = []
         self.layers = <Layer*>calloc(len(layers), sizeof(Layer))
         if self.layers == NULL:
@@ -285,6 +363,12 @@ cdef class DecodeLoop:
             self.max_position = rows if self.max_position < 0 else min(self.max_position, rows)
             xb_cols = max(xb_cols, 2 * l.qkv.kp, 2 * l.o.kp, 2 * l.gate_up.kp,
                           2 * l.down.kp)
+            for kind, wk, wn in ((l.qkv.kind, l.qkv.k, l.qkv.n), (l.o.kind, l.o.k, l.o.n),
+                                 (l.gate_up.kind, l.gate_up.k, l.gate_up.n),
+                                 (l.down.kind, l.down.k, l.down.n)):
+                if kind == WEIGHT_GGUF:
+                    self.gguf_k = max(self.gguf_k, wk)
+                    self.gguf_n = max(self.gguf_n, wn)
         self.buf.xb_cols = xb_cols
         self.capacity = 0
         self._grow(max(1, max_tokens))
@@ -301,6 +385,11 @@ cdef class DecodeLoop:
             ("act", c.inter))}
         cdef uint16_t[::1] xv = xb
         cdef float[::1] fv
+        gguf = None
+        self.buf.gguf.xq = NULL
+        if self.gguf_k:
+            gguf = _gguf_work(&self.buf.gguf, (2 if c.gguf_residual else 1) * rows, self.gguf_k,
+                              self.gguf_n)
         self.buf.xb = &xv[0]
         fv = floats["h"]
         self.buf.h = &fv[0]
@@ -318,7 +407,7 @@ cdef class DecodeLoop:
         self.buf.gate_up = &fv[0]
         fv = floats["act"]
         self.buf.act = &fv[0]
-        self.buffers = (xb, floats)
+        self.buffers = (xb, floats, gguf)
         self.capacity = rows
 
     cdef _bind_caches(self, list k_caches, list v_caches):

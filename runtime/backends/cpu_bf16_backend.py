@@ -111,10 +111,11 @@ class CpuBf16Backend(NumpyBackend):
                 setattr(self, name, functools.partial(getattr(cpu_ops, name), path="portable"))
         self._packed: dict[tuple, tuple[np.ndarray, cpu_gemm.PackedWeight]] = {}
         self._model_weight_bytes = 0  # packed by linear_weight
-        # Not for a subclass with its own `linear` (CpuGgufBackend: its GGUF GEMMs use
-        # cpu_gemm's helper thread, so its other GEMMs stay there too).
+        # Not for a subclass with its own `linear`, unless it declares that its GEMMs run on
+        # the loop's helper too (CpuGgufBackend: loop_aware_linear).
         self.decode_loop = (decode_loop and gemm_pool == "native"
-                            and type(self).linear is CpuBf16Backend.linear)
+                            and (type(self).linear is CpuBf16Backend.linear
+                                 or getattr(type(self), "loop_aware_linear", False)))
 
     # The packed form of a weight and the GEMM over it (CpuInt8Backend swaps both).
     weight_packing = cpu_gemm.PackedWeight
@@ -189,4 +190,10 @@ class CpuBf16Backend(NumpyBackend):
             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
             intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps, scale=model.scale,
             gemm_path=self.path, ops_path="portable" if self.path == "portable" else "auto",
-            threads=self, max_tokens=max_tokens)  # self.gemm_threads at each call
+            threads=self, max_tokens=max_tokens,  # self.gemm_threads at each call
+            **self.decode_loop_options())
+
+    def decode_loop_options(self) -> dict:
+        """Extra DecodeLoop keywords of a subclass (CpuGgufBackend: its GGUF GEMM's path and
+        activations mode)."""
+        return {}

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 
-from pagedrun.pyx import cpu_gemm
+from pagedrun.pyx import cpu_decode_step, cpu_gemm
 from pagedrun.runtime.gguf_quantized import QuantizedMatrix
 
 from .cpu_bf16_backend import CpuBf16Backend
@@ -31,6 +31,9 @@ class CpuGgufBackend(CpuBf16Backend):
     dtype_name = "bfloat16"  # the non-GEMM ops and the KV cache are the bf16 backend's
     quantization = "gguf"
     keeps_quantized = True  # llama.py hands QuantizedMatrix weights to linear_weight
+    # linear() runs its GGUF GEMMs on the decode loop's helper thread while the loop is on
+    # (cpu_decode_step.gemm: gemm_gguf's bits), so the compiled decode step applies here too.
+    loop_aware_linear = True
 
     def __init__(self, *, activations: str = "q8x2", **kwargs) -> None:
         """activations: how gemm_gguf quantizes a GEMM's input (cpu_gemm.GGUF_ACTIVATIONS).
@@ -63,10 +66,17 @@ class CpuGgufBackend(CpuBf16Backend):
             weight = weight.dequantize()
         return super().linear_weight(weight)
 
+    def decode_loop_options(self) -> dict:
+        return {"gguf_path": self.gguf_path, "activations": self.activations}
+
     def linear(self, x, weight, bias=None, *, out_dtype=None):
         """x: [num_tokens, in] float32; weight: what linear_weight returned (or a float32
         [out, in] array); bias: [out] or None. Returns [num_tokens, out] float32."""
         if isinstance(weight, cpu_gemm.PackedGgufWeight):
+            if self.decode_loop:
+                return cpu_decode_step.gemm(x, weight, bias, threads=self.gemm_threads,
+                                            gguf_path=self.gguf_path,
+                                            activations=self.activations)
             return cpu_gemm.gemm_gguf(x, weight, bias, path=self.gguf_path,
                                       threads=self.gemm_threads, pool=self.gemm_pool,
                                       activations=self.activations)

@@ -242,3 +242,52 @@ def test_quantization_resolution_config_and_cli(tmp_path):
     assert build_parser().parse_args(["generate", "hi"]).quantization is None
     args = build_parser().parse_args(["serve", "--quantization", "gguf"])
     assert args.quantization == "gguf"
+
+
+# ---------------------------------------------------------------- the compiled decode step
+@pytest.mark.parametrize("activations", ["q8", "q8x2"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q4_0"])
+def test_decode_loop_gemm_is_gemm_gguf_bit_for_bit(rng, kind, activations):
+    from pagedrun.pyx import cpu_decode_step
+
+    for n, k, m in ((111, 96, 1), (576, 576, 5), (1536, 576, 17)):
+        w = quantized(rng.standard_normal((n, k)).astype(np.float32), kind)
+        packed = cpu_gemm.PackedGgufWeight(w.raw, kind, k)
+        x = rng.standard_normal((m, 2 * k)).astype(np.float32)[:, ::2]  # strided rows
+        bias = rng.standard_normal(n).astype(np.float32)
+        for threads in (1, 2):
+            for b in (None, bias):
+                want = cpu_gemm.gemm_gguf(x, packed, b, threads=threads, activations=activations)
+                got = cpu_decode_step.gemm(x, packed, b, threads=threads,
+                                           activations=activations)
+                np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("activations", ["q8", "q8x2"])
+@pytest.mark.parametrize("batch", [1, 3, 17])
+@pytest.mark.parametrize("path", ["auto", "portable"])
+def test_decode_loop_equals_python_path_on_gguf_weights(batch, path, activations):
+    from test_cpu_decode_step import (CONFIGS, MAX_POSITION, _assert_same, _caches,
+                                      _decode_step, _forward_both)
+    from engine_helpers import random_weights, tiny_config
+    from pagedrun.runtime.models.llama import LlamaModel
+
+    rng = np.random.default_rng(batch)
+    config = tiny_config(**CONFIGS["hd64_bias"])
+    weights = quantize_model(random_weights(config), kinds=("Q4_1", "Q8_0"))
+    backend = CpuGgufBackend(path=path, activations=activations)
+    model = LlamaModel(config, weights, backend, max_position=MAX_POSITION)
+    assert isinstance(model.layers[0].qkv, cpu_gemm.PackedGgufWeight)
+    assert model.decode_loop is not None
+    k_caches, v_caches = _caches(config, backend.kv_dtype, rng)
+    got, want = _forward_both(model, _decode_step(config, batch, rng), k_caches, v_caches)
+    _assert_same(got, want)
+
+
+def test_gguf_backend_without_the_loop_keeps_cpu_gemm(tiny_cpu_model):
+    config, weights = tiny_cpu_model
+    from pagedrun.runtime.models.llama import LlamaModel
+
+    model = LlamaModel(config, quantize_model(weights), CpuGgufBackend(decode_loop=False),
+                       max_position=64)
+    assert model.decode_loop is None
