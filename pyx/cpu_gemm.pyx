@@ -25,6 +25,11 @@ call, and the integer dot products run on vpdpbusd (GGUF paths "avx512vnni", "po
 math and the packed layout are in pyx/cpu_quant_kernels.h. Q4_K / Q6_K super-blocks run through the
 same per-32 kernels with float32 scales that are exact products of their fp16 super-scales and
 small int scales (K a multiple of 256); dequantize() is bit-exact against gguf's.
+
+AWQ / GPTQ int4 (not a GGML type, "I4Z": W = s * (q - z) per group of 32 / 64 / 128, fp16 s,
+int z) runs on the Q4_1 kernels with per-32 d = s and an exact min -s * z:
+
+    packed = PackedGgufWeight.from_int4(q, s, z, group)   # or (int4_rows(...), "I4Z", k)
 """
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -402,6 +407,12 @@ def _gemm(x, packed, bias, path, threads, pool):
 
 # ------------------------------------------------------------------------- GGUF blocks
 GGUF_NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+# INT4_TYPE "I4Z", not a GGML type (so not in GGUF_NATIVE_TYPES): AWQ / GPTQ int4
+# (runtime/hf_quantized.py), W = s * (q - z) per group of INT4_GROUPS weights along k (s fp16,
+# z 0..15). Its raw rows (this module's own format): k / 2 bytes of nibbles (byte i: k 2i low,
+# k 2i + 1 high), then k / g fp16 s, then k / g bytes z.
+INT4_TYPE = "I4Z"
+INT4_GROUPS = (32, 64, 128)
 GGUF_PATHS = ("portable", "avx512vnni")
 GGUF_BLOCK = 32  # weights per GGUF block
 GGUF_SUPER_BLOCK = 256  # weights per K-quant super-block (Q4_K, Q6_K): k must be a multiple
@@ -411,7 +422,7 @@ GGUF_SUPER_BLOCK = 256  # weights per K-quant super-block (Q4_K, Q6_K): k must b
 # its real activations: "q8" 0.6-0.9% relative error per GEMM (the greedy answer to "What is
 # the capital of France?" changes), the float product of the same weights answers "Paris".
 GGUF_ACTIVATIONS = ("q8", "q8x2")
-_GGUF_TYPE_CODE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q6_K": 4}
+_GGUF_TYPE_CODE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q6_K": 4, "I4Z": 5}
 # Bytes of one block in the file: fp16 d (+ fp16 m for Q4_1), then the quants; Q4_K: fp16 d,
 # fp16 dmin, 12 bytes of 6-bit scales / mins, 128 of nibbles; Q6_K: 128 bytes of low nibbles,
 # 64 of high 2 bits, 16 int8 scales, fp16 d.
@@ -513,12 +524,16 @@ class PackedGgufWeight:
 
     def __init__(self, raw, ggml_type, k):
         if ggml_type not in _GGUF_TYPE_CODE:
-            raise ValueError(f"ggml_type must be one of {GGUF_NATIVE_TYPES}, got {ggml_type!r}")
+            raise ValueError(f"ggml_type must be one of {GGUF_NATIVE_TYPES} or {INT4_TYPE!r}, "
+                             f"got {ggml_type!r}")
         k = int(k)
         unit = GGUF_SUPER_BLOCK if ggml_type in _GGUF_K_TYPES else GGUF_BLOCK
         if k < unit or k % unit:
             raise ValueError(f"k must be a positive multiple of {unit} for {ggml_type}, got {k}")
         raw = np.asarray(raw)
+        if ggml_type == "I4Z":
+            self._init_int4(raw, k)
+            return
         fb = _GGUF_FILE_BLOCK[ggml_type]
         nb = k // GGUF_BLOCK
         units = k // unit
@@ -558,6 +573,50 @@ class PackedGgufWeight:
         # W = d * (u - offset): the activations' correction (Q6_K: -1, per-16 sums packed)
         self.offset = gguf_offset(code)
 
+    @classmethod
+    def from_int4(cls, q, s, z, group):
+        """An "I4Z" weight from q uint8 [N, K] (0..15), s float16 [N, K / group], z uint8
+        [N, K / group] (0..15): W = s * (q - z) per group of `group` (INT4_GROUPS) along K."""
+        return cls(int4_rows(q, s, z, group), "I4Z", np.asarray(q).shape[1])
+
+    def _init_int4(self, raw, k):
+        """The I4Z raw rows (INT4_GROUPS' comment) -> the Q4_1 quant tiles, s[16] fp16, z[16]
+        per 32-block (a group of 64 / 128 repeats its s, z in each of its 32-blocks)."""
+        if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[0] < 1:
+            raise ValueError(f"raw must be uint8 [N >= 1, row bytes] for I4Z, got {raw.dtype} "
+                             f"{raw.shape}")
+        extra = raw.shape[1] - k // 2
+        groups = extra // 3 if extra > 0 and extra % 3 == 0 else 0
+        group = k // groups if groups and k % groups == 0 else 0
+        if group not in INT4_GROUPS or k % group:
+            raise ValueError(f"raw rows of {raw.shape[1]} bytes are no I4Z layout for k {k} "
+                             f"(groups of {INT4_GROUPS})")
+        n, nb, tile = int(raw.shape[0]), k // GGUF_BLOCK, TILE_N
+        num_tiles = -(-n // tile)
+        nib = raw[:, :k // 2]
+        q = np.stack([nib & np.uint8(0x0F), nib >> np.uint8(4)], axis=2).reshape(n, nb, 32)
+        rep = group // GGUF_BLOCK
+        s = np.repeat(np.ascontiguousarray(raw[:, k // 2:k // 2 + 2 * groups]).view(np.uint16),
+                      rep, axis=1)
+        z = np.repeat(raw[:, k // 2 + 2 * groups:], rep, axis=1)
+        qs = np.zeros((num_tiles * tile, nb, 16), dtype=np.uint8)
+        qs[:n] = q[:, :, :16] | (q[:, :, 16:] << np.uint8(4))  # Q4_1's pairing: k i, k 16 + i
+        quants = (qs.reshape(num_tiles, tile, nb, 4, 4).transpose(0, 2, 3, 1, 4)
+                  .reshape(num_tiles, nb, 256))
+        halves = np.zeros((num_tiles * tile, nb), dtype=np.uint16)
+        halves[:n] = s
+        zs = np.zeros((num_tiles * tile, nb), dtype=np.uint8)
+        zs[:n] = z
+        self.packed = np.ascontiguousarray(np.concatenate([
+            quants, _tile_halves(halves.view(np.uint8).reshape(-1, nb, 2), num_tiles),
+            zs.reshape(num_tiles, tile, nb).transpose(0, 2, 1)], axis=2))
+        if self.packed.shape[2] != gguf_block_bytes_of(_GGUF_TYPE_CODE["I4Z"]):
+            raise AssertionError("packed block size disagrees with cpu_quant_kernels.h")
+        self.flat = self.packed.reshape(-1)
+        self.n, self.k, self.ggml_type, self.group = n, k, "I4Z", group
+        self.type_code, self.nb, self.num_tiles = _GGUF_TYPE_CODE["I4Z"], nb, num_tiles
+        self.offset = gguf_offset(self.type_code)
+
     @property
     def nbytes(self):
         return self.packed.nbytes
@@ -586,6 +645,10 @@ class PackedGgufWeight:
             q = np.concatenate([quants & np.uint8(0x0F), quants >> np.uint8(4)], axis=2)
             if self.ggml_type == "Q4_1":
                 w = (d * q.astype(np.float32)) + scale(32)
+            elif self.ggml_type == "I4Z":  # s * (q - z): exact in float32
+                z = (self.packed[:, :, 288:304].transpose(0, 2, 1).reshape(t * tile, nb)
+                     [:self.n, :, None])
+                w = d * (q.astype(np.float32) - z.astype(np.float32))
             else:
                 w = d * (q.astype(np.int8) - np.int8(8)).astype(np.float32)
         return w.reshape(self.n, self.k)
@@ -619,6 +682,25 @@ class PackedGgufWeight:
         d = _untile_halves(p[:, :, 4352:4384], t, u) * sc
         w = d[:, :, :, None] * q
         return w.reshape(t * tile, self.k)[:self.n]
+
+
+def int4_rows(q, s, z, group):
+    """The I4Z raw rows (INT4_GROUPS' comment) of q uint8 [N, K] (0..15), s float16
+    [N, K / group], z uint8 [N, K / group] (0..15)."""
+    q, z = np.asarray(q), np.asarray(z)
+    s = np.asarray(s, dtype=np.float16)
+    if group not in INT4_GROUPS:
+        raise ValueError(f"group must be one of {INT4_GROUPS}, got {group!r}")
+    if q.ndim != 2 or q.shape[1] % group or s.shape != (q.shape[0], q.shape[1] // group) \
+            or z.shape != s.shape:
+        raise ValueError(f"q [N, K], s and z [N, K / {group}] expected, got {q.shape}, "
+                         f"{s.shape}, {z.shape}")
+    if q.max(initial=0) > 15 or z.max(initial=0) > 15:
+        raise ValueError("q and z must be 4-bit (0..15)")
+    q = q.astype(np.uint8)
+    nib = q[:, 0::2] | (q[:, 1::2] << np.uint8(4))
+    return np.ascontiguousarray(np.concatenate(
+        [nib, np.ascontiguousarray(s).view(np.uint8), z.astype(np.uint8)], axis=1))
 
 
 cdef void _gguf_tiles(GgufJob* g, int n, const float* bias, float* y, long ldy, int tile_begin,

@@ -23,6 +23,10 @@
 //   Q6_K: scales per 16 weights: d_h = float(d_fp16) * sc (int8), h = the block's halves
 //         k 0-15 / 16-31; u = q (0..63), W = d_h * (u - 32): y += (d_h * dx) * (dot_h + c_h),
 //         c_h = -32 sum_h(qx): xcorr holds the two 16-sums (gguf_xcorr), two fmas per block.
+//   I4Z (not a GGML type: AWQ / GPTQ int4, runtime/hf_quantized.py): W = s * (q - z) per group
+//         of 32/64/128 k, s fp16, z an int 0..15: per 32-block d = float(s), m = -(d * z)
+//         (fp16 x 4-bit int: exact in float32), u = q (0..15): y += (d * dx) * dot + m * sx as
+//         Q4_1 / Q4_K. A group of 64 / 128 repeats its s, z in each of its 32-blocks.
 // Per block and output, in this order, float32: dd = d * dx; acc = fma(float(int), dd, acc)
 // (Q6_K: h 0 then h 1); Q4_1 / Q4_K then acc = fma(m, sx, acc); finally y = acc + bias.
 // Both paths do exactly these float operations per output (the integer dot is exact whatever
@@ -43,7 +47,8 @@
 //       (int8 q -> u8 q + 128).
 //   then d[16] fp16 (32 bytes), and for Q4_1 m[16] fp16 (32 bytes): kept fp16, as in the
 //   file, so Q4_1 streams 0.625 bytes a weight (20 per 32), Q4_0 0.5625, Q8_0 1.0625.
-//   BLOCK = 288 (Q4_0), 320 (Q4_1), 544 (Q8_0). Outputs past N: zero quants and scales.
+//   I4Z: the Q4_1 quants, then s[16] fp16 and z[16] bytes: 0.59 bytes a weight (19 per 32).
+//   BLOCK = 288 (Q4_0), 320 (Q4_1), 544 (Q8_0), 304 (I4Z). Outputs past N: zero quants and scales.
 //   K-quants: the unit is a tile-super-block (8 blocks, 256 k; wq[num_tiles][K / 256][SBLOCK]):
 //   Q4_K (SBLOCK 2368): quants[8 blocks] in the Q4_1 form above (the repack re-pairs ggml's
 //       Q4_K nibbles, whose 32 bytes per 64 weights hold k 0-31 low and k 32-63 high), then
@@ -85,7 +90,8 @@
 
 namespace pagedrun_gemm {
 
-enum GgufType { GGUF_Q4_0 = 0, GGUF_Q4_1 = 1, GGUF_Q8_0 = 2, GGUF_Q4_K = 3, GGUF_Q6_K = 4 };
+enum GgufType { GGUF_Q4_0 = 0, GGUF_Q4_1 = 1, GGUF_Q8_0 = 2, GGUF_Q4_K = 3, GGUF_Q6_K = 4,
+               GGUF_I4Z = 5 };  // I4Z: not a GGML type (AWQ / GPTQ int4, see above)
 constexpr int GGUF_TILE_N = 16;  // outputs per tile (one zmm of int32 / float32 lanes)
 constexpr int GGUF_QK = 32;      // weights per GGUF block
 constexpr int GGUF_XCORR_SPLIT16 = -1;  // gguf_offset(Q6_K): xcorr packs the two 16-sums
@@ -103,6 +109,7 @@ static inline constexpr long gguf_quant_bytes(int type) {
 static inline constexpr long gguf_block_bytes(int type) {
     return type == GGUF_Q4_K   ? 8 * 256 + 256 + 64
            : type == GGUF_Q6_K ? 8 * 512 + 256 + 32
+           : type == GGUF_I4Z  ? 256 + 32 + 16
                                : gguf_quant_bytes(type) + (type == GGUF_Q4_1 ? 64 : 32);
 }
 // The offset of the unsigned weight: W = d * (u - offset) (+ m for Q4_1 / Q4_K, offset 0);
@@ -252,6 +259,10 @@ static inline void gguf_block_scales_scalar(const uint8_t* wt, int b, float ds[2
             const float d = gguf_half_to_float(h);
             ds[0][n] = d * (float)(int8_t)sc[32 * j + n];
             ds[1][n] = d * (float)(int8_t)sc[32 * j + 16 + n];
+        } else if (TYPE == GGUF_I4Z) {  // s * z: fp16 x 4-bit int, exact in float32
+            memcpy(&h, sc + 2 * n, 2);
+            ds[0][n] = gguf_half_to_float(h);
+            mn[n] = -(ds[0][n] * (float)sc[32 + n]);
         } else {
             memcpy(&h, sc + 2 * n, 2);
             ds[0][n] = gguf_half_to_float(h);
@@ -269,7 +280,7 @@ static void gguf_tiles_portable_t(const GgufJob& g, int N, int tile_begin, int t
     constexpr long SB = gguf_block_bytes(TYPE), QB = gguf_quant_bytes(TYPE);
     constexpr int SUP = gguf_super(TYPE);
     constexpr bool BYTES = TYPE == GGUF_Q8_0 || TYPE == GGUF_Q6_K;  // one byte a weight
-    constexpr bool HAS_MIN = TYPE == GGUF_Q4_1 || TYPE == GGUF_Q4_K;
+    constexpr bool HAS_MIN = TYPE == GGUF_Q4_1 || TYPE == GGUF_Q4_K || TYPE == GGUF_I4Z;
     const int nb = g.nb, K = nb * GGUF_QK;
     const long tile_bytes = gguf_tile_bytes(TYPE, nb);
     for (int t = tile_begin; t < tile_end; ++t) {
@@ -426,6 +437,11 @@ PAGEDRUN_VNNI_TARGET static inline void gguf_block_scales_vnni(const uint8_t* wt
                 ds[c][h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(
                                                     sc + 32 * j + 16 * h)))));
+        } else if constexpr (TYPE == GGUF_I4Z) {
+            ds[c][0] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
+            mn[c] = _mm512_mul_ps(ds[c][0], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                                _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                                                    sc + 32)))));
         } else {
             ds[c][0] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
             if constexpr (TYPE == GGUF_Q4_1)
@@ -447,7 +463,7 @@ PAGEDRUN_VNNI_TARGET static inline void gguf_micro_vnni(const GgufJob& g, int m0
     constexpr long SB = gguf_block_bytes(TYPE), QB = gguf_quant_bytes(TYPE);
     constexpr int SUP = gguf_super(TYPE);
     constexpr bool BYTES = TYPE == GGUF_Q8_0 || TYPE == GGUF_Q6_K;  // one byte a weight
-    constexpr bool HAS_MIN = TYPE == GGUF_Q4_1 || TYPE == GGUF_Q4_K;
+    constexpr bool HAS_MIN = TYPE == GGUF_Q4_1 || TYPE == GGUF_Q4_K || TYPE == GGUF_I4Z;
     constexpr int SA = TYPE == GGUF_Q6_K ? 2 : S;  // integer accumulators per (row, tile)
     const int nb = g.nb, K = nb * GGUF_QK;
     const int8_t* xq = g.xq + (long)m0 * K;
@@ -541,7 +557,8 @@ PAGEDRUN_VNNI_TARGET static inline void gguf_micro_vnni(const GgufJob& g, int m0
                                                 _mm512_mul_ps(ds[c][1], dxv), acc[r][c]);
                 if constexpr (TYPE == GGUF_Q4_1)
                     acc[r][c] = _mm512_fmadd_ps(mn[c], _mm512_set1_ps(g.xs[o]), acc[r][c]);
-                if constexpr (TYPE == GGUF_Q4_K)  // - dmin * m * sx, one rounding as fma(-dm, sx)
+                if constexpr (TYPE == GGUF_Q4_K || TYPE == GGUF_I4Z)  // - dmin * m * sx (I4Z:
+                    // - s * z * sx), one rounding as fma(-dm, sx)
                     acc[r][c] = _mm512_fnmadd_ps(mn[c], _mm512_set1_ps(g.xs[o]), acc[r][c]);
             }
         }
@@ -640,6 +657,7 @@ static inline void gguf_tiles(const GgufJob& g, int N, int tile_begin, int tile_
             case GGUF_Q4_1: gguf_tiles_vnni_t<GGUF_Q4_1>(g, N, tile_begin, tile_end, bias, y, ldy); return;
             case GGUF_Q4_K: gguf_tiles_vnni_t<GGUF_Q4_K>(g, N, tile_begin, tile_end, bias, y, ldy); return;
             case GGUF_Q6_K: gguf_tiles_vnni_t<GGUF_Q6_K>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+            case GGUF_I4Z: gguf_tiles_vnni_t<GGUF_I4Z>(g, N, tile_begin, tile_end, bias, y, ldy); return;
             default: gguf_tiles_vnni_t<GGUF_Q8_0>(g, N, tile_begin, tile_end, bias, y, ldy); return;
         }
     }
@@ -649,6 +667,7 @@ static inline void gguf_tiles(const GgufJob& g, int N, int tile_begin, int tile_
         case GGUF_Q4_1: gguf_tiles_portable_t<GGUF_Q4_1>(g, N, tile_begin, tile_end, bias, y, ldy); return;
         case GGUF_Q4_K: gguf_tiles_portable_t<GGUF_Q4_K>(g, N, tile_begin, tile_end, bias, y, ldy); return;
         case GGUF_Q6_K: gguf_tiles_portable_t<GGUF_Q6_K>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+        case GGUF_I4Z: gguf_tiles_portable_t<GGUF_I4Z>(g, N, tile_begin, tile_end, bias, y, ldy); return;
         default: gguf_tiles_portable_t<GGUF_Q8_0>(g, N, tile_begin, tile_end, bias, y, ldy); return;
     }
 }

@@ -25,9 +25,11 @@ EXECUTOR_BACKENDS = ("mp", "ray")
 # Weight quantization (vLLM's `quantization`): None / "none" keeps the dtype's weights; "int8"
 # is weight-only int8 with per-output-channel scales, made at load from any checkpoint
 # (runtime/backends/cpu_int8_backend.py); "gguf" keeps a .gguf file's GEMM matrices in the
-# file's block types (runtime/gguf_quantized.py, runtime/backends/cpu_gguf_backend.py). Both
-# on the cpu device, one process, for now.
-QUANTIZATIONS = ("none", "int8", "gguf")
+# file's block types (runtime/gguf_quantized.py, runtime/backends/cpu_gguf_backend.py); "awq" /
+# "gptq" serve a Hugging Face int4 checkpoint of that quant_method kept int4
+# (runtime/hf_quantized.py, on the same backend; the default for such a checkpoint). All on the
+# cpu device, one process, for now.
+QUANTIZATIONS = ("none", "int8", "gguf", "awq", "gptq")
 # The KV cache's element type (vLLM's kv_cache_dtype). "auto": bfloat16 on the cpu bf16 / int8
 # backends (bf16 bits: half the bytes attention reads per decode step, twice the blocks per
 # budget), float32 on the float32 cpu backend, the activation dtype on sim / cuda.

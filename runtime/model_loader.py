@@ -57,9 +57,27 @@ def resolve_quantization(quantization: str | None, model, device: str, dtype: st
     "auto" (its GEMM matrices kept in the file's block types, as llama.cpp serves it), else
     "none". `--dtype float32` keeps the dequantized float32 reference; the default model
     (model None) stays float32 unless asked. An explicit "gguf" elsewhere is refused here with
-    the reason."""
+    the reason. A Hugging Face directory whose config.json has quantization_config quant_method
+    "awq" / "gptq" (int4, runtime/hf_quantized.py) means that method (as vLLM: it holds no float
+    weights to serve otherwise); another quantization for it, or that method for a directory
+    that is not such a checkpoint, is refused."""
     from pagedrun.runtime.engine_config import EngineConfigError
+    from pagedrun.runtime.hf_quantized import INT4_METHODS, checkpoint_quant_method
 
+    method = None if model_given else checkpoint_quant_method(model)
+    if method in INT4_METHODS or quantization in INT4_METHODS:
+        asked = quantization or method
+        if asked != method and not model_given:
+            raise EngineConfigError(
+                f"quantization: {asked!r} does not serve {model!r}, whose quant_method is "
+                f"{method!r}" + (f" (use quantization {method!r})" if method else ""))
+        if world_size > 1:
+            raise EngineConfigError(f"quantization: {asked!r} runs in one process for now "
+                                    "(tensor / pipeline parallel ranks load float shards)")
+        if device != "cpu":
+            raise EngineConfigError(f"quantization: {asked!r} (an int4 checkpoint) is served on "
+                                    f"the cpu device only for now, got device {device!r}")
+        return asked
     if quantization is None:
         if (model is not None and not model_given and device == "cpu" and dtype == "auto"
                 and world_size == 1 and gguf_source(model) is not None):
@@ -80,9 +98,12 @@ def load_model(model: str | os.PathLike | None, load_weights: bool = True,
     """(ModelConfig, ModelWeights | None, Tokenizer | None) from an HF directory, a .gguf, or
     None (the default model). Tensor parallel: no weights here, each rank reads its own shard.
     quantization "gguf": the GEMM matrices stay in the file's block types
-    (runtime/gguf_quantized.py); a model that is not a .gguf is refused."""
+    (runtime/gguf_quantized.py); a model that is not a .gguf is refused. "awq" / "gptq": the
+    checkpoint's int4 projections as Int4Matrix (runtime/hf_quantized.py), the rest float32."""
     from pagedrun.runtime.tokenizer import TOKENIZER_FILE, Tokenizer
     from pagedrun.runtime.weights import load_model_weights
+
+    from pagedrun.runtime.hf_quantized import INT4_METHODS
 
     source = gguf_source(model) if quantization == "gguf" else None
     if quantization == "gguf" and source is None:
@@ -90,7 +111,13 @@ def load_model(model: str | os.PathLike | None, load_weights: bool = True,
                              "(this is a Hugging Face directory: use --quantization int8 or none)")
     model_dir = resolve_model_dir(model)
     config = ModelConfig.from_model_dir(model_dir)
-    weights = load_model_weights(model_dir, config, np.float32) if load_weights else None
+    linears = None
+    if load_weights and quantization in INT4_METHODS:
+        from pagedrun.runtime.hf_quantized import read_int4_linears
+
+        linears = read_int4_linears(model_dir, config, quantization)
+    weights = (load_model_weights(model_dir, config, np.float32, linears=linears)
+               if load_weights else None)
     if weights is not None and source is not None:
         from pagedrun.runtime.gguf_quantized import attach_quantized, read_quantized_linears
 

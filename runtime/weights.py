@@ -54,6 +54,7 @@ _DISK_DTYPES = {
     "F32": np.dtype("<f4"),
     "F16": np.dtype("<f2"),
     _BF16: np.dtype("<u2"),
+    "I32": np.dtype("<i4"),  # AWQ / GPTQ packed int4 words (runtime/hf_quantized.py)
 }
 _FLOAT_DTYPES = (np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16))
 
@@ -326,12 +327,15 @@ def load_model_weights(
     model_dir: str | os.PathLike,
     config: ModelConfig | None = None,
     dtype: np.dtype | type = np.float32,
+    linears: dict | None = None,
 ) -> ModelWeights:
     """Load every weight of a Llama-family model directory (every registered architecture) as
     `dtype` (float64/32/16) arrays.
 
     `config` defaults to the directory's own config.json. Extra tensors in the files (e.g. old
     `rotary_emb.inv_freq` buffers) are ignored; a missing or misshaped one is a ModelLoadError.
+    `linears`: {HF ".weight" name: matrix} already read in another form (AWQ / GPTQ int4,
+    runtime/hf_quantized.py), used in place of those tensors (their shapes checked).
     """
     dtype = np.dtype(dtype)
     if dtype not in _FLOAT_DTYPES:
@@ -343,6 +347,11 @@ def load_model_weights(
     q_size, kv_size = config.q_size, config.kv_size
 
     def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if linears and name in linears:
+            if tuple(linears[name].shape) != tuple(shape):
+                raise ModelLoadError(model_dir, f"shape {list(linears[name].shape)} does not "
+                                     f"match the config's {list(shape)}", tensor=name)
+            return linears[name]
         return checkpoint.get(name, shape, dtype)
 
     def norm(name: str, shape: tuple[int, ...]) -> np.ndarray:

@@ -190,7 +190,9 @@ def add_quantization_option(group) -> None:
                        help="weight quantization (vLLM's name): gguf = a .gguf model's GEMM "
                             "weights kept in the file's block types (kernels for Q4_0, Q4_1, "
                             "Q8_0, Q4_K, Q6_K; the default for a .gguf --model on cpu with "
-                            "--dtype auto); int8 = "
+                            "--dtype auto); awq / gptq = a Hugging Face int4 checkpoint "
+                            "(4 bits, groups of 32/64/128, desc_act false) kept int4 (the "
+                            "default for such a checkpoint); int8 = "
                             "weight-only int8 with per-channel group scales, made at load; "
                             "none = the dtype's weights (a .gguf dequantized). cpu backend only")
     group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,

@@ -14,6 +14,11 @@ type, is dequantized at load and packed as bf16 (the bf16 backend's GEMM), logge
 The embedding lookup dequantizes only the rows a step reads (llama.py). Everything else --
 norms, rotary, attention, the bf16 KV cache (kv_cache_dtype "auto"), MoE experts, LoRA deltas --
 is the bf16 backend's.
+
+The same backend serves Hugging Face AWQ / GPTQ int4 checkpoints (quantization "awq" / "gptq",
+runtime/hf_quantized.py): their matrices arrive as QuantizedMatrix of cpu_gemm's own type "I4Z"
+(W = s * (q - z) per group of 32 / 64 / 128, exact) and run on the Q4_1 kernels at 0.59 bytes a
+weight.
 """
 from __future__ import annotations
 
@@ -35,14 +40,17 @@ class CpuGgufBackend(CpuBf16Backend):
     # (cpu_decode_step.gemm: gemm_gguf's bits), so the compiled decode step applies here too.
     loop_aware_linear = True
 
-    def __init__(self, *, activations: str = "q8x2", **kwargs) -> None:
+    def __init__(self, *, activations: str = "q8x2", quantization: str = "gguf",
+                 **kwargs) -> None:
         """activations: how gemm_gguf quantizes a GEMM's input (cpu_gemm.GGUF_ACTIVATIONS).
         "q8x2" (the default): int8 per 32 weights plus a second int8 pass over the residual,
         error <= dx / 256 -- llama.cpp's single pass "q8" (error <= dx / 2) measured 0.6-0.9%
         relative error per GEMM on the default model and changed its greedy answer to the demo
         question; q8x2 keeps it (benchmarks/bench_quant_accuracy.py has both) at about the
-        same decode speed, memory-bound at batch 1. kwargs: CpuBf16Backend's."""
+        same decode speed, memory-bound at batch 1. quantization: the EngineConfig name it
+        serves ("gguf", "awq", "gptq"). kwargs: CpuBf16Backend's."""
         super().__init__(**kwargs)
+        self.quantization = quantization
         if activations not in cpu_gemm.GGUF_ACTIVATIONS:
             raise ValueError(f"activations must be one of {cpu_gemm.GGUF_ACTIVATIONS}, "
                              f"got {activations!r}")
@@ -55,7 +63,8 @@ class CpuGgufBackend(CpuBf16Backend):
         """A model weight [out, in] packed once at load: a QuantizedMatrix of a native type in
         the quantized kernel's layout, anything else as the bf16 backend packs it."""
         if isinstance(weight, QuantizedMatrix):
-            if weight.ggml_type in cpu_gemm.GGUF_NATIVE_TYPES:
+            if (weight.ggml_type in cpu_gemm.GGUF_NATIVE_TYPES
+                    or weight.ggml_type == cpu_gemm.INT4_TYPE):
                 packed = cpu_gemm.PackedGgufWeight(weight.raw, weight.ggml_type, weight.shape[1])
                 self._model_weight_bytes += packed.nbytes
                 return packed

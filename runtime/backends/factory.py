@@ -73,13 +73,14 @@ def make_backend(device: str, dtype: str = "auto", *, device_id: int = 0,
             raise ValueError(f"quantization {quantization!r} runs on the cpu backend; device "
                              f"{device!r} has no {quantization} GEMM yet")
         resolved = resolve_dtype(device, dtype)
-        if quantization == "gguf":
+        if quantization in ("gguf", "awq", "gptq"):  # int4 AWQ / GPTQ: the gguf kernels' I4Z
             from .cpu_gguf_backend import CpuGgufBackend
 
             if resolved != "bfloat16":
-                log.info("quantization gguf: int8-quantized activations in the GEMMs, the rest "
-                         "of the step as the bf16 backend (dtype %s is not used)", resolved)
-            return CpuGgufBackend(kv_cache_dtype=kv_cache_dtype)
+                log.info("quantization %s: int8-quantized activations in the GEMMs, the rest "
+                         "of the step as the bf16 backend (dtype %s is not used)", quantization,
+                         resolved)
+            return CpuGgufBackend(kv_cache_dtype=kv_cache_dtype, quantization=quantization)
         if resolved != "bfloat16":
             log.info("quantization int8: the GEMMs take bf16-rounded activations "
                      "(dtype %s applies to the rest of the step)", resolved)

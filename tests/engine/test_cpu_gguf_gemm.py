@@ -378,3 +378,36 @@ def test_empty_batch_and_refusals(rng):
         cpu_gemm.gemm_gguf(np.zeros((1, 64), np.float32),
                            cpu_gemm.PackedWeight(np.zeros((17, 64), np.float32)))
     assert "auto" not in cpu_gemm.GGUF_PATHS and set(PATHS) <= set(cpu_gemm.GGUF_PATHS)
+
+
+@pytest.mark.parametrize("group", cpu_gemm.INT4_GROUPS)
+@pytest.mark.parametrize("activations", cpu_gemm.GGUF_ACTIVATIONS)
+def test_int4_type_paths_pools_and_decode_loop_agree(rng, group, activations):
+    """INT4_TYPE ("I4Z", AWQ / GPTQ int4: W = s * (q - z) per group; its arithmetic against
+    numpy is in test_hf_int4.py): dequantize() exact, 19 bytes per 32 weights, and every path,
+    pool and thread split -- and the compiled decode loop's gemm -- bit-identical."""
+    from pagedrun.pyx import cpu_decode_step
+
+    n, k, m = 576, 512, 5
+    q = rng.integers(0, 16, (n, k), dtype=np.uint8)
+    s = rng.uniform(1e-3, 2e-2, (n, k // group)).astype(np.float16)
+    z = rng.integers(0, 16, (n, k // group), dtype=np.uint8)
+    packed = cpu_gemm.PackedGgufWeight.from_int4(q, s, z, group)
+    assert packed.ggml_type == cpu_gemm.INT4_TYPE and packed.group == group
+    w = np.repeat(s.astype(np.float32), group, 1) * (
+        q.astype(np.float32) - np.repeat(z, group, 1).astype(np.float32))
+    np.testing.assert_array_equal(packed.dequantize(), w)
+    assert packed.nbytes == n * (k // 32) * 19
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    one = cpu_gemm.gemm_gguf(x, packed, bias, threads=1, activations=activations)
+    for path in PATHS:
+        for pool in cpu_gemm.POOLS:
+            y = cpu_gemm.gemm_gguf(x, packed, bias, path=path, threads=2, pool=pool,
+                                   activations=activations)
+            assert np.array_equal(y, one), (path, pool)
+        y = cpu_decode_step.gemm(x, packed, bias, gguf_path=path, activations=activations)
+        assert np.array_equal(y, one), (path, "decode loop")
+    exact = x.astype(np.float64) @ w.astype(np.float64).T + bias
+    assert np.max(np.abs(one - exact)) <= (0.02 if activations == "q8" else 2e-4) * np.abs(
+        exact).max()
