@@ -120,6 +120,8 @@ def _dynamic_smem_rules():
         (r"gemm_splitk_reduce_", lambda m: 0, zero + " (gemm.py)"),
         (r"gemm_(f32|f16|bf16)_(nk|kn)_", lambda m: gemm.gemm_smem_bytes(m[1]),
          "gemm.gemm_smem_bytes"),
+        (r"gemm_(w[48]a16|wq_splitk_reduce)_", lambda m: 0,
+         zero + " (gemm_wq.py; static tiles only)"),
         (r"moe_(gate_up|down)_(f32|f16|bf16)$", lambda m: moe.grouped_gemm_smem_bytes(m[2]),
          "moe.grouped_gemm_smem_bytes"),
         (r"moe_route_", lambda m: None, "n/a: 16 B x num_experts (moe.py, run time)"),

@@ -1,0 +1,162 @@
+"""Launch wrappers of the weight-only quantized GEMM kernels (cuda/gemm_wq.cu): W8A16, W4A16.
+
+    module = load_module("gemm_wq.cu", backend="sim")          # or "cuda"
+    out = gemm_w8a16(module, x, q8, scales, bias=bias)          # x @ (s * q8).T + bias
+    out = gemm_w4a16(module, x, qweight, scales, zeros)         # x @ (s * (q4 - z)).T
+
+x: [M, K] float16 or uint16 (bf16 bits), 16-byte aligned; K % 32 == 0. group_size g in
+{32, 64, 128} or K (per-channel), K % g == 0. q8: int8 [N, K] (wq_pack.pack_w8); qweight:
+uint32 [K / 32, N, 4] (wq_pack.pack_w4); scales [K / g, N] in x's dtype; zeros [K / g, N]
+uint8; bias [N] in x's dtype or None. out: [M, N] in x's dtype. Arrays are numpy under the CPU
+harness and cupy on a GPU. Shapes no kernel serves raise UnsupportedKernelShape.
+M <= 16 runs the 16-row tile split over K (wq_num_splits: ~8 CTAs per SM; fp32 partials and a
+reduce kernel that adds the bias), larger M the 64-row tile in one pass.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .kernel_args import (UnsupportedKernelShape, array_module, ceil_div, device_num_sms,
+                          dtype_suffix, require, require_contiguous)
+from .wq_pack import W4_TILE_K, W4_WORDS
+
+WQ_THREADS = 128
+WQ_TILE_N = 64
+WQ_TILE_K = W4_TILE_K        # the K granularity of every instantiation
+WQ_DECODE_MAX_M = 16         # M up to this runs the 16-row tile, larger M the 64-row tile
+GROUP_SIZES = (32, 64, 128)
+# Split-K target for the decode tile: resident CTAs per SM (cuda/gemm_wq.cu header: 10 fit,
+# register-limited; 8 keeps most of them busy without shrinking the K slices further).
+WQ_TARGET_CTAS_PER_SM = 8
+
+
+def wq_tile_m(M: int) -> int:
+    return 16 if M <= WQ_DECODE_MAX_M else 64
+
+
+def wq_num_splits(M: int, N: int, K: int, num_sms: int) -> int:
+    """K slices for one launch: only the decode tile splits, enough to put ~8 CTAs on every
+    SM, never an empty slice."""
+    if M > WQ_DECODE_MAX_M:
+        return 1
+    k_tiles = K // WQ_TILE_K
+    want = ceil_div(num_sms * WQ_TARGET_CTAS_PER_SM, ceil_div(N, WQ_TILE_N))
+    return max(1, min(k_tiles, want))
+
+
+def _data_ptr(x) -> int:
+    return x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
+
+
+def _nullable(x, xp):
+    """None under the harness (NULL); an explicit 8-byte 0 on CuPy (see gemm.py)."""
+    if x is not None or xp is np:
+        return x
+    return np.uint64(0)
+
+
+def _check_common(x, scales, bias, N: int, group_size: int):
+    suffix = dtype_suffix(x)
+    if suffix not in ("f16", "bf16"):
+        raise UnsupportedKernelShape(f"weight-only GEMM takes float16 / bf16 activations, got "
+                                     f"{x.dtype}")
+    require(x.ndim == 2, lambda: f"x must be [M, K], got {x.shape}")
+    M, K = x.shape
+    if K == 0 or K % WQ_TILE_K:
+        raise UnsupportedKernelShape(f"weight-only GEMM needs K % {WQ_TILE_K} == 0, got K={K}")
+    if not (group_size in GROUP_SIZES or group_size == K) or K % group_size:
+        raise UnsupportedKernelShape(f"group_size must be one of {GROUP_SIZES} or K ({K}) and "
+                                     f"divide K, got {group_size}")
+    require_contiguous("x", x)
+    if _data_ptr(x) % 16:
+        raise UnsupportedKernelShape("x must start on a 16-byte boundary (16-byte loads)")
+    require(scales.shape == (K // group_size, N) and scales.dtype == x.dtype,
+            lambda: f"scales must be [{K // group_size}, {N}] {x.dtype}, got {scales.shape} "
+                    f"{scales.dtype}")
+    require_contiguous("scales", scales)
+    if bias is not None:
+        require(bias.shape == (N,) and bias.dtype == x.dtype,
+                lambda: f"bias must be [{N}] {x.dtype}, got {bias.shape} {bias.dtype}")
+        require_contiguous("bias", bias)
+    return suffix, M, K
+
+
+def _out(xp, out, M, N, dtype):
+    if out is None:
+        out = xp.empty((M, N), dtype=dtype)
+    require(out.shape == (M, N) and out.dtype == dtype,
+            lambda: f"out must be [{M}, {N}] {dtype}, got {out.shape} {out.dtype}")
+    require_contiguous("out", out)
+    return out
+
+
+def _launch(module, name, xp, out, bias, M, N, K, num_splits, head, tail):
+    """head: the pointers after (out, partial); tail: the scalars after (M, N, K, group)."""
+    tile_m = wq_tile_m(M)
+    k_tiles = K // WQ_TILE_K
+    num_splits = max(1, min(num_splits, k_tiles))
+    kps = ceil_div(k_tiles, num_splits)
+    num_splits = ceil_div(k_tiles, kps)          # no empty slice
+    grid = (ceil_div(N, WQ_TILE_N), ceil_div(M, tile_m), num_splits)
+    kernel = module.get_function(f"{name}_m{tile_m}")
+    scalars = (np.int32(M), np.int32(N), np.int32(K), *tail, np.int32(kps))
+    null = _nullable(None, xp)
+    if num_splits == 1:
+        kernel(grid, (WQ_THREADS,), (out, null, *head, _nullable(bias, xp), *scalars))
+        return
+    partial = xp.empty((num_splits, M, N), dtype=np.float32)
+    kernel(grid, (WQ_THREADS,), (out, partial, *head, null, *scalars))
+    reduce = module.get_function(f"gemm_wq_splitk_reduce_{dtype_suffix(out)}")
+    reduce((ceil_div(M * N, WQ_THREADS),), (WQ_THREADS,),
+           (out, partial, _nullable(bias, xp), np.int32(M), np.int32(N), np.int32(num_splits)))
+
+
+def gemm_w8a16(module, x, qweight, scales, *, group_size: int, bias=None, out=None,
+               num_splits: int | None = None, num_sms: int | None = None):
+    """out = x @ (scales[k // g, n] * qweight[n, k]).T (+ bias). qweight: int8 [N, K].
+    num_splits: K slices (default wq_num_splits; clamped to the k-tiles)."""
+    xp = array_module(x)
+    require(qweight.ndim == 2 and qweight.dtype == np.int8,
+            lambda: f"qweight must be int8 [N, K], got {qweight.shape} {qweight.dtype}")
+    N = qweight.shape[0]
+    suffix, M, K = _check_common(x, scales, bias, N, group_size)
+    require(qweight.shape[1] == K, lambda: f"x {x.shape} and qweight {qweight.shape} disagree "
+                                           "on K")
+    require_contiguous("qweight", qweight)
+    if _data_ptr(qweight) % 16:
+        raise UnsupportedKernelShape("qweight must start on a 16-byte boundary")
+    out = _out(xp, out, M, N, x.dtype)
+    if M and N:
+        splits = num_splits or wq_num_splits(M, N, K, num_sms or device_num_sms(xp))
+        _launch(module, f"gemm_w8a16_{suffix}", xp, out, bias, M, N, K, splits,
+                (x, qweight, scales), (np.int32(group_size),))
+    return out
+
+
+def gemm_w4a16(module, x, qweight, scales, zeros, *, group_size: int, bias=None, out=None,
+               num_splits: int | None = None, num_sms: int | None = None):
+    """out = x @ (scales[k // g, n] * (q[n, k] - zeros[k // g, n])).T (+ bias). qweight: uint32
+    [K / 32, N, 4] from wq_pack.pack_w4. num_splits as in gemm_w8a16."""
+    xp = array_module(x)
+    require(qweight.ndim == 3 and qweight.shape[2] == W4_WORDS and qweight.dtype == np.uint32,
+            lambda: f"qweight must be uint32 [K / 32, N, 4], got {qweight.shape} "
+                    f"{qweight.dtype}")
+    N = qweight.shape[1]
+    suffix, M, K = _check_common(x, scales, bias, N, group_size)
+    require(qweight.shape[0] * W4_TILE_K == K,
+            lambda: f"x {x.shape} and qweight {qweight.shape} disagree on K")
+    require(zeros.shape == scales.shape and zeros.dtype == np.uint8,
+            lambda: f"zeros must be {scales.shape} uint8, got {zeros.shape} {zeros.dtype}")
+    require_contiguous("qweight", qweight)
+    require_contiguous("zeros", zeros)
+    if _data_ptr(qweight) % 8:
+        raise UnsupportedKernelShape("qweight must start on an 8-byte boundary")
+    out = _out(xp, out, M, N, x.dtype)
+    if M and N:
+        splits = num_splits or wq_num_splits(M, N, K, num_sms or device_num_sms(xp))
+        _launch(module, f"gemm_w4a16_{suffix}", xp, out, bias, M, N, K, splits,
+                (x, qweight, scales, zeros), (np.int32(group_size),))
+    return out
+
+
+__all__ = ["GROUP_SIZES", "WQ_TILE_K", "gemm_w4a16", "gemm_w8a16", "wq_num_splits", "wq_tile_m"]
