@@ -208,6 +208,27 @@ struct Step {
     float* residual_out;          // [T, hidden]
 };
 
+// All of `job`'s tiles: on this thread alone below cpu_gemm's thresholds (tiles per thread,
+// multiply-adds `macs` of the call), else split at cpu_gemm's point -- an even tile, so both
+// halves stay on the two-tile micro-kernel -- with the loop's worker taking the second half.
+static inline void run_tiles(pagedrun_gemm::TileJob& job, int num_tiles, int threads,
+                             int min_tiles_per_thread, long macs, long min_macs) {
+    if (threads < 2 || num_tiles < 2 * min_tiles_per_thread || macs < min_macs) {
+        job.tile_begin = 0;
+        job.tile_end = num_tiles;
+        pagedrun_gemm::run_job(job);
+        return;
+    }
+    const int split = (num_tiles / 2 + 1) & ~1;
+    TilePair pair;
+    pair.half[0] = pair.half[1] = job;
+    pair.half[0].tile_begin = 0;
+    pair.half[0].tile_end = split;
+    pair.half[1].tile_begin = split;
+    pair.half[1].tile_end = num_tiles;
+    g_worker->run_pair(run_tile_part, &pair);
+}
+
 // y [M, w.n] = x [M, w.k] (strides ldx, ldk) @ W.T (+ bias): cpu_gemm._gemm's native path,
 // x converted into xb (M rows, or M rounded up to AMX_ROWS on the AMX path).
 static inline void gemm_rows(int gemm_path, int threads, int min_tiles_per_thread,
@@ -236,21 +257,7 @@ static inline void gemm_rows(int gemm_path, int threads, int min_tiles_per_threa
     job.bias = w.bias;
     job.y = y;
     job.ldy = w.n;
-    if (threads < 2 || w.num_tiles < 2 * min_tiles_per_thread || (long)M * w.n * w.k < min_macs) {
-        job.tile_begin = 0;
-        job.tile_end = w.num_tiles;
-        run_job(job);
-        return;
-    }
-    // An even split point keeps both halves on the two-tile micro-kernel (cpu_gemm's choice).
-    const int split = (w.num_tiles / 2 + 1) & ~1;
-    TilePair pair;
-    pair.half[0] = pair.half[1] = job;
-    pair.half[0].tile_begin = 0;
-    pair.half[0].tile_end = split;
-    pair.half[1].tile_begin = split;
-    pair.half[1].tile_end = w.num_tiles;
-    g_worker->run_pair(run_tile_part, &pair);
+    run_tiles(job, w.num_tiles, threads, min_tiles_per_thread, (long)M * w.n * w.k, min_macs);
 }
 
 // y [M, w.n] = x [M, w.k] @ W.T (+ bias) for GGUF blocks: cpu_gemm.gemm_gguf's native path
@@ -282,21 +289,7 @@ static inline void gemm_rows_gguf(int gguf_path, int residual, int threads,
     job.bias = residual ? nullptr : w.bias;
     job.y = residual ? work.y2 : y;
     job.ldy = w.n;
-    if (threads < 2 || w.num_tiles < 2 * min_tiles_per_thread
-            || (long)rows * w.n * w.k < min_macs) {
-        job.tile_begin = 0;
-        job.tile_end = w.num_tiles;
-        run_job(job);
-    } else {
-        const int split = (w.num_tiles / 2 + 1) & ~1;
-        TilePair pair;
-        pair.half[0] = pair.half[1] = job;
-        pair.half[0].tile_begin = 0;
-        pair.half[0].tile_end = split;
-        pair.half[1].tile_begin = split;
-        pair.half[1].tile_end = w.num_tiles;
-        g_worker->run_pair(run_tile_part, &pair);
-    }
+    run_tiles(job, w.num_tiles, threads, min_tiles_per_thread, (long)rows * w.n * w.k, min_macs);
     if (!residual) return;
     // cpu_gemm._gguf_finish: (first pass + residual pass), then + bias, in float32.
     const long n = w.n, total = (long)M * n;

@@ -107,12 +107,6 @@ cdef extern from "cpu_gemm_kernels.h" namespace "pagedrun_gemm" nogil:
     const int AMX_MIN_ROWS
 
 cdef extern from "cpu_ops_kernels.h" namespace "pagedrun_ops" nogil:
-    const int ERR_POSITION
-    const int ERR_SLOT_RANGE
-    const int ERR_SLOT_DUPLICATE
-    const int ERR_CONTEXT_LEN
-    const int ERR_CAPACITY
-    const int ERR_BLOCK_ID
     int check_rotary_indices(const int32_t* positions, const int32_t* slots, int T,
                              int max_position, long num_slots, long* value)
     int check_decode_tables(const int32_t* block_tables, long ldb, int max_blocks,
@@ -480,22 +474,13 @@ cdef class DecodeLoop:
         # cpu_ops' wrappers' checks, once for the step instead of once per layer.
         cdef int err = check_rotary_indices(&pv[0], &sv[0], T, self.max_position,
                                             self.num_blocks * c.block_size, &value)
-        if err == ERR_POSITION:
-            raise ValueError("positions out of range of cos_sin_cache")
-        if err == ERR_SLOT_RANGE:
-            raise ValueError(f"slot {value} out of range of {self.num_blocks}x{c.block_size} "
-                             "cache")
-        if err == ERR_SLOT_DUPLICATE:
-            raise ValueError("slot_mapping writes the same slot twice in one step")
+        if err:
+            raise cpu_ops.rotary_indices_error(err, value, self.num_blocks, c.block_size)
         err = check_decode_tables(&bt[0, 0], bt.shape[1], bt.shape[1], &lv[0], T,
                                   self.num_blocks, c.block_size, &seq, &value)
-        if err == ERR_CONTEXT_LEN:
-            raise ValueError(f"sequence {seq}: context_len must be >= 1, got {value}")
-        if err == ERR_CAPACITY:
-            raise ValueError(f"context_len {value} exceeds block table capacity "
-                             f"{bt.shape[1]} x {c.block_size}")
-        if err == ERR_BLOCK_ID:
-            raise ValueError(f"block_tables: block id out of range [0, {self.num_blocks})")
+        if err:
+            raise cpu_ops.decode_tables_error(err, seq, value, bt.shape[1], c.block_size,
+                                              self.num_blocks)
         if self.threads_from is not None:
             c.threads = self.threads_from.gemm_threads
         if T > self.capacity:

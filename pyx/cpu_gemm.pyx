@@ -366,10 +366,9 @@ def gemm_int8(x, packed, bias=None, *, path="auto", threads=2, pool="native"):
     return _gemm(x, packed, bias, path, threads, pool)
 
 
-def _gemm(x, packed, bias, path, threads, pool):
-    if pool not in POOLS:
-        raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
-    cdef int code = _resolve_path(path)
+def _gemm_operands(x, packed, bias):
+    """(x, bias) as the kernels take them: x [M, K] float32 with 4-byte strides (a copy only
+    when needed), bias [N] contiguous float32 or None; a wrong shape is a ValueError."""
     x = np.asarray(x)
     if x.dtype != np.float32:
         x = x.astype(np.float32)
@@ -381,6 +380,14 @@ def _gemm(x, packed, bias, path, threads, pool):
         bias = np.ascontiguousarray(bias, dtype=np.float32)
         if bias.shape != (packed.n,):
             raise ValueError(f"bias must be [{packed.n}], got shape {bias.shape}")
+    return x, bias
+
+
+def _gemm(x, packed, bias, path, threads, pool):
+    if pool not in POOLS:
+        raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
+    cdef int code = _resolve_path(path)
+    x, bias = _gemm_operands(x, packed, bias)
     # The AMX kernel (from AMX_MIN_ROWS rows) reads x in blocks of AMX_ROWS rows: zero rows
     # pad the last block.
     amx_rows = code == _AMX and x.shape[0] >= AMX_MIN_ROWS
@@ -817,17 +824,7 @@ def gemm_gguf(x, packed, bias=None, *, path="auto", threads=2, pool="native",
     if activations not in GGUF_ACTIVATIONS:
         raise ValueError(f"activations must be one of {GGUF_ACTIVATIONS}, got {activations!r}")
     cdef int residual = activations == "q8x2"
-    x = np.asarray(x)
-    if x.dtype != np.float32:
-        x = x.astype(np.float32)
-    if x.ndim != 2 or x.shape[1] != packed.k:
-        raise ValueError(f"x must be [M, {packed.k}], got shape {x.shape}")
-    if x.strides[0] % 4 or x.strides[1] % 4:
-        x = np.ascontiguousarray(x)
-    if bias is not None:
-        bias = np.ascontiguousarray(bias, dtype=np.float32)
-        if bias.shape != (packed.n,):
-            raise ValueError(f"bias must be [{packed.n}], got shape {bias.shape}")
+    x, bias = _gemm_operands(x, packed, bias)
     m = x.shape[0]
     if m == 0:
         return np.empty((0, packed.n), dtype=np.float32)

@@ -154,6 +154,26 @@ cdef _rows(x):
     return x.reshape(-1, x.shape[x.ndim - 1]) if x.ndim != 2 else x
 
 
+def rotary_indices_error(int err, long value, long num_blocks, int block_size):
+    """The ValueError of check_rotary_indices' error code `err` (non-zero)."""
+    if err == ERR_POSITION:
+        return ValueError("positions out of range of cos_sin_cache")
+    if err == ERR_SLOT_RANGE:
+        return ValueError(f"slot {value} out of range of {num_blocks}x{block_size} cache")
+    return ValueError("slot_mapping writes the same slot twice in one step")
+
+
+def decode_tables_error(int err, int seq, long value, long max_blocks, int block_size,
+                        long num_blocks):
+    """The ValueError of check_decode_tables' error code `err` (non-zero)."""
+    if err == ERR_CONTEXT_LEN:
+        return ValueError(f"sequence {seq}: context_len must be >= 1, got {value}")
+    if err == ERR_CAPACITY:
+        return ValueError(f"context_len {value} exceeds block table capacity "
+                          f"{max_blocks} x {block_size}")
+    return ValueError(f"block_tables: block id out of range [0, {num_blocks})")
+
+
 def rms_norm(x, weight, double eps, *, path="auto"):
     """numpy_ops.rms_norm: out = x / sqrt(mean(x^2) + eps) * weight per row, float32 math.
 
@@ -306,12 +326,8 @@ def rotary_embedding_and_cache_write(q, k, v, positions, cos_sin_cache, k_cache,
     if num_tokens:
         err = check_rotary_indices(&pv[0], &sv[0], num_tokens, table.shape[0],
                                    <long>num_blocks * block_size, &value)
-    if err == ERR_POSITION:
-        raise ValueError("positions out of range of cos_sin_cache")
-    if err == ERR_SLOT_RANGE:
-        raise ValueError(f"slot {value} out of range of {num_blocks}x{block_size} cache")
-    if err == ERR_SLOT_DUPLICATE:
-        raise ValueError("slot_mapping writes the same slot twice in one step")
+    if err:
+        raise rotary_indices_error(err, value, num_blocks, block_size)
     q_rot = np.empty(q.shape, _F32)
     k_rot = np.empty(k.shape, _F32)
     if num_tokens == 0 or head_dim == 0:
@@ -370,13 +386,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, doub
     cdef long value = 0
     cdef int err = check_decode_tables(&bt[0, 0], bt.shape[1], tables.shape[1], &lv[0],
                                        num_seqs, num_blocks, block_size, &seq, &value)
-    if err == ERR_CONTEXT_LEN:
-        raise ValueError(f"sequence {seq}: context_len must be >= 1, got {value}")
-    if err == ERR_CAPACITY:
-        raise ValueError(f"context_len {value} exceeds block table capacity "
-                         f"{tables.shape[1]} x {block_size}")
-    if err == ERR_BLOCK_ID:
-        raise ValueError(f"block_tables: block id out of range [0, {num_blocks})")
+    if err:
+        raise decode_tables_error(err, seq, value, tables.shape[1], block_size, num_blocks)
     if head_dim == 0:
         return out.astype(out_dtype, copy=False)
     cdef int has_window = sliding_window is not None

@@ -286,3 +286,23 @@ def prefill_logits(config: ModelConfig, weights: ModelWeights, backend, tokens: 
     x, residual = model.forward(np.asarray(tokens, np.int32), positions, positions, attn,
                                 k_caches, v_caches)
     return model.logits(x, residual)
+
+
+def fake_quantize_rows(x: np.ndarray, activations: str) -> np.ndarray:
+    """The activations the quantized GEMMs (cpu_gemm.gemm_gguf: the gguf and int4 paths)
+    multiply: x [M, K] with every 32-wide block of a row replaced by the value its int8
+    quantization stands for (float64). "q8": dx * round(x / dx), dx = max |block| / 127 in
+    float32; "q8x2": plus dx2 * round(r / dx2) for the residual r = x - dx * qx, dx2 = dx /
+    256."""
+    m, k = x.shape
+    blocks = np.asarray(x, np.float32).reshape(m, k // 32, 32)
+    dx = np.abs(blocks).max(axis=2, keepdims=True) / np.float32(127)
+    safe = np.where(dx == 0, np.float32(1), dx)
+    qx = np.rint(blocks / safe) * (dx != 0)
+    value = qx.astype(np.float64) * dx
+    if activations == "q8x2":
+        residual = (blocks.astype(np.float64) - value).astype(np.float32)
+        dx2 = dx / np.float32(256)
+        qx2 = np.clip(np.rint(residual / np.where(dx == 0, np.float32(1), dx2)), -127, 127)
+        value = value + qx2 * (dx != 0) * dx2.astype(np.float64)
+    return value.reshape(m, k)

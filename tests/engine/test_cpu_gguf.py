@@ -10,7 +10,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from engine_helpers import greedy, make_engine, prefill_logits, run_requests
+from engine_helpers import fake_quantize_rows, greedy, make_engine, prefill_logits, run_requests
 
 from pagedrun.pyx import cpu_gemm
 from pagedrun.runtime.backends import make_backend
@@ -53,25 +53,6 @@ def dequantized(weights):
         for lw in weights.layers]
     return dataclasses.replace(weights, layers=layers, lm_head=dense(weights.lm_head),
                                embed_tokens=dense(weights.embed_tokens))
-
-
-def fake_quantize_rows(x: np.ndarray, activations: str) -> np.ndarray:
-    """x [M, K] with every 32-wide block of a row replaced by the value its int8 quantization
-    stands for (float64): "q8": dx * round(x / dx), dx = max |block| / 127 in float32; "q8x2":
-    plus dx2 * round(r / dx2) for the residual r = x - dx * qx, dx2 = dx / 256 -- the
-    activations the quantized GEMM multiplies."""
-    m, k = x.shape
-    blocks = np.asarray(x, np.float32).reshape(m, k // BLOCK, BLOCK)
-    dx = np.abs(blocks).max(axis=2, keepdims=True) / np.float32(127)
-    safe = np.where(dx == 0, np.float32(1), dx)
-    qx = np.rint(blocks / safe) * (dx != 0)
-    value = qx.astype(np.float64) * dx
-    if activations == "q8x2":
-        residual = (blocks.astype(np.float64) - value).astype(np.float32)
-        dx2 = dx / np.float32(256)
-        qx2 = np.clip(np.rint(residual / np.where(dx == 0, np.float32(1), dx2)), -127, 127)
-        value = value + qx2 * (dx != 0) * dx2.astype(np.float64)
-    return value.reshape(m, k)
 
 
 class FakeQuantNumpy(NumpyBackend):

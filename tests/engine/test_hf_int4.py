@@ -23,7 +23,7 @@ import json
 import numpy as np
 import pytest
 
-from engine_helpers import greedy, make_engine, prefill_logits, run_requests
+from engine_helpers import fake_quantize_rows, greedy, make_engine, prefill_logits, run_requests
 
 from pagedrun.pyx import cpu_gemm
 from pagedrun.runtime.backends import make_backend
@@ -230,23 +230,6 @@ def test_loader_dequantizes_to_the_reference(tmp_path, method, group):
 
 
 # ------------------------------------------------------------------ the kernel
-def fake_quantize_rows(x, activations):
-    """x [M, K] with each 32-block replaced by what its int8 (q8x2: + residual) codes stand for
-    (float64): the activations the kernel multiplies."""
-    m, k = x.shape
-    blocks = np.asarray(x, np.float32).reshape(m, k // 32, 32)
-    dx = np.abs(blocks).max(axis=2, keepdims=True) / np.float32(127)
-    safe = np.where(dx == 0, np.float32(1), dx)
-    qx = np.rint(blocks / safe) * (dx != 0)
-    value = qx.astype(np.float64) * dx
-    if activations == "q8x2":
-        residual = (blocks.astype(np.float64) - value).astype(np.float32)
-        dx2 = dx / np.float32(256)
-        qx2 = np.clip(np.rint(residual / np.where(dx == 0, np.float32(1), dx2)), -127, 127)
-        value = value + qx2 * (dx != 0) * dx2.astype(np.float64)
-    return value.reshape(m, k)
-
-
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("n,k,m", [(1, 128, 1), (17, 256, 3), (111, 384, 8), (40, 128, 17)])
 @pytest.mark.parametrize("activations", cpu_gemm.GGUF_ACTIVATIONS)
