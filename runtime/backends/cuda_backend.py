@@ -50,13 +50,14 @@ class CudaBackend(KernelBackend):
     communicator = "nccl"  # tensor-parallel ranks all-reduce over NCCL on the compute stream
 
     def __init__(self, dtype_name: str = "bfloat16", device_id: int = 0, *,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", quantization: str | None = None) -> None:
         if not cuda_available():
             raise CudaNotAvailableError("the cuda backend needs CuPy and a visible GPU "
                                         "(pip install cupy-cuda12x; check nvidia-smi)")
         import cupy
 
-        super().__init__(dtype_name, cupy, kv_cache_dtype=kv_cache_dtype)
+        super().__init__(dtype_name, cupy, kv_cache_dtype=kv_cache_dtype,
+                         quantization=quantization)
         self.device_id = device_id
         cupy.cuda.Device(device_id).use()
         # One non-default stream for the step: launches queue behind each other without the

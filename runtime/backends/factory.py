@@ -70,8 +70,30 @@ def make_backend(device: str, dtype: str = "auto", *, device_id: int = 0,
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
         if device != "cpu":
-            raise ValueError(f"quantization {quantization!r} runs on the cpu backend; device "
-                             f"{device!r} has no {quantization} GEMM yet")
+            # cuda/gemm_wq.cu: W4A16 for awq / gptq checkpoints, W8A16 for int8 made at load;
+            # 16-bit activations (float32 refused by the backend).
+            if quantization not in ("awq", "gptq", "int8"):
+                raise ValueError(f"quantization {quantization!r} runs on the cpu backend; "
+                                 f"device {device!r} has no {quantization} GEMM yet")
+            # "auto": float16 for the int4 checkpoints, whose fp16 scales are exact in it;
+            # bfloat16 for int8.
+            if dtype == "auto":
+                resolved = "bfloat16" if quantization == "int8" else "float16"
+            else:
+                resolved = resolve_dtype(device, dtype)
+            if kv_cache_dtype not in FP8_KV_CACHE_DTYPES:  # as the float sim / cuda below
+                _check_kv_cache_dtype(kv_cache_dtype, resolved,
+                                      f"the {device} backend with dtype {resolved}")
+                kv_cache_dtype = "auto"
+            if device == "sim":
+                from .sim_backend import SimBackend
+
+                return SimBackend(resolved, kv_cache_dtype=kv_cache_dtype,
+                                  quantization=quantization)
+            from .cuda_backend import CudaBackend
+
+            return CudaBackend(resolved, device_id=device_id, kv_cache_dtype=kv_cache_dtype,
+                               quantization=quantization)
         resolved = resolve_dtype(device, dtype)
         if quantization in ("gguf", "awq", "gptq"):  # int4 AWQ / GPTQ: the gguf kernels' I4Z
             from .cpu_gguf_backend import CpuGgufBackend

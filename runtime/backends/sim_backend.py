@@ -15,20 +15,26 @@ Weights arrive as the model's float32 numpy arrays (llama.py keeps the `w_t.T` v
 once, to a contiguous HF [out, in] matrix (the layout the skinny decode GEMM streams; MoE
 expert stacks stay [E, out, in]), and kept keyed by the array's memory. Shapes a kernel does not
 serve (head_dim, block_size) are refused by `check_model` at start-up.
+With quantization "awq" / "gptq" (float16 / bfloat16 only) the checkpoint's int4 projections
+arrive as QuantizedMatrix "I4Z" and stay int4: `linear_weight` packs and places them once
+(runtime/backends/weight_only.py), `linear` runs cuda/gemm_wq.cu's W4A16 GEMM on them;
+"int8" quantizes the float GEMM weights at load for its W8A16 GEMM.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from pagedrun.runtime.engine_config import EngineConfigError
+from pagedrun.runtime.gguf_quantized import QuantizedMatrix
 from pagedrun.runtime.kernels import attention, cache_ops, fused_ops, gemm, lora, moe
 from pagedrun.runtime.kernels.attention import SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS
 from pagedrun.runtime.kernels.kernel_args import (FP8_KV_DTYPE, UnsupportedKernelShape,
                                                   from_bf16_bits, to_bf16_bits)
 from pagedrun.runtime.kernels.loader import load_module
 
-from . import numpy_ops
+from . import numpy_ops, weight_only
 from .base import DEFAULT_HOST_KV_CACHE_BYTES
-from .graph_capture import RecordingModule, sim_graph_capture
+from .graph_capture import RecordingModule, SimGraph, sim_graph_capture
 from .kernel_sampler import KernelSampler
 from .step_inputs import DeviceInts, StepInputs, upload_step
 
@@ -43,7 +49,11 @@ _SOURCES = {"gemm": ("gemm.cu", "gemm_skinny.cu"), "norm": ("rms_norm.cu",),
             "rotary": ("rotary_cache_write.cu",), "decode": ("paged_attention_decode.cu",),
             "prefill": ("paged_attention_prefill.cu",), "blocks": ("block_copy.cu",),
             "sampling": ("sampling.cu",), "moe": ("moe.cu",), "lora": ("lora.cu",),
-            "rejection": ("rejection_sample.cu",)}
+            "rejection": ("rejection_sample.cu",), "wq": ("gemm_wq.cu",)}
+# EngineConfig.quantization values served here (runtime/backends/weight_only.py, on
+# cuda/gemm_wq.cu): AWQ / GPTQ int4 checkpoints, their projections kept int4 (W4A16); int8
+# made at load from float weights (W8A16).
+WEIGHT_ONLY_METHODS = ("awq", "gptq", "int8")
 
 
 class KernelBackend:
@@ -65,14 +75,27 @@ class KernelBackend:
     # The sampler can leave token ids on the device (asynchronous scheduling).
     supports_async_scheduling = True
 
-    def __init__(self, dtype_name: str, xp, *, kv_cache_dtype: str = "auto") -> None:
+    def __init__(self, dtype_name: str, xp, *, kv_cache_dtype: str = "auto",
+                 quantization: str | None = None) -> None:
         """kv_cache_dtype: "auto" (KV pools in the activation dtype) or "fp8" / "fp8_e4m3"
-        (uint8 pools of e4m3 codes)."""
+        (uint8 pools of e4m3 codes). quantization: None / "none", or "awq" / "gptq" (the
+        model's int4 projections kept int4: W4A16 GEMMs) or "int8" (W8A16, quantized at load);
+        all with float16 / bfloat16 activations."""
         if dtype_name not in _ACTIVATION_DTYPE:
             raise ValueError(f"dtype must be one of {tuple(_ACTIVATION_DTYPE)}, got {dtype_name!r}")
         if kv_cache_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_DTYPES)}, "
                              f"got {kv_cache_dtype!r}")
+        quantization = None if quantization == "none" else quantization
+        if quantization is not None:
+            if quantization not in WEIGHT_ONLY_METHODS:
+                raise EngineConfigError(f"quantization {quantization!r}: the {self.name} "
+                                        f"backend serves {WEIGHT_ONLY_METHODS} (or none)")
+            if dtype_name == "float32":  # the weight-only kernels take 16-bit activations
+                what = "int8" if quantization == "int8" else "awq/gptq"
+                raise EngineConfigError(f"quantization: {what} on sim/cuda need dtype float16 "
+                                        "or bfloat16, got float32")
+        self.quantization = quantization
         self.dtype_name = dtype_name
         self.act_dtype = _ACTIVATION_DTYPE[dtype_name]
         self.kv_dtype = KV_DTYPES[kv_cache_dtype] or self.act_dtype
@@ -214,14 +237,51 @@ class KernelBackend:
     def fused_add_rms_norm(self, x, residual, weight, eps):
         """Out of place, like numpy_ops: the caller's residual (often a row view) is kept."""
         residual_out = self.xp.empty(x.shape, dtype=np.float32)
+        if np.dtype(residual.dtype) != np.float32:
+            residual = self._widened(residual)
         return fused_ops.fused_add_rms_norm(self.module("norm"), x, residual, self.weight(weight),
                                             eps, residual_out=residual_out)
 
-    @staticmethod
-    def linear_weight(weight):
-        return weight  # placed (converted, on the device) at its first use by `weight`
+    def _widened(self, x):
+        """float32 copy of a 16-bit activation (the first layer's residual: the embedding
+        output). Array ops, not a kernel: a GPU graph captures them, a sim graph records them
+        here as a host step -- else a 16-bit sim replay would reuse the capture's values."""
+        out = fused_ops.to_float32(x)
+        if isinstance(self._capturing, SimGraph):
+            self._capturing.record_host_call(fused_ops.to_float32, (x,), out)
+        return out
+
+    @property
+    def keeps_quantized(self) -> bool:
+        """llama.py hands QuantizedMatrix projections to linear_weight (awq / gptq)."""
+        return self.quantization in ("awq", "gptq")
+
+    def place_weight(self, host: np.ndarray):
+        """A host array placed on the device as it is, counted among the placed weights."""
+        dev = self.device(host)
+        self._weights[("placed", id(dev))] = (host, dev)
+        return dev
+
+    def linear_weight(self, weight):
+        """An I4Z matrix (awq / gptq) -> its WeightOnlyMatrix, placed now; another
+        QuantizedMatrix dequantized; with quantization "int8" a float [N, K] matrix with
+        K % 64 == 0 quantized and placed now; else the float array as it is (placed,
+        converted, on the device at its first use by `weight`)."""
+        if isinstance(weight, QuantizedMatrix):
+            if weight.ggml_type == weight_only.INT4_TYPE:
+                return weight_only.pack_int4(weight, self)
+            weight = weight.dequantize()
+        if self.quantization == "int8" and weight_only.int8_servable(weight):
+            return weight_only.pack_int8(weight, self)
+        return weight
 
     def linear(self, x, weight, bias=None, *, out_dtype=None):
+        if isinstance(weight, weight_only.WeightOnlyMatrix):
+            x = self.xp.ascontiguousarray(x)
+            if x.dtype != self.act_dtype:  # not the model's path (its ops emit act_dtype)
+                x = self.device(self.to_kernel_dtype(self.to_host(x)))
+            return weight_only.linear(self.module("wq"), x, weight, self.weight(bias),
+                                      out_dtype=out_dtype)
         # self.weight places a contiguous [out, in] copy: the "nk" layout, skinny-GEMM ready.
         return gemm.linear(self.module("gemm"), self.xp.ascontiguousarray(x), self.weight(weight),
                            self.weight(bias), out_dtype=out_dtype)
@@ -339,5 +399,7 @@ class SimBackend(KernelBackend):
     name = "sim"
     loader_backend = "sim"
 
-    def __init__(self, dtype_name: str = "float32", *, kv_cache_dtype: str = "auto") -> None:
-        super().__init__(dtype_name, np, kv_cache_dtype=kv_cache_dtype)
+    def __init__(self, dtype_name: str = "float32", *, kv_cache_dtype: str = "auto",
+                 quantization: str | None = None) -> None:
+        super().__init__(dtype_name, np, kv_cache_dtype=kv_cache_dtype,
+                         quantization=quantization)

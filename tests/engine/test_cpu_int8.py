@@ -195,8 +195,10 @@ def test_quantization_config_and_cli():
         EngineConfig(quantization="int4")
     assert isinstance(make_backend("cpu", "bfloat16", quantization="int8"), CpuInt8Backend)
     assert type(make_backend("cpu", "float32", quantization="none")) is NumpyBackend
-    with pytest.raises(ValueError, match="cpu backend"):
-        make_backend("sim", quantization="int8")
+    # sim / cuda: W8A16 (cuda/gemm_wq.cu, tests/engine/test_weight_only_sim.py), 16-bit only.
+    assert make_backend("sim", quantization="int8").quantization == "int8"
+    with pytest.raises(EngineConfigError, match="float16 or bfloat16"):
+        make_backend("sim", "float32", quantization="int8")
     from pagedrun.server.cli import build_parser
 
     args = build_parser().parse_args(["generate", "hi", "--quantization", "int8"])

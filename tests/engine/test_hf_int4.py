@@ -134,10 +134,12 @@ def pack_matrix(method, w, group):
             "g_idx": (np.arange(w.shape[1]) // group).astype(np.int32)}
 
 
-def write_checkpoint(path, method, group, seed=0, **qc):
-    """A tiny int4 checkpoint in `path`; returns (ModelConfig, {".weight" name: reference})."""
+def write_checkpoint(path, method, group, seed=0, config_overrides=None, **qc):
+    """A tiny int4 checkpoint in `path`; returns (ModelConfig, {".weight" name: reference}).
+    config_overrides: config.json fields replacing CONFIG's (e.g. a head_dim the sim serves)."""
     rng = np.random.default_rng(seed)
-    config = ModelConfig.from_dict(CONFIG)
+    config_dict = {**CONFIG, **(config_overrides or {})}
+    config = ModelConfig.from_dict(config_dict)
     h, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
     shapes = {"self_attn.q_proj": (config.q_size, h), "self_attn.k_proj": (config.kv_size, h),
               "self_attn.v_proj": (config.kv_size, h), "self_attn.o_proj": (h, config.q_size),
@@ -165,7 +167,7 @@ def write_checkpoint(path, method, group, seed=0, **qc):
     qconfig.update({"zero_point": True, "version": "gemm"} if method == "awq"
                    else {"desc_act": False, "sym": False, "checkpoint_format": "gptq"})
     qconfig.update(qc)
-    (path / "config.json").write_text(json.dumps({**CONFIG, "quantization_config": qconfig}))
+    (path / "config.json").write_text(json.dumps({**config_dict, "quantization_config": qconfig}))
     safetensors_numpy.save_file(tensors, str(path / "model.safetensors"))
     return config, refs
 
@@ -352,8 +354,11 @@ def test_refusals(tmp_path):
     awq = tmp_path / "awq"
     awq.mkdir()
     write_checkpoint(awq, "awq", 64)
-    with pytest.raises(EngineConfigError, match="cpu"):
-        resolve_quantization(None, str(awq), "sim", "auto")
+    # sim / cuda serve it (tests/engine/test_weight_only_sim.py), but not with float32
+    # activations: the W4A16 kernels take 16-bit ones.
+    assert resolve_quantization(None, str(awq), "sim", "auto") == "awq"
+    with pytest.raises(EngineConfigError, match="float16 or bfloat16"):
+        make_backend("sim", "float32", quantization="awq")
     with pytest.raises(EngineConfigError, match="one process"):
         resolve_quantization("awq", str(awq), "cpu", "auto", world_size=2)
     with pytest.raises(EngineConfigError, match="quant_method"):
@@ -361,7 +366,7 @@ def test_refusals(tmp_path):
     with pytest.raises(EngineConfigError, match="quant_method"):
         resolve_quantization("none", str(awq), "cpu", "auto")
     with pytest.raises(ValueError, match="cpu"):
-        make_backend("sim", quantization="awq")
+        make_backend("sim", quantization="gguf")
     # A plain float directory is not an int4 checkpoint.
     plain = tmp_path / "plain"
     plain.mkdir()
