@@ -266,9 +266,12 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
-def prefill_logits(config: ModelConfig, weights: ModelWeights, backend, tokens: list[int]):
+def prefill_logits(config: ModelConfig, weights: ModelWeights, backend, tokens: list[int],
+                   backend_caches: bool = False):
     """Logits [len(tokens), vocab] of every position of one prefill through LlamaModel on
-    `backend` (fresh zero KV caches, one sequence)."""
+    `backend` (fresh zero KV caches, one sequence). backend_caches: the caches in the
+    backend's own arrays and cache dtype (backend.zeros, backend.kv_dtype) and the result
+    (host float32 logits, the model); else float32 numpy caches and the backend's logits."""
     from pagedrun.runtime.model_runner import build_attention_inputs
     from pagedrun.runtime.models.llama import LlamaModel
 
@@ -276,8 +279,13 @@ def prefill_logits(config: ModelConfig, weights: ModelWeights, backend, tokens: 
     num_blocks = -(-num_tokens // block_size)
     model = LlamaModel(config, weights, backend, max_position=256)
     shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-    k_caches = [np.zeros(shape, np.float32) for _ in range(config.num_hidden_layers)]
-    v_caches = [np.zeros(shape, np.float32) for _ in range(config.num_hidden_layers)]
+    if backend_caches:
+        kv_dtype = getattr(backend, "kv_dtype", np.float32)
+        k_caches = [backend.zeros(shape, kv_dtype) for _ in range(config.num_hidden_layers)]
+        v_caches = [backend.zeros(shape, kv_dtype) for _ in range(config.num_hidden_layers)]
+    else:
+        k_caches = [np.zeros(shape, np.float32) for _ in range(config.num_hidden_layers)]
+        v_caches = [np.zeros(shape, np.float32) for _ in range(config.num_hidden_layers)]
     attn = build_attention_inputs(np.array([0, num_tokens], np.int32),
                                   np.array([num_tokens], np.int32),
                                   np.array([num_tokens], np.int32),
@@ -285,6 +293,8 @@ def prefill_logits(config: ModelConfig, weights: ModelWeights, backend, tokens: 
     positions = np.arange(num_tokens, dtype=np.int32)
     x, residual = model.forward(np.asarray(tokens, np.int32), positions, positions, attn,
                                 k_caches, v_caches)
+    if backend_caches:
+        return np.asarray(backend.to_host(model.logits(x, residual)), np.float32), model
     return model.logits(x, residual)
 
 

@@ -18,7 +18,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from engine_helpers import greedy, make_engine, random_weights, run_requests, tiny_config
+from engine_helpers import (greedy, make_engine, prefill_logits, random_weights, run_requests,
+                            tiny_config)
 from test_hf_int4 import reference_weights, write_checkpoint
 
 from pagedrun.runtime.backends import make_backend
@@ -30,8 +31,6 @@ from pagedrun.runtime.engine_config import EngineConfig, EngineConfigError
 from pagedrun.runtime.gguf_quantized import QuantizedMatrix
 from pagedrun.runtime.hf_quantized import Int4Matrix
 from pagedrun.runtime.model_loader import load_model
-from pagedrun.runtime.model_runner import build_attention_inputs
-from pagedrun.runtime.models.llama import LlamaModel
 
 # head_dim 128 / 2 = 64 (the sim's attention kernels serve 64 and 128); GQA 2:1.
 SIM_CONFIG = {"num_attention_heads": 2, "num_key_value_heads": 1}
@@ -128,23 +127,9 @@ def test_float32_and_other_quantizations_refused(checkpoints):
 
 # ------------------------------------------------------------------ engines
 def _prefill_logits(config, weights, backend, tokens):
-    """Logits [len(tokens), vocab] (float32, host) of one prefill through LlamaModel on
-    `backend`, KV pools in the backend's cache dtype."""
-    block_size, num_tokens = 16, len(tokens)
-    num_blocks = -(-num_tokens // block_size)
-    model = LlamaModel(config, weights, backend, max_position=256)
-    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-    kv_dtype = getattr(backend, "kv_dtype", np.float32)
-    k_caches = [backend.zeros(shape, kv_dtype) for _ in range(config.num_hidden_layers)]
-    v_caches = [backend.zeros(shape, kv_dtype) for _ in range(config.num_hidden_layers)]
-    attn = build_attention_inputs(np.array([0, num_tokens], np.int32),
-                                  np.array([num_tokens], np.int32),
-                                  np.array([num_tokens], np.int32),
-                                  np.arange(num_blocks, dtype=np.int32)[None, :])
-    positions = np.arange(num_tokens, dtype=np.int32)
-    x, residual = model.forward(np.asarray(tokens, np.int32), positions, positions, attn,
-                                k_caches, v_caches)
-    return np.asarray(backend.to_host(model.logits(x, residual)), np.float32), model
+    """(host float32 logits [len(tokens), vocab], model) of one prefill on `backend`, KV pools
+    in the backend's cache dtype."""
+    return prefill_logits(config, weights, backend, tokens, backend_caches=True)
 
 
 @pytest.mark.parametrize("method", [m for m, _ in CASES])
