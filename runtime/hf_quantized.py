@@ -21,8 +21,17 @@ GPTQ (AutoGPTQ / GPTQModel's classic "gptq" checkpoint_format, v1; vLLM's gptq l
 qweight int32 [in / 8, out] -- word (r, o) holds inputs 8r .. 8r + 7 of output o in order
 (nibble j = input 8r + j); qzeros int32 [in / g, out / 8] -- nibble j of word (gi, c) = output
 8c + j, stored as z - 1 (the v1 quirk: z = (stored + 1) mod 16); scales fp16 [in / g, out];
-g_idx int32 [in] (input -> group) must be i // g: desc_act (act-order) checkpoints are refused.
-checkpoint_format "gptq_v2" stores z itself. `sym` changes nothing here (z is stored either way).
+g_idx int32 [in] (input -> group): i // g, or with desc_act (act order) any assignment that gives
+every group exactly g inputs (GPTQ quantizes the inputs in order of decreasing Hessian diagonal,
+input perm[j] in group j // g, so g_idx[perm[j]] = j // g). checkpoint_format "gptq_v2" stores z
+itself. `sym` changes nothing here (z is stored either way).
+
+Act order is served kept int4 by sorting the inputs by group: perm = argsort(g_idx) (stable),
+the matrix's column j holds input perm[j], so its groups are again g consecutive columns and the
+kernels run unchanged; the matrix carries `input_perm` and the model gathers x[:, perm] before
+the GEMM (y = W x = W[:, perm] x[perm]). q/k/v (and gate/up) read the same input, and GPTQ
+orders a layer's inputs by that input's Hessian, so their perms agree and they still fuse
+(runtime/models/llama.py; differing perms are dequantized there instead).
 
 Accepted: bits 4, group_size 32 / 64 / 128 (the kernel's groups), in_features a multiple of the
 group and out_features of 8. The result is an Int4Matrix: a QuantizedMatrix of type "I4Z" whose
@@ -36,6 +45,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -52,8 +62,13 @@ LINEAR_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "sel
                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
+@dataclass(eq=False)
 class Int4Matrix(QuantizedMatrix):
-    """An HF [out, in] int4 matrix: ggml_type "I4Z", raw the cpu_gemm I4Z rows (module doc)."""
+    """An HF [out, in] int4 matrix: ggml_type "I4Z", raw the cpu_gemm I4Z rows (module doc).
+    input_perm: None, or int64 [in] for an act-order GPTQ matrix: raw's column j holds input
+    input_perm[j] (parts() are in that column order; dequantize() in the inputs' order)."""
+
+    input_perm: np.ndarray | None = None
 
     @property
     def group(self) -> int:
@@ -70,12 +85,23 @@ class Int4Matrix(QuantizedMatrix):
         return q, s, self.raw[:, k // 2 + 2 * groups:]
 
     def dequantize(self) -> np.ndarray:
-        """float32 [out, in] = s * (q - z) (exact: an fp16 times a 5-bit integer)."""
+        """float32 [out, in] = s * (q - z) (exact: an fp16 times a 5-bit integer), columns in
+        the inputs' order (an act-order matrix's columns put back)."""
         q, s, z = self.parts()
         g = self.group
         per_s = np.repeat(s.astype(np.float32), g, axis=1)
         per_z = np.repeat(z.astype(np.float32), g, axis=1)
-        return (per_s * (q.astype(np.float32) - per_z)).astype(np.float32)
+        w = (per_s * (q.astype(np.float32) - per_z)).astype(np.float32)
+        if self.input_perm is None:
+            return w
+        out = np.empty_like(w)
+        out[:, self.input_perm] = w
+        return out
+
+    def take_rows(self, rows: np.ndarray) -> "Int4Matrix":
+        rows = np.asarray(rows)
+        return Int4Matrix(self.ggml_type, (int(rows.size), self.shape[1]),
+                          np.ascontiguousarray(self.raw[rows]), self.input_perm)
 
     @classmethod
     def from_parts(cls, q, s, z) -> "Int4Matrix":
@@ -143,9 +169,6 @@ def int4_settings(model_dir: str | os.PathLike, method: str) -> dict:
         if qc.get("zero_point", True) is not True:
             raise refuse("zero_point", "awq: only zero_point true (asymmetric) is read")
         return {"group": group, "format": "awq"}
-    if qc.get("desc_act", False):
-        raise refuse("desc_act", "gptq: desc_act (act-order) checkpoints are not served: their "
-                     "g_idx permutes the groups (re-quantize with desc_act false)")
     fmt = str(qc.get("checkpoint_format", "gptq")).lower()
     if fmt not in GPTQ_FORMATS:
         raise refuse("checkpoint_format", f"gptq: checkpoint_format must be one of "
@@ -175,14 +198,35 @@ def unpack_awq(qweight, qzeros, scales, group: int) -> Int4Matrix:
     return Int4Matrix.from_parts(q, np.asarray(scales, np.float16).T, z)
 
 
-def unpack_gptq(qweight, qzeros, scales, group: int, fmt: str = "gptq") -> Int4Matrix:
-    """GPTQ tensors (module doc; fmt "gptq": zeros stored minus one) -> Int4Matrix [out, in]."""
+def act_order_perm(g_idx: np.ndarray, group: int) -> np.ndarray | None:
+    """The input order that makes act-order groups consecutive (module doc): None when g_idx
+    is already input // group; ValueError unless every group holds exactly `group` inputs."""
+    g_idx = np.asarray(g_idx)
+    n_in = g_idx.shape[0]
+    if np.array_equal(g_idx, np.arange(n_in) // group):
+        return None
+    counts = np.bincount(g_idx, minlength=n_in // group) if g_idx.min(initial=0) >= 0 else None
+    if counts is None or counts.shape[0] != n_in // group or np.any(counts != group):
+        raise ValueError(f"g_idx does not put exactly {group} inputs in each of the "
+                         f"{n_in // group} groups")
+    return np.argsort(g_idx, kind="stable").astype(np.int64)
+
+
+def unpack_gptq(qweight, qzeros, scales, group: int, fmt: str = "gptq",
+                g_idx=None) -> Int4Matrix:
+    """GPTQ tensors (module doc; fmt "gptq": zeros stored minus one) -> Int4Matrix [out, in];
+    an act-order g_idx gives a matrix with its input_perm (ValueError: a g_idx that is not)."""
     nib = _nibbles(qweight)  # [in / 8, out, 8]: nibble j = input 8r + j
     q = nib.transpose(1, 0, 2).reshape(qweight.shape[1], -1)  # [out, in]
     z = _nibbles(qzeros).reshape(qzeros.shape[0], -1)  # [in / g, out]
     if fmt == "gptq":
         z = (z + np.uint8(1)) & np.uint8(0xF)
-    return Int4Matrix.from_parts(q, np.asarray(scales, np.float16).T, z.T)
+    perm = None if g_idx is None else act_order_perm(g_idx, group)
+    if perm is not None:
+        q = q[:, perm]  # column j: input perm[j], of group j // group
+    matrix = Int4Matrix.from_parts(q, np.asarray(scales, np.float16).T, z.T)
+    matrix.input_perm = perm
+    return matrix
 
 
 def read_int4_linears(model_dir: str | os.PathLike, config, method: str) -> dict[str, Int4Matrix]:
@@ -222,14 +266,14 @@ def read_int4_linears(model_dir: str | os.PathLike, config, method: str) -> dict
             if method == "awq":
                 out[base + ".weight"] = unpack_awq(qweight, qzeros, scales, group)
                 continue
+            g_idx = None
             if base + ".g_idx" in checkpoint:
                 g_idx = checkpoint.get(base + ".g_idx", (n_in,), np.int32)
-                if not np.array_equal(g_idx, np.arange(n_in) // group):
-                    raise ModelLoadError(model_dir, "gptq: g_idx is not input // group_size "
-                                         "(an act-order checkpoint): not served",
-                                         tensor=base + ".g_idx")
-            out[base + ".weight"] = unpack_gptq(qweight, qzeros, scales, group,
-                                                settings["format"])
+            try:
+                out[base + ".weight"] = unpack_gptq(qweight, qzeros, scales, group,
+                                                    settings["format"], g_idx)
+            except ValueError as exc:
+                raise ModelLoadError(model_dir, f"gptq: {exc}", tensor=base + ".g_idx") from None
     if not out:
         raise ModelLoadError(model_dir, f"{method}: no .qweight tensors in the checkpoint")
     return out

@@ -260,7 +260,7 @@ class ModelRunner:
             return f"the {getattr(self.ops, 'name', 'cpu')} backend has no graphs"
         if len(self.kv_sets) != 1:
             return "pipeline virtual engines"
-        reason = unsupported_reason(self.config)
+        reason = unsupported_reason(self.config, self.model)
         if reason is not None:
             return reason
         graphs = DecodeGraphs(self.model, self.ops, self.k_caches, self.v_caches, sizes=sizes,

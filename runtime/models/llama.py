@@ -36,6 +36,7 @@ targets (the weight stack returns None for them).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -97,14 +98,28 @@ def _t(*matrices: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate(matrices, axis=0).T, dtype=np.float32)
 
 
+class InputPermuted(NamedTuple):
+    """A packed weight whose column j multiplies input perm[j] (an act-order GPTQ matrix kept
+    int4, runtime/hf_quantized.py): LlamaModel._linear gathers x[:, perm] before the GEMM."""
+
+    weight: object  # what ops.linear_weight returned
+    perm: object    # int64 [in] in ops.xp
+
+
 def _linear_weight(ops, *matrices):
-    """ops.linear_weight of HF [out, in] matrices stacked along out. GGUF-quantized ones
-    (quantization "gguf") reach a backend that keeps them (ops.keeps_quantized) as one
-    QuantizedMatrix when they share a type; otherwise they are dequantized here."""
+    """ops.linear_weight of HF [out, in] matrices stacked along out. Quantized ones (GGUF
+    blocks, AWQ / GPTQ int4) reach a backend that keeps them (ops.keeps_quantized) as one
+    QuantizedMatrix when they share a type (and, act-order int4, one input order: then an
+    InputPermuted); otherwise they are dequantized here."""
     if any(isinstance(m, QuantizedMatrix) for m in matrices):
-        stacked = QuantizedMatrix.stack(matrices)
+        perms = [getattr(m, "input_perm", None) for m in matrices]
+        one_order = all(p is None for p in perms) or all(
+            p is not None and np.array_equal(p, perms[0]) for p in perms)
+        stacked = QuantizedMatrix.stack(matrices) if one_order else None
         if stacked is not None and getattr(ops, "keeps_quantized", False):
-            return ops.linear_weight(stacked)
+            if perms[0] is None:
+                return ops.linear_weight(stacked)
+            return InputPermuted(ops.linear_weight(stacked), ops.xp.asarray(perms[0]))
         matrices = tuple(dense(m) for m in matrices)
     return ops.linear_weight(_t(*matrices).T)
 
@@ -226,7 +241,7 @@ class LlamaModel:
             else:
                 h, residual = ops.fused_add_rms_norm(x, residual, layer.input_norm,
                                                      cfg.rms_norm_eps)
-            qkv = self._lora(lora, index, LORA_QKV, ops.linear(h, layer.qkv, layer.qkv_bias),
+            qkv = self._lora(lora, index, LORA_QKV, self._linear(h, layer.qkv, layer.qkv_bias),
                              h)
             q = qkv[:, :q_size].reshape(num_tokens, cfg.num_attention_heads, cfg.head_dim)
             k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, cfg.num_key_value_heads,
@@ -240,7 +255,7 @@ class LlamaModel:
             attn_out = self._attention(q, k_cache, v_cache, attn, layer.sliding_window)
             o_in = attn_out.reshape(num_tokens, q_size)
             x = self.all_reduce(self._lora(lora, index, LORA_O,
-                                           ops.linear(o_in, layer.o, layer.o_bias), o_in))
+                                           self._linear(o_in, layer.o, layer.o_bias), o_in))
             if layer.attn_out_norm is not None:
                 x = ops.rms_norm(x, layer.attn_out_norm, cfg.rms_norm_eps)
             h, residual = ops.fused_add_rms_norm(x, residual, layer.post_norm, cfg.rms_norm_eps)
@@ -248,13 +263,26 @@ class LlamaModel:
                 mlp_out = layer.moe(ops, h)
             else:
                 gate_up = self._lora(lora, index, LORA_GATE_UP,
-                                     ops.linear(h, layer.gate_up), h)
+                                     self._linear(h, layer.gate_up), h)
                 act = self.act_and_mul(gate_up)
-                mlp_out = self._lora(lora, index, LORA_DOWN, ops.linear(act, layer.down), act)
+                mlp_out = self._lora(lora, index, LORA_DOWN, self._linear(act, layer.down), act)
             x = self.all_reduce(mlp_out)
             if layer.mlp_out_norm is not None:
                 x = ops.rms_norm(x, layer.mlp_out_norm, cfg.rms_norm_eps)
         return x, residual
+
+    def _linear(self, x, weight, bias=None):
+        """ops.linear, gathering the inputs first for an act-order weight (InputPermuted)."""
+        if type(weight) is InputPermuted:
+            return self.ops.linear(self.ops.xp.take(x, weight.perm, axis=1), weight.weight, bias)
+        return self.ops.linear(x, weight, bias)
+
+    @property
+    def input_permuted(self) -> bool:
+        """Whether any projection gathers its inputs (act-order int4): the decode graphs of the
+        sim harness would not record that host gather."""
+        return any(type(w) is InputPermuted for layer in self.layers
+                   for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
 
     def _lora(self, lora, index: int, target: str, y, x):
         """y (a GEMM's fresh [num_tokens, out] output) plus the step's LoRA deltas of layer

@@ -108,8 +108,10 @@ def reference_awq(qweight, qzeros, scales, group):
     return np.repeat(s, group, 1) * (q - np.repeat(z, group, 1))
 
 
-def reference_gptq(qweight, qzeros, scales, group):
+def reference_gptq(qweight, qzeros, scales, group, g_idx=None):
+    """float32 [out, in] from GPTQ v1 tensors; input i in group g_idx[i] (default i // g)."""
     n_in, n_out = qweight.shape[0] * 8, qweight.shape[1]
+    g_idx = np.arange(n_in) // group if g_idx is None else np.asarray(g_idx)
     q = np.zeros((n_out, n_in), np.float32)
     z = np.zeros((n_out, n_in // group), np.float32)
     for r in range(n_in // 8):
@@ -121,22 +123,33 @@ def reference_gptq(qweight, qzeros, scales, group):
             for j in range(8):
                 z[8 * c + j, gi] = (nibble(qzeros[gi, c], j) + 1) % 16
     s = scales.astype(np.float32).T
-    return np.repeat(s, group, 1) * (q - np.repeat(z, group, 1))
+    return s[:, g_idx] * (q - z[:, g_idx])
 
 
-def pack_matrix(method, w, group):
-    """The checkpoint tensors of one [out, in] float matrix {suffix: array}."""
-    q, s, z = quantize_int4(w, group)
+def pack_matrix(method, w, group, order=None):
+    """The checkpoint tensors of one [out, in] float matrix {suffix: array}. order: GPTQ act
+    order, the inputs in the order they were quantized (input order[j] in group j // g; HF's
+    g_idx[order[j]] = j // g); None: group i // g."""
+    n_in = w.shape[1]
+    order = np.arange(n_in) if order is None else np.asarray(order)
+    q_sorted, s, z = quantize_int4(w[:, order], group)
+    q = np.empty_like(q_sorted)
+    q[:, order] = q_sorted  # qweight keeps the inputs' order
+    g_idx = np.empty(n_in, np.int32)
+    g_idx[order] = np.arange(n_in) // group
     if method == "awq":
         return {"qweight": pack_awq(q.T), "qzeros": pack_awq(z.T), "scales": s.T.copy()}
     zeros = ((z.astype(np.int32) - 1) % 16).astype(np.uint8)  # v1: z - 1
     return {"qweight": pack_seq(q.T, 0), "qzeros": pack_seq(zeros.T, 1), "scales": s.T.copy(),
-            "g_idx": (np.arange(w.shape[1]) // group).astype(np.int32)}
+            "g_idx": g_idx}
 
 
-def write_checkpoint(path, method, group, seed=0, config_overrides=None, **qc):
+def write_checkpoint(path, method, group, seed=0, config_overrides=None, act_order=False,
+                     **qc):
     """A tiny int4 checkpoint in `path`; returns (ModelConfig, {".weight" name: reference}).
-    config_overrides: config.json fields replacing CONFIG's (e.g. a head_dim the sim serves)."""
+    config_overrides: config.json fields replacing CONFIG's (e.g. a head_dim the sim serves).
+    act_order (gptq): desc_act true, each layer input's own random quantization order, shared
+    by the projections that read it (q/k/v, gate/up), as GPTQ's Hessian order is."""
     rng = np.random.default_rng(seed)
     config_dict = {**CONFIG, **(config_overrides or {})}
     config = ModelConfig.from_dict(config_dict)
@@ -145,8 +158,15 @@ def write_checkpoint(path, method, group, seed=0, config_overrides=None, **qc):
               "self_attn.v_proj": (config.kv_size, h), "self_attn.o_proj": (h, config.q_size),
               "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
               "mlp.down_proj": (h, inter)}
+    inputs = {"self_attn.q_proj": "attn_in", "self_attn.k_proj": "attn_in",
+              "self_attn.v_proj": "attn_in", "self_attn.o_proj": "o_in",
+              "mlp.gate_proj": "mlp_in", "mlp.up_proj": "mlp_in", "mlp.down_proj": "down_in"}
     tensors, refs = {}, {}
     for layer in range(config.num_hidden_layers):
+        orders = {}
+        for name, (n_out, n_in) in shapes.items():
+            if act_order and inputs[name] not in orders:
+                orders[inputs[name]] = rng.permutation(n_in)
         tensors[f"model.layers.{layer}.input_layernorm.weight"] = (
             1 + 0.1 * rng.standard_normal(h)).astype(np.float32)
         tensors[f"model.layers.{layer}.post_attention_layernorm.weight"] = (
@@ -154,18 +174,21 @@ def write_checkpoint(path, method, group, seed=0, config_overrides=None, **qc):
         for name, (n_out, n_in) in shapes.items():
             w = (rng.standard_normal((n_out, n_in)) / np.sqrt(n_in)).astype(np.float32)
             base = f"model.layers.{layer}.{name}"
-            parts = pack_matrix(method, w, group)
+            parts = pack_matrix(method, w, group, orders.get(inputs[name]))
             tensors.update({f"{base}.{k}": v for k, v in parts.items()})
-            ref = reference_awq if method == "awq" else reference_gptq
-            refs[base + ".weight"] = ref(parts["qweight"], parts["qzeros"], parts["scales"],
-                                         group)
+            if method == "awq":
+                refs[base + ".weight"] = reference_awq(parts["qweight"], parts["qzeros"],
+                                                       parts["scales"], group)
+            else:
+                refs[base + ".weight"] = reference_gptq(parts["qweight"], parts["qzeros"],
+                                                        parts["scales"], group, parts["g_idx"])
     tensors["model.embed_tokens.weight"] = rng.standard_normal((vocab, h)).astype(np.float32)
     tensors["model.norm.weight"] = (1 + 0.1 * rng.standard_normal(h)).astype(np.float32)
     tensors["lm_head.weight"] = (4 * rng.standard_normal((vocab, h)) / np.sqrt(h)).astype(
         np.float32)
     qconfig = {"quant_method": method, "bits": 4, "group_size": group}
     qconfig.update({"zero_point": True, "version": "gemm"} if method == "awq"
-                   else {"desc_act": False, "sym": False, "checkpoint_format": "gptq"})
+                   else {"desc_act": act_order, "sym": False, "checkpoint_format": "gptq"})
     qconfig.update(qc)
     (path / "config.json").write_text(json.dumps({**config_dict, "quantization_config": qconfig}))
     safetensors_numpy.save_file(tensors, str(path / "model.safetensors"))
@@ -229,6 +252,72 @@ def test_loader_dequantizes_to_the_reference(tmp_path, method, group):
         np.testing.assert_array_equal(matrix.dequantize(), refs[name])
         packed = cpu_gemm.PackedGgufWeight(matrix.raw, "I4Z", matrix.shape[1])
         np.testing.assert_array_equal(packed.dequantize(), refs[name])
+
+
+@pytest.mark.parametrize("group", [32, 64])  # 128: one group of the 128 inputs, no order
+def test_act_order_loader_sorts_inputs_by_group(tmp_path, group):
+    config, refs = write_checkpoint(tmp_path, "gptq", group, act_order=True)
+    linears = read_int4_linears(tmp_path, config, "gptq")
+    for name, matrix in linears.items():
+        perm = matrix.input_perm
+        assert perm is not None and sorted(perm.tolist()) == list(range(matrix.shape[1]))
+        np.testing.assert_array_equal(matrix.dequantize(), refs[name])  # the inputs' order
+        # The packed rows hold the columns in perm's order: groups consecutive again.
+        packed = cpu_gemm.PackedGgufWeight(matrix.raw, "I4Z", matrix.shape[1])
+        np.testing.assert_array_equal(packed.dequantize(), refs[name][:, perm])
+        rows = np.array([3, 0, 7])
+        taken = matrix.take_rows(rows)
+        assert isinstance(taken, Int4Matrix) and taken.input_perm is perm
+        np.testing.assert_array_equal(taken.dequantize(), refs[name][rows])
+    # The projections that read one input share its order (so q/k/v and gate/up still fuse).
+    layer0 = "model.layers.0."
+    for a, b in (("self_attn.q_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")):
+        np.testing.assert_array_equal(linears[layer0 + a + ".weight"].input_perm,
+                                      linears[layer0 + b + ".weight"].input_perm)
+    # desc_act false with the plain g_idx: no permutation.
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    config, _ = write_checkpoint(plain, "gptq", group)
+    assert all(m.input_perm is None for m in read_int4_linears(plain, config, "gptq").values())
+
+
+def test_act_order_engine_matches_float_engine(tmp_path):
+    from pagedrun.runtime.models.llama import InputPermuted
+
+    config, refs = write_checkpoint(tmp_path, "gptq", 64, seed=4, act_order=True)
+    _, weights, _ = load_model(str(tmp_path), quantization="gptq")
+    ref_weights = reference_weights(config, weights, refs)
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), device="cpu",
+                                    kv_cache_dtype="float32", block_size=8))
+    model = engine.runner.model
+    assert isinstance(engine.backend, CpuGgufBackend)
+    assert model.decode_loop is None  # the compiled loop does not gather inputs
+    layer = model.layers[0]
+    for fused, projs in ((layer.qkv, ("q_proj", "k_proj", "v_proj")),
+                         (layer.gate_up, ("gate_proj", "up_proj"))):
+        assert type(fused) is InputPermuted and fused.weight.ggml_type == "I4Z"
+        # One fused GEMM against the quantized arithmetic over the gathered inputs.
+        sub = "self_attn" if projs[0] == "q_proj" else "mlp"
+        w = np.concatenate([refs[f"model.layers.0.{sub}.{p}.weight"] for p in projs])
+        x = np.random.default_rng(5).standard_normal((9, w.shape[1])).astype(np.float32)
+        xq = fake_quantize_rows(x[:, fused.perm], "q8x2")
+        want = xq @ w[:, fused.perm].astype(np.float64).T
+        tol = 64 * 2.0 ** -24 * (np.abs(xq) @ np.abs(w[:, fused.perm]).T + np.abs(want)) + 1e-7
+        got = model._linear(x, fused)
+        assert (np.abs(got - want) <= tol).all(), float(np.abs(got - want).max())
+        # ... which is W x in the inputs' order, up to the activations' rounding.
+        exact = x @ w.astype(np.float64).T
+        assert np.max(np.abs(got - exact)) <= 1e-2 * float(exact.std())
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(3, config.vocab_size, n).tolist() for n in (1, 17, 30)]
+    requests = [(0, f"r{i}", dict(prompt_token_ids=p, sampling_params=greedy(8)))
+                for i, p in enumerate(prompts)]
+    got_out = run_requests(engine, requests)
+    want_out = run_requests(make_engine((config, ref_weights), block_size=8), requests)
+    for key in want_out:
+        assert got_out[key].outputs[0].token_ids == want_out[key].outputs[0].token_ids, key
+    stats = engine.get_stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
 # ------------------------------------------------------------------ the kernel
@@ -341,8 +430,7 @@ def test_engine_matches_float_engine_on_dequantized_weights(tmp_path, method, gr
 
 def test_refusals(tmp_path):
     assert "awq" in QUANTIZATIONS and "gptq" in QUANTIZATIONS
-    cases = {"desc": ("gptq", 64, {"desc_act": True}, "desc_act"),
-             "bits": ("gptq", 64, {"bits": 8}, "bits"),
+    cases = {"bits": ("gptq", 64, {"bits": 8}, "bits"),
              "group": ("awq", 64, {"group_size": 48}, "group_size"),
              "gemv": ("awq", 64, {"version": "gemv"}, "gemm")}
     for name, (method, group, qc, match) in cases.items():

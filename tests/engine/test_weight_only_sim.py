@@ -167,6 +167,31 @@ def test_engine_greedy_matches_float_engine(checkpoints, method):
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
+def test_act_order_gptq_greedy_matches_float_engine(tmp_path):
+    """desc_act: the W4A16 GEMM over inputs gathered into the groups' order; no decode graphs
+    (the gather is not a kernel the sim's recording replays)."""
+    from pagedrun.runtime.models.llama import InputPermuted
+
+    config, refs = write_checkpoint(tmp_path, "gptq", 32, seed=6, config_overrides=SIM_CONFIG,
+                                    act_order=True)
+    _, weights, _ = load_model(str(tmp_path), quantization="gptq")
+    ref_weights = reference_weights(config, weights, refs)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, config.vocab_size, n).tolist() for n in (1, 17)]
+    requests = [(0, f"r{i}", dict(prompt_token_ids=p, sampling_params=greedy(5)))
+                for i, p in enumerate(prompts)]
+    want = run_requests(make_engine((config, ref_weights), block_size=16), requests)
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), device="sim", dtype="float16",
+                                    block_size=16, num_kv_blocks=32, cuda_graph_sizes=(1, 2)))
+    model = engine.runner.model
+    assert type(model.layers[0].qkv) is InputPermuted
+    assert isinstance(model.layers[0].qkv.weight, WeightOnlyMatrix)
+    assert engine.runner.decode_graphs is None
+    got = run_requests(engine, requests)
+    for key in want:
+        assert got[key].outputs[0].token_ids == want[key].outputs[0].token_ids, key
+
+
 def test_decode_graphs_and_async_scheduling_replay_the_packed_kernels(checkpoints):
     path = checkpoints["gptq"][0]
     rng = np.random.default_rng(5)
