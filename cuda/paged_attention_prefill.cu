@@ -50,9 +50,12 @@
 // fp8 caches (CacheT uint8_t): the key tiles are widened exactly to T on their way into shared
 // memory (every e4m3 value is an f16 / bf16 / f32), so both paths compute on the T tiles they
 // would have loaded from a T cache: same shared memory, same math. The widening takes plain
-// loads (8 codes per 16-byte shared chunk of 16-bit T, 4 of f32) instead of cp.async, so a
-// tile's loads are waited for where they are issued (the next tile's, still before tile i's
-// math): the pipeline's overlap is lost on this path for now.
+// loads (8 codes per 16-byte shared chunk of 16-bit T, 4 of f32) instead of cp.async. On the
+// tensor-core path tile i + 1's codes are loaded into registers before tile i's math and
+// widened into their stage after it (Fp8KvTileRegs: 8 registers at d64, 16 at d128), so the
+// loads overlap the math as the cp.async stage does. d256 (one stage, Q in shared memory) loads
+// a tile after the previous one is consumed, synchronously: 32 registers of codes in flight
+// took ptxas to 255 there. The f32 test path loads each tile synchronously.
 //
 // Launch geometry: grid (max over requests of ceil(query_len / 64), num_reqs, num_heads),
 // block 128 (CTAs past their request's rows exit at once). Dynamic shared memory:
@@ -74,7 +77,8 @@
 // Register budget: 240 per thread at 128 threads; the gate must show 0 spill bytes. Measured
 // (nvcc 13.0, sm_80/sm_90): d64/d128 96-168 (d128 mma: 32 registers of Q fragments, 64 of
 // output accumulators); d256 mma 227-229 (128 of accumulators, Q reloaded from smem), d256 f32
-// 213-220; the _kv_fp8 instantiations 95-179 on sm_90a (d256 mma 168).
+// 213-220; the _kv_fp8 instantiations 118-179 on sm_90 (d256 mma 168; d128 mma 168-178 with
+// the next tile's codes in registers), f32_kv_fp8_d128 222 on sm_80.
 // Anything <= 255 keeps two CTAs per SM at 128 threads, which is also what d256's
 // shared memory allows on sm_80; 240 leaves the gate a margin to flag growth before a spill.
 // Measured: no GPU numbers yet (benchmarks/kernels/bench_attention.py writes them).
@@ -199,6 +203,68 @@ __device__ __forceinline__ void load_kv_tile_fp8(T* dst, int row_elems, const ui
     }
 }
 
+// The next K and V tiles of an fp8 cache held in registers between their loads and their
+// widening into shared memory (the tensor-core path's pipeline for fp8 caches): fetch() issues
+// the plain loads of tile i + 1 before tile i is computed, store() widens them into a stage
+// afterwards, so the loads' latency hides behind tile i's math as a cp.async stage would. Same
+// chunk -> thread map as load_kv_tile_fp8. Registers: 2 x PER_THREAD x WORDS per thread (8 at
+// d64 and 16 at d128 for 16-bit T); used with two stages (up to d128) only.
+template <typename T, int HEAD_DIM>
+struct Fp8KvTileRegs {
+    static constexpr int CHUNKS_PER_ROW = HEAD_DIM * sizeof(T) / kChunk;
+    static constexpr int ELEMS_PER_CHUNK = kChunk / sizeof(T);
+    static constexpr int WORDS = ELEMS_PER_CHUNK / 4;
+    static constexpr int PER_THREAD = kBlockN * CHUNKS_PER_ROW / kThreads;
+    static_assert(kBlockN * CHUNKS_PER_ROW % kThreads == 0, "a tile's chunks split evenly");
+    uint32_t k[PER_THREAD][WORDS];
+    uint32_t v[PER_THREAD][WORDS];
+
+    __device__ __forceinline__ void fetch(const uint8_t* k_cache, const uint8_t* v_cache, int kv0,
+                                          const TileCoords& c, int num_kv_heads,
+                                          int block_size_log2) {
+#pragma unroll
+        for (int j = 0; j < PER_THREAD; ++j) {
+            const int chunk = threadIdx.x + j * kThreads;
+            const int key = kv0 + chunk / CHUNKS_PER_ROW;
+            const int col = (chunk % CHUNKS_PER_ROW) * ELEMS_PER_CHUNK;
+#pragma unroll
+            for (int w = 0; w < WORDS; ++w) k[j][w] = v[j][w] = 0u;  // past the context: +0
+            if (key < c.kv_end) {
+                const uint8_t* ks =
+                    key_row<uint8_t, HEAD_DIM>(k_cache, key, col, c, num_kv_heads, block_size_log2);
+                const uint8_t* vs =
+                    key_row<uint8_t, HEAD_DIM>(v_cache, key, col, c, num_kv_heads, block_size_log2);
+                if constexpr (WORDS == 2) {
+                    const uint2 kr = *reinterpret_cast<const uint2*>(ks);
+                    const uint2 vr = *reinterpret_cast<const uint2*>(vs);
+                    k[j][0] = kr.x;
+                    k[j][1] = kr.y;
+                    v[j][0] = vr.x;
+                    v[j][1] = vr.y;
+                } else {
+                    k[j][0] = *reinterpret_cast<const uint32_t*>(ks);
+                    v[j][0] = *reinterpret_cast<const uint32_t*>(vs);
+                }
+            }
+        }
+    }
+
+    // Widens into a stage: kBlockN K rows at stage_k, the V rows v_offset elements after.
+    __device__ __forceinline__ void store(T* stage_k, int row_elems, int v_offset) const {
+#pragma unroll
+        for (int j = 0; j < PER_THREAD; ++j) {
+            const int chunk = threadIdx.x + j * kThreads;
+            T* kd = stage_k + (chunk / CHUNKS_PER_ROW) * row_elems +
+                    (chunk % CHUNKS_PER_ROW) * ELEMS_PER_CHUNK;
+#pragma unroll
+            for (int i = 0; i < ELEMS_PER_CHUNK; ++i) {
+                kd[i] = from_f32<T>(fp8_e4m3_word_to_f32(k[j][i / 4], i % 4));
+                kd[v_offset + i] = from_f32<T>(fp8_e4m3_word_to_f32(v[j][i / 4], i % 4));
+            }
+        }
+    }
+};
+
 // Issues the cp.asyncs of one [kBlockN, HEAD_DIM] key tile (K or V) into rows of
 // `row_elems` elements; keys at or past kv_end are zero-filled and read nothing. An fp8 cache
 // (CacheT uint8_t) goes through load_kv_tile_fp8 instead (no cp.async: nothing to commit).
@@ -310,11 +376,21 @@ __device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __rest
     // commits one group (empty past the last tile) so wait<STAGES - 1> always means "tile i
     // landed". One stage (Q_IN_SMEM): tile i + 1 is issued after tile i is consumed, and the
     // other CTA on the SM hides the wait.
+    // An fp8 cache's next tile waits in registers (Fp8KvTileRegs) instead of a cp.async group:
+    // loaded before tile i's math, widened into its stage after it.
+    constexpr bool kFp8 = sizeof(CacheT) == 1;
     for (int kv0 = c.kv_begin, stage = 0; kv0 < c.kv_end;
          kv0 += kBlockN, stage ^= (STAGES - 1)) {
         const T* s_k = stage_k(stage);
         const T* s_v = s_k + V_OFFSET;
-        if (STAGES == 2 && kv0 + kBlockN < c.kv_end) {
+        const bool has_next = kv0 + kBlockN < c.kv_end;
+        [[maybe_unused]] Fp8KvTileRegs<T, HEAD_DIM> next_fp8;
+        if constexpr (kFp8) {
+            if (STAGES == 2 && has_next)
+                next_fp8.fetch(reinterpret_cast<const uint8_t*>(k_cache),
+                               reinterpret_cast<const uint8_t*>(v_cache), kv0 + kBlockN, c,
+                               num_kv_heads, block_size_log2);
+        } else if (STAGES == 2 && has_next) {
             T* next_k = stage_k(stage ^ 1);
             load_kv_tile<T, CacheT, HEAD_DIM>(next_k, ROW, k_cache, kv0 + kBlockN, c,
                                               num_kv_heads, block_size_log2);
@@ -406,8 +482,12 @@ __device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __rest
                 mma_m16n8k16_acc<T>(o[2 * dp + 1], p_frag, b1);
             }
         }
+        if constexpr (kFp8) {
+            // The other stage was last read in iteration i - 1, before its closing barrier.
+            if (STAGES == 2 && has_next) next_fp8.store(stage_k(stage ^ 1), ROW, V_OFFSET);
+        }
         __syncthreads();  // the next iteration's cp.async overwrites this stage
-        if (STAGES == 1 && kv0 + kBlockN < c.kv_end) {  // committed at the loop's top
+        if (STAGES == 1 && has_next) {  // committed at the loop's top
             load_kv_tile<T, CacheT, HEAD_DIM>(stage_k(0), ROW, k_cache, kv0 + kBlockN, c,
                                               num_kv_heads, block_size_log2);
             load_kv_tile<T, CacheT, HEAD_DIM>(stage_k(0) + V_OFFSET, ROW, v_cache, kv0 + kBlockN,
