@@ -201,7 +201,7 @@ def test_enforce_eager_and_sizes(sim_model, caplog):
     import pagedrun.runtime.model_runner as model_runner
 
     real = model_runner.unsupported_reason
-    model_runner.unsupported_reason = lambda config: "a reason"
+    model_runner.unsupported_reason = lambda config, model=None: "a reason"
     try:
         with caplog.at_level(logging.INFO, logger="pagedrun.engine"):
             engine = make_engine(sim_model, block_size=16, max_model_len=64, num_kv_blocks=32,
