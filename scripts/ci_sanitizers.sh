@@ -4,7 +4,7 @@
 # module with the matching -fsanitize flags (runtime/kernels/sim_module.py), so the tests run
 # unchanged:
 #   1. ASan + UBSan over tests/sim and tests/kernels (measured 1-3 min on 2 cores), under a
-#      shuffled harness schedule (--sim-schedule-seed random: block and thread order drawn
+#      shuffled harness schedule (--sim-schedule-seed random: block and thread order drawn per test
 #      afresh, the seed printed for a replay), so a race that index order hides can surface.
 #   2. TSan over tests/sim and tests/kernels minus the tests selected away by TSAN_KERNEL_SKIP
 #      (a pytest -k expression; default: the statistical sampling tests, which launch large

@@ -16,11 +16,12 @@ from pathlib import Path
 TESTS_DIR = Path(__file__).resolve().parent
 
 # sys.modules name -> helper file under tests/. Prefixed so no name can shadow an installed
-# package; the helpers import only numpy and the standard library at import time.
+# package; the helpers import only numpy, pytest, pagedrun and the standard library.
 HELPER_MODULES = {
     "pagedrun_tests_tiny_gguf": "foundation/tiny_gguf.py",
     "pagedrun_tests_pyx_fake_worker": "pyx/fake_worker.py",
     "pagedrun_tests_lora_helpers": "lora/lora_helpers.py",
+    "pagedrun_tests_sim_schedule": "sim_schedule.py",
 }
 
 
@@ -43,10 +44,10 @@ def pytest_addoption(parser) -> None:
     parser.addoption("--engine-backends", default="all", metavar="NAMES",
                      help="comma-separated engine test backends (cpu, cpu-bf16, sim) or 'all'; "
                           "CI's later tiers re-run the engine tests on cpu only")
-    # The CPU harness's schedule (cuda/sim/runtime.cpp, "Schedule randomisation"): 0 runs
-    # blocks and threads in index order; a seed, or "random" (one drawn and printed), shuffles
-    # them so a race whose outcome index order fixes shows up. CI's sanitizer tier runs the
-    # kernel tests with "random".
+    # The CPU harness's schedule (cuda/sim/runtime.cpp, "Schedules"): 0 runs blocks and
+    # threads in index order; a seed, or "random" (one drawn and printed), shuffles them so a
+    # race whose outcome index order fixes shows up. Without the option the kernel and harness
+    # tests draw a fresh random schedule per test (tests/sim_schedule.py), the rest index order.
     parser.addoption("--sim-schedule-seed", default="0", metavar="SEED",
                      help="CPU harness block/thread order: 0 (index order), an int, or random")
 

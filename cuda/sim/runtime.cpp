@@ -1,7 +1,8 @@
 // runtime.cpp -- the CPU harness scheduler: runs a CUDA grid block by block, each CUDA thread
 // a fiber on its own small stack, switched by a 6-register assembly context switch (x86-64
-// SysV). Owns: fiber stacks, block/warp rendezvous, deadlock reports, cp.async groups,
-// shared-memory poisoning and guards, and the sanitizer fiber hooks.
+// SysV). Owns: fiber stacks, block/warp rendezvous, the schedule (index order or seeded
+// random, see "Schedules"), deadlock reports, cp.async groups, shared-memory poisoning and
+// guards, and the sanitizer fiber hooks.
 //
 // Built once per sanitizer mode (plain / ASan / TSan) by runtime/kernels/sim_module.py and
 // linked into every kernel module. It is deliberately NOT instrumented by the sanitizers: it
@@ -147,6 +148,16 @@ struct Launch {
     void* sched_sp = nullptr;
     bool failed = false;
     std::string error;
+    // Shuffled schedules only (g_schedule_seed != 0; see "Schedules" below).
+    bool shuffled = false;
+    bool by_priority = false;        // this block's policy: priorities, else uniform picks
+    std::vector<unsigned> ready;     // uniform: runnable fibers, not running
+    std::vector<uint32_t> warp_ready;  // priority: the same set as a lane mask per warp
+    unsigned num_ready = 0;
+    std::vector<int64_t> warp_key;   // by_priority: higher runs first; demotion goes negative
+    std::vector<uint32_t> lane_key;  // by_priority: tie-break inside a warp
+    int64_t lowest_key = 0;
+    uint64_t last_block_switches = 0;  // the previous block's length: sizes the change points
     unsigned block_arrived = 0;
     int block_acc = 0;
     int block_kind = 0;
@@ -164,13 +175,35 @@ struct Launch {
 Launch* g_L = nullptr;
 uint64_t g_block_serial = 0;  // bumped per block: twins' side state keyed by it resets itself
 
-// Schedule randomisation (pagedrun_sim_set_schedule_seed): 0 runs blocks in grid order and,
-// in each scheduling round, the runnable threads in thread order -- deterministic, and
-// blind to a race whose outcome that order happens to fix (a read of a value another thread
-// wrote without a barrier between them sees it whenever the writer's index is lower). A
-// non-zero seed shuffles the block order of each launch and the thread order of every round,
-// as a GPU's warp scheduler is free to, so such races show up under some seeds; each launch
-// draws a fresh permutation from (seed, launch count), so a seed replays exactly.
+// Schedules (pagedrun_sim_set_schedule_seed; Python: sim_module.Schedule).
+//
+// Seed 0, index order: blocks run in grid order; inside a block, rounds over the threads in
+// index order, each runnable thread running until its next rendezvous (__syncthreads, a warp
+// collective, a blocking wait_until) or its exit. Deterministic, and blind to any race whose
+// outcome that order fixes: a thread reading, with no barrier between, what a lower-indexed
+// thread wrote always sees it; warp 0 never runs ahead of warp 1; block 0 always runs first.
+//
+// Seed != 0, shuffled: the block order of each launch is a random permutation, and every
+// switch point is a random choice among the runnable threads. A rendezvous is a switch point
+// for every thread in it, the one completing it too (it re-enters the ready set instead of
+// running on), so the order in which threads leave a barrier is random as well as the order
+// in which they reach it. Each block draws one of two policies:
+//   * uniform: the next thread is drawn uniformly from the ready set -- fine-grained
+//     interleavings of all warps;
+//   * priority (PCT, Burckhardt et al. 2010): each warp gets a random priority, each lane a
+//     random rank in its warp, and the highest ready thread runs; at 0 (half the blocks), 1
+//     or 2 change points, drawn uniformly over the block's expected length in switches (the
+//     previous block's), the running warp drops below all others. One warp runs through
+//     several rendezvous before another starts -- the schedule that exposes "warp 1 wrote
+//     it by now" assumptions, which a uniform draw over hundreds of threads never produces.
+// Both are legal GPU schedules: barriers and warp collectives keep their semantics, only the
+// order between them changes. Waiters in wait_until are polled when the ready set is empty
+// and at a random quarter of the switches (a waiter resuming late is legal). Each launch
+// draws from (seed, launches since the seed was set), so a seed replays a test exactly.
+// cp.async needs no shuffling: a copy poisons its destination (NaN) at issue and lands only
+// at the issuing thread's covering cp_async_wait, the latest legal point, so a read before
+// the wait always sees NaN and a read of another thread's copy sees it unless the issuer's
+// wait ran first -- which the shuffled order decides.
 uint64_t g_schedule_seed = 0;
 uint64_t g_schedule_state = 0;
 uint64_t g_launch_serial = 0;
@@ -243,6 +276,47 @@ void tsan_acquire(void* p) {
 #else
     (void)p;
 #endif
+}
+
+void push_ready(unsigned i) {
+    Launch& L = *g_L;
+    ++L.num_ready;
+    if (L.by_priority)
+        L.warp_ready[i / kWarpSize] |= 1u << (i % kWarpSize);
+    else
+        L.ready.push_back(i);
+}
+
+// Takes the next fiber to run out of the ready set (not empty): uniform, or the ready lane
+// with the highest rank in the ready warp with the highest priority (O(warps + lanes)).
+unsigned pop_ready() {
+    Launch& L = *g_L;
+    --L.num_ready;
+    if (!L.by_priority) {
+        const std::size_t pick = next_random() % L.ready.size();
+        const unsigned i = L.ready[pick];
+        L.ready[pick] = L.ready.back();
+        L.ready.pop_back();
+        return i;
+    }
+    unsigned w = ~0u;
+    for (unsigned v = 0; v < L.warp_ready.size(); ++v)
+        if (L.warp_ready[v] && (w == ~0u || L.warp_key[v] > L.warp_key[w])) w = v;
+    unsigned best = ~0u;
+    for (uint32_t m = L.warp_ready[w]; m; m &= m - 1) {
+        const unsigned i = w * kWarpSize + unsigned(std::countr_zero(m));
+        if (best == ~0u || L.lane_key[i] > L.lane_key[best]) best = i;
+    }
+    L.warp_ready[w] &= ~(1u << (best % kWarpSize));
+    return best;
+}
+
+// Marks a waiting fiber runnable; shuffled schedules also put it in the ready set (the
+// running fiber re-enters it itself when it yields, see reschedule).
+void wake(Fiber& o) {
+    Launch& L = *g_L;
+    o.state = State::Runnable;
+    if (L.shuffled && &o != L.cur) push_ready(o.ctx.linear);
 }
 
 std::string fmt_loc(const Loc& loc) {
@@ -329,6 +403,15 @@ void yield_to_scheduler(bool final) {
 #if defined(PAGEDRUN_SIM_ASAN)
     __sanitizer_finish_switch_fiber(f.asan_fake, &L.sched_stack_bottom, &L.sched_stack_size);
 #endif
+}
+
+// The running fiber completed a rendezvous: under a shuffled schedule that is a switch point
+// for it as for the threads it released, so it re-enters the ready set and yields.
+void reschedule() {
+    Launch& L = *g_L;
+    if (!L.shuffled) return;
+    push_ready(L.cur->ctx.linear);
+    yield_to_scheduler(false);
 }
 
 void fiber_main(Fiber* f) {
@@ -422,6 +505,9 @@ void acquire_all_fibers() {
     tsan_acquire(&L.tsan_cond_token);
 }
 
+void run_block_index_order();
+void run_block_shuffled();
+
 void run_block() {
     Launch& L = *g_L;
     ++g_block_serial;
@@ -436,20 +522,37 @@ void run_block() {
         init_fiber_stack(f);
     }
     tsan_release(&L.tsan_block_start);
-    std::vector<unsigned> order(L.nthreads);
-    for (unsigned i = 0; i < L.nthreads; ++i) order[i] = i;
+    if (L.shuffled)
+        run_block_shuffled();
+    else
+        run_block_index_order();
+    if (L.failed) return;
+    tsan_acquire(&L.tsan_block_end);
+    std::string err;
+    if (!check_smem_guard(err)) {
+        L.failed = true;
+        L.error = err;
+    }
+}
+
+// Polls a fiber blocked in wait_until; true if it became runnable.
+bool poll_waiter(Fiber& f) {
+    Launch& L = *g_L;
+    tsan_acquire(&L.tsan_cond_token);  // the predicate reads what waiters released
+    const bool now = f.ready(f.ready_ctx);
+    tsan_release(&L.tsan_cond_token);  // ... and before the waiter reuses its stack
+    return now;
+}
+
+void run_block_index_order() {
+    Launch& L = *g_L;
     unsigned done = 0;
     while (done < L.nthreads) {
         bool progress = false;
         done = 0;
-        if (g_schedule_seed) shuffle(order);
-        for (unsigned i : order) {
+        for (unsigned i = 0; i < L.nthreads; ++i) {
             Fiber& f = L.fibers[i];
-            if (f.state == State::WaitCond) {
-                tsan_acquire(&L.tsan_cond_token);  // the predicate reads what waiters released
-                if (f.ready(f.ready_ctx)) f.state = State::Runnable;
-                tsan_release(&L.tsan_cond_token);  // ... and before the waiter reuses its stack
-            }
+            if (f.state == State::WaitCond && poll_waiter(f)) f.state = State::Runnable;
             if (f.state == State::Runnable) {
                 run_fiber(f);
                 progress = true;
@@ -467,12 +570,57 @@ void run_block() {
             return;
         }
     }
-    tsan_acquire(&L.tsan_block_end);
-    std::string err;
-    if (!check_smem_guard(err)) {
-        L.failed = true;
-        L.error = err;
+}
+
+// See "Schedules" above.
+void run_block_shuffled() {
+    Launch& L = *g_L;
+    const unsigned n = L.nthreads;
+    L.by_priority = next_random() & 1;
+    L.ready.clear();
+    std::fill(L.warp_ready.begin(), L.warp_ready.end(), 0u);
+    L.num_ready = 0;
+    for (unsigned i = 0; i < n; ++i) push_ready(i);
+    if (L.by_priority) {
+        for (auto& k : L.warp_key) k = int64_t(next_random() >> 33) + 1;  // > every demotion
+        for (unsigned i = 0; i < n; ++i) L.lane_key[i] = uint32_t(next_random());
+        L.lowest_key = 0;
     }
+    uint64_t change_at[2] = {~0ull, ~0ull};  // switch counts at which the running warp drops
+    if (L.by_priority && (next_random() & 1)) {
+        const uint64_t horizon = L.last_block_switches ? L.last_block_switches : 4ull * n;
+        change_at[0] = next_random() % horizon;
+        if (next_random() & 1) change_at[1] = next_random() % horizon;
+    }
+    uint64_t switches = 0;
+    unsigned done = 0, waiting = 0;
+    while (done < n) {
+        if (waiting && (L.num_ready == 0 || next_random() % 4 == 0)) {
+            for (Fiber& f : L.fibers)
+                if (f.state == State::WaitCond && poll_waiter(f)) {
+                    --waiting;
+                    wake(f);
+                }
+        }
+        if (L.num_ready == 0) {
+            acquire_all_fibers();
+            L.failed = true;
+            L.error = deadlock_report();
+            return;
+        }
+        Fiber& f = L.fibers[pop_ready()];
+        run_fiber(f);
+        if (L.failed) {
+            acquire_all_fibers();
+            return;
+        }
+        if (f.state == State::Done) ++done;
+        if (f.state == State::WaitCond) ++waiting;
+        if (switches == change_at[0] || switches == change_at[1])
+            L.warp_key[f.ctx.warp] = --L.lowest_key;
+        ++switches;
+    }
+    L.last_block_switches = switches;
 }
 
 // ---- faults -------------------------------------------------------------------------------
@@ -532,6 +680,10 @@ void run_grid(const unsigned* grid) {
     Launch& L = *g_L;
     ++g_launch_serial;
     if (g_schedule_seed) {
+        L.shuffled = true;
+        L.warp_key.resize(L.warps.size());
+        L.warp_ready.resize(L.warps.size());
+        L.lane_key.resize(L.nthreads);
         g_schedule_state = g_schedule_seed ^ (g_launch_serial * 0xd1b54a32d192ed03ull);
         std::vector<uint3> blocks;
         blocks.reserve(std::size_t(grid[0]) * grid[1] * grid[2]);
@@ -625,9 +777,10 @@ void block_barrier(int kind, int pred, const Loc& loc) {
         L.block_arrived = 0;
         for (auto& o : L.fibers) {
             o.ctx.block_result = L.block_acc;
-            if (&o != &f) o.state = State::Runnable;
+            if (&o != &f) wake(o);
         }
         f.state = State::Runnable;
+        reschedule();
     } else {
         yield_to_scheduler(false);
     }
@@ -686,8 +839,9 @@ void warp_collective(uint32_t mask, const char* what, void* lane_data, WarpFn fn
         fn(lanes, mask, ctx);
         w.arrived &= ~mask;
         for (unsigned l = 0; l < kWarpSize; ++l)
-            if (mask & (1u << l)) L.fibers[base + l].state = State::Runnable;
+            if (mask & (1u << l)) wake(L.fibers[base + l]);
         tsan_release(&L.tsan_warp_token);
+        reschedule();
     } else {
         yield_to_scheduler(false);
     }
@@ -835,9 +989,11 @@ int launch(const char* kernel_name, KernelBody body, void* fn, const unsigned* g
 
 }  // namespace pagedrun_sim
 
-// Python (runtime/kernels/sim_module.py: set_schedule_seed) sets it in each loaded module's
-// copy of this runtime before a launch; 0 restores the deterministic order.
+// Python (runtime/kernels/sim_module.py: Schedule) sets it in each loaded module's copy of
+// this runtime before a launch; 0 restores index order. Setting it (even to the same value)
+// restarts the launch count, so the launches that follow replay exactly.
 extern "C" __attribute__((visibility("default"))) void pagedrun_sim_set_schedule_seed(
     unsigned long long seed) {
     pagedrun_sim::g_schedule_seed = seed;
+    pagedrun_sim::g_launch_serial = 0;  // launches from here on replay under this seed
 }

@@ -13,6 +13,10 @@ exact dtype (np.int32 for `int`, np.float32 for `float`, ...). A wrong count or 
 TypeError before anything runs. A kernel-side error (deadlock, mask violation, misaligned
 ldmatrix, shared-memory overflow, ...) raises SimKernelError naming kernel, block and thread.
 
+The order in which blocks and threads run is a Schedule: index order by default, or
+Schedule.random(seed) -- process-wide with set_schedule, or fn(..., schedule=s) for one
+launch -- to expose races that index order hides (cuda/sim/runtime.cpp, "Schedules").
+
 Builds are cached in runtime/paths.sim_cache_dir() ($XDG_CACHE_HOME/pagedrun/sim, default
 ~/.cache/pagedrun/sim), keyed by the hash of the preprocessed source, the flags and the
 compiler. If the process runs under AddressSanitizer or ThreadSanitizer (libasan / libtsan
@@ -23,6 +27,7 @@ flags, so the same tests exercise the sanitizers without any switch in the code 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import os
@@ -31,7 +36,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import ClassVar, Iterable, Literal, Sequence
 
 import numpy as np
 
@@ -179,25 +184,81 @@ def _runtime_object(mode: str) -> Path:
     return target
 
 
-# The harness's schedule (cuda/sim/runtime.cpp, "Schedule randomisation"): 0 runs blocks and
-# threads in index order; any other value shuffles both, reproducibly per seed.
-_schedule_seed = 0
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """The order in which the harness runs blocks and threads (cuda/sim/runtime.cpp,
+    "Schedules").
+
+    Schedule.INDEX (the default): blocks in grid order, threads in index order between
+    rendezvous -- deterministic, and blind to races that order fixes. Schedule.random(seed):
+    block order and every switch point drawn from the seed, as a GPU's schedulers are free to;
+    the same seed replays the same launches. A process-wide schedule (set_schedule) applies
+    to every launch; fn(..., schedule=s) overrides it for one launch.
+    """
+
+    kind: Literal["index", "random"] = "index"
+    seed: int = 0
+
+    INDEX: ClassVar["Schedule"]
+
+    def __post_init__(self) -> None:
+        if self.kind == "index" and self.seed != 0:
+            raise ValueError(f"the index-order schedule takes no seed, got {self.seed}")
+        if self.kind == "random" and not 0 < self.seed < 2 ** 64:
+            raise ValueError(f"a random schedule's seed must be in [1, 2**64), got {self.seed}")
+        if self.kind not in ("index", "random"):
+            raise ValueError(f"schedule kind must be 'index' or 'random', got {self.kind!r}")
+
+    @classmethod
+    def random(cls, seed: int | None = None) -> "Schedule":
+        """A shuffled schedule; seed None draws a fresh one (read it back from .seed)."""
+        while seed is None or seed == 0:
+            seed = int.from_bytes(os.urandom(8), "little")
+        return cls("random", int(seed))
+
+    @classmethod
+    def from_seed(cls, seed: int) -> "Schedule":
+        """0 -> INDEX, anything else -> random(seed): the runtime's own encoding."""
+        return cls.INDEX if int(seed) == 0 else cls.random(int(seed))
+
+    def __str__(self) -> str:
+        return "index order" if self.kind == "index" else f"random schedule, seed {self.seed}"
+
+
+Schedule.INDEX = Schedule()
+
+_schedule = Schedule.INDEX
+_schedule_epoch = 0  # bumped by set_schedule: modules re-apply it, restarting their count
+
+
+def set_schedule(schedule: Schedule) -> None:
+    """Runs every later launch under `schedule`, each module's launches counted afresh from
+    here, so a test that sets a seed replays exactly whatever ran before it."""
+    global _schedule, _schedule_epoch
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"expected a Schedule, got {type(schedule).__name__}")
+    _schedule = schedule
+    _schedule_epoch += 1
+
+
+def current_schedule() -> Schedule:
+    return _schedule
 
 
 def set_schedule_seed(seed: int) -> None:
-    """Randomise the block and thread order of every later launch (0: index order)."""
-    global _schedule_seed
+    """set_schedule(Schedule.from_seed(seed)): 0 is index order."""
     if not 0 <= int(seed) < 2 ** 64:
         raise ValueError(f"schedule seed must be in [0, 2**64), got {seed}")
-    _schedule_seed = int(seed)
+    set_schedule(Schedule.from_seed(seed))
 
 
 def schedule_seed() -> int:
-    return _schedule_seed
+    return _schedule.seed
 
 
 class SimFunction:
-    """One kernel of a SimModule; call as fn(grid, block, args, shared_mem=0)."""
+    """One kernel of a SimModule; call as fn(grid, block, args, shared_mem=0), optionally
+    with schedule=Schedule.random(seed) for this launch alone."""
 
     def __init__(self, module: "SimModule", name: str):
         self.module = module
@@ -219,7 +280,8 @@ class SimFunction:
         # __launch_bounds__ max threads per block (0: none); the GPU refuses bigger blocks.
         self.launch_bounds_max_threads = int(bound())
 
-    def __call__(self, grid, block, args, shared_mem: int = 0, stream=None):
+    def __call__(self, grid, block, args, shared_mem: int = 0, stream=None,
+                 schedule: Schedule | None = None):
         del stream  # one host thread runs everything; kept for the CuPy signature
         grid3 = _dims(grid, "grid")
         block3 = _dims(block, "block")
@@ -247,7 +309,7 @@ class SimFunction:
             ptrs[i] = ctypes.cast(ctypes.pointer(holder), ctypes.c_void_p)
         err = ctypes.create_string_buffer(_ERR_LEN)
         with _LAUNCH_LOCK:
-            self.module.apply_schedule_seed()
+            self.module.apply_schedule(schedule)
             rc = self._launch((ctypes.c_uint * 3)(*grid3), (ctypes.c_uint * 3)(*block3),
                               int(shared_mem), ptrs, err, _ERR_LEN)
         if rc != 0:
@@ -330,13 +392,17 @@ class SimModule:
         self._set_schedule_seed = self._lib.pagedrun_sim_set_schedule_seed
         self._set_schedule_seed.argtypes = [ctypes.c_ulonglong]
         self._set_schedule_seed.restype = None
-        self._schedule_seed = 0  # what this module's runtime copy holds
+        self._schedule_epoch = 0  # the set_schedule this module's runtime copy follows
 
-    def apply_schedule_seed(self) -> None:
-        """Bring this module's runtime to the process-wide seed (set_schedule_seed)."""
-        if self._schedule_seed != _schedule_seed:
-            self._set_schedule_seed(_schedule_seed)
-            self._schedule_seed = _schedule_seed
+    def apply_schedule(self, override: Schedule | None = None) -> None:
+        """Brings this module's runtime copy to the process-wide schedule (set_schedule), or
+        to `override` for one launch (counted from its first launch, so it replays alone)."""
+        if override is not None:
+            self._set_schedule_seed(override.seed)
+            self._schedule_epoch = -1  # the next plain launch re-applies the process's
+        elif self._schedule_epoch != _schedule_epoch:
+            self._set_schedule_seed(_schedule.seed)
+            self._schedule_epoch = _schedule_epoch
 
     def get_function(self, name: str) -> SimFunction:
         if name not in self._functions:

@@ -1,5 +1,6 @@
-"""Fixtures of the kernel tests: fresh random inputs every run (the seed is printed, so a
-failure can be replayed), helpers in paged_kernel_inputs.py (this folder goes on sys.path)."""
+"""Fixtures of the kernel tests: fresh random inputs and a fresh random CPU-harness schedule
+every run (both seeds printed, so a failure can be replayed), helpers in paged_kernel_inputs.py
+(this folder goes on sys.path)."""
 from __future__ import annotations
 
 import os
@@ -7,6 +8,8 @@ import sys
 
 import numpy as np
 import pytest
+
+from pagedrun_tests_sim_schedule import sim_schedule  # noqa: F401 (autouse fixture)
 
 sys.path.insert(0, os.path.dirname(__file__))
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from pagedrun.runtime.kernels.sim_module import CUDA_DIR, SimModule
+from pagedrun_tests_sim_schedule import sim_schedule  # noqa: F401 (autouse fixture)
 
 TEST_KERNELS = Path(__file__).resolve().parent / "kernels"
 
