@@ -20,35 +20,64 @@
 //   partial_out   [num_seqs, num_heads, num_splits, head_dim]          fp32 (num_splits > 1)
 //   partial_lse   [num_seqs, num_heads, num_splits]                    fp32, log2 domain
 //
-// Algorithm. One CTA owns one (kv head, request, split): it reads each K/V row once for all
-// query heads of the kv head's group (GQA), so K/V traffic does not grow with the group.
-// A 16-byte vector covers VEC = 16 / sizeof(T) elements of head_dim; a "token lane group" of
-// head_dim / VEC lanes holds one token's row, so a warp reads 32 / (head_dim / VEC) tokens
-// per step. A row of more than 32 vectors (f32 d256: 64) takes the whole warp, each lane
-// holding VECS = head_dim / (32 * VEC) vectors of it, 32 * VEC elements apart (each load
-// instruction of the warp still reads one contiguous 512-byte run); up to 32 vectors a lane
-// holds one (VECS == 1, the d64/d128 code unchanged). Each token lane group runs its own
-// online softmax (fp32, base 2, scores pre-scaled by scale * log2 e); at the end the groups
-// merge inside the warp by shuffles and the warps merge through shared memory. Unused cache
-// slots are never read (NaN there cannot leak).
-// fp8 caches (CacheT uint8_t) keep this lane layout: a lane's VEC elements of a K/V row are VEC
-// bytes (8 for 16-bit T, 4 for f32), loaded as one uint2 / uint32 and widened exactly to fp32
-// (cuda/fp8.cuh), so registers and the q / accumulator layout are those of T's kernel and the
-// cache traffic is halved (16-bit T) or quartered (f32).
-// Each step issues the next step's K/V loads before computing on the current ones (one step of
-// software prefetch: two steps of loads in flight per warp; by Little's law an SM needs ~25 KB
-// in flight to stream HBM3e, and one step of 4 warps x 32 lanes x 32 bytes is 4 KB per CTA).
-// Split-K: when the host plan (runtime/kernels/attention.py: plan_decode_split) picks
-// num_splits > 1, split z covers tokens [w0 + z * partition_size, w0 + (z + 1) *
-// partition_size), w0 the window's first token (0 without a window), and
+// Algorithm (FlashDecoding-style: split-K over the context, a cp.async pipeline of K/V tiles
+// through shared memory per split). One CTA owns one (kv head, request, split) and streams
+// its tokens in tiles of TILE_TOKENS = kTileSteps x TOKENS_PER_STEP rows of K and of V:
+//   * Copy: each tile is 16-byte cp.async chunks of raw cache bytes (thread c copies chunks
+//     c, c + 128, ...; a warp's 32 chunks are contiguous row bytes), into stage t % STAGES of
+//     a ring of STAGES stages [K tile | V tile], rows [TILE_TOKENS][head_dim] CacheT. Block
+//     ids come from the block table one tile ahead of their copies (fetch_blocks), so no issue
+//     waits on a table read. Tokens past the split are zero-filled with src_bytes 0 (the cache
+//     is not read): an unused, NaN-poisoned slot never reaches shared memory.
+//   * Loop over tiles t: wait until tile t's group has landed (cp.async.wait_group STAGES - 2),
+//     __syncthreads, refill the stage freed by tile t - 1 with tile t + STAGES - 1, compute on
+//     tile t. One barrier per tile; one commit group per tile slot (empty past the end).
+//   * Compute: a lane vector covers VEC = 16 / sizeof(T) dims; a "token lane group" of
+//     head_dim / VEC lanes (at most 32; f32 d256 gives a lane VECS = 2 vectors, 32 * VEC apart)
+//     holds one row, so a warp scores TOKENS_PER_WARP = 32 / lanes rows per step and every
+//     shared load of a warp reads whole contiguous rows (no bank conflicts). Each lane group
+//     scores its kTileSteps rows of the tile for all GROUP query heads of the kv head (GQA:
+//     one K/V read serves the whole group), reduces the dots by shuffles, then rescales its
+//     online-softmax state (fp32, base 2, q pre-scaled by scale * log2 e) ONCE per tile and
+//     accumulates p V over the same rows. At the end the lane groups merge by shuffles and the
+//     warps through shared memory (aliasing the stages, after the last wait).
+//   * fp8 caches (CacheT uint8_t) are copied as raw e4m3 bytes and widened after the shared-
+//     memory stage, in the same lane layout as T's kernel (a lane reads VEC bytes: uint2 for
+//     16-bit T, one word for f32). Why raw: cp.async cannot convert, and the copy and the
+//     stage stay half (16-bit T) or a quarter (f32) the size, so the same bytes in flight
+//     cover 2-4x the tokens. Widening is exact and cheap (fp8x4_to_f32_scaled: e4m3 bits
+//     moved into f16 bits give value x 2^-8, the 2^8 folded into q and the accumulators; NaN
+//     codes stay NaN, branch-free): bit-identical to the T cache of the same values (barring
+//     fp32-subnormal intermediates, where the 2^8 scaling could round differently).
+//
+// Bytes in flight (Little's law). H200: ~4.8 TB/s x ~700 ns HBM latency = 3.36 MB in flight,
+// / 132 SMs = ~25 KB per SM (600 ns: 22 KB, 800 ns: 29 KB). Group 8 fits two CTAs per SM
+// (registers), so a CTA must keep >= 12.5-14.5 KB in flight; it aims at kInFlightBytesPerCta
+// = 24 KiB, about 2x, as loaded latency is well above idle latency and groups 1-4 fit more
+// CTAs. A stage is 2 x TILE_TOKENS x row bytes; STAGES = 1 + ceil(24 KiB / stage bytes),
+// clamped to 2..8, of which STAGES - 1 are in flight while one is computed on:
+//   cache      T      head_dim  tile tokens  stage    STAGES  in flight  smem (stages)
+//   T          16-bit 64/128/256  64/32/16   16 KiB     3      32 KiB     48 KiB
+//   T          f32    64/128        32/16    16 KiB     3      32 KiB     48 KiB
+//   T          f32    256             16     32 KiB     2      32 KiB     64 KiB (opt-in)
+//   fp8        16-bit 64/128/256  64/32/16    8 KiB     4      24 KiB     32 KiB
+//   fp8        f32    64/128        32/16     4 KiB     7      24 KiB     28 KiB
+//   fp8        f32    256             16      8 KiB     4      24 KiB     32 KiB
+// Two CTAs per SM then keep 48-64 KiB in flight per SM (~2-2.5x the 25 KB needed); the merge
+// scratch (4 warps x group x (head_dim + 2) fp32, 33,024 bytes at g8 d256) reuses the stages.
+// decode_smem_bytes in runtime/kernels/attention.py is max(stages, scratch), same arithmetic.
+//
+// Split-K: when the host plan (runtime/kernels/attention.py: plan_decode_split, a wave model
+// over the SM count) picks num_splits > 1, split z covers tokens [w0 + z * partition_size,
+// w0 + (z + 1) * partition_size), w0 the window's first token (0 without a window), and
 // writes its normalised partial output and log2-sum-exp; paged_attention_decode_merge_* then
-// combines the splits. An empty split writes lse = -inf and zeros.
+// combines the splits (reads num_splits x head_dim fp32 per head: small next to K/V). An empty
+// split writes lse = -inf and zeros.
 //
 // Launch geometry:
 //   paged_attention_decode_<dtype>_d<head_dim>_g<group>:
-//     grid (num_kv_heads, num_seqs, num_splits), block 128, dynamic smem
-//     4 * group * (head_dim + 2) * 4 bytes (decode_smem_bytes in attention.py; the largest,
-//     g8 d256, is 33,024 bytes: under the 48 KiB default, no opt-in).
+//     grid (num_kv_heads, num_seqs, num_splits), block 128, dynamic smem decode_smem_bytes
+//     (table above; only f32 d256 exceeds the 48 KiB default and opts in).
 //     Runs any group_size <= group (the wrapper picks the smallest instantiation that fits).
 //   paged_attention_decode_merge_<dtype>: grid (num_heads, num_seqs), block 128, no smem.
 //
@@ -56,7 +85,8 @@
 // {64, 128, 256} x group in {1, 2, 4, 8} (dtype: q / out's T, then _kv_fp8 for a uint8_t e4m3
 // cache), merge for f32, f16, bf16 (it reads only fp32 partials and writes T). block_size is
 // a runtime power of two (16, 32, 64 accepted by the wrapper; head_dim and block size are
-// attention.py's SUPPORTED_HEAD_DIMS and SUPPORTED_BLOCK_SIZES). Scalars: float scale; int
+// attention.py's SUPPORTED_HEAD_DIMS and SUPPORTED_BLOCK_SIZES); tiles do not need to align
+// with blocks (every chunk looks up its own token's block). Scalars: float scale; int
 // num_heads, num_kv_heads, group_size, block_size_log2, max_blocks_per_seq, partition_size,
 // num_splits, sliding_window (0: none).
 // Signatures: paged_attention_decode_*(out, partial_out, partial_lse, q, k_cache, v_cache,
@@ -65,31 +95,68 @@
 // partial_out and partial_lse are unused (the wrapper passes a 1-element array);
 // paged_attention_decode_merge_*(out, partial_out, partial_lse, context_lens, num_heads,
 // head_dim, partition_size, num_splits, sliding_window).
-// Launched by runtime/kernels/attention.py: paged_decode_attention (its plan_decode_split picks
-// num_splits, at most 64, and partition_size, a multiple of 256 tokens).
+// Launched by runtime/kernels/attention.py: paged_decode_attention.
 //
 // Register budget: 255 per thread at 128 threads, 2 CTAs per SM (__launch_bounds__(128, 2)):
-// group 8 holds 2 x 8 x (VECS * VEC) fp32 of q and accumulators (128 registers: VECS * VEC
-// is 8 for 16-bit types and for f32 d256; 64 at f32 d64/d128, VEC 4) plus one
-// step of prefetched K/V (8 x VECS registers of raw vectors each) and measures 233-244 at
-// d64/d128 and 238-254 at d256 (f32 d256 246-250: its 16 registers of raw K/V in flight) on
-// sm_80/sm_90 with nvcc 13.0 (anything <= 255 still fits two CTAs per SM); groups 1-4 use
-// <= 144. 0 spill bytes. The _kv_fp8 instantiations (same q / accumulator layout, 4-8 byte raw
-// K/V per vector) measure 46-240 on sm_90a (g8 d256: 238-240), 0 spill bytes.
+// group 8 holds 2 x 8 x ELEMS fp32 of q and accumulators (128 registers at ELEMS 8: 16-bit
+// types, f32 d256; 64 at f32 d64/d128) plus the tile's kTileSteps x 8 scores (32); no K/V is
+// held in registers between tiles (the stages are in shared memory). Measured with nvcc 13.0
+// (compile_gates): g8 153-244 on sm_80 and 154-254 on sm_90 (the top: f16/bf16 d256 g8,
+// 254 on sm_90); g4 92-166, g2 56-96, g1 44-96. 0 spill bytes in
+// every instantiation. Anything <= 255 still fits two CTAs per SM.
 // Measured: no GPU numbers yet (benchmarks/kernels/bench_attention.py writes them).
 #include "common.cuh"
+#include "ptx.cuh"
 
 namespace decode_attn {
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-// Two CTAs per SM is what group 8 fits (2 x 128 x ~236 registers). Saying so also stops ptxas
-// from squeezing small instantiations into 64 registers with spills (f32_d128_g4 spilled 12
-// bytes on sm_80 with a bare __launch_bounds__(128)).
+// Two CTAs per SM is what group 8 fits (2 x 128 x <= 254 registers). Saying so also stops ptxas
+// from squeezing small instantiations into 64 registers with spills.
 constexpr int kMinCtasPerSm = 2;
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr int kVecBytes = 16;  // one 128-bit load per lane: the widest global load there is
+constexpr int kVecBytes = 16;    // one 128-bit shared load per lane, one 16-byte cp.async chunk
+// A tile is kTileSteps token steps of the CTA: each token lane group scores kTileSteps tokens
+// of it, then rescales its softmax state once (not once per token).
+constexpr int kTileSteps = 4;
+// Little's law (header): bytes of K/V a CTA keeps in flight, (stages - 1) x stage bytes.
+constexpr int kInFlightBytesPerCta = 24 * 1024;
+constexpr int kMaxStages = 8;
+
+// The geometry of one instantiation, shared by the kernel and (as arithmetic) by
+// runtime/kernels/attention.py decode_tiling.
+template <typename T, typename CacheT, int HEAD_DIM>
+struct Tiling {
+    static constexpr int VEC = kVecBytes / static_cast<int>(sizeof(T));  // dims per lane vector
+    static constexpr int ROW_VECS = HEAD_DIM / VEC;
+    // A row of more than 32 vectors (f32 d256: 64) gives each lane several: vector j of a lane
+    // sits VEC_STRIDE elements after vector j - 1. Up to 32 vectors, one per lane (VECS == 1).
+    static constexpr int LANES_PER_TOKEN = ROW_VECS < 32 ? ROW_VECS : 32;
+    static constexpr int VECS = ROW_VECS / LANES_PER_TOKEN;
+    static constexpr int VEC_STRIDE = LANES_PER_TOKEN * VEC;
+    static constexpr int ELEMS = VECS * VEC;  // dims of a row one lane holds
+    static constexpr int TOKENS_PER_WARP = 32 / LANES_PER_TOKEN;
+    static constexpr int TOKENS_PER_STEP = TOKENS_PER_WARP * kWarps;
+    static constexpr int TILE_TOKENS = kTileSteps * TOKENS_PER_STEP;
+    static constexpr int ROW_BYTES = HEAD_DIM * static_cast<int>(sizeof(CacheT));
+    static constexpr int ROW_CHUNKS = ROW_BYTES / kVecBytes;   // 16-byte cp.async chunks per row
+    static constexpr int TILE_BYTES = TILE_TOKENS * ROW_BYTES;  // one of K, V
+    static constexpr int STAGE_BYTES = 2 * TILE_BYTES;
+    static constexpr int STAGES_WANTED =
+        1 + (kInFlightBytesPerCta + STAGE_BYTES - 1) / STAGE_BYTES;
+    static constexpr int STAGES = STAGES_WANTED < 2 ? 2
+                                  : (STAGES_WANTED > kMaxStages ? kMaxStages : STAGES_WANTED);
+    static constexpr int CHUNKS_PER_THREAD = TILE_TOKENS * ROW_CHUNKS / kThreads;
+    static constexpr int TOKEN_STRIDE = kThreads / ROW_CHUNKS;  // tokens between a thread's chunks
+    static_assert(LANES_PER_TOKEN >= 1 && 32 % LANES_PER_TOKEN == 0 &&
+                      VECS * LANES_PER_TOKEN * VEC == HEAD_DIM,
+                  "head_dim must be a power-of-two multiple of one 16-byte vector");
+    static_assert(ROW_CHUNKS >= 1 && kThreads % ROW_CHUNKS == 0 && CHUNKS_PER_THREAD >= 1 &&
+                      CHUNKS_PER_THREAD * kThreads == TILE_TOKENS * ROW_CHUNKS,
+                  "a tile must split into whole 16-byte chunks per thread");
+};
 
 // Widens the two 16-bit values of a 32-bit word (lower-indexed element in the low half).
 __device__ __forceinline__ float2 unpack2(uint32_t w, __half) {
@@ -127,12 +194,7 @@ __device__ __forceinline__ Raw load_raw(const T* src) {
     return *reinterpret_cast<const Raw*>(src);
 }
 
-template <typename T, int VEC>
-__device__ __forceinline__ void load_vec(const T* src, float (&dst)[VEC]) {
-    unpack_vec<T, VEC>(load_raw<uint4>(src), dst);
-}
-
-// The raw load of one lane's VEC cache elements: a 16-byte vector when the cache holds T; VEC
+// The raw bytes of one lane's VEC cache elements: a 16-byte vector when the cache holds T; VEC
 // bytes (uint2 for 16-bit T, one word for f32) when it holds fp8 e4m3 codes.
 template <int BYTES> struct RawBytes;
 template <> struct RawBytes<16> { using type = uint4; };
@@ -144,56 +206,107 @@ using KvRaw = typename RawBytes<VEC * static_cast<int>(sizeof(CacheT))>::type;
 __device__ __forceinline__ uint32_t raw_word(const uint2& raw, int i) { return i ? raw.y : raw.x; }
 __device__ __forceinline__ uint32_t raw_word(uint32_t raw, int) { return raw; }
 
+// fp8 widening, scaled: an e4m3 code's 7 magnitude bits placed at bits 7..13 of an f16 (sign
+// to bit 15) are the f16 whose value is the e4m3 value x 2^-8 (the exponent biases are 7 and 15;
+// subnormals line up too), so a pair of codes is a byte permute, shifts, two 3-input logic ops
+// and two exact f16 -> f32 conversions, against ~9 integer ops per code in fp8_e4m3_to_f32.
+// NaN codes (magnitude 0x7F) stay NaN without a branch: (code & 0x7F) + 1 carries into bit 7
+// exactly for them, and that flag sets f16 exponent bit 14 (0x3F80 | 0x4000: exponent 31,
+// mantissa != 0). The kernel folds the 2^8 back exactly: q is scaled by it (scores) and so are
+// the accumulators after the last tile (p V); power-of-two scaling commutes with rounding, so
+// the result matches the T cache of the same values bit for bit.
+constexpr float kFp8WidenScale = 256.f;
+__device__ __forceinline__ void fp8x4_to_f32_scaled(uint32_t w, float (&dst)[4]) {
+    const uint32_t nan_flags = (w & 0x7F7F7F7Fu) + 0x01010101u;  // bit 7 of a byte: NaN code
+#pragma unroll
+    for (int pair = 0; pair < 2; ++pair) {
+        // Bytes, high to low: code 2 * pair + 1, its flag byte, code 2 * pair, its flag byte.
+        const uint32_t p = __byte_perm(w, nan_flags, pair ? 0x3726u : 0x1504u);
+        const uint32_t h = (p & 0x80008000u) | ((p >> 1) & 0x3F803F80u) |
+                           ((p << 7) & 0x40004000u);
+        dst[2 * pair] = __half2float(__ushort_as_half(static_cast<unsigned short>(h & 0xffffu)));
+        dst[2 * pair + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(h >> 16)));
+    }
+}
+
 // Widens one lane's raw K/V vector to fp32: T's unpacking, or four e4m3 codes per word
-// (lower-indexed element in the low byte, the memory order).
+// (lower-indexed element in the low byte, the memory order), scaled by 1 / kFp8WidenScale.
 template <typename T, typename CacheT, int VEC>
 __device__ __forceinline__ void unpack_kv(const KvRaw<CacheT, VEC>& raw, float (&dst)[VEC]) {
     if constexpr (sizeof(CacheT) == 1) {
 #pragma unroll
-        for (int i = 0; i < VEC; ++i)
-            dst[i] = fp8_e4m3_word_to_f32(raw_word(raw, i / 4), i % 4);
+        for (int word = 0; word < VEC / 4; ++word) {
+            float part[4];
+            fp8x4_to_f32_scaled(raw_word(raw, word), part);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) dst[4 * word + i] = part[i];
+        }
     } else {
         unpack_vec<T, VEC>(raw, dst);
     }
 }
 
-// Issues the K and V loads of one token (zeros when it is past the partition): raw 16-byte
-// vectors, so a load in flight costs 8 registers per vector whatever T is. Vector j of the
-// lane covers dims dim0 + j * VEC_STRIDE .. + VEC (VEC_STRIDE = LANES_PER_TOKEN * VEC, so each
-// load instruction of a warp reads whole contiguous rows).
-template <typename CacheT, typename Raw, int HEAD_DIM, int VECS, int VEC_STRIDE>
-__device__ __forceinline__ void fetch_token(Raw (&k_raw)[VECS], Raw (&v_raw)[VECS],
-                                            const CacheT* k_cache, const CacheT* v_cache,
-                                            const int* block_table, int token, int part_end,
-                                            int block_size_log2, int num_kv_heads, int kv_head,
-                                            int dim0) {
-    if (token < part_end) {
-        const int block = block_table[token >> block_size_log2];
-        // A slot index fits in int (< 2^31 cached tokens); the element offset does not.
-        const int slot = (block << block_size_log2) + (token & ((1 << block_size_log2) - 1));
-        const long long elem =
-            (static_cast<long long>(slot) * num_kv_heads + kv_head) * HEAD_DIM + dim0;
+// Reads and widens a lane's ELEMS dims of one staged K or V row (vector j at j * VEC_STRIDE).
+template <typename T, typename CacheT, int HEAD_DIM>
+__device__ __forceinline__ void read_row(const CacheT* row, int dim0,
+                                         float (&dst)[Tiling<T, CacheT, HEAD_DIM>::ELEMS]) {
+    using G = Tiling<T, CacheT, HEAD_DIM>;
+    using Raw = KvRaw<CacheT, G::VEC>;
 #pragma unroll
-        for (int j = 0; j < VECS; ++j) {
-            k_raw[j] = load_raw<Raw>(k_cache + elem + j * VEC_STRIDE);
-            v_raw[j] = load_raw<Raw>(v_cache + elem + j * VEC_STRIDE);
-        }
-    } else {
+    for (int j = 0; j < G::VECS; ++j) {
+        float part[G::VEC];
+        unpack_kv<T, CacheT, G::VEC>(load_raw<Raw>(row + dim0 + j * G::VEC_STRIDE), part);
 #pragma unroll
-        for (int j = 0; j < VECS; ++j) k_raw[j] = v_raw[j] = Raw{};  // zeros (fp8 0x00 is +0)
+        for (int i = 0; i < G::VEC; ++i) dst[j * G::VEC + i] = part[i];
     }
 }
 
-// Widens a lane's VECS raw vectors into ELEMS = VECS * VEC floats (vector j at j * VEC).
-template <typename T, typename CacheT, int VEC, int VECS>
-__device__ __forceinline__ void unpack_vecs(const KvRaw<CacheT, VEC> (&raw)[VECS],
-                                            float (&dst)[VECS * VEC]) {
+// Block ids of the tokens this thread copies in tile `tile` (-1 past the partition): loaded one
+// tile ahead of their cp.async, so the block-table read never stalls an issue.
+template <typename T, typename CacheT, int HEAD_DIM>
+__device__ __forceinline__ void fetch_blocks(
+    int (&blocks)[Tiling<T, CacheT, HEAD_DIM>::CHUNKS_PER_THREAD], const int* block_table,
+    int tile_begin, int part_end, int block_size_log2) {
+    using G = Tiling<T, CacheT, HEAD_DIM>;
 #pragma unroll
-    for (int j = 0; j < VECS; ++j) {
-        float part[VEC];
-        unpack_kv<T, CacheT, VEC>(raw[j], part);
+    for (int j = 0; j < G::CHUNKS_PER_THREAD; ++j) {
+        const int token = tile_begin + threadIdx.x / G::ROW_CHUNKS + j * G::TOKEN_STRIDE;
+        blocks[j] = token < part_end ? block_table[token >> block_size_log2] : -1;
+    }
+}
+
+// Issues the cp.async copies of one K and one V tile into a stage: chunk c = threadIdx.x + j *
+// kThreads is 16 bytes of token c / ROW_CHUNKS, so the stage holds rows [TILE_TOKENS][head_dim]
+// of CacheT back to back (K, then V) and each warp's copies read contiguous row bytes. Tokens
+// past the partition are zero-filled without reading the cache (src_bytes 0): an unused slot,
+// NaN or not, never reaches shared memory.
+template <typename T, typename CacheT, int HEAD_DIM>
+__device__ __forceinline__ void issue_tile(
+    unsigned char* stage, const int (&blocks)[Tiling<T, CacheT, HEAD_DIM>::CHUNKS_PER_THREAD],
+    const CacheT* k_cache, const CacheT* v_cache, int tile_begin, int block_size_log2,
+    int num_kv_heads, int kv_head) {
+    using G = Tiling<T, CacheT, HEAD_DIM>;
+    const int chunk_in_row = threadIdx.x % G::ROW_CHUNKS;
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) dst[j * VEC + i] = part[i];
+    for (int j = 0; j < G::CHUNKS_PER_THREAD; ++j) {
+        const int row = threadIdx.x / G::ROW_CHUNKS + j * G::TOKEN_STRIDE;
+        const int offset = row * G::ROW_BYTES + chunk_in_row * kVecBytes;
+        unsigned char* k_dst = stage + offset;
+        unsigned char* v_dst = stage + G::TILE_BYTES + offset;
+        if (blocks[j] >= 0) {
+            const int token = tile_begin + row;
+            // A slot index fits in int (< 2^31 cached tokens); the byte offset does not.
+            const int slot = (blocks[j] << block_size_log2) +
+                             (token & ((1 << block_size_log2) - 1));
+            const long long elem =
+                (static_cast<long long>(slot) * num_kv_heads + kv_head) * HEAD_DIM +
+                chunk_in_row * (kVecBytes / static_cast<int>(sizeof(CacheT)));
+            cp_async_16(k_dst, k_cache + elem);
+            cp_async_16(v_dst, v_cache + elem);
+        } else {
+            cp_async_16_zfill(k_dst, k_cache, 0);
+            cp_async_16_zfill(v_dst, v_cache, 0);
+        }
     }
 }
 
@@ -224,21 +337,18 @@ __device__ __forceinline__ void decode_partition(
     const int* __restrict__ block_tables, const int* __restrict__ context_lens, float scale,
     int num_heads, int num_kv_heads, int group_size, int block_size_log2, int max_blocks_per_seq,
     int partition_size, int num_splits, int sliding_window) {
-    constexpr int VEC = kVecBytes / sizeof(T);
-    // A row of more than 32 vectors (f32 d256: 64) gives each lane several: vector j of a lane
-    // sits VEC_STRIDE elements after vector j - 1. Up to 32 vectors, one per lane (VECS == 1).
-    constexpr int ROW_VECS = HEAD_DIM / VEC;
-    constexpr int LANES_PER_TOKEN = ROW_VECS < 32 ? ROW_VECS : 32;
-    constexpr int VECS = ROW_VECS / LANES_PER_TOKEN;
-    constexpr int VEC_STRIDE = LANES_PER_TOKEN * VEC;
-    constexpr int ELEMS = VECS * VEC;  // dims of a row one lane holds
-    static_assert(LANES_PER_TOKEN >= 1 && 32 % LANES_PER_TOKEN == 0 &&
-                      VECS * LANES_PER_TOKEN * VEC == HEAD_DIM,
-                  "head_dim must be a power-of-two multiple of one 16-byte vector");
-    constexpr int TOKENS_PER_WARP = 32 / LANES_PER_TOKEN;
-    constexpr int TOKENS_PER_STEP = TOKENS_PER_WARP * kWarps;
+    using G = Tiling<T, CacheT, HEAD_DIM>;
+    constexpr int VEC = G::VEC;
+    constexpr int VECS = G::VECS;
+    constexpr int ELEMS = G::ELEMS;
+    constexpr int LANES_PER_TOKEN = G::LANES_PER_TOKEN;
+    constexpr int VEC_STRIDE = G::VEC_STRIDE;
+    constexpr int STAGES = G::STAGES;
 
     DYNAMIC_SMEM(float, smem);
+    // The K/V stages while streaming; after the last tile the same bytes hold the warps'
+    // softmax states for the merge (decode_smem_bytes: the larger of the two).
+    unsigned char* stages = reinterpret_cast<unsigned char*>(smem);
     float* smem_acc = smem;                                   // [kWarps][GROUP][HEAD_DIM]
     float* smem_ml = smem + kWarps * GROUP * HEAD_DIM;        // [kWarps][GROUP][2]
 
@@ -255,10 +365,33 @@ __device__ __forceinline__ void decode_partition(
     const int window_begin = window_start(context_len, sliding_window);
     const int part_begin = window_begin + split * partition_size;
     const int part_end = min(context_len, part_begin + partition_size);
+    const int num_tiles = part_end > part_begin
+                              ? (part_end - part_begin + G::TILE_TOKENS - 1) / G::TILE_TOKENS
+                              : 0;
     const int* block_table = block_tables + static_cast<long long>(seq) * max_blocks_per_seq;
 
+    // Prologue: block ids of tile 0, then STAGES - 1 tiles in flight before any compute (one
+    // commit group per tile slot, empty past the partition, so the wait counts stay fixed).
+    int blocks[G::CHUNKS_PER_THREAD];
+    fetch_blocks<T, CacheT, HEAD_DIM>(blocks, block_table, part_begin, part_end,
+                                      block_size_log2);
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < num_tiles) {
+            issue_tile<T, CacheT, HEAD_DIM>(stages + s * G::STAGE_BYTES, blocks, k_cache,
+                                            v_cache, part_begin + s * G::TILE_TOKENS,
+                                            block_size_log2, num_kv_heads, kv_head);
+            fetch_blocks<T, CacheT, HEAD_DIM>(blocks, block_table,
+                                              part_begin + (s + 1) * G::TILE_TOKENS, part_end,
+                                              block_size_log2);
+        }
+        cp_async_commit();
+    }
+
     // q rows of the group, pre-scaled so the softmax runs in base 2 (exp2f is one MUFU op).
-    const float q_scale = scale * kLog2e;
+    // Loaded after the prologue's copies are on their way.
+    // fp8 caches widen to value / kFp8WidenScale: q carries the factor back into the scores.
+    const float q_scale = scale * kLog2e * (sizeof(CacheT) == 1 ? kFp8WidenScale : 1.f);
     float q_reg[GROUP][ELEMS];
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
@@ -267,7 +400,7 @@ __device__ __forceinline__ void decode_partition(
 #pragma unroll
             for (int j = 0; j < VECS; ++j) {
                 float part[VEC];
-                load_vec<T, VEC>(q_row + dim0 + j * VEC_STRIDE, part);
+                unpack_vec<T, VEC>(load_raw<uint4>(q_row + dim0 + j * G::VEC_STRIDE), part);
 #pragma unroll
                 for (int i = 0; i < VEC; ++i) q_reg[g][j * VEC + i] = part[i] * q_scale;
             }
@@ -286,52 +419,100 @@ __device__ __forceinline__ void decode_partition(
         for (int i = 0; i < ELEMS; ++i) acc[g][i] = 0.f;
     }
 
-    // The loop bound is warp-uniform so every lane reaches the shuffles; a token lane group
-    // past the end computes on zeros and skips the update. Each step issues the next step's
-    // K/V loads before computing on the current ones (one step of software prefetch), so a
-    // warp keeps two steps of loads in flight.
-    const int first = part_begin + warp * TOKENS_PER_WARP;
-    using Raw = KvRaw<CacheT, VEC>;
-    Raw k_next[VECS], v_next[VECS];
-    fetch_token<CacheT, Raw, HEAD_DIM, VECS, VEC_STRIDE>(k_next, v_next, k_cache, v_cache,
-                                                         block_table, first + token_slot,
-                                                         part_end, block_size_log2,
-                                                         num_kv_heads, kv_head, dim0);
-    for (int base = first; base < part_end; base += TOKENS_PER_STEP) {
-        const bool valid = base + token_slot < part_end;
-        float k[ELEMS], v[ELEMS];
-        unpack_vecs<T, CacheT, VEC, VECS>(k_next, k);
-        unpack_vecs<T, CacheT, VEC, VECS>(v_next, v);
-        fetch_token<CacheT, Raw, HEAD_DIM, VECS, VEC_STRIDE>(
-            k_next, v_next, k_cache, v_cache, block_table, base + TOKENS_PER_STEP + token_slot,
-            part_end, block_size_log2, num_kv_heads, kv_head, dim0);
-        float s[GROUP];
+    // Main loop: wait for tile t (at most STAGES - 2 younger groups pending), barrier (tile t
+    // visible to all; every thread is done with tile t - 1, whose stage the refill reuses),
+    // refill that stage with tile t + STAGES - 1, then compute on tile t.
+    for (int t = 0; t < num_tiles; ++t) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        const int refill = t + STAGES - 1;
+        if (refill < num_tiles) {
+            issue_tile<T, CacheT, HEAD_DIM>(stages + (refill % STAGES) * G::STAGE_BYTES, blocks,
+                                            k_cache, v_cache,
+                                            part_begin + refill * G::TILE_TOKENS,
+                                            block_size_log2, num_kv_heads, kv_head);
+            fetch_blocks<T, CacheT, HEAD_DIM>(blocks, block_table,
+                                              part_begin + (refill + 1) * G::TILE_TOKENS,
+                                              part_end, block_size_log2);
+        }
+        cp_async_commit();
+
+        const CacheT* k_tile =
+            reinterpret_cast<const CacheT*>(stages + (t % STAGES) * G::STAGE_BYTES);
+        const CacheT* v_tile = k_tile + G::TILE_TOKENS * HEAD_DIM;
+        const int tile_begin = part_begin + t * G::TILE_TOKENS;
+        // Scores of this lane group's kTileSteps tokens (row k * TOKENS_PER_STEP + warp *
+        // TOKENS_PER_WARP + token_slot: each warp load reads whole contiguous rows).
+        float s[kTileSteps][GROUP];
 #pragma unroll
-        for (int g = 0; g < GROUP; ++g) {
-            float dot = 0.f;
+        for (int k = 0; k < kTileSteps; ++k) {
+            const int row = k * G::TOKENS_PER_STEP + warp * G::TOKENS_PER_WARP + token_slot;
+            float kf[ELEMS];
+            read_row<T, CacheT, HEAD_DIM>(k_tile + row * HEAD_DIM, dim0, kf);
 #pragma unroll
-            for (int i = 0; i < ELEMS; ++i) dot = fmaf(q_reg[g][i], k[i], dot);
-            s[g] = dot;
+            for (int g = 0; g < GROUP; ++g) {
+                float dot = 0.f;
+#pragma unroll
+                for (int i = 0; i < ELEMS; ++i) dot = fmaf(q_reg[g][i], kf[i], dot);
+                s[k][g] = dot;
+            }
         }
 #pragma unroll
         for (int offset = LANES_PER_TOKEN / 2; offset > 0; offset /= 2) {
 #pragma unroll
-            for (int g = 0; g < GROUP; ++g) s[g] += __shfl_xor_sync(kFullMask, s[g], offset);
+            for (int k = 0; k < kTileSteps; ++k)
+#pragma unroll
+                for (int g = 0; g < GROUP; ++g) s[k][g] += __shfl_xor_sync(kFullMask, s[k][g], offset);
         }
-        if (valid) {
+        // Tokens past the partition (zero-filled rows) score -inf: weight 0.
 #pragma unroll
-            for (int g = 0; g < GROUP; ++g) {
-                const float m_new = fmaxf(m[g], s[g]);
-                const float correction = exp2f(m[g] - m_new);
-                const float p = exp2f(s[g] - m_new);
-                l[g] = l[g] * correction + p;
+        for (int k = 0; k < kTileSteps; ++k) {
+            const int row = k * G::TOKENS_PER_STEP + warp * G::TOKENS_PER_WARP + token_slot;
+            if (tile_begin + row >= part_end) {
 #pragma unroll
-                for (int i = 0; i < ELEMS; ++i) acc[g][i] = fmaf(acc[g][i], correction, p * v[i]);
-                m[g] = m_new;
+                for (int g = 0; g < GROUP; ++g) s[k][g] = -CUDART_INF_F;
             }
         }
+        // One rescale per tile: the new running max covers all kTileSteps tokens at once.
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            float m_new = m[g];
+#pragma unroll
+            for (int k = 0; k < kTileSteps; ++k) m_new = fmaxf(m_new, s[k][g]);
+            const float m_base = (m_new == -CUDART_INF_F) ? 0.f : m_new;  // all empty so far
+            const float correction = exp2f(m[g] - m_base);
+            float p_sum = 0.f;
+#pragma unroll
+            for (int k = 0; k < kTileSteps; ++k) {
+                s[k][g] = exp2f(s[k][g] - m_base);  // s now holds p
+                p_sum += s[k][g];
+            }
+            l[g] = l[g] * correction + p_sum;
+#pragma unroll
+            for (int i = 0; i < ELEMS; ++i) acc[g][i] *= correction;
+            m[g] = m_new;
+        }
+#pragma unroll
+        for (int k = 0; k < kTileSteps; ++k) {
+            const int row = k * G::TOKENS_PER_STEP + warp * G::TOKENS_PER_WARP + token_slot;
+            float vf[ELEMS];
+            read_row<T, CacheT, HEAD_DIM>(v_tile + row * HEAD_DIM, dim0, vf);
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g)
+#pragma unroll
+                for (int i = 0; i < ELEMS; ++i) acc[g][i] = fmaf(s[k][g], vf[i], acc[g][i]);
+        }
     }
-
+    if constexpr (sizeof(CacheT) == 1) {  // p V summed value / kFp8WidenScale: undo, exactly
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g)
+#pragma unroll
+            for (int i = 0; i < ELEMS; ++i) acc[g][i] *= kFp8WidenScale;
+    }
+    // Every copy has landed and every thread is done reading the stages before they are
+    // reused as the merge scratch.
+    cp_async_wait_all();
+    __syncthreads();
     // Merge the token lane groups of this warp (xor partners hold the same dims).
 #pragma unroll
     for (int offset = LANES_PER_TOKEN; offset < 32; offset *= 2) {

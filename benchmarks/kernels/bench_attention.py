@@ -5,13 +5,14 @@
     python benchmarks/kernels/bench_attention.py --device sim       # tiny sizes, CPU harness
 
 Decode (cuda/paged_attention_decode.cu, the split-K plan of runtime/kernels/attention.py):
-Llama-3-8B attention shapes (32 query heads, 8 kv heads, head_dim 128, bf16, block 16), batch
-1..256 x context 512..32k. Bytes moved = K and V of every context token + q + out; GB/s is that
-over the median kernel time, printed next to the device-to-device copy bandwidth measured in the
-same run (read + write bytes of a 1 GiB copy) and the ratio of the two (the mission's target:
->= 90% at long contexts). The KV pool is capped at KV_POOL_BYTES: block tables draw random
-blocks from it (with repeats across requests), so big batches fit while every read still misses
-the L2 (the pool is far larger than any L2); L2 is flushed between repeats as well.
+Llama-3-8B attention shapes (8 kv heads, head_dim 128, bf16, block 16) at GQA groups 1, 4
+(Llama-3-8B's 32 query heads) and 8, batch 1..256 x context 512..32k. Bytes moved = K and V
+of every context token + q + out; GB/s is that over the median kernel time, printed next to
+the device-to-device copy bandwidth measured in the same run (read + write bytes of a 1 GiB
+copy) and the ratio of the two (the mission's target: >= 90% at contexts >= 2k). The KV
+pool is capped at KV_POOL_BYTES: block tables draw random blocks from it (with repeats across
+requests), so big batches fit while every read still misses the L2 (the pool is far larger
+than any L2); L2 is flushed between repeats as well.
 
 Prefill (cuda/paged_attention_prefill.cu): one request per row of the table, a chunk of
 query_len tokens behind a cached prefix; FLOPs = 4 * num_heads * head_dim * (visible keys summed
@@ -37,6 +38,8 @@ from pagedrun.runtime.kernels.loader import load_module
 from bench_common import Timer, copy_bandwidth, random_bf16  # this folder (see bench_common)
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16  # Llama-3-8B attention
+GPU_DECODE_GROUPS = (1, 4, 8)  # query heads per kv head: MHA, Llama-3-8B, the widest kernel
+SIM_DECODE_GROUPS = (2,)
 BF16_BYTES = 2
 GPU_BATCHES = (1, 4, 16, 64, 256)
 GPU_CONTEXTS = (512, 2048, 8192, 32768)
@@ -74,42 +77,44 @@ def _host(x) -> np.ndarray:
 def bench_decode(xp, device: str, timer: Timer, rng, modules) -> list[str]:
     batches, contexts = (GPU_BATCHES, GPU_CONTEXTS) if device == "cuda" else (SIM_BATCHES,
                                                                              SIM_CONTEXTS)
-    num_heads, num_kv_heads = (NUM_HEADS, NUM_KV_HEADS) if device == "cuda" else SIM_HEADS
+    num_kv_heads = NUM_KV_HEADS if device == "cuda" else SIM_HEADS[1]
+    groups = GPU_DECODE_GROUPS if device == "cuda" else SIM_DECODE_GROUPS
     pool_cap_blocks = KV_POOL_BYTES // (2 * BLOCK_SIZE * num_kv_heads * HEAD_DIM * BF16_BYTES)
     rows = []
-    for context_len in contexts:
+    for group, context_len, num_seqs in ((g, c, b) for g in groups for c in contexts
+                                         for b in batches):
+        num_heads = group * num_kv_heads
         blocks_per_seq = -(-context_len // BLOCK_SIZE)
-        for num_seqs in batches:
-            k, v, num_blocks = _paged_pool(xp, rng, num_seqs * blocks_per_seq, pool_cap_blocks,
-                                           num_kv_heads, HEAD_DIM)
-            block_tables = rng.integers(0, num_blocks, (num_seqs, blocks_per_seq)).astype(np.int32)
-            context_lens = np.full(num_seqs, context_len, np.int32)
-            q = random_bf16(xp, rng, (num_seqs, num_heads, HEAD_DIM))
-            d = [xp.asarray(a) for a in (q, k, v, block_tables, context_lens)]
-            out = xp.empty_like(d[0])
-            num_sms = None if device == "cuda" else 4
-            scale = HEAD_DIM ** -0.5
+        k, v, num_blocks = _paged_pool(xp, rng, num_seqs * blocks_per_seq, pool_cap_blocks,
+                                       num_kv_heads, HEAD_DIM)
+        block_tables = rng.integers(0, num_blocks, (num_seqs, blocks_per_seq)).astype(np.int32)
+        context_lens = np.full(num_seqs, context_len, np.int32)
+        q = random_bf16(xp, rng, (num_seqs, num_heads, HEAD_DIM))
+        d = [xp.asarray(a) for a in (q, k, v, block_tables, context_lens)]
+        out = xp.empty_like(d[0])
+        num_sms = None if device == "cuda" else 4
+        scale = HEAD_DIM ** -0.5
 
-            def run():
-                paged_decode_attention(modules["decode"], d[0], d[1], d[2], d[3], d[4], scale,
-                                       out, max_context_len=context_len, num_sms=num_sms)
+        def run():
+            paged_decode_attention(modules["decode"], d[0], d[1], d[2], d[3], d[4], scale,
+                                   out, max_context_len=context_len, num_sms=num_sms)
 
-            seconds = timer(run, GPU_REPEATS)
-            plan = plan_decode_split(num_seqs, num_kv_heads, context_len,
-                                     num_sms or int(xp.cuda.Device().attributes[
-                                         "MultiProcessorCount"]))
-            kv_bytes = 2 * num_seqs * context_len * num_kv_heads * HEAD_DIM * BF16_BYTES
-            io_bytes = 2 * num_seqs * num_heads * HEAD_DIM * BF16_BYTES
-            gbps = (kv_bytes + io_bytes) / seconds / 1e9
-            if device != "cuda":
-                expected = numpy_ops.paged_decode_attention(
-                    from_bf16_bits(_host(q)), from_bf16_bits(_host(k)), from_bf16_bits(_host(v)),
-                    block_tables, context_lens, scale)
-                err = float(np.abs(from_bf16_bits(np.asarray(out)) - expected).max())
-                if err > SIM_TOLERANCE:
-                    raise SystemExit(f"decode batch {num_seqs} context {context_len}: "
-                                     f"max error {err:.3g} vs numpy_ops")
-            rows.append((num_seqs, context_len, plan.num_splits, seconds * 1e6, gbps))
+        seconds = timer(run, GPU_REPEATS)
+        plan = plan_decode_split(num_seqs, num_kv_heads, context_len,
+                                 num_sms or int(xp.cuda.Device().attributes[
+                                     "MultiProcessorCount"]))
+        kv_bytes = 2 * num_seqs * context_len * num_kv_heads * HEAD_DIM * BF16_BYTES
+        io_bytes = 2 * num_seqs * num_heads * HEAD_DIM * BF16_BYTES
+        gbps = (kv_bytes + io_bytes) / seconds / 1e9
+        if device != "cuda":
+            expected = numpy_ops.paged_decode_attention(
+                from_bf16_bits(_host(q)), from_bf16_bits(_host(k)), from_bf16_bits(_host(v)),
+                block_tables, context_lens, scale)
+            err = float(np.abs(from_bf16_bits(np.asarray(out)) - expected).max())
+            if err > SIM_TOLERANCE:
+                raise SystemExit(f"decode batch {num_seqs} context {context_len}: "
+                                 f"max error {err:.3g} vs numpy_ops")
+        rows.append((group, num_seqs, context_len, plan.num_splits, seconds * 1e6, gbps))
     return rows
 
 
@@ -167,12 +172,12 @@ def main(argv=None) -> int:
                  else float("nan"))
     print(f"# device-to-device copy: {copy_gbps:.0f} GB/s (read + write)")
     print("\n## decode, bf16, head_dim 128, block 16")
-    print(f"{'batch':>6} {'context':>8} {'splits':>6} {'median us':>10} {'GB/s':>8} "
-          f"{'% copy':>7}")
-    for num_seqs, context_len, splits, micros, gbps in bench_decode(xp, args.device, timer, rng,
-                                                                    modules):
-        print(f"{num_seqs:>6} {context_len:>8} {splits:>6} {micros:>10.1f} {gbps:>8.1f} "
-              f"{100 * gbps / copy_gbps:>6.1f}%")
+    print(f"{'group':>5} {'batch':>6} {'context':>8} {'splits':>6} {'median us':>10} "
+          f"{'GB/s':>8} {'% copy':>7}")
+    for group, num_seqs, context_len, splits, micros, gbps in bench_decode(xp, args.device, timer,
+                                                                           rng, modules):
+        print(f"{group:>5} {num_seqs:>6} {context_len:>8} {splits:>6} {micros:>10.1f} "
+              f"{gbps:>8.1f} {100 * gbps / copy_gbps:>6.1f}%")
     ceiling = matmul_tflops(xp, timer) if args.device == "cuda" else float("nan")
     print(f"\n## prefill, bf16, head_dim 128, block 16, one request "
           f"(ceiling: cuBLAS fp16 {CEILING_GEMM_DIM}^3 GEMM {ceiling:.0f} TFLOP/s)")

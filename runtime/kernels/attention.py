@@ -24,7 +24,8 @@ from typing import NamedTuple
 import numpy as np
 
 from .kernel_args import (UnsupportedKernelShape, array_module, cache_suffix, ceil_div,
-                          device_num_sms, log2_exact, require, require_contiguous, require_int32)
+                          device_num_sms, log2_exact, opt_in_smem, require, require_contiguous,
+                          require_int32)
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_BLOCK_SIZES = (16, 32, 64)
@@ -38,20 +39,32 @@ PREFILL_BLOCK_M = 64    # query rows per CTA (cuda/paged_attention_prefill.cu kB
 PREFILL_BLOCK_N = 32    # keys per tile (kBlockN)
 PREFILL_SMEM_PAD = 8    # elements of padding per shared row on the mma path (kPad)
 FLOAT32_BYTES = 4
-# Dynamic shared memory a launch gets without opting in (CUDA's default per-block limit);
-# above it the wrapper sets the kernel's max_dynamic_shared_size_bytes first (prefill at d256).
-DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024
 
-# Split-K plan. Partitions are whole multiples of 256 tokens, so of every block size.
+# Decode pipeline geometry (cuda/paged_attention_decode.cu Tiling; the kernel header shows the
+# bytes-in-flight arithmetic). A tile is DECODE_TILE_STEPS token steps of the CTA; stages
+# are sized so (stages - 1) x stage bytes >= DECODE_IN_FLIGHT_BYTES.
+DECODE_VEC_BYTES = 16
+DECODE_TILE_STEPS = 4
+DECODE_IN_FLIGHT_BYTES = 24 * 1024
+DECODE_MAX_STAGES = 8
+
+# Split-K plan. Partitions are whole multiples of 256 tokens, so of every block size and tile.
 PARTITION_GRANULE_TOKENS = 256
 # Under this many tokens a partition's fixed cost (q load, merge traffic) outweighs its reads.
 MIN_PARTITION_TOKENS = 256
-# A CTA streaming more than this alone becomes the tail of the step: split even a full batch.
+# A CTA streaming more than this alone becomes the tail of the step: split even a full batch
+# (the wave model below assumes equal contexts; a long request among short ones is not).
 LONG_CONTEXT_TOKENS = 8192
-# Aim for this many resident CTAs per SM: decode is latency-bound, one CTA cannot keep an
-# SM's loads in flight.
+# Resident decode CTAs per SM the plan counts on: group 8 fits two (registers); smaller groups
+# fit more, so the plan's latency term is conservative for them.
 TARGET_CTAS_PER_SM = 2
-MAX_SPLITS = 64
+# Plan model costs, in tokens of one CTA's streaming time: a CTA's fixed cost (pipeline fill:
+# one HBM latency before its first tile lands, q load, final merge), and what each extra split
+# adds (a partial row written and read back by the merge kernel: head_dim fp32, ~1% of a
+# token-row pair per query head, plus the merge kernel's launch, shared by all heads).
+CTA_FIXED_COST_TOKENS = 64
+SPLIT_COST_TOKENS = 2
+MAX_SPLITS = 128
 
 
 class DecodeSplitPlan(NamedTuple):
@@ -63,22 +76,39 @@ def plan_decode_split(num_seqs: int, num_kv_heads: int, max_context_len: int,
                       num_sms: int) -> DecodeSplitPlan:
     """How to split decode attention over the context (pure; the policy lives here only).
 
-    One CTA per (kv head, request) fills the GPU when there are at least
-    TARGET_CTAS_PER_SM * num_sms of them; fewer, and each is split over the context until
-    they are (never below MIN_PARTITION_TOKENS per split). A context past LONG_CONTEXT_TOKENS is
-    split regardless, so one long request does not serialise the step.
+    A two-term model of the step, in tokens of one CTA's streaming time. With n splits of
+    P tokens there are C = num_seqs * num_kv_heads * n CTAs; the step takes at least
+      bandwidth: C * (P + fixed) / num_sms  (each SM draws its share of HBM: one CTA's bytes in
+                 flight cover that share, cuda/paged_attention_decode.cu header), and
+      latency:   ceil(C / (TARGET_CTAS_PER_SM * num_sms)) * (P + fixed)  (waves of resident
+                 CTAs, each no faster than one CTA streams),
+    plus SPLIT_COST_TOKENS per extra split. The plan takes the n with the least modelled
+    time (ties: fewer splits): a small batch is split until every SM has work, a batch just
+    over a wave is not left with an almost empty last wave, a full batch stays unsplit.
+    Partitions are whole PARTITION_GRANULE_TOKENS, never below MIN_PARTITION_TOKENS (so at
+    most ceil(max_context_len / 256) splits: below ~num_sms * 256 tokens of work some SMs
+    idle whatever the plan); a context past LONG_CONTEXT_TOKENS is split regardless (the model
+    assumes equal contexts; one long request among short ones must not serialise the step).
     """
     if num_seqs < 1 or num_kv_heads < 1 or max_context_len < 1 or num_sms < 1:
         raise ValueError(f"plan_decode_split needs positive sizes, got num_seqs={num_seqs}, "
                          f"num_kv_heads={num_kv_heads}, max_context_len={max_context_len}, "
                          f"num_sms={num_sms}")
-    num_ctas = num_seqs * num_kv_heads
-    wanted = max(1, ceil_div(TARGET_CTAS_PER_SM * num_sms, num_ctas))
-    wanted = max(wanted, ceil_div(max_context_len, LONG_CONTEXT_TOKENS))
-    num_splits = min(wanted, ceil_div(max_context_len, MIN_PARTITION_TOKENS), MAX_SPLITS)
-    partition_size = ceil_div(ceil_div(max_context_len, num_splits),
-                               PARTITION_GRANULE_TOKENS) * PARTITION_GRANULE_TOKENS
-    return DecodeSplitPlan(ceil_div(max_context_len, partition_size), partition_size)
+    slots = TARGET_CTAS_PER_SM * num_sms
+    most = min(ceil_div(max_context_len, MIN_PARTITION_TOKENS), MAX_SPLITS)
+    least = min(ceil_div(max_context_len, LONG_CONTEXT_TOKENS), most)
+    best = None
+    for wanted in range(least, most + 1):
+        partition_size = ceil_div(ceil_div(max_context_len, wanted),
+                                  PARTITION_GRANULE_TOKENS) * PARTITION_GRANULE_TOKENS
+        num_splits = ceil_div(max_context_len, partition_size)
+        num_ctas = num_seqs * num_kv_heads * num_splits
+        cta_cost = partition_size + CTA_FIXED_COST_TOKENS
+        cost = (max(num_ctas * cta_cost / num_sms, ceil_div(num_ctas, slots) * cta_cost)
+                + (num_splits - 1) * SPLIT_COST_TOKENS)
+        if best is None or cost < best[0]:
+            best = (cost, DecodeSplitPlan(num_splits, partition_size))
+    return best[1]
 
 
 def decode_group_instantiation(group_size: int) -> int:
@@ -89,9 +119,32 @@ def decode_group_instantiation(group_size: int) -> int:
                                  f"the largest decode instantiation ({DECODE_GROUPS[-1]})")
 
 
-def decode_smem_bytes(group: int, head_dim: int) -> int:
-    """Dynamic shared memory of a decode CTA: per-warp accumulators plus (max, sum) pairs."""
-    return DECODE_WARPS * group * (head_dim + 2) * FLOAT32_BYTES
+class DecodeTiling(NamedTuple):
+    tile_tokens: int   # K (and V) rows per pipeline tile
+    stage_bytes: int   # one K tile plus one V tile
+    num_stages: int    # cp.async ring depth; num_stages - 1 tiles in flight
+
+
+def decode_tiling(dtype_name: str, head_dim: int) -> DecodeTiling:
+    """The decode kernel's pipeline geometry (cuda/paged_attention_decode.cu Tiling).
+    dtype_name is a kernel's dtype part ("bf16", "f32_kv_fp8", ...)."""
+    act, _, cache = dtype_name.partition("_kv_")
+    act_bytes = FLOAT32_BYTES if act == "f32" else 2
+    cache_bytes = 1 if cache == "fp8" else act_bytes
+    vec = DECODE_VEC_BYTES // act_bytes
+    lanes_per_token = min(head_dim // vec, 32)
+    tile_tokens = DECODE_TILE_STEPS * (32 // lanes_per_token) * DECODE_WARPS
+    stage_bytes = 2 * tile_tokens * head_dim * cache_bytes
+    num_stages = 1 + ceil_div(DECODE_IN_FLIGHT_BYTES, stage_bytes)
+    return DecodeTiling(tile_tokens, stage_bytes, max(2, min(DECODE_MAX_STAGES, num_stages)))
+
+
+def decode_smem_bytes(group: int, head_dim: int, dtype_name: str = "bf16") -> int:
+    """Dynamic shared memory of a decode CTA: the cp.async stages, which the end of the kernel
+    reuses for the per-warp accumulators plus (max, sum) pairs: the larger of the two."""
+    tiling = decode_tiling(dtype_name, head_dim)
+    merge_scratch = DECODE_WARPS * group * (head_dim + 2) * FLOAT32_BYTES
+    return max(tiling.num_stages * tiling.stage_bytes, merge_scratch)
 
 
 def prefill_smem_bytes(dtype_name: str, head_dim: int) -> int:
@@ -103,13 +156,6 @@ def prefill_smem_bytes(dtype_name: str, head_dim: int) -> int:
     if dtype_name.split("_kv_")[0] == "f32":
         return 2 * PREFILL_BLOCK_N * head_dim * FLOAT32_BYTES
     return (PREFILL_BLOCK_M + 2 * PREFILL_BLOCK_N) * (head_dim + PREFILL_SMEM_PAD) * 2
-
-
-def opt_in_smem(kernel, nbytes: int) -> None:
-    """Raises the kernel's dynamic shared memory limit to nbytes when the default is too small
-    (cupy.RawKernel / Function attribute; the sim harness checks the same attribute)."""
-    if nbytes > DEFAULT_DYNAMIC_SMEM_LIMIT:
-        kernel.max_dynamic_shared_size_bytes = nbytes
 
 
 def window_arg(sliding_window: int | None) -> np.int32:
@@ -198,12 +244,14 @@ def paged_decode_attention(module, q, k_cache, v_cache, block_tables, context_le
         # Unused by the kernel when num_splits == 1; an array, not None, because CuPy's
         # launcher takes arrays and numpy scalars only.
         partial_out = partial_lse = xp.empty((1,), dtype=np.float32)
+    smem = decode_smem_bytes(group, head_dim, suffix)
+    opt_in_smem(kernel, smem)
     kernel((num_kv_heads, num_seqs, split.num_splits), (DECODE_THREADS,),
            (out, partial_out, partial_lse, q, k_cache, v_cache, block_tables, context_lens,
             np.float32(scale), np.int32(num_heads), np.int32(num_kv_heads),
             np.int32(group_size), np.int32(block_size_log2), np.int32(block_tables.shape[1]),
             np.int32(split.partition_size), np.int32(split.num_splits), window),
-           shared_mem=decode_smem_bytes(group, head_dim))
+           shared_mem=smem)
     if split.num_splits > 1:
         # The merge reads fp32 partials and writes q's dtype: no cache type in its name.
         merge = module.get_function(f"paged_attention_decode_merge_{suffix.split('_kv_')[0]}")

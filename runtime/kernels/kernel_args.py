@@ -110,6 +110,18 @@ def require_int32(name: str, x, ndim: int) -> None:
     require_contiguous(name, x)
 
 
+# Dynamic shared memory a launch gets without opting in (CUDA's default per-block limit);
+# above it the wrapper sets the kernel's max_dynamic_shared_size_bytes first.
+DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024
+
+
+def opt_in_smem(kernel, nbytes: int) -> None:
+    """Raises the kernel's dynamic shared memory limit to nbytes when the default is too small
+    (cupy.RawKernel / Function attribute; the sim harness checks the same attribute)."""
+    if nbytes > DEFAULT_DYNAMIC_SMEM_LIMIT:
+        kernel.max_dynamic_shared_size_bytes = nbytes
+
+
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -33,10 +33,47 @@ def test_full_batch_short_context_is_not_split():
 
 
 def test_small_batch_long_context_fills_the_gpu():
-    # Rounding partitions up to whole granules may cost a few CTAs of the target, never a wave.
+    # 8 kv heads x 16 splits = 128 CTAs on 132 SMs (the next whole-granule plan, 256 CTAs of
+    # half the length, models no faster); never more than two waves' worth.
     plan = plan_decode_split(1, 8, 32768, H100_SMS)
-    assert plan.num_splits * 8 >= H100_SMS
+    assert plan.num_splits * 8 >= 0.95 * H100_SMS
     assert plan.num_splits * 8 <= 2 * TARGET_CTAS_PER_SM * H100_SMS
+
+
+def modelled_steps(num_seqs, num_kv_heads, plan, num_sms):
+    """The step time of a plan (tokens of one CTA's streaming) in the plan's own two terms,
+    without its fixed costs: bandwidth (every SM its share) and latency (resident waves)."""
+    ctas = num_seqs * num_kv_heads * plan.num_splits
+    slots = TARGET_CTAS_PER_SM * num_sms
+    return max(ctas * plan.partition_size / num_sms,
+               -(-ctas // slots) * plan.partition_size)
+
+
+@pytest.mark.parametrize("num_sms", (16, H100_SMS))
+@pytest.mark.parametrize("max_context_len", (2048, 3000, 32768))
+def test_plan_keeps_every_sm_busy_for_any_batch(num_sms, max_context_len):
+    # Batches 1-256, GQA layouts of 1-8 kv heads, contexts >= 2k: the plan's modelled time is
+    # within 15% of the ideal (all work spread evenly over the SMs, no CTA under the minimum
+    # partition, at most MAX_SPLITS): no nearly empty last wave, no idle SMs the work could
+    # have filled.
+    for num_seqs in range(1, 257):
+        for num_kv_heads in (1, 2, 4, 8):
+            plan = plan_decode_split(num_seqs, num_kv_heads, max_context_len, num_sms)
+            shortest = max(MIN_PARTITION_TOKENS, -(-max_context_len // MAX_SPLITS))
+            ideal = max(num_seqs * num_kv_heads * max_context_len / num_sms,
+                        min(max_context_len, shortest))
+            steps = modelled_steps(num_seqs, num_kv_heads, plan, num_sms)
+            assert ideal >= 0.85 * steps, (num_seqs, num_kv_heads, max_context_len, plan,
+                                           ideal / steps)
+
+
+def test_batch_just_over_a_wave_is_rebalanced():
+    # 133 requests x 1 kv head on 132 SMs, 3000 tokens: unsplit is one CTA per SM plus one
+    # straggler; the plan must do no worse than that in its model, and every SM gets work.
+    plan = plan_decode_split(133, 1, 3000, H100_SMS)
+    assert 133 * plan.num_splits >= H100_SMS
+    assert modelled_steps(133, 1, plan, H100_SMS) <= modelled_steps(
+        133, 1, type(plan)(1, 3072), H100_SMS)
 
 
 def test_long_context_is_split_even_in_a_full_batch():

@@ -16,8 +16,9 @@ from paged_kernel_inputs import (ATTENTION_TOL, BACKEND, DTYPES, ROTARY_TOL, Pag
                                  as_kernel_dtype, assert_close, kernel_module, result_f32,
                                  to_device, to_host)
 from pagedrun.runtime.backends import numpy_ops
-from pagedrun.runtime.kernels.attention import (DecodeSplitPlan, paged_decode_attention,
-                                                paged_prefill_attention, prefill_smem_bytes)
+from pagedrun.runtime.kernels.attention import (DecodeSplitPlan, decode_tiling,
+                                                paged_decode_attention, paged_prefill_attention,
+                                                prefill_smem_bytes)
 from pagedrun.runtime.kernels.cache_ops import rotary_embedding_and_cache_write
 from pagedrun.runtime.kernels.kernel_args import UnsupportedKernelShape
 
@@ -235,6 +236,18 @@ def test_decode_fp8_split_and_window(rng, dt):
     run_decode_fp8(rng, dt, (1, 17, 111, 300), sliding_window=40,
                    split=DecodeSplitPlan(2, 256) if dt == "f32" else None)
     run_decode_fp8(rng, dt, (5, 33, 70), block_size=32, group=2)
+
+
+@pytest.mark.parametrize("dt,head_dim", [("f32", 64), ("bf16", 128)])
+def test_decode_fp8_pipeline_edges(rng, dt, head_dim):
+    # Raw e4m3 bytes through the cp.async stages (7 of 4 KiB for f32 d64, 4 of 8 KiB for
+    # bf16 d128): contexts around one tile and past the ring, then 13 splits of 24 tokens.
+    tiling = decode_tiling(f"{dt}_kv_fp8", head_dim)
+    tile = tiling.tile_tokens
+    contexts = (1, 17, tile, tile + 1, (tiling.num_stages + 1) * tile + 9)
+    run_decode_fp8(rng, dt, contexts, head_dim=head_dim, group=2, num_kv_heads=1)
+    run_decode_fp8(rng, dt, (1, 25, 111, 300), head_dim=head_dim,
+                   split=DecodeSplitPlan(13, 24))
 
 
 def run_prefill_fp8(rng, dt, requests, *, num_kv_heads=2, group=3, head_dim=64, block_size=16,

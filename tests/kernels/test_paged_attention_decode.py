@@ -8,9 +8,13 @@ import pytest
 from paged_kernel_inputs import (ATTENTION_TOL, DTYPES, PagedKV, as_kernel_dtype, assert_close,
                                  kernel_module, result_f32, to_device)
 from pagedrun.runtime.backends import numpy_ops
-from pagedrun.runtime.kernels.attention import (DecodeSplitPlan, paged_decode_attention,
+from pagedrun.runtime.kernels.attention import (DECODE_GROUPS, DECODE_IN_FLIGHT_BYTES,
+                                                DECODE_MAX_STAGES, DECODE_WARPS,
+                                                SUPPORTED_HEAD_DIMS,
+                                                DecodeSplitPlan, decode_smem_bytes,
+                                                decode_tiling, paged_decode_attention,
                                                 plan_decode_split)
-from pagedrun.runtime.kernels.kernel_args import UnsupportedKernelShape
+from pagedrun.runtime.kernels.kernel_args import DEFAULT_DYNAMIC_SMEM_LIMIT, UnsupportedKernelShape
 
 NUM_KV_HEADS = 2
 AWKWARD_CONTEXTS = (1, 17, 111, 64)  # one token, partial blocks, an exact block boundary
@@ -132,3 +136,55 @@ def _call(**overrides):
 def test_decode_rejects_unsupported(case, overrides):
     with pytest.raises(UnsupportedKernelShape):
         _call(**overrides)
+
+
+# ------------------------------------------------------------------ cp.async pipeline edges
+# The kernel streams K/V in tiles of decode_tiling(...).tile_tokens rows through a ring of
+# num_stages shared-memory stages. Contexts around the tile size and past the ring's length
+# hit every edge: one token, a partial tile, exactly one tile, one tile and one token, a ring
+# that wraps (more tiles than stages) ending in a partial block. PagedKV's pool is NaN where
+# no request owns a slot, so a copy that reads past a context (instead of zero-filling) or a
+# stage read before its copy landed (the harness twin poisons it with NaN until the wait)
+# shows up as a non-finite output.
+def pipeline_contexts(dt: str, head_dim: int, block_size: int = 16) -> tuple[int, ...]:
+    tiling = decode_tiling(dt, head_dim)
+    tile = tiling.tile_tokens
+    wrap = (tiling.num_stages + 1) * tile + block_size // 2 + 1  # partial last block
+    return (1, 17, tile, tile + 1, wrap)
+
+
+@pytest.mark.parametrize("dt,head_dim", [("f32", 64), ("f16", 128), ("bf16", 256),
+                                         ("f32", 256)])
+def test_decode_pipeline_tile_edges(rng, dt, head_dim):
+    run_decode(rng, dt, pipeline_contexts(dt, head_dim), group=2, head_dim=head_dim,
+               num_kv_heads=1)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_decode_many_splits_off_tile_boundaries(rng, dt):
+    # Partitions of 24 tokens: not a multiple of any tile or block, so split starts land
+    # mid-tile and mid-block; 13 splits, most requests leaving trailing ones empty.
+    run_decode(rng, dt, (1, 23, 25, 111, 300), head_dim=64, split=DecodeSplitPlan(13, 24))
+
+
+def test_decode_window_starts_mid_tile(rng):
+    # The window's first token (context - 45) sits mid-tile and mid-block; the ring wraps.
+    contexts = pipeline_contexts("f16", 64)
+    run_decode(rng, "f16", contexts, head_dim=64, sliding_window=45)
+    run_decode(rng, "f16", contexts, head_dim=64, sliding_window=45,
+               split=DecodeSplitPlan(3, 16))
+
+
+def test_decode_smem_covers_stages_and_merge_scratch():
+    # The launch's dynamic shared memory is the larger of the stage ring and the merge scratch;
+    # only f32 d256 (two 16 KiB tiles per stage) goes past the 48 KiB default.
+    for dt in ("f32", "f16", "bf16", "f32_kv_fp8", "f16_kv_fp8", "bf16_kv_fp8"):
+        for head_dim in SUPPORTED_HEAD_DIMS:
+            tiling = decode_tiling(dt, head_dim)
+            assert (tiling.num_stages - 1) * tiling.stage_bytes >= DECODE_IN_FLIGHT_BYTES or (
+                tiling.num_stages == DECODE_MAX_STAGES)
+            for group in DECODE_GROUPS:
+                smem = decode_smem_bytes(group, head_dim, dt)
+                assert smem >= tiling.num_stages * tiling.stage_bytes
+                assert smem >= DECODE_WARPS * group * (head_dim + 2) * 4
+                assert (smem > DEFAULT_DYNAMIC_SMEM_LIMIT) == (dt == "f32" and head_dim == 256)
