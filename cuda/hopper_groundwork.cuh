@@ -1,14 +1,15 @@
-// hopper_groundwork.cuh -- GROUNDWORK: no shipped kernel (cuda/*.cu) includes this yet. It holds
-// the sm_90a building blocks (mbarrier, TMA tensor loads, wgmma) of the planned Hopper GEMM,
-// with host twins in cuda/sim/hopper.cuh; today it is used only by the probe kernels of
-// tests/sim/test_hopper_twins.py (tests/sim/kernels/hopper_probes.cu, hopper_unguarded.cu) and
-// tests/gpu/test_ptx_twins.py. Host side: runtime/kernels/tma.py builds the TMA descriptors.
-// Nothing here has run on a GPU yet: the fragment layout and the descriptor / swizzle model
-// are checked against the PTX ISA description and the twins only.
+// hopper_groundwork.cuh -- the sm_90a building blocks (mbarrier, TMA tensor loads, wgmma,
+// setmaxnreg) with host twins in cuda/sim/hopper.cuh. Used by cuda/gemm_hopper.cu (the Hopper
+// GEMM: TMA -> 4-stage mbarrier ring -> wgmma m64n256k16, warp-specialized) and by the probe
+// kernels of tests/sim/test_hopper_twins.py (tests/sim/kernels/hopper_probes.cu,
+// hopper_unguarded.cu) and tests/gpu/test_ptx_twins.py. Host side: runtime/kernels/tma.py
+// builds the TMA descriptors. Nothing here has run on a GPU yet: the fragment layout and the
+// descriptor / swizzle model are checked against the PTX ISA description and the twins only.
 //
 // Include it after common.cuh (it includes ptx.cuh itself). The compile gates
-// (scripts/compile_gates.py) build a file naming wgmma*, mbarrier* or tma_* for sm_90a instead
-// of sm_90; tests/sim/test_hopper_twins.py checks that no cuda/*.cu does yet.
+// (scripts/compile_gates.py) build a file naming wgmma*, mbarrier*, setmaxnreg or tma_* for
+// sm_90a instead of sm_90; tests/sim/test_hopper_twins.py checks that among cuda/*.cu only
+// gemm_hopper.cu does.
 //
 // The Hopper-only instructions (sm_90a) sit behind tile-level functions; their harness twins
 // (cuda/sim/hopper.cuh) work on the logical tile. Available where PAGEDRUN_HAS_HOPPER is 1
@@ -33,13 +34,17 @@
 //     core matrices adjacent in K, SBO = between core matrices adjacent in M/N) or
 //     kSmemSwizzle128B/64B/32B (8-row atoms of rows of that many bytes, 16-byte chunks
 //     XOR-swizzled by address bits 7..9; SBO = bytes between 8-row atoms; LBO unused).
-//   wgmma_m64n{64,128}k16_{bf16,f16}(d, desc_a, desc_b, scale_d): warpgroup (128 threads,
+//   wgmma_m64n{64,128,256}k16_{bf16,f16}(d, desc_a, desc_b, scale_d): warpgroup (128 threads,
 //     warps 4g..4g+3) D[64,N] = A[64,16] * B[16,N] + (scale_d ? D : 0), f32 accumulate, A and
 //     B K-major in shared memory (B given as N rows of 16 K values). Thread t of the group,
 //     w = t/32, g = (t%32)/4, q = t%4, holds for n-block i = 0..N/8-1:
 //       d[4i+0..1] = D[16w+g][8i+2q..+1]   d[4i+2..3] = D[16w+g+8][8i+2q..+1]
 //   wgmma_fence() before the first wgmma that reads registers written otherwise;
 //   wgmma_commit_group() closes a group; wgmma_wait_group<N>() waits until <= N groups pend.
+//     The accumulators (and the shared-memory operands) of a wgmma belong to it until the
+//     wait that retires its group: read d, or let TMA refill its operands, only after it.
+//   warpgroup_reg_dealloc<R>() / warpgroup_reg_alloc<R>(): setmaxnreg.dec / .inc, the
+//     warpgroup's registers per thread become R (24..256, multiple of 8).
 //   fence_proxy_async(): makes generic-proxy shared-memory writes visible to wgmma/TMA.
 #pragma once
 #include "ptx.cuh"  // common.cuh, pagedrun_smem_addr, and the sm_80 twins under the harness
@@ -206,6 +211,88 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16(float (&d)[64], uint64_t de
         : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
+__device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t desc_a,
+                                                   uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+        :
+          "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+__device__ __forceinline__ void wgmma_m64n256k16_f16(float (&d)[128], uint64_t desc_a,
+                                                   uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+        :
+          "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+// setmaxnreg: a warpgroup-wide change of the registers per thread (24..256, a multiple of 8).
+// A producer warpgroup that only issues TMA gives registers back (dealloc) so the consumer
+// warpgroups that hold the wgmma accumulators can take them (alloc); the sum over the CTA's
+// warpgroups must stay within the register file the launch reserved.
+template <int kRegs>
+__device__ __forceinline__ void warpgroup_reg_dealloc() {
+    static_assert(kRegs >= 24 && kRegs <= 256 && kRegs % 8 == 0, "setmaxnreg: 24..256, x8");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void warpgroup_reg_alloc() {
+    static_assert(kRegs >= 24 && kRegs <= 256 && kRegs % 8 == 0, "setmaxnreg: 24..256, x8");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(kRegs));
+}
+
 #else  // not sm_90a: every Hopper call is a compile error naming the target it needs
 
 template <class T>
@@ -250,6 +337,16 @@ template <class T = void>
 __device__ void wgmma_m64n128k16_bf16(float (&)[64], uint64_t, uint64_t, int) { PAGEDRUN_HOPPER_ONLY(T); }
 template <class T = void>
 __device__ void wgmma_m64n128k16_f16(float (&)[64], uint64_t, uint64_t, int) { PAGEDRUN_HOPPER_ONLY(T); }
+template <class T = void>
+__device__ void wgmma_m64n256k16_bf16(float (&)[128], uint64_t, uint64_t, int) { PAGEDRUN_HOPPER_ONLY(T); }
+template <class T = void>
+__device__ void wgmma_m64n256k16_f16(float (&)[128], uint64_t, uint64_t, int) { PAGEDRUN_HOPPER_ONLY(T); }
+template <int N>
+struct pagedrun_setmaxnreg_tag {};
+template <int kRegs>
+__device__ void warpgroup_reg_dealloc() { PAGEDRUN_HOPPER_ONLY(pagedrun_setmaxnreg_tag<kRegs>); }
+template <int kRegs>
+__device__ void warpgroup_reg_alloc() { PAGEDRUN_HOPPER_ONLY(pagedrun_setmaxnreg_tag<kRegs>); }
 #undef PAGEDRUN_HOPPER_ONLY
 
 #endif  // sm_90a

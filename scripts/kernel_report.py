@@ -104,17 +104,20 @@ def need_in_flight_bytes(a: dict = ASSUMPTIONS) -> float:
 
 # ---- dynamic shared memory, from the launch wrappers ---------------------------------------
 def _dynamic_smem_rules():
-    from pagedrun.runtime.kernels import attention, gemm, moe
+    from pagedrun.runtime.kernels import attention, gemm, gemm_hopper, moe
 
     zero = "0: launched without shared_mem"
     return [
         (r"paged_attention_decode_merge_", lambda m: 0, zero + " (attention.py)"),
         (r"paged_attention_decode_(\w+)_d(\d+)_g(\d+)$",
-         lambda m: attention.decode_smem_bytes(int(m[3]), int(m[2])),
+         lambda m: attention.decode_smem_bytes(int(m[3]), int(m[2]), m[1]),
          "attention.decode_smem_bytes"),
         (r"paged_attention_prefill_(\w+)_d(\d+)$",
          lambda m: attention.prefill_smem_bytes(m[1], int(m[2])),
          "attention.prefill_smem_bytes"),
+        (r"gemm_skinny_tc_", lambda m: gemm.SKINNY_TC_SMEM_BYTES, "gemm.SKINNY_TC_SMEM_BYTES"),
+        (r"gemm_hopper_", lambda m: gemm_hopper.HOPPER_SMEM_BYTES,
+         "gemm_hopper.HOPPER_SMEM_BYTES"),
         (r"gemm_skinny_\w+_m(\d+)$", lambda m: int(m[1]) * gemm.SKINNY_SMEM_BYTES_PER_ROW,
          "gemm.SKINNY_SMEM_BYTES_PER_ROW x m_tile"),
         (r"gemm_splitk_reduce_", lambda m: 0, zero + " (gemm.py)"),
@@ -144,7 +147,8 @@ def dynamic_smem(kernel: str, rules) -> tuple[int | None, str]:
 
 # ---- SASS ----------------------------------------------------------------------------------
 _FUNCTION = re.compile(r"Function : (\S+)")
-_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+# Opcodes may carry lower-case shape suffixes (HGMMA.64x256x16.F32.BF16).
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
 _TARGET = re.compile(r"0x([0-9a-f]+)")
 # (HFMA2.MMA is not one: an HFMA2, often a register move, issued to the MMA pipe.)
 TENSOR_OPS = ("HMMA", "HGMMA", "IMMA", "IGMMA", "QGMMA", "BMMA", "BGMMA", "DMMA")

@@ -1,6 +1,6 @@
 // hopper.cuh -- host twins of the Hopper-only functions in cuda/hopper_groundwork.cuh
-// (mbarrier, TMA, wgmma; groundwork: no shipped kernel uses them yet). They work on the
-// logical tile, at the level the instruction acts on:
+// (mbarrier, TMA, wgmma, setmaxnreg; used by cuda/gemm_hopper.cu). They work on the logical
+// tile, at the level the instruction acts on:
 //   * mbarrier: the 64-bit word in shared memory holds the whole barrier state (pending and
 //     expected arrivals, phase, transaction bytes), so it is reset with the block's shared
 //     memory; an uninitialised (poisoned, all-ones) word is reported. A wait blocks the
@@ -9,15 +9,21 @@
 //     tensor), poisons the destination with NaN and parks the bytes on the barrier; they
 //     land, and complete their transaction bytes, when some thread waits on that barrier.
 //     A kernel that reads the tile without waiting reads NaN every time.
-//   * wgmma: a warpgroup rendezvous (128 threads); the last to arrive reads A and B from
-//     shared memory through the descriptors, computes the 64xNx16 product in double and
-//     scatters D in the PTX ISA fragment layout (cuda/hopper_groundwork.cuh). The product is
-//     complete at issue: fence / commit_group / wait_group are ordering no-ops here.
+//   * wgmma: a warpgroup rendezvous (128 threads) that queues the operation and poisons its
+//     accumulator registers with NaN; commit_group and wait_group<N> are rendezvous too. The
+//     wait that retires a group reads A and B from shared memory through the descriptors
+//     (then, not at issue), computes each 64xNx16 product in double and scatters D in the
+//     PTX ISA fragment layout (cuda/hopper_groundwork.cuh). So a kernel that reads the
+//     accumulators before the wait, or lets TMA refill a stage before the wait of the wgmmas
+//     reading it (the TMA twin poisons at issue), reads NaN every time. wgmma_fence is a
+//     no-op; setmaxnreg (warpgroup_reg_alloc / dealloc) checks its operand only.
 // Swizzling is a function of the shared-memory address (16-byte chunk bits 4.. XOR address
 // bits 7..), as on the hardware, so TMA writes and wgmma reads agree whatever the offsets.
 // Included by cuda/hopper_groundwork.cuh under PAGEDRUN_SIM (after ptx.cuh and twins.cuh);
 // never include directly.
 #pragma once
+#include <deque>
+#include <limits>
 #include <vector>
 
 // Harness form of the tensor map: 128 bytes like a CUtensorMap, built by
@@ -39,7 +45,7 @@ namespace pagedrun_sim {
 constexpr uint64_t kTmaMagic = 0x31414d5452444150ull;  // "PADRTMA1"
 constexpr unsigned kWarpgroupThreads = 128;
 constexpr unsigned kMaxWarpgroups = 1024 / kWarpgroupThreads;
-constexpr unsigned kWgmmaM = 64, kWgmmaK = 16;
+constexpr unsigned kWgmmaM = 64, kWgmmaK = 16, kMaxWgmmaN = 256;
 
 // ---- synchronisation for the sanitizers -----------------------------------------------------
 inline bool always_ready(void*) { return true; }
@@ -344,6 +350,35 @@ inline void warpgroup_collective(const char* what, void* lane_data, WarpgroupFn 
     wait_until(&generation_moved, &w, what, loc);
 }
 
+// ---- wgmma as an asynchronous operation ----------------------------------------------------
+// An issued wgmma is queued on its warpgroup with the accumulator values it starts from; its
+// registers read NaN until a wgmma_wait_group retires the committed group that holds it. Only
+// then are A and B read from shared memory and the product written back, so a kernel that
+// reads the accumulators without the wait, or lets TMA refill a stage before the wait that
+// retires the wgmmas reading it (the twin TMA poisons its destination at issue), gets NaN.
+// Chained wgmmas on the same registers (scale_d = 1) take their predecessor's result.
+struct WgmmaOp {
+    unsigned n;
+    bool bf16;
+    uint64_t desc_a, desc_b;
+    int scale_d;
+    uint64_t group;  // commit-group number; kOpenGroup until a commit_group closes it
+    float* lane_d[kWarpgroupThreads];
+    std::vector<float> in;  // logical [64][n] start value (unused when scale_d == 0)
+};
+constexpr uint64_t kOpenGroup = ~uint64_t(0);
+struct WgmmaQueue {
+    uint64_t block = 0;
+    uint64_t next_group = 0, oldest_group = 0;  // committed and not retired: [oldest, next)
+    std::deque<WgmmaOp> ops;                    // issue order
+};
+inline WgmmaQueue& wgmma_queue() {  // the calling thread's warpgroup, reset per block
+    static WgmmaQueue queues[kMaxWarpgroups];
+    WgmmaQueue& q = queues[g_thread->linear / kWarpgroupThreads];
+    if (q.block != block_serial()) q = WgmmaQueue{block_serial()};
+    return q;
+}
+
 // D fragment position of register r of warpgroup thread t (cuda/ptx.cuh).
 inline void wgmma_d_position(unsigned t, unsigned r, unsigned& row, unsigned& col) {
     unsigned w = t / 32, g = (t % 32) / 4, q = t % 4, i = r / 4, j = r % 4;
@@ -352,7 +387,7 @@ inline void wgmma_d_position(unsigned t, unsigned r, unsigned& row, unsigned& co
 }
 
 template <unsigned N, bool BF16>
-void wgmma_exchange(void* const* lanes, const Loc& loc) {
+void wgmma_issue(void* const* lanes, const Loc& loc) {
     const auto& first = *static_cast<const WgmmaLane*>(lanes[0]);
     for (unsigned t = 1; t < kWarpgroupThreads; ++t) {
         const auto& x = *static_cast<const WgmmaLane*>(lanes[t]);
@@ -364,34 +399,69 @@ void wgmma_exchange(void* const* lanes, const Loc& loc) {
                  static_cast<unsigned long long>(first.desc_a),
                  static_cast<unsigned long long>(first.desc_b), first.scale_d);
     }
-    static thread_local float A[kWgmmaM][kWgmmaK], B[N][kWgmmaK], D[kWgmmaM][N];
-    for (unsigned m = 0; m < kWgmmaM; ++m)
-        for (unsigned k = 0; k < kWgmmaK; ++k) A[m][k] = smem_operand(first.desc_a, m, k, BF16, loc);
-    for (unsigned n = 0; n < N; ++n)
-        for (unsigned k = 0; k < kWgmmaK; ++k) B[n][k] = smem_operand(first.desc_b, n, k, BF16, loc);
-    for (unsigned t = 0; t < kWarpgroupThreads; ++t) {
-        const auto& x = *static_cast<const WgmmaLane*>(lanes[t]);
+    WgmmaQueue& q = wgmma_queue();
+    WgmmaOp op{N, BF16, first.desc_a, first.desc_b, first.scale_d, kOpenGroup, {}, {}};
+    for (unsigned t = 0; t < kWarpgroupThreads; ++t)
+        op.lane_d[t] = static_cast<const WgmmaLane*>(lanes[t])->d;
+    bool chained = false;  // an earlier pending op writes these registers: it supplies `in`
+    for (const auto& other : q.ops) chained |= other.lane_d[0] == op.lane_d[0];
+    op.in.assign(std::size_t(kWgmmaM) * N, 0.f);
+    for (unsigned t = 0; t < kWarpgroupThreads; ++t)
         for (unsigned r = 0; r < N / 2; ++r) {
             unsigned row, col;
             wgmma_d_position(t, r, row, col);
-            D[row][col] = first.scale_d ? x.d[r] : 0.f;
+            if (!chained) op.in[row * N + col] = op.lane_d[t][r];
+            op.lane_d[t][r] = std::numeric_limits<float>::quiet_NaN();  // in flight
         }
-    }
+    q.ops.push_back(std::move(op));
+}
+
+// Retires the oldest op: reads A and B now, D = A B (+ in); hands D to the next pending op on
+// the same registers, or writes it to them.
+inline void wgmma_retire_front(WgmmaQueue& q, const Loc& loc) {
+    WgmmaOp op = std::move(q.ops.front());
+    q.ops.pop_front();
+    const unsigned N = op.n;
+    static thread_local float A[kWgmmaM][kWgmmaK], B[kMaxWgmmaN][kWgmmaK];
+    for (unsigned m = 0; m < kWgmmaM; ++m)
+        for (unsigned k = 0; k < kWgmmaK; ++k)
+            A[m][k] = smem_operand(op.desc_a, m, k, op.bf16, loc);
+    for (unsigned n = 0; n < N; ++n)
+        for (unsigned k = 0; k < kWgmmaK; ++k)
+            B[n][k] = smem_operand(op.desc_b, n, k, op.bf16, loc);
     // Products of 16-bit inputs are exact in double; one rounding to f32 per element.
+    std::vector<float> D(std::size_t(kWgmmaM) * N);
     for (unsigned m = 0; m < kWgmmaM; ++m)
         for (unsigned n = 0; n < N; ++n) {
-            double acc = D[m][n];
+            double acc = op.scale_d ? op.in[m * N + n] : 0.0;
             for (unsigned k = 0; k < kWgmmaK; ++k) acc += double(A[m][k]) * double(B[n][k]);
-            D[m][n] = float(acc);
+            D[m * N + n] = float(acc);
         }
-    for (unsigned t = 0; t < kWarpgroupThreads; ++t) {
-        auto& x = *static_cast<WgmmaLane*>(lanes[t]);
+    for (auto& next : q.ops)
+        if (next.lane_d[0] == op.lane_d[0]) {
+            next.in = std::move(D);
+            return;
+        }
+    for (unsigned t = 0; t < kWarpgroupThreads; ++t)
         for (unsigned r = 0; r < N / 2; ++r) {
             unsigned row, col;
             wgmma_d_position(t, r, row, col);
-            x.d[r] = D[row][col];
+            op.lane_d[t][r] = D[row * N + col];
         }
-    }
+}
+
+inline void wgmma_commit(void* const*, const Loc&) {
+    WgmmaQueue& q = wgmma_queue();
+    for (auto& op : q.ops)
+        if (op.group == kOpenGroup) op.group = q.next_group;
+    ++q.next_group;  // an empty group is a group too, as on the hardware
+}
+
+template <int kPending>
+void wgmma_wait(void* const*, const Loc& loc) {
+    WgmmaQueue& q = wgmma_queue();
+    for (; q.next_group - q.oldest_group > uint64_t(kPending); ++q.oldest_group)
+        while (!q.ops.empty() && q.ops.front().group == q.oldest_group) wgmma_retire_front(q, loc);
 }
 
 }  // namespace pagedrun_sim
@@ -424,21 +494,42 @@ inline uint64_t make_smem_desc(const void* smem, int swizzle, uint32_t leading_b
 }
 inline void fence_proxy_async() {}
 inline void wgmma_fence() {}
-inline void wgmma_commit_group() {}
+inline void wgmma_commit_group(PAGEDRUN_SIM_LOC) {
+    ::pagedrun_sim::warpgroup_collective("wgmma.commit_group", nullptr,
+                                         &::pagedrun_sim::wgmma_commit, loc);
+}
 template <int N>
-inline void wgmma_wait_group() {}
+inline void wgmma_wait_group(PAGEDRUN_SIM_LOC) {
+    static_assert(N >= 0 && N <= 7, "wgmma.wait_group N: 0..7");
+    static const char* const what[8] = {"wgmma.wait_group 0", "wgmma.wait_group 1",
+                                        "wgmma.wait_group 2", "wgmma.wait_group 3",
+                                        "wgmma.wait_group 4", "wgmma.wait_group 5",
+                                        "wgmma.wait_group 6", "wgmma.wait_group 7"};
+    ::pagedrun_sim::warpgroup_collective(what[N], nullptr, &::pagedrun_sim::wgmma_wait<N>, loc);
+}
+// setmaxnreg moves registers between warpgroups; the harness has no register file to move.
+template <int kRegs>
+inline void warpgroup_reg_dealloc() {
+    static_assert(kRegs >= 24 && kRegs <= 256 && kRegs % 8 == 0, "setmaxnreg: 24..256, x8");
+}
+template <int kRegs>
+inline void warpgroup_reg_alloc() {
+    static_assert(kRegs >= 24 && kRegs <= 256 && kRegs % 8 == 0, "setmaxnreg: 24..256, x8");
+}
 
 #define PAGEDRUN_SIM_WGMMA(n, ty, bf16)                                                       \
     inline void wgmma_m64n##n##k16_##ty(float (&d)[n / 2], uint64_t desc_a, uint64_t desc_b, \
                                         int scale_d, PAGEDRUN_SIM_LOC) {                     \
         ::pagedrun_sim::WgmmaLane lane{desc_a, desc_b, d, scale_d};                          \
         ::pagedrun_sim::warpgroup_collective("wgmma.m64n" #n "k16." #ty, &lane,              \
-                                             &::pagedrun_sim::wgmma_exchange<n, bf16>, loc); \
+                                             &::pagedrun_sim::wgmma_issue<n, bf16>, loc);    \
     }
 PAGEDRUN_SIM_WGMMA(64, bf16, true)
 PAGEDRUN_SIM_WGMMA(64, f16, false)
 PAGEDRUN_SIM_WGMMA(128, bf16, true)
 PAGEDRUN_SIM_WGMMA(128, f16, false)
+PAGEDRUN_SIM_WGMMA(256, bf16, true)
+PAGEDRUN_SIM_WGMMA(256, f16, false)
 #undef PAGEDRUN_SIM_WGMMA
 
 #undef PAGEDRUN_SIM_LOC

@@ -50,6 +50,9 @@ _SOURCES = {"gemm": ("gemm.cu", "gemm_skinny.cu"), "norm": ("rms_norm.cu",),
             "prefill": ("paged_attention_prefill.cu",), "blocks": ("block_copy.cu",),
             "sampling": ("sampling.cu",), "moe": ("moe.cu",), "lora": ("lora.cu",),
             "rejection": ("rejection_sample.cu",), "wq": ("gemm_wq.cu",)}
+# Sources a GPU module adds: the Hopper GEMM runs only on sm_90 (runtime/kernels/gemm.py
+# dispatches to it there), so the CPU harness does not compile it into the engine's module.
+_CUDA_ONLY_SOURCES = {"gemm": ("gemm_hopper.cu",)}
 # EngineConfig.quantization values served here (runtime/backends/weight_only.py, on
 # cuda/gemm_wq.cu): AWQ / GPTQ int4 checkpoints, their projections kept int4 (W4A16); int8
 # made at load from float weights (W8A16).
@@ -107,7 +110,10 @@ class KernelBackend:
     # ------------------------------------------------------------------ placement
     def module(self, group: str):
         if group not in self._modules:
-            self._modules[group] = load_module(list(_SOURCES[group]), backend=self.loader_backend)
+            sources = list(_SOURCES[group])
+            if self.loader_backend == "cuda":
+                sources += _CUDA_ONLY_SOURCES.get(group, ())
+            self._modules[group] = load_module(sources, backend=self.loader_backend)
         if self._capturing is not None:
             return RecordingModule(self._modules[group], self._capturing)
         return self._modules[group]

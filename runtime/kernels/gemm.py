@@ -9,18 +9,28 @@ residual [M, N] (added in the epilogue); all contiguous, one dtype (float32, flo
 holding bf16 bits). out: [M, N] in a's dtype, or float32 (out_dtype=np.float32, e.g. logits).
 Arrays are numpy under the CPU harness and cupy on a GPU. The plan (runtime/kernels/gemm_plan.py)
 picks the skinny or the tensor-core kernel; shapes no kernel serves raise UnsupportedKernelShape.
+On a compute capability 9.0 GPU, with gemm_hopper.cu in the module, the shapes it serves
+(gemm_hopper.hopper_eligible: f16 / bf16, "nk", M > 64, K % 8 == 0) run on the Hopper GEMM.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
-from .gemm_plan import (SKINNY, SKINNY_ROWS_PER_WARP, SKINNY_THREADS, SKINNY_WARPS, TC_BK,
+from .gemm_plan import (SKINNY, SKINNY_ROWS_PER_WARP, SKINNY_TC, SKINNY_TC_BK, SKINNY_TC_BM,
+                        SKINNY_TC_BN, SKINNY_TC_STAGES, SKINNY_TC_THREADS, SKINNY_THREADS,
+                        SKINNY_WARPS, TC_BK,
                         TC_STAGES, TC_THREADS, TC_TILE, TENSOR_CORE, GemmPlan, plan_gemm,
                         tc_aligned)
-from .kernel_args import (array_module, ceil_div, device_num_sms, dtype_suffix, require,
-                          require_contiguous)
+from .gemm_hopper import gemm_hopper, hopper_eligible
+from .kernel_args import (array_module, ceil_div, device_num_sms, dtype_suffix, opt_in_smem,
+                          require, require_contiguous)
 
 SKINNY_SMEM_BYTES_PER_ROW = 512  # one k-tile of a row: 32 lanes x 16 bytes
+# gemm_skinny_tc_*: SKINNY_TC_STAGES x (weight + activation rows) x SKINNY_TC_BK 16-bit elements
+# = 49,152 bytes (the 48 KiB default limit).
+SKINNY_TC_SMEM_BYTES = SKINNY_TC_STAGES * (SKINNY_TC_BN + SKINNY_TC_BM) * SKINNY_TC_BK * 2
 VEC16_BYTES = 16
 
 
@@ -49,6 +59,42 @@ def _nullable(x, xp):
     if x is not None or xp is np:
         return x
     return np.uint64(0)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_arch() -> int:
+    from .loader import device_arch  # CuPy only on this path
+
+    return device_arch()
+
+
+def _capturing(xp) -> bool:
+    """A CUDA graph capture is recording the current stream. The Hopper GEMM uploads its TMA
+    descriptors per call (a host copy, and memory a replay would find freed), so captured
+    forwards keep the mma.sync path."""
+    return bool(xp.cuda.get_current_stream().is_capturing())
+
+
+def _hopper_module(module) -> bool:
+    """Whether `module` has the Hopper GEMM (the cuda backend loads gemm_hopper.cu with
+    the other GEMM sources; a module without it keeps the mma.sync path)."""
+    try:
+        module.get_function("gemm_hopper_bf16_nk_obf16")
+    except (AttributeError, KeyError, RuntimeError):
+        return False
+    return True
+
+
+def _reduce_splits(module, suffix: str, out, partial, bias_arg, residual_arg):
+    """out = sum over splits of partial [splits, M, N] f32 (+ bias) (+ residual), by
+    gemm_splitk_reduce (cuda/gemm_skinny.cu) for both split-K paths: bias and residual are
+    applied once (residual may alias out: each element is read before it is written).
+    suffix: the inputs' dtype (bias is in it)."""
+    splits, M, N = partial.shape
+    reduce = module.get_function(f"gemm_splitk_reduce_{suffix}_o{dtype_suffix(out)}")
+    reduce((ceil_div(M * N, SKINNY_THREADS),), (SKINNY_THREADS,),
+           (out, partial, bias_arg, residual_arg, np.int32(M), np.int32(N), np.int32(splits)))
+    return out
 
 
 def gemm(module, a, b, *, b_layout: str = "nk", bias=None, residual=None, out=None,
@@ -87,38 +133,46 @@ def gemm(module, a, b, *, b_layout: str = "nk", bias=None, residual=None, out=No
     if M == 0 or N == 0:
         return out
     base_aligned = vec16_aligned(a, b)
+    if (plan is None and xp is not np and base_aligned
+            and hopper_eligible(M, N, K, suffix, b_layout, _cuda_arch())
+            and not _capturing(xp) and _hopper_module(module)):
+        return gemm_hopper(module, a, b, bias=bias, residual=residual, out=out,
+                           out_dtype=out.dtype)
     if plan is None:
         plan = plan_gemm(M, N, K, dtype_name=suffix, b_layout=b_layout,
                          num_sms=num_sms or device_num_sms(xp))
         if not base_aligned:  # element-wise loads (and the fp32 SIMT path) take any address
             plan = plan._replace(kind=TENSOR_CORE, m_tile=TC_TILE[suffix][0], num_splits=1,
                                  k_split=K, aligned=False)
-    require(base_aligned or (plan.kind != SKINNY and (suffix == "f32" or not plan.aligned)),
+    require(base_aligned or (plan.kind not in (SKINNY, SKINNY_TC)
+                             and (suffix == "f32" or not plan.aligned)),
             "a or b does not start on a 16-byte boundary: only the unaligned tensor-core "
             "instantiation can read it")
     scalars = (np.int32(M), np.int32(N), np.int32(K))
     bias_arg, residual_arg = _nullable(bias, xp), _nullable(residual, xp)
     null = _nullable(None, xp)
-    if plan.kind == SKINNY:
+    if plan.kind in (SKINNY, SKINNY_TC):
         require(b_layout == "nk", "the skinny GEMM reads weights in the 'nk' layout only")
         require(K % (16 // a.dtype.itemsize) == 0,
                 lambda: f"the skinny GEMM needs K % {16 // a.dtype.itemsize} == 0, got K={K}")
-        rows_per_cta = SKINNY_WARPS * SKINNY_ROWS_PER_WARP[plan.m_tile]
-        grid = (ceil_div(N, rows_per_cta), ceil_div(M, plan.m_tile), plan.num_splits)
-        smem = plan.m_tile * SKINNY_SMEM_BYTES_PER_ROW
-        kernel = module.get_function(f"gemm_skinny_{suffix}_o{out_suffix}_m{plan.m_tile}")
+        if plan.kind == SKINNY_TC:
+            require(suffix != "f32", "the tensor-core skinny GEMM takes f16 / bf16 only")
+            grid = (ceil_div(N, SKINNY_TC_BN), ceil_div(M, SKINNY_TC_BM), plan.num_splits)
+            block, smem = (SKINNY_TC_THREADS,), SKINNY_TC_SMEM_BYTES
+            kernel = module.get_function(f"gemm_skinny_tc_{suffix}_o{out_suffix}")
+        else:
+            rows_per_cta = SKINNY_WARPS * SKINNY_ROWS_PER_WARP[plan.m_tile]
+            grid = (ceil_div(N, rows_per_cta), ceil_div(M, plan.m_tile), plan.num_splits)
+            block, smem = (SKINNY_THREADS,), plan.m_tile * SKINNY_SMEM_BYTES_PER_ROW
+            kernel = module.get_function(f"gemm_skinny_{suffix}_o{out_suffix}_m{plan.m_tile}")
         if plan.num_splits == 1:
-            kernel(grid, (SKINNY_THREADS,), (out, null, a, b, bias_arg, residual_arg, *scalars,
-                                             np.int32(plan.k_split)), shared_mem=smem)
+            kernel(grid, block, (out, null, a, b, bias_arg, residual_arg, *scalars,
+                                 np.int32(plan.k_split)), shared_mem=smem)
             return out
         partial = xp.empty((plan.num_splits, M, N), dtype=np.float32)
-        kernel(grid, (SKINNY_THREADS,), (null, partial, a, b, null, null, *scalars,
-                                         np.int32(plan.k_split)), shared_mem=smem)
-        reduce = module.get_function(f"gemm_splitk_reduce_{suffix}_o{out_suffix}")
-        reduce((ceil_div(M * N, SKINNY_THREADS),), (SKINNY_THREADS,),
-               (out, partial, bias_arg, residual_arg, np.int32(M), np.int32(N),
-                np.int32(plan.num_splits)))
-        return out
+        kernel(grid, block, (null, partial, a, b, null, null, *scalars, np.int32(plan.k_split)),
+               shared_mem=smem)
+        return _reduce_splits(module, suffix, out, partial, bias_arg, residual_arg)
     aligned = tc_aligned(N, K, b_layout)
     require(not plan.aligned or aligned or suffix == "f32",
             lambda: f"an aligned tensor-core plan needs K % 8 == 0 (and N % 8 for 'kn'), got "
@@ -128,10 +182,23 @@ def gemm(module, a, b, *, b_layout: str = "nk", bias=None, residual=None, out=No
         require(out_suffix == suffix, "unaligned shapes have no fp32-output instantiation")
         name += "_unaligned"
     tile_m, tile_n = TC_TILE[suffix]
-    module.get_function(name)((ceil_div(N, tile_n), ceil_div(M, tile_m)), (TC_THREADS,),
-                              (out, a, b, bias_arg, residual_arg, *scalars),
-                              shared_mem=gemm_smem_bytes(suffix))
-    return out
+    grid = (ceil_div(N, tile_n), ceil_div(M, tile_m))
+    smem = gemm_smem_bytes(suffix)
+    if plan.num_splits == 1:
+        kernel = module.get_function(name)
+        opt_in_smem(kernel, smem)
+        kernel(grid, (TC_THREADS,), (out, a, b, bias_arg, residual_arg, *scalars),
+               shared_mem=smem)
+        return out
+    require(suffix != "f32" and plan.aligned and plan.k_split % TC_BK == 0,
+            lambda: f"a split-K tensor-core plan needs an aligned 16-bit shape and whole "
+                    f"{TC_BK}-element k-tiles per split, got {suffix} {plan}")
+    partial = xp.empty((plan.num_splits, M, N), dtype=np.float32)
+    kernel = module.get_function(f"gemm_{suffix}_{b_layout}_splitk")
+    opt_in_smem(kernel, smem)
+    kernel((*grid, plan.num_splits), (TC_THREADS,),
+           (partial, a, b, *scalars, np.int32(plan.k_split)), shared_mem=smem)
+    return _reduce_splits(module, suffix, out, partial, bias_arg, residual_arg)
 
 
 def linear(module, x, weight, bias=None, *, residual=None, out_dtype=None, num_sms=None):

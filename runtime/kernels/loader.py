@@ -16,6 +16,12 @@ through NVRTC. NVRTC results are kept by CuPy's on-disk kernel cache (~/.cupy/ke
 which keys on the code string, not on what it #includes: the code therefore starts with a
 comment carrying the hash of every kernel source, so an edited header is never served stale
 and an unchanged one is never recompiled at start-up.
+
+CuPy's NVRTC path compiles for sm_XX and takes no other -arch, but the Hopper kernels
+(wgmma, setmaxnreg: cuda/gemm_hopper.cu) exist only in the arch-specific sm_90a target, which
+runs on exactly compute capability 9.0. On such a device the loader therefore calls NVRTC
+itself for sm_90a (as the prebuilt fatbins carry an sm_90a cubin) and keeps the cubin in
+runtime/paths.nvrtc_cache_dir(), keyed by the code, the options and the NVRTC version.
 """
 
 from __future__ import annotations
@@ -26,12 +32,15 @@ import os
 from pathlib import Path
 from typing import Sequence
 
+from .. import paths
 from . import prebuilt
 from .sim_module import CUDA_DIR, SimModule
 
 log = logging.getLogger("pagedrun.kernels")
 
 BACKENDS = ("sim", "cuda")
+# Compute capabilities whose NVRTC build targets the arch-specific cubin (sm_90a).
+ARCH_SPECIFIC = {90: "sm_90a"}
 
 
 def _translation_unit(source_names: Sequence[str]) -> str:
@@ -101,7 +110,34 @@ def _load_cuda(names: list[str], options: Sequence[str], name_expressions):
     digest = sources_digest(CUDA_DIR)
     code = f"// pagedrun kernel sources sha256 {digest}\n" + _translation_unit(names)
     opts = (*options, "--std=c++17", f"-I{CUDA_DIR}", *_toolkit_include())
+    if arch in ARCH_SPECIFIC and name_expressions is None:
+        return cupy.RawModule(path=str(_arch_specific_cubin(code, opts, ARCH_SPECIFIC[arch])))
     return cupy.RawModule(code=code, options=opts, name_expressions=name_expressions)
+
+
+def _arch_specific_cubin(code: str, options: Sequence[str], target: str) -> Path:
+    """NVRTC `code` to a cubin for `target` (e.g. sm_90a), cached on disk; returns its path."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    version = ".".join(map(str, nvrtc.getVersion()))
+    key = hashlib.sha256("\0".join([code, *options, target, version]).encode()).hexdigest()
+    path = paths.nvrtc_cache_dir() / f"{key[:32]}_{target}.cubin"
+    if path.is_file():
+        return path
+    prog = nvrtc.createProgram(code, "pagedrun_tu.cu", (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, [*options, f"--gpu-architecture={target}"])
+        except Exception as exc:  # noqa: BLE001 -- NVRTCError; the log says what failed
+            raise RuntimeError(f"NVRTC ({target}) failed:\n{nvrtc.getProgramLog(prog)}") from exc
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.part")  # renamed: readers never see half
+    partial.write_bytes(cubin)
+    os.replace(partial, path)
+    return path
 
 
 def load_module(source_names: str | Sequence[str], backend: str = "sim",

@@ -1,9 +1,9 @@
 """Host-side TMA descriptors for tma_load_2d (cuda/hopper_groundwork.cuh): the 2-D tiled tensor
 map of a row-major matrix, in the form each backend reads.
 
-Groundwork: no shipped kernel uses TMA yet, so nothing on the serving path imports this module.
-It is used by tests/sim/test_hopper_twins.py and tests/gpu/test_ptx_twins.py (the probe kernels
-of tests/sim/kernels/hopper_probes.cu) and is planned for the Hopper (sm_90a) GEMM.
+Used by the Hopper GEMM's wrapper (runtime/kernels/gemm_hopper.py, cuda/gemm_hopper.cu) and by
+tests/sim/test_hopper_twins.py and tests/gpu/test_ptx_twins.py (the probe kernels of
+tests/sim/kernels/hopper_probes.cu).
 
   sim_descriptor(matrix, box_rows, box_cols, swizzle_bytes) -> np.ndarray uint64[16]
       The CPU harness's TmaDescriptor (cuda/sim/hopper.cuh): {magic, base address, dims,

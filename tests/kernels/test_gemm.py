@@ -10,8 +10,9 @@ import pytest
 from paged_kernel_inputs import BACKEND, as_kernel_dtype, assert_close, result_f32, to_device
 from pagedrun.runtime.backends import numpy_ops
 from pagedrun.runtime.kernels.gemm import gemm, linear
-from pagedrun.runtime.kernels.gemm_plan import (SKINNY, SKINNY_MAX_M, TENSOR_CORE, plan_gemm,
-                                                skinny_plan, skinny_tile_k, tensor_core_plan)
+from pagedrun.runtime.kernels.gemm_plan import (SKINNY, SKINNY_MAX_M, SKINNY_TC, TENSOR_CORE,
+                                                plan_gemm, skinny_plan, skinny_tile_k,
+                                                tensor_core_plan)
 from pagedrun.runtime.kernels.kernel_args import UnsupportedKernelShape
 from pagedrun.runtime.kernels.loader import load_module
 
@@ -149,6 +150,8 @@ def test_row_views_off_a_16_byte_boundary(rng, dt):
 def test_plan_picks_kernels():
     assert plan_gemm(1, 4096, 4096, dtype_name="bf16", b_layout="nk", num_sms=132).kind == SKINNY
     assert plan_gemm(SKINNY_MAX_M, 4096, 4096, dtype_name="bf16", b_layout="nk",
+                     num_sms=132).kind == SKINNY_TC  # tensor cores from M = 8
+    assert plan_gemm(SKINNY_MAX_M, 4096, 4096, dtype_name="f32", b_layout="nk",
                      num_sms=132).kind == SKINNY
     assert plan_gemm(SKINNY_MAX_M + 1, 4096, 4096, dtype_name="bf16", b_layout="nk",
                      num_sms=132).kind == TENSOR_CORE

@@ -249,7 +249,9 @@ def test_cuda_loader_uses_fatbins_then_nvrtc(tmp_path, monkeypatch, fake_cupy):
         pair.get_function("nowhere")
     assert single.get_function("rms_norm__x")[1] == "rms_norm__x"
     # One stale source in a module: the whole translation unit goes through NVRTC, and its code
-    # carries the sources' hash (CuPy's disk cache keys on the code string).
+    # carries the sources' hash (CuPy's disk cache keys on the code string). (An sm_80 device:
+    # on sm_90 the loader runs NVRTC itself, next test.)
+    sys.modules["cupy"].cuda.Device.compute_capability = "80"
     src = cuda_dir / "gemm_skinny.cu"
     src.write_text(src.read_text() + "\n// edited\n")
     loader.load_module(["gemm.cu", "gemm_skinny.cu"], backend="cuda")
@@ -260,6 +262,39 @@ def test_cuda_loader_uses_fatbins_then_nvrtc(tmp_path, monkeypatch, fake_cupy):
     # Extra options have no fatbin either.
     loader.load_module("rms_norm.cu", backend="cuda", options=("-DX=1",))
     assert "code" in fake_cupy[-1] and "-DX=1" in fake_cupy[-1]["options"]
+
+
+def test_cuda_loader_builds_sm90a_cubins_itself(tmp_path, monkeypatch, fake_cupy):
+    """On compute capability 9.0 the NVRTC fallback targets sm_90a (CuPy's RawModule would
+    build sm_90, where the wgmma GEMM is a trap): one compile per code, then the disk cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    compiles = []
+
+    def compile_program(prog, options):
+        compiles.append(list(options))
+        if "-DBROKEN" in options:
+            raise RuntimeError("NVRTC_ERROR_COMPILATION")
+
+    nvrtc = types.SimpleNamespace(
+        getVersion=lambda: (13, 0), createProgram=lambda src, name, h, i: 7,
+        compileProgram=compile_program, getCUBIN=lambda prog: b"cubin bytes",
+        getProgramLog=lambda prog: "error: planted", destroyProgram=lambda prog: None)
+    monkeypatch.setitem(sys.modules, "cupy_backends.cuda.libs",
+                        types.SimpleNamespace(nvrtc=nvrtc))
+    monkeypatch.setitem(sys.modules, "cupy_backends.cuda.libs.nvrtc", nvrtc)
+    monkeypatch.setattr(prebuilt, "PREBUILT_DIR", tmp_path / "no_fatbins")
+    for _ in range(2):
+        loader.load_module("rms_norm.cu", backend="cuda")
+        path = Path(fake_cupy[-1]["path"])
+        assert path.parent == tmp_path / "cache" / "pagedrun" / "nvrtc"
+        assert path.read_bytes() == b"cubin bytes"
+    assert len(compiles) == 1 and "--gpu-architecture=sm_90a" in compiles[0]
+    assert "--std=c++17" in compiles[0]
+    with pytest.raises(RuntimeError, match="planted"):
+        loader.load_module("rms_norm.cu", backend="cuda", options=("-DBROKEN",))
+    # name_expressions need CuPy's own NVRTC path (it maps the lowered names).
+    loader.load_module("rms_norm.cu", backend="cuda", name_expressions=["f<1>"])
+    assert fake_cupy[-1]["name_expressions"] == ["f<1>"]
 
 
 def test_installed_package_has_current_fatbins():

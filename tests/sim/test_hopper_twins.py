@@ -1,8 +1,10 @@
 """Hopper twins (cuda/sim/hopper.cuh) on the logical tile, against numpy: TMA boxes (plain and
 128B-swizzled, out-of-bounds zero fill), mbarrier phases, TMA -> mbarrier -> wgmma
-m64n{64,128}k16 (bf16, f16; no-swizzle and 128B-swizzle K-major descriptors) equal to a
-float64 matmul; planted bugs: reading a TMA tile without waiting gives NaN, and waits on
-phases that cannot complete are deadlock reports."""
+m64n{64,128,256}k16 (bf16, f16; no-swizzle and 128B-swizzle K-major descriptors) equal to a
+float64 matmul; planted bugs: reading a TMA tile without waiting gives NaN, reading the
+wgmma accumulators without wgmma_wait_group gives NaN (results land at the wait, not at issue),
+and waits on phases that cannot complete are deadlock reports. cuda/gemm_hopper.cu is the one
+shipped kernel on these blocks (tests/kernels/test_gemm_hopper.py)."""
 
 from __future__ import annotations
 
@@ -92,7 +94,8 @@ def test_tma_box_128b_swizzle_round_trip(hopper, rng):
 
 
 @pytest.mark.parametrize("n, is_bf16, swizzled", [(64, True, True), (128, False, True),
-                                                  (64, False, False), (128, True, False)])
+                                                  (64, False, False), (128, True, False),
+                                                  (256, True, True), (256, False, False)])
 def test_tma_mbarrier_wgmma_is_a_matmul(hopper, rng, n, is_bf16, swizzled):
     k_steps = 4 if swizzled else int(rng.integers(1, 5))  # swizzled rows hold 64 K values
     K = 16 * k_steps
@@ -117,6 +120,19 @@ def test_reading_tma_tile_before_the_wait_reads_nan(hopper, rng):
     hopper.get_function("tma_wgmma_gemm")(
         1, 128, (sim_descriptor(A, WGMMA_M, 64, 128), sim_descriptor(Bt, 64, 64, 128), D,
                  np.int32(64), np.int32(1), np.int32(1), np.int32(4), np.int32(1)),
+        shared_mem=(WGMMA_M + 64) * 64 * 2 + SWIZZLE_ALIGN)
+    assert np.isnan(D).all()
+
+
+def test_reading_accumulators_before_wgmma_wait_group_reads_nan(hopper, rng):
+    """The twin's wgmma lands its product at the wait_group that retires it (as the hardware
+    may): without the wait the registers still hold the in-flight poison."""
+    A = random_bits(rng, (WGMMA_M, 64), True)
+    Bt = random_bits(rng, (64, 64), True)
+    D = np.zeros((WGMMA_M, 64), np.float32)
+    hopper.get_function("tma_wgmma_gemm")(
+        1, 128, (sim_descriptor(A, WGMMA_M, 64, 128), sim_descriptor(Bt, 64, 64, 128), D,
+                 np.int32(64), np.int32(1), np.int32(1), np.int32(4), np.int32(2)),
         shared_mem=(WGMMA_M + 64) * 64 * 2 + SWIZZLE_ALIGN)
     assert np.isnan(D).all()
 
@@ -205,15 +221,21 @@ def test_descriptors_the_gpu_would_refuse_are_refused(hopper, rng):
                                                      np.int32(256), raw), shared_mem=256 + 1024)
 
 
-def test_shipped_kernels_stay_off_the_hopper_target():
-    """cuda/*.cu use no Hopper-only function, so their gates keep compiling for sm_90 (not
-    sm_90a) and their prebuilt cubins run on any sm_90 part."""
+# The shipped kernels on the Hopper-only blocks; every other cuda/*.cu stays off them.
+HOPPER_KERNELS = {"gemm_hopper.cu"}
+
+
+def test_only_the_hopper_gemm_uses_the_hopper_target():
+    """Only cuda/gemm_hopper.cu uses Hopper-only functions (its gates build sm_90a); the other
+    cuda/*.cu keep compiling for sm_90 (not sm_90a), so their prebuilt cubins run on any sm_90
+    part and a new Hopper user is a deliberate change to HOPPER_KERNELS."""
     from pathlib import Path
 
     gates = _load_gates()
     shipped = sorted((Path(__file__).resolve().parents[2] / "cuda").glob("*.cu"))
-    assert shipped
+    assert HOPPER_KERNELS <= {p.name for p in shipped}
     for path in shipped:
-        assert gates.archs_for(path) == ["sm_80", "sm_90"], path.name
+        expect = ["sm_80", "sm_90a"] if path.name in HOPPER_KERNELS else ["sm_80", "sm_90"]
+        assert gates.archs_for(path) == expect, path.name
     kernels = Path(__file__).resolve().parent / "kernels"
     assert gates.archs_for(kernels / "hopper_probes.cu") == ["sm_80", "sm_90a"]

@@ -84,6 +84,18 @@ def test_access_bytes_and_mma_flops():
     assert report.mma_flops("HFMA2.MMA") == 0
 
 
+def test_wgmma_opcode_keeps_its_shape():
+    """HGMMA's shape is lower-case inside the opcode; cut at the 'x', the FLOPs were 0."""
+    sass = """
+        Function : k_wgmma
+        /*0ee0*/                   HGMMA.64x256x16.F32.BF16 R24, gdesc[UR12], R24 ; /* 0x0 */
+        /*0ef0*/                   EXIT ;                            /* 0x000 */
+"""
+    (op,) = [op for _, op in report.parse_sass(sass)["k_wgmma"] if op.startswith("HG")]
+    assert op == "HGMMA.64x256x16.F32.BF16"
+    assert report.mma_flops(op) == 2 * 64 * 256 * 16 // 4
+
+
 def test_parse_max_threads():
     elf = """.nv.info.k_a
 	Attribute:	EIATTR_MAX_THREADS

@@ -55,8 +55,10 @@ template <int N, bool BF16>
 __device__ __forceinline__ void wgmma_step(float (&d)[N / 2], uint64_t da, uint64_t db, int acc) {
     if constexpr (N == 64 && BF16) wgmma_m64n64k16_bf16(d, da, db, acc);
     else if constexpr (N == 64) wgmma_m64n64k16_f16(d, da, db, acc);
-    else if constexpr (BF16) wgmma_m64n128k16_bf16(d, da, db, acc);
-    else wgmma_m64n128k16_f16(d, da, db, acc);
+    else if constexpr (N == 128 && BF16) wgmma_m64n128k16_bf16(d, da, db, acc);
+    else if constexpr (N == 128) wgmma_m64n128k16_f16(d, da, db, acc);
+    else if constexpr (BF16) wgmma_m64n256k16_bf16(d, da, db, acc);
+    else wgmma_m64n256k16_f16(d, da, db, acc);
 }
 
 template <int N, bool BF16>
@@ -78,7 +80,7 @@ __device__ void gemm_tile(const TmaDescriptor* desc_a, const TmaDescriptor* desc
             }
         }
     }
-    if (!skip_wait) mbarrier_wait_parity(bar, 0);
+    if (skip_wait != 1) mbarrier_wait_parity(bar, 0);
     float d[N / 2];
     for (int r = 0; r < N / 2; ++r) d[r] = CUDART_NAN_F;  // scale_d = 0 must ignore these
     wgmma_fence();
@@ -98,15 +100,16 @@ __device__ void gemm_tile(const TmaDescriptor* desc_a, const TmaDescriptor* desc
         wgmma_step<N, BF16>(d, da, db, s > 0);
     }
     wgmma_commit_group();
-    wgmma_wait_group<0>();
+    if (skip_wait != 2) wgmma_wait_group<0>();
     store_accumulators<N>(d, D);
 }
 #endif
 
 // D[64, n] f32 = A[64, K] @ B[n, K]^T (both row-major bf16/f16 bits), K = 16 * k_steps:
 // TMA loads A and B into shared memory (swizzled: 128B swizzle, K = 64; else the no-swizzle
-// core-matrix layout), one mbarrier, k_steps wgmma m64n{n}k16. skip_wait = 1 plants the bug
-// of reading the tiles without waiting on the barrier. n in {64, 128}; blockDim = 128;
+// core-matrix layout), one mbarrier, k_steps wgmma m64n{n}k16. Planted bugs (harness only):
+// skip_wait = 1 reads the tiles without waiting on the barrier, skip_wait = 2 reads the
+// accumulators without wgmma_wait_group. n in {64, 128, 256}; blockDim = 128;
 // dynamic smem (64 + n) * K * 2 + 1024.
 extern "C" __global__ void __launch_bounds__(128) tma_wgmma_gemm(
     const TmaDescriptor* desc_a, const TmaDescriptor* desc_b, float* D, int n, int swizzled,
@@ -119,8 +122,10 @@ extern "C" __global__ void __launch_bounds__(128) tma_wgmma_gemm(
     __syncthreads();
     if (n == 64 && is_bf16) gemm_tile<64, true>(desc_a, desc_b, D, swizzled, k_steps, skip_wait, smem, &bar);
     else if (n == 64) gemm_tile<64, false>(desc_a, desc_b, D, swizzled, k_steps, skip_wait, smem, &bar);
-    else if (is_bf16) gemm_tile<128, true>(desc_a, desc_b, D, swizzled, k_steps, skip_wait, smem, &bar);
-    else gemm_tile<128, false>(desc_a, desc_b, D, swizzled, k_steps, skip_wait, smem, &bar);
+    else if (n == 128 && is_bf16) gemm_tile<128, true>(desc_a, desc_b, D, swizzled, k_steps, skip_wait, smem, &bar);
+    else if (n == 128) gemm_tile<128, false>(desc_a, desc_b, D, swizzled, k_steps, skip_wait, smem, &bar);
+    else if (is_bf16) gemm_tile<256, true>(desc_a, desc_b, D, swizzled, k_steps, skip_wait, smem, &bar);
+    else gemm_tile<256, false>(desc_a, desc_b, D, swizzled, k_steps, skip_wait, smem, &bar);
 #else
     __trap();
 #endif

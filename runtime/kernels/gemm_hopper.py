@@ -1,0 +1,124 @@
+"""Launch wrapper of the Hopper GEMM (cuda/gemm_hopper.cu): TMA descriptors, eligibility, launch.
+
+    module = load_module("gemm_hopper.cu", backend="sim")     # or "cuda" (an sm_90 device)
+    if hopper_eligible(M, N, K, "bf16", "nk", arch):          # arch: device_arch() on a GPU
+        out = gemm_hopper(module, a, b, bias=bias, residual=residual)   # a @ b.T + bias + res
+
+a: [M, K], b: [N, K] (the "nk" HF weight layout), both contiguous, one dtype (float16, or uint16
+holding bf16 bits), starting on a 16-byte boundary; bias [N] a's dtype; residual [M, N] in the
+output dtype (may be out itself); out [M, N] in a's dtype or float32 (out_dtype=np.float32).
+Arrays are numpy under the CPU harness and cupy on a GPU. TMA reads rows through descriptors
+built here (runtime/kernels/tma.py): a row stride must be a multiple of 16 bytes, so K % 8 == 0
+(K = 64, 72, 192 are eligible; 65, 100 are not). Rows and K values past the matrices arrive as
+zeros, so any M >= 1 and N >= 1 run.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .gemm_plan import SKINNY_MAX_M
+from .kernel_args import (UnsupportedKernelShape, array_module, ceil_div, dtype_suffix, require,
+                          require_contiguous)
+from .tma import ROW_STRIDE_ALIGN, cuda_descriptor, sim_descriptor
+
+# cuda/gemm_hopper.cu's constants (gemm_hopper::k*).
+HOPPER_THREADS = 384
+HOPPER_TILE_M = 128
+HOPPER_TILE_N = 256
+HOPPER_TILE_K = 64                # one 128-byte swizzled row of 16-bit values
+HOPPER_STAGES = 4
+HOPPER_SWIZZLE_BYTES = 128
+SWIZZLE_ALIGN_BYTES = 1024        # the kernel aligns its tiles up to the swizzle period
+HOPPER_SMEM_BYTES = (HOPPER_STAGES * (HOPPER_TILE_M + HOPPER_TILE_N) * HOPPER_TILE_K * 2
+                     + SWIZZLE_ALIGN_BYTES)   # 197,632
+HOPPER_ARCH = 90                  # compute capability the sm_90a cubin runs on (exactly)
+HOPPER_DTYPES = ("f16", "bf16")
+ELEMENT_BYTES = 2
+# The skinny GEMM (cuda/gemm_skinny.cu) serves M <= SKINNY_MAX_M better than a 128-row tile.
+HOPPER_MIN_M = SKINNY_MAX_M + 1
+
+
+def hopper_eligible(M: int, N: int, K: int, dtype: str, layout: str, arch: int | None) -> bool:
+    """Whether the Hopper GEMM serves this call: an sm_90 device (arch = major * 10 + minor,
+    e.g. loader.device_arch(); None under the harness: never eligible, the tests call
+    gemm_hopper directly), f16 / bf16, the "nk" layout, M past the skinny kernel's range, and
+    TMA's 16-byte row strides (K % 8 == 0). Base alignment is the caller's check (vec16_aligned
+    in runtime/kernels/gemm.py); gemm_hopper refuses misaligned arrays."""
+    return (arch == HOPPER_ARCH and dtype in HOPPER_DTYPES and layout == "nk"
+            and M >= HOPPER_MIN_M and N >= 1 and K >= 1
+            and (K * ELEMENT_BYTES) % ROW_STRIDE_ALIGN == 0)
+
+
+def gemm_hopper_grid(M: int, N: int) -> int:
+    """CTAs of the 1-D grid: one per 128 x 256 output tile (the kernel orders them in groups)."""
+    return ceil_div(M, HOPPER_TILE_M) * ceil_div(N, HOPPER_TILE_N)
+
+
+def _data_ptr(x) -> int:
+    return x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
+
+
+def _descriptor(x, xp, box_rows: int):
+    if xp is np:
+        return sim_descriptor(x, box_rows, HOPPER_TILE_K, HOPPER_SWIZZLE_BYTES)
+    return xp.asarray(cuda_descriptor(x, box_rows, HOPPER_TILE_K, HOPPER_SWIZZLE_BYTES))
+
+
+def _nullable(x, xp):
+    """None under the harness (NULL); on CuPy an explicit 8-byte 0 (cupy/cupy#9046)."""
+    if x is not None or xp is np:
+        return x
+    return np.uint64(0)
+
+
+def gemm_hopper(module, a, b, *, bias=None, residual=None, out=None, out_dtype=None):
+    """out = a @ b.T (+ bias) (+ residual) on cuda/gemm_hopper.cu. Returns out [M, N]."""
+    xp = array_module(a)
+    suffix = dtype_suffix(a)
+    if suffix not in HOPPER_DTYPES:
+        raise UnsupportedKernelShape(f"the Hopper GEMM takes f16 / bf16, got {a.dtype}")
+    require(a.ndim == 2 and b.ndim == 2, lambda: f"a {a.shape} and b {b.shape} must be 2-D")
+    require(b.dtype == a.dtype, lambda: f"a ({a.dtype}) and b ({b.dtype}) dtypes differ")
+    M, K = a.shape
+    N = b.shape[0]
+    require(b.shape[1] == K, lambda: f"a {a.shape} and b {b.shape} (nk) disagree on K")
+    require_contiguous("a", a)
+    require_contiguous("b", b)
+    if (K * ELEMENT_BYTES) % ROW_STRIDE_ALIGN:
+        raise UnsupportedKernelShape(f"the Hopper GEMM needs K % 8 == 0 (TMA's 16-byte row "
+                                     f"strides), got K={K}")
+    if _data_ptr(a) % ROW_STRIDE_ALIGN or _data_ptr(b) % ROW_STRIDE_ALIGN:
+        raise UnsupportedKernelShape("the Hopper GEMM needs a and b on 16-byte boundaries (TMA)")
+    out_dtype = np.dtype(a.dtype if out_dtype is None else out_dtype)
+    require(out_dtype in (np.dtype(a.dtype), np.dtype(np.float32)),
+            lambda: f"out_dtype {out_dtype}: only a's dtype or float32")
+    if bias is not None:
+        require(bias.shape == (N,) and bias.dtype == a.dtype,
+                lambda: f"bias must be [{N}] {a.dtype}, got {bias.shape} {bias.dtype}")
+        require_contiguous("bias", bias)
+    if residual is not None:
+        require(residual.shape == (M, N) and residual.dtype == out_dtype,
+                lambda: f"residual must be [{M}, {N}] {out_dtype}, got {residual.shape} "
+                        f"{residual.dtype}")
+        require_contiguous("residual", residual)
+    if out is None:
+        out = xp.empty((M, N), dtype=out_dtype)
+    require(out.shape == (M, N) and out.dtype == out_dtype,
+            lambda: f"out must be [{M}, {N}] {out_dtype}, got {out.shape} {out.dtype}")
+    require_contiguous("out", out)
+    if M == 0 or N == 0:
+        return out
+    desc_a = _descriptor(a, xp, HOPPER_TILE_M)
+    desc_b = _descriptor(b, xp, HOPPER_TILE_N)
+    kernel = module.get_function(f"gemm_hopper_{suffix}_nk_o{dtype_suffix(out)}")
+    kernel.max_dynamic_shared_size_bytes = HOPPER_SMEM_BYTES
+    # The descriptors hold a's and b's addresses (the caller keeps a and b alive). On CuPy,
+    # desc_a / desc_b may be freed on return: the pool hands their memory only to later work
+    # on the same stream, which runs after this kernel.
+    kernel((gemm_hopper_grid(M, N),), (HOPPER_THREADS,),
+           (out, desc_a, desc_b, _nullable(bias, xp), _nullable(residual, xp),
+            np.int32(M), np.int32(N), np.int32(K)), shared_mem=HOPPER_SMEM_BYTES)
+    return out
+
+
+__all__ = ["HOPPER_SMEM_BYTES", "gemm_hopper", "gemm_hopper_grid", "hopper_eligible"]

@@ -1,0 +1,116 @@
+"""cuda/gemm_hopper.cu (through runtime/kernels/gemm_hopper.py) against a float64 reference on
+the same rounded inputs, under the CPU harness's TMA / mbarrier / wgmma twins: partial tiles in
+M (1, 64, 65, 130 rows of a 128-row tile), N (128, 200 of a 256-column tile: TMA zero fill) and
+K (72: a 64-wide k-tile plus 8), multi-stage k loops (K = 192, 576: the 4-stage ring wraps), the
+fused bias / residual epilogue (residual aliasing out), fp32 output; then eligibility and the
+refused shapes. Output buffers start as NaN, so an unwritten element fails."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from paged_kernel_inputs import BACKEND, as_kernel_dtype, assert_close, result_f32, to_device
+from pagedrun.runtime.kernels.gemm_hopper import (HOPPER_MIN_M, HOPPER_SMEM_BYTES, gemm_hopper,
+                                                  gemm_hopper_grid, hopper_eligible)
+from pagedrun.runtime.kernels.kernel_args import UnsupportedKernelShape
+from pagedrun.runtime.kernels.loader import load_module
+
+# |kernel - reference| <= atol * K + rtol * |reference| (tests/kernels/test_gemm.py's table:
+# fp32 accumulation drifts ~0.35 eps K; one rounding to the output type at the end).
+GEMM_ATOL_PER_K = 3e-7
+GEMM_RTOL = {"f32": 2e-6, "f16": 1.2e-3, "bf16": 8e-3}
+_OUT_NP = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
+
+_MODULE = []
+
+
+def module():
+    if BACKEND == "cuda":
+        from pagedrun.runtime.kernels.loader import device_arch
+
+        if device_arch() != 90:
+            pytest.skip("the Hopper GEMM runs on sm_90 devices only")
+    if not _MODULE:
+        _MODULE.append(load_module("gemm_hopper.cu", backend=BACKEND))
+    return _MODULE[0]
+
+
+def _run(rng, dt, M, N, K, *, with_bias=True, with_residual=True, out_f32=False,
+         alias=False):
+    a, a_ref = as_kernel_dtype(rng.standard_normal((M, K)), dt)
+    w, w_ref = as_kernel_dtype(rng.standard_normal((N, K)), dt)
+    out_dt = "f32" if out_f32 else dt
+    expected = a_ref.astype(np.float64) @ w_ref.astype(np.float64).T
+    bias = residual = None
+    if with_bias:
+        bias, bias_ref = as_kernel_dtype(rng.standard_normal(N), dt)
+        expected += bias_ref
+        bias = to_device(bias)
+    if with_residual:
+        residual, res_ref = as_kernel_dtype(rng.standard_normal((M, N)), out_dt)
+        expected += res_ref
+        residual = to_device(residual)
+    if alias:
+        out = residual
+    else:
+        nan, _ = as_kernel_dtype(np.full((M, N), np.nan), out_dt)
+        out = to_device(nan)
+    got = gemm_hopper(module(), to_device(a), to_device(w), bias=bias, residual=residual,
+                      out=out, out_dtype=np.float32 if out_f32 else None)
+    assert got is out and got.dtype == _OUT_NP[out_dt]
+    tol = dict(atol=GEMM_ATOL_PER_K * K, rtol=GEMM_RTOL[out_dt])
+    assert_close(result_f32(got, out_dt), expected, tol, f"{dt}->{out_dt} {M}x{N}x{K}")
+
+
+# Every M, N and K of the brief at least once, with both dtypes; each case one or two CTAs.
+SHAPES = [("bf16", 1, 128, 64), ("f16", 64, 200, 72), ("bf16", 65, 256, 192),
+          ("f16", 130, 200, 64), ("bf16", 130, 128, 72), ("f16", 1, 256, 192)]
+
+
+@pytest.mark.parametrize("dt,M,N,K", SHAPES)
+def test_gemm_hopper_matches_float64(rng, dt, M, N, K):
+    _run(rng, dt, M, N, K)
+
+
+def test_gemm_hopper_ring_wraps_and_no_epilogue(rng):
+    # K = 576: 9 k-tiles through 4 stages (each stage reused twice, barrier parity flips).
+    _run(rng, "bf16", 65, 136, 576, with_bias=False, with_residual=False)
+
+
+@pytest.mark.parametrize("dt", ("f16", "bf16"))
+def test_gemm_hopper_fp32_out_with_residual_aliasing_out(rng, dt):
+    _run(rng, dt, 70, 200, 72, out_f32=True, alias=True)
+
+
+def test_gemm_hopper_residual_aliasing_out_in_input_dtype(rng):
+    _run(rng, "bf16", 130, 256, 64, with_bias=False, alias=True)
+
+
+def test_hopper_eligible():
+    assert hopper_eligible(4096, 4096, 4096, "bf16", "nk", 90)
+    assert hopper_eligible(HOPPER_MIN_M, 200, 72, "f16", "nk", 90)
+    assert not hopper_eligible(HOPPER_MIN_M - 1, 4096, 4096, "bf16", "nk", 90)  # skinny's
+    assert not hopper_eligible(4096, 4096, 4100, "bf16", "nk", 90)  # 8200-byte rows: not x16
+    assert not hopper_eligible(4096, 4096, 4096, "bf16", "kn", 90)
+    assert not hopper_eligible(4096, 4096, 4096, "f32", "nk", 90)
+    for arch in (80, 89, 100, None):  # sm_90a code runs on sm_90 only; None: the harness
+        assert not hopper_eligible(4096, 4096, 4096, "bf16", "nk", arch)
+    assert gemm_hopper_grid(130, 200) == 2 and gemm_hopper_grid(4096, 8192) == 32 * 32
+    assert HOPPER_SMEM_BYTES == 4 * (128 + 256) * 64 * 2 + 1024 <= 227 * 1024
+
+
+def test_gemm_hopper_refuses_what_tma_cannot_read(rng):
+    mod = module()
+    a, _ = as_kernel_dtype(rng.standard_normal((8, 65)), "bf16")
+    w, _ = as_kernel_dtype(rng.standard_normal((16, 65)), "bf16")
+    with pytest.raises(UnsupportedKernelShape, match="K % 8 == 0"):
+        gemm_hopper(mod, to_device(a), to_device(w))
+    with pytest.raises(UnsupportedKernelShape, match="f16 / bf16"):
+        gemm_hopper(mod, to_device(np.zeros((8, 64), np.float32)),
+                    to_device(np.zeros((16, 64), np.float32)))
+    raw = np.zeros(8 * 64 + 8, np.uint16)  # an array starting 2 bytes past a 16-byte boundary
+    start = (-raw.ctypes.data % 16) // 2 + 1
+    shifted = raw[start:start + 8 * 64].reshape(8, 64)
+    if BACKEND == "sim":
+        with pytest.raises(UnsupportedKernelShape, match="16-byte boundaries"):
+            gemm_hopper(mod, shifted, np.zeros((16, 64), np.uint16))
