@@ -2,9 +2,13 @@
 over the same weights dequantized) on the default model's (SmolLM2-135M GGUF) shapes: median
 time per call on 2 threads and GB/s of weight bytes streamed (packed nbytes / time); speedup =
 bf16 time / gguf time ("q8x2": gemm_gguf's residual-pass activations, the accurate mode).
-K-quant rows (Q4_K, Q6_K: K a multiple of 256, so the 576-wide inputs cannot be one) use a
+K-quant rows (Q4_K, Q5_K, Q6_K: K a multiple of 256, so the 576-wide inputs cannot be one) use a
 3072x1536 matrix (a 1.7B-class FFN shape) next to Q4_1 on the same shape; gguf has no numpy
 K-quantizer, so their blocks are random bytes with weight-like fp16 super-scales.
+
+On a CPU with AMX-INT8, "auto" is the GGUF "amx" path (TDPBSUD from 8 kernel rows): the
+"avx512vnni" arm is then timed too (q8 and q8x2), and the bf16 reference is AMX's bf16 kernel
+(plus its vector "avx512bf16" arm).
 
     scripts/python benchmarks/bench_gguf_gemm.py [--repeats 30] [--m 1 8 32 64]
         [--types Q4_1 Q4_K Q6_K]
@@ -32,9 +36,11 @@ SHAPES = (
     ("down", "Q4_K", 576, 1536),
     ("3072x1536", "Q6_K", 3072, 1536),
     ("down", "Q6_K", 576, 1536),
+    ("3072x1536", "Q5_K", 3072, 1536),
+    ("down", "Q5_0", 576, 1536),
 )
 # Bytes per 256-weight super-block in the file: the scale bytes' offsets and sizes differ.
-K_FILE_BYTES = {"Q4_K": 144, "Q6_K": 210}
+K_FILE_BYTES = {"Q4_K": 144, "Q6_K": 210, "Q5_K": 176}
 
 
 def k_quant_raw(rng, ggml_type: str, n: int, k: int) -> np.ndarray:
@@ -42,7 +48,7 @@ def k_quant_raw(rng, ggml_type: str, n: int, k: int) -> np.ndarray:
     sb = k // 256
     raw = rng.integers(0, 256, (n, sb, K_FILE_BYTES[ggml_type]), dtype=np.uint8)
     scale = rng.uniform(1e-3, 2e-2, (n, sb, 2)).astype(np.float16).view(np.uint8)
-    if ggml_type == "Q4_K":
+    if ggml_type in ("Q4_K", "Q5_K"):
         raw[:, :, 0:4] = scale  # d, dmin
     else:
         raw[:, :, 208:210] = scale[:, :, :2]  # d
@@ -78,12 +84,15 @@ def main() -> None:
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     amx = cpu_gemm.available_paths()[0] == "amx"
+    amx_int8 = cpu_gemm.has_amx_int8()
     print(f"cpu: {cpu_model()}; gguf paths {cpu_gemm.available_gguf_paths()}, "
           f"bf16 paths {cpu_gemm.available_paths()}; 2 threads, median of {args.repeats}")
     print(f"{'shape':>14} {'type':>5} {'N':>6} {'K':>5} {'M':>3} | {'gguf us':>8} {'GB/s':>6} | "
           f"{'bf16 us':>8} {'GB/s':>6} | {'gguf/bf16 GB/s':>14} {'speedup':>7} | "
           f"{'q8x2 us':>8} {'speedup':>7}"
-          + (f" | {'avx512bf16 us':>8} {'speedup':>7}" if amx else ""))
+          + (f" | {'avx512bf16 us':>8} {'speedup':>7}" if amx else "")
+          + (f" | {'vnni us':>8} {'speedup':>7} {'vnni q8x2':>9} {'speedup':>7}"
+             if amx_int8 else ""))
     for name, ggml_type, n, k in SHAPES:
         if ggml_type not in args.types:
             continue
@@ -108,6 +117,13 @@ def main() -> None:
                 tv = median_seconds(lambda: cpu_gemm.gemm_bf16(x, bf16, threads=2,
                                                                path="avx512bf16"), args.repeats)
                 line += f" | {tv * 1e6:>8.1f} {tv / tg:>6.2f}x"
+            if amx_int8:  # auto is the AMX-INT8 kernel from 8 kernel rows: its vector twin
+                tn = median_seconds(lambda: cpu_gemm.gemm_gguf(x, packed, threads=2,
+                                                               path="avx512vnni"), args.repeats)
+                tn2 = median_seconds(lambda: cpu_gemm.gemm_gguf(
+                    x, packed, threads=2, path="avx512vnni", activations="q8x2"), args.repeats)
+                line += (f" | {tn * 1e6:>8.1f} {tb / tn:>6.2f}x {tn2 * 1e6:>9.1f} "
+                         f"{tb / tn2:>6.2f}x")
             print(line)
 
 

@@ -172,7 +172,7 @@ struct Config {
     int block_size;
     int min_tiles_per_thread;
     long min_macs;  // per threaded call
-    int gguf_path;      // cpu_gemm's GGUF path code (0 portable, 1 avx512vnni)
+    int gguf_path;      // cpu_gemm's GGUF path code (0 portable, 1 avx512vnni, 2 amx, 3 amx-emulated)
     int gguf_residual;  // activations "q8x2": the second int8 pass over the residual
 };
 

@@ -14,14 +14,16 @@ ThreadPoolExecutor worker that sleeps on a queue.
 Paths: "avx512bf16" (vdpbf16ps), "avx2" (bf16 widened to float32, FMA), "portable" (scalar
 C, any CPU); "auto" picks the first of these the CPU runs. Tests force each.
 
-GGUF weights kept quantized (Q4_0 / Q4_1 / Q8_0 blocks, Q4_K / Q6_K super-blocks):
+GGUF weights kept quantized (Q4_0 / Q4_1 / Q8_0 / Q5_0 blocks, Q4_K / Q5_K / Q6_K
+super-blocks):
 
     packed = PackedGgufWeight(raw, "Q4_1", k)  # raw: uint8 [N, row_bytes], the file's blocks
     y = gemm_gguf(x, packed, bias)             # x: [M, K] float32 -> y: [M, N] float32
 
 x is quantized per row per 32-wide block to int8 (llama.cpp's q8 activations; or, with
 activations="q8x2", two int8 passes: the second over the first one's residual) once per
-call, and the integer dot products run on vpdpbusd (GGUF paths "avx512vnni", "portable"); the
+call, and the integer dot products run on AMX-INT8 tiles (GGUF path "amx", from 8 kernel
+rows) or vpdpbusd (GGUF paths "avx512vnni", "portable"); the
 math and the packed layout are in pyx/cpu_quant_kernels.h. Q4_K / Q6_K super-blocks run through the
 same per-32 kernels with float32 scales that are exact products of their fp16 super-scales and
 small int scales (K a multiple of 256); dequantize() is bit-exact against gguf's.
@@ -53,6 +55,7 @@ cdef extern from "cpu_gemm_kernels.h" namespace "pagedrun_gemm" nogil:
         const float* xs
         const int32_t* xcorr
     int cpu_has_avx512vnni()
+    int gguf_amx_int8_available()
     int gguf_block_bytes_of(int type)
     int gguf_offset(int type)
     void gguf_quantize_rows(int path, const float* x, long stride_m, long stride_k, int M,
@@ -413,14 +416,18 @@ def _gemm(x, packed, bias, path, threads, pool):
 
 
 # ------------------------------------------------------------------------- GGUF blocks
-GGUF_NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+GGUF_NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q5_K")
 # INT4_TYPE "I4Z", not a GGML type (so not in GGUF_NATIVE_TYPES): AWQ / GPTQ int4
 # (runtime/hf_quantized.py), W = s * (q - z) per group of INT4_GROUPS weights along k (s fp16,
 # z 0..15). Its raw rows (this module's own format): k / 2 bytes of nibbles (byte i: k 2i low,
 # k 2i + 1 high), then k / g fp16 s, then k / g bytes z.
 INT4_TYPE = "I4Z"
 INT4_GROUPS = (32, 64, 128)
-GGUF_PATHS = ("portable", "avx512vnni")
+GGUF_PATHS = ("portable", "avx512vnni", "amx")
+# The "amx" kernel with its tile instructions done in scalar C++ (pyx/cpu_quant_kernels.h):
+# never chosen by "auto", there so tests check the AMX kernel's layout and epilogue on any
+# AVX512-VNNI CPU. Slow.
+GGUF_AMX_EMULATED = "amx-emulated"
 GGUF_BLOCK = 32  # weights per GGUF block
 GGUF_SUPER_BLOCK = 256  # weights per K-quant super-block (Q4_K, Q6_K): k must be a multiple
 # Activation quantization of gemm_gguf: "q8" (llama.cpp's: int8 per 32-wide block, error <=
@@ -429,14 +436,20 @@ GGUF_SUPER_BLOCK = 256  # weights per K-quant super-block (Q4_K, Q6_K): k must b
 # its real activations: "q8" 0.6-0.9% relative error per GEMM (the greedy answer to "What is
 # the capital of France?" changes), the float product of the same weights answers "Paris".
 GGUF_ACTIVATIONS = ("q8", "q8x2")
-_GGUF_TYPE_CODE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q6_K": 4, "I4Z": 5}
+# Q5_0 runs as Q8_0 (its q - 16 as int8 bytes, the same d): the Q8_0 kernel.
+_GGUF_TYPE_CODE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q6_K": 4, "I4Z": 5,
+                   "Q5_0": 2, "Q5_K": 6}
 # Bytes of one block in the file: fp16 d (+ fp16 m for Q4_1), then the quants; Q4_K: fp16 d,
 # fp16 dmin, 12 bytes of 6-bit scales / mins, 128 of nibbles; Q6_K: 128 bytes of low nibbles,
-# 64 of high 2 bits, 16 int8 scales, fp16 d.
-_GGUF_FILE_BLOCK = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}
-_GGUF_K_TYPES = ("Q4_K", "Q6_K")
-_GGUF_PATH_CODE = {"portable": 0, "avx512vnni": 1}
+# 64 of high 2 bits, 16 int8 scales, fp16 d; Q5_0: fp16 d, 4 bytes of 5th bits (bit i: weight
+# i), 16 of nibbles (as Q4_0's); Q5_K: Q4_K's first 16 bytes, 32 of 5th bits (bit j of byte l:
+# weight l of 32-block j), 128 of nibbles (as Q4_K's).
+_GGUF_FILE_BLOCK = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210, "Q5_0": 22,
+                    "Q5_K": 176}
+_GGUF_K_TYPES = ("Q4_K", "Q6_K", "Q5_K")
+_GGUF_PATH_CODE = {"portable": 0, "avx512vnni": 1, "amx": 2, GGUF_AMX_EMULATED: 3}
 cdef int _HAS_VNNI = cpu_has_avx512vnni()
+cdef int _HAS_AMX_INT8 = gguf_amx_int8_available()  # CPUID and the kernel's permission
 
 
 def has_avx512vnni():
@@ -444,12 +457,21 @@ def has_avx512vnni():
     return bool(_HAS_VNNI)
 
 
+def has_amx_int8():
+    """True when this CPU (and the kernel's permission) runs the GGUF GEMM's AMX-INT8 path."""
+    return bool(_HAS_AMX_INT8)
+
+
 def available_gguf_paths():
-    """The GGUF GEMM paths this CPU runs, fastest first."""
-    return ("avx512vnni", "portable") if _HAS_VNNI else ("portable",)
+    """The GGUF GEMM paths this CPU runs, fastest first ("amx": TDPBSUD from 8 kernel rows,
+    the vpdpbusd kernel below)."""
+    return tuple(p for p, ok in (("amx", _HAS_AMX_INT8), ("avx512vnni", _HAS_VNNI),
+                                 ("portable", True)) if ok)
 
 
 _GGUF_RESOLVED = {p: _GGUF_PATH_CODE[p] for p in available_gguf_paths()}
+if _HAS_VNNI:
+    _GGUF_RESOLVED[GGUF_AMX_EMULATED] = _GGUF_PATH_CODE[GGUF_AMX_EMULATED]
 _GGUF_RESOLVED["auto"] = _GGUF_PATH_CODE[available_gguf_paths()[0]]
 
 
@@ -480,15 +502,22 @@ def _untile_halves(part, t, u):
     return part.reshape(t * TILE_N, u * 2).view(np.float16).astype(np.float32)[:, :, None]
 
 
-def _pack_q4_k(blocks, t):
-    """Q4_K super-blocks [t * 16, U, 144] -> [t, U, 2368]: per 32-block j the Q4_1 nibble
-    form (byte i: k i low, k 16 + i high) tiled as Q4_1's, then sc[8][16], m[8][16] (the
-    6-bit ints as bytes), d[16], dmin[16] fp16."""
+def _k_scales_mins(blocks):
+    """The 6-bit (sc, m) [N, U, 8] of Q4_K / Q5_K super-blocks (their bytes 4:16)."""
     n, u = blocks.shape[0], blocks.shape[1]
     scales = blocks[:, :, 4:16].reshape(n, u, 3, 4)
     lo, hi, both = scales[:, :, 0], scales[:, :, 1], scales[:, :, 2]
     sc = np.concatenate([lo & 0x3F, (both & 0x0F) | ((lo >> 2) & 0x30)], axis=2)
     mn = np.concatenate([hi & 0x3F, (both >> 4) | ((hi >> 2) & 0x30)], axis=2)
+    return sc, mn
+
+
+def _pack_q4_k(blocks, t):
+    """Q4_K super-blocks [t * 16, U, 144] -> [t, U, 2368]: per 32-block j the Q4_1 nibble
+    form (byte i: k i low, k 16 + i high) tiled as Q4_1's, then sc[8][16], m[8][16] (the
+    6-bit ints as bytes), d[16], dmin[16] fp16."""
+    n, u = blocks.shape[0], blocks.shape[1]
+    sc, mn = _k_scales_mins(blocks)
     # ggml's Q4_K nibbles: per 64 weights, 32 bytes: low nibble k l, high nibble k 32 + l.
     qs = blocks[:, :, 16:].reshape(n, u, 4, 1, 32)
     q = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=3).reshape(n, u, 8, 32)
@@ -498,6 +527,35 @@ def _pack_q4_k(blocks, t):
     return np.concatenate([quants, _tile_scales(sc, t, 8), _tile_scales(mn, t, 8),
                            _tile_halves(blocks[:, :, 0:2], t),
                            _tile_halves(blocks[:, :, 2:4], t)], axis=2)
+
+
+def _pack_q5_k(blocks, t):
+    """Q5_K super-blocks [t * 16, U, 176] -> [t, U, 4416]: per 32-block j the 5-bit q as one
+    byte a weight (0..31) tiled as Q8_0's, then Q4_K's sc[8][16], m[8][16], d[16], dmin[16]."""
+    n, u = blocks.shape[0], blocks.shape[1]
+    sc, mn = _k_scales_mins(blocks)
+    # ggml's: per 64 weights 32 bytes of nibbles (low: block 2c, high: block 2c + 1), and bit
+    # j of qh byte l is the 5th bit of weight l of block j.
+    ql = blocks[:, :, 48:176].reshape(n, u, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
+    qh = blocks[:, :, 16:48].reshape(n, u, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]
+    q = ((ql & np.uint8(0x0F)).reshape(n, u, 8, 32)
+         | ((qh & np.uint8(1)) << np.uint8(4)))
+    quants = (q.reshape(t, TILE_N, u, 8, 8, 4).transpose(0, 2, 3, 4, 1, 5)
+              .reshape(t, u, 8 * 512))
+    return np.concatenate([quants, _tile_scales(sc, t, 8), _tile_scales(mn, t, 8),
+                           _tile_halves(blocks[:, :, 0:2], t),
+                           _tile_halves(blocks[:, :, 2:4], t)], axis=2)
+
+
+def _q5_0_as_q8_0(blocks):
+    """Q5_0 blocks [N, nb, 22] -> Q8_0 blocks [N, nb, 34] of the same values: d, then the
+    int8 q - 16 (q = nibble | 5th bit << 4, gguf's order: byte i holds weights i and 16 + i)."""
+    qh = np.ascontiguousarray(blocks[:, :, 2:6]).view(np.uint32)  # [N, nb, 1]
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & np.uint32(1)).astype(np.uint8)
+    qs = blocks[:, :, 6:22]
+    q = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=2) | (high << np.uint8(4))
+    signed = (q.astype(np.int16) - 16).astype(np.int8).view(np.uint8)
+    return np.concatenate([blocks[:, :, 0:2], signed], axis=2)
 
 
 def _pack_q6_k(blocks, t):
@@ -517,7 +575,7 @@ def _pack_q6_k(blocks, t):
 
 
 class PackedGgufWeight:
-    """A [N, K] GGUF-quantized weight (Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K) in the kernel's tiled
+    """A [N, K] GGUF-quantized weight (GGUF_NATIVE_TYPES; Q5_0 as Q8_0) in the kernel's tiled
     layout (pyx/cpu_quant_kernels.h): packed [num_tiles, units, unit_bytes] uint8, a unit = a
     block of 32 k (Q4_0 / Q4_1 / Q8_0: the quants of 16 outputs x 32 k interleaved for
     vpdpbusd, then their fp16 d (and m)) or a K-quant super-block of 256 k (8 such quant
@@ -554,14 +612,20 @@ class PackedGgufWeight:
         num_tiles = -(-n // tile)
         blocks = np.zeros((num_tiles * tile, units, fb), dtype=np.uint8)
         blocks[:n] = raw.reshape(n, units, fb)
+        if ggml_type == "Q5_0":  # the Q8_0 form of the same values (its kernel and layout)
+            blocks, ggml_as = _q5_0_as_q8_0(blocks), "Q8_0"
+        else:
+            ggml_as = ggml_type
         if ggml_type == "Q4_K":
             packed = _pack_q4_k(blocks, num_tiles)
+        elif ggml_type == "Q5_K":
+            packed = _pack_q5_k(blocks, num_tiles)
         elif ggml_type == "Q6_K":
             packed = _pack_q6_k(blocks, num_tiles)
         else:
             scale_bytes = 4 if ggml_type == "Q4_1" else 2
             qs = blocks[:, :, scale_bytes:]
-            if ggml_type == "Q8_0":
+            if ggml_as == "Q8_0":
                 qs = qs ^ np.uint8(0x80)  # int8 q -> u8 q + 128 (vpdpbusd's unsigned operand)
                 qs[n:] = 0
             groups = qs.shape[2] // 4  # 4-byte lanes per output per block (4 or 8)
@@ -635,7 +699,10 @@ class PackedGgufWeight:
             return self._dequantize_q4_k()
         if self.ggml_type == "Q6_K":
             return self._dequantize_q6_k()
-        qbytes = 512 if self.ggml_type == "Q8_0" else 256
+        if self.ggml_type == "Q5_K":
+            return self._dequantize_q5_k()
+        as_q8 = self.ggml_type in ("Q8_0", "Q5_0")  # Q5_0: d * (q - 16), the int8 q - 16
+        qbytes = 512 if as_q8 else 256
         groups = qbytes // (tile * 4)
         quants = (self.packed[:, :, :qbytes].reshape(t, nb, groups, tile, 4)
                   .transpose(0, 3, 1, 2, 4).reshape(t * tile, nb, groups * 4)[:self.n])
@@ -646,7 +713,7 @@ class PackedGgufWeight:
             return part[:self.n].view(np.float16).astype(np.float32)[:, :, None]
 
         d = scale(0)
-        if self.ggml_type == "Q8_0":
+        if as_q8:
             w = (quants ^ np.uint8(0x80)).view(np.int8).astype(np.float32) * d
         else:
             q = np.concatenate([quants & np.uint8(0x0F), quants >> np.uint8(4)], axis=2)
@@ -674,6 +741,22 @@ class PackedGgufWeight:
 
         d = _untile_halves(p[:, :, 2304:2336], t, u) * ints(2048)
         dm = _untile_halves(p[:, :, 2336:2368], t, u) * ints(2176)
+        w = d[:, :, :, None] * q - dm[:, :, :, None]
+        return w.reshape(t * tile, self.k)[:self.n]
+
+    def _dequantize_q5_k(self):
+        """gguf's float32 ops: (d * sc) * q - dmin * m per 32-block."""
+        t, u, tile = self.num_tiles, self.packed.shape[1], TILE_N
+        p = self.packed
+        q = (p[:, :, :4096].reshape(t, u, 8, 8, tile, 4).transpose(0, 4, 1, 2, 3, 5)
+             .reshape(t * tile, u, 8, 32).astype(np.float32))
+
+        def ints(off):
+            part = p[:, :, off:off + 128].reshape(t, u, 8, tile).transpose(0, 3, 1, 2)
+            return part.reshape(t * tile, u, 8).astype(np.float32)
+
+        d = _untile_halves(p[:, :, 4352:4384], t, u) * ints(4096)
+        dm = _untile_halves(p[:, :, 4384:4416], t, u) * ints(4224)
         w = d[:, :, :, None] * q - dm[:, :, :, None]
         return w.reshape(t * tile, self.k)[:self.n]
 

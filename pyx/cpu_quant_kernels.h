@@ -23,6 +23,8 @@
 //   Q6_K: scales per 16 weights: d_h = float(d_fp16) * sc (int8), h = the block's halves
 //         k 0-15 / 16-31; u = q (0..63), W = d_h * (u - 32): y += (d_h * dx) * (dot_h + c_h),
 //         c_h = -32 sum_h(qx): xcorr holds the two 16-sums (gguf_xcorr), two fmas per block.
+//   Q5_K: as Q4_K (d = float(d_fp16) * sc_j, m = -(float(dmin_fp16) * m_j)) with u = q (0..31).
+//   Q5_0 (W = d * (q - 16), q 0..31): repacked as Q8_0 (int8 q - 16, same d), the Q8_0 kernel.
 //   I4Z (not a GGML type: AWQ / GPTQ int4, runtime/hf_quantized.py): W = s * (q - z) per group
 //         of 32/64/128 k, s fp16, z an int 0..15: per 32-block d = float(s), m = -(d * z)
 //         (fp16 x 4-bit int: exact in float32), u = q (0..15): y += (d * dx) * dot + m * sx as
@@ -62,14 +64,21 @@
 //       unpacked by shift / and / vpternlogd, ~3 ops per vpdpbusd operand): decode (M 1) only
 //       6-9% faster (the unpack eats most of the 23% fewer bytes) and M 4-8 30-40% slower
 //       (unpacked per 4 rows in registers, or once per tile into a byte scratch), so bytes.
+//   Q5_K (SBLOCK 4416): quants[8 blocks] in the Q8_0 form with u = q (0..31, no XOR), then
+//       Q4_K's sc[8][16], m[8][16], d[16], dmin[16]: 1.08 bytes a weight (the file: 0.69; the
+//       5th bit as a plane would need the Q6_K-style unpack measured above). Q5_0: Q8_0's
+//       1.0625 (the file: 0.69). Both were dequantized to bf16 (2 bytes a weight) before.
 // Quantized activations: xq[M][K] int8 (row m, k in file order), xd[M][nb] float32 (dx),
 //   xs[M][nb] float32 (sx), xcorr[M][nb] int32 (-offset * sum(qx), the weight type's
 //   offset: 8, 128, or 0 for Q4_1 / Q4_K; Q6_K (offset GGUF_XCORR_SPLIT16): its two 16-sums,
 //   packed); the kernels broadcast 4 bytes of xq per vpdpbusd and one scalar of the others per
 //   block. Callers pass gguf_offset(type) to gguf_quantize_rows.
 //
-// Paths: "avx512vnni" (AVX512F+BW+VL+VNNI, per-function target attribute: the module builds
-// for any x86-64) and "portable" (plain C++ reading the same layout).
+// Paths: "amx" (AMX-INT8 TDPBSUD from GGUF_AMX_MIN_ROWS kernel rows, "avx512vnni" below;
+// see the AMX-INT8 section), "avx512vnni" (AVX512F+BW+VL+VNNI, per-function target attribute:
+// the module builds for any x86-64) and "portable" (plain C++ reading the same layout); and
+// "amx-emulated" (not offered by "auto"): the AMX kernel with its tile ops in scalar C++, so
+// the kernel's layout and epilogue are tested on CPUs without AMX.
 //
 // Measured (Sapphire Rapids, 2 threads, benchmarks/bench_gguf_gemm.py): decode (M 1) streams
 // 45-65 GB/s of packed bytes on the default model's shapes, 1.9-2.5x faster than the bf16
@@ -82,33 +91,44 @@
 // GB/s) ~ Q4_1 62 us, Q6_K 90 us (56 GB/s) vs Q8_0 104 us, bf16 171 us; M 8: Q4_K 151 us
 // (Q4_1 131: the per-tile-block scale ops, ~+15%), Q6_K 173 us; M 64: Q4_K 1.09 ms, Q6_K
 // 1.17 ms, Q4_1 0.97 ms, AMX bf16 0.65 ms.
+// Zen 4 (AMD EPYC, no AMX; 2 threads on a busy shared box, medians of 3 runs, 2026-12-02): q8
+// 1.1-2.3x faster than the avx512bf16 GEMM at M 1-64 on every shape (Q6_K 3072x1536 M 64:
+// 0.98x); q8x2 0.4-0.95x of it from M 8. The AMX-INT8 path below is unmeasured (no AMX there).
 #pragma once
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace pagedrun_gemm {
 
 enum GgufType { GGUF_Q4_0 = 0, GGUF_Q4_1 = 1, GGUF_Q8_0 = 2, GGUF_Q4_K = 3, GGUF_Q6_K = 4,
-               GGUF_I4Z = 5 };  // I4Z: not a GGML type (AWQ / GPTQ int4, see above)
+               GGUF_I4Z = 5, GGUF_Q5_K = 6 };  // I4Z: not a GGML type (AWQ / GPTQ int4, see
+                                                // above); Q5_0 is repacked as Q8_0 bytes
 constexpr int GGUF_TILE_N = 16;  // outputs per tile (one zmm of int32 / float32 lanes)
 constexpr int GGUF_QK = 32;      // weights per GGUF block
 constexpr int GGUF_XCORR_SPLIT16 = -1;  // gguf_offset(Q6_K): xcorr packs the two 16-sums
 
 static inline constexpr bool gguf_is_k(int type) {
-    return type == GGUF_Q4_K || type == GGUF_Q6_K;
+    return type == GGUF_Q4_K || type == GGUF_Q6_K || type == GGUF_Q5_K;
 }
 // 32-blocks per packing unit: a K-quant super-block is 8 of them (256 weights).
 static inline constexpr int gguf_super(int type) { return gguf_is_k(type) ? 8 : 1; }
 // Quant bytes of one tile-block (16 outputs x 32 k): nibbles, or one byte a weight.
 static inline constexpr long gguf_quant_bytes(int type) {
-    return type == GGUF_Q8_0 || type == GGUF_Q6_K ? 512 : 256;
+    return type == GGUF_Q8_0 || type == GGUF_Q6_K || type == GGUF_Q5_K ? 512 : 256;
 }
 // Bytes of one packing unit of a tile (a tile-block, or a K-quant tile-super-block).
 static inline constexpr long gguf_block_bytes(int type) {
     return type == GGUF_Q4_K   ? 8 * 256 + 256 + 64
            : type == GGUF_Q6_K ? 8 * 512 + 256 + 32
+           : type == GGUF_Q5_K ? 8 * 512 + 256 + 64
            : type == GGUF_I4Z  ? 256 + 32 + 16
                                : gguf_quant_bytes(type) + (type == GGUF_Q4_1 ? 64 : 32);
 }
@@ -126,7 +146,7 @@ static inline int gguf_block_bytes_of(int type) { return (int)gguf_block_bytes(t
 // threads; a TileJob points at it and names the tile range).
 struct GgufJob {
     int type;  // GgufType
-    int path;  // 0 portable, 1 avx512vnni
+    int path;  // 0 portable, 1 avx512vnni, 2 amx (AMX-INT8), 3 amx-emulated (tests)
     const uint8_t* wq;
     int nb;  // blocks per row, K / 32
     int M;
@@ -249,7 +269,7 @@ static inline void gguf_block_scales_scalar(const uint8_t* wt, int b, float ds[2
     const uint8_t* sc = ws + SUP * QB;  // the scales after the unit's quants
     for (int n = 0; n < GGUF_TILE_N; ++n) {
         uint16_t h;
-        if (TYPE == GGUF_Q4_K) {
+        if (TYPE == GGUF_Q4_K || TYPE == GGUF_Q5_K) {
             memcpy(&h, sc + 256 + 2 * n, 2);
             ds[0][n] = gguf_half_to_float(h) * (float)sc[16 * j + n];
             memcpy(&h, sc + 288 + 2 * n, 2);
@@ -279,8 +299,9 @@ static void gguf_tiles_portable_t(const GgufJob& g, int N, int tile_begin, int t
                                   const float* bias, float* y, long ldy) {
     constexpr long SB = gguf_block_bytes(TYPE), QB = gguf_quant_bytes(TYPE);
     constexpr int SUP = gguf_super(TYPE);
-    constexpr bool BYTES = TYPE == GGUF_Q8_0 || TYPE == GGUF_Q6_K;  // one byte a weight
-    constexpr bool HAS_MIN = TYPE == GGUF_Q4_1 || TYPE == GGUF_Q4_K || TYPE == GGUF_I4Z;
+    constexpr bool BYTES = TYPE == GGUF_Q8_0 || TYPE == GGUF_Q6_K || TYPE == GGUF_Q5_K;
+    constexpr bool HAS_MIN =
+        TYPE == GGUF_Q4_1 || TYPE == GGUF_Q4_K || TYPE == GGUF_I4Z || TYPE == GGUF_Q5_K;
     const int nb = g.nb, K = nb * GGUF_QK;
     const long tile_bytes = gguf_tile_bytes(TYPE, nb);
     for (int t = tile_begin; t < tile_end; ++t) {
@@ -418,7 +439,7 @@ PAGEDRUN_VNNI_TARGET static inline void gguf_block_scales_vnni(const uint8_t* wt
 #pragma GCC unroll 16
     for (int c = 0; c < NR_; ++c) {
         const uint8_t* sc = wt + c * tile_bytes + (long)(b / SUP) * SB + SUP * QB;
-        if constexpr (TYPE == GGUF_Q4_K) {
+        if constexpr (TYPE == GGUF_Q4_K || TYPE == GGUF_Q5_K) {
             const __m512 d = _mm512_cvtph_ps(
                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 256)));
             const __m512 dmin = _mm512_cvtph_ps(
@@ -462,8 +483,9 @@ PAGEDRUN_VNNI_TARGET static inline void gguf_micro_vnni(const GgufJob& g, int m0
                                                         float* y, long ldy) {
     constexpr long SB = gguf_block_bytes(TYPE), QB = gguf_quant_bytes(TYPE);
     constexpr int SUP = gguf_super(TYPE);
-    constexpr bool BYTES = TYPE == GGUF_Q8_0 || TYPE == GGUF_Q6_K;  // one byte a weight
-    constexpr bool HAS_MIN = TYPE == GGUF_Q4_1 || TYPE == GGUF_Q4_K || TYPE == GGUF_I4Z;
+    constexpr bool BYTES = TYPE == GGUF_Q8_0 || TYPE == GGUF_Q6_K || TYPE == GGUF_Q5_K;
+    constexpr bool HAS_MIN =
+        TYPE == GGUF_Q4_1 || TYPE == GGUF_Q4_K || TYPE == GGUF_I4Z || TYPE == GGUF_Q5_K;
     constexpr int SA = TYPE == GGUF_Q6_K ? 2 : S;  // integer accumulators per (row, tile)
     const int nb = g.nb, K = nb * GGUF_QK;
     const int8_t* xq = g.xq + (long)m0 * K;
@@ -547,7 +569,8 @@ PAGEDRUN_VNNI_TARGET static inline void gguf_micro_vnni(const GgufJob& g, int m0
 #pragma GCC unroll 16
             for (int c = 0; c < NR_; ++c) {
                 __m512i s = dot[r][c][0];
-                if constexpr (S == 2 && TYPE == GGUF_Q8_0) s = _mm512_add_epi32(s, dot[r][c][1]);
+                if constexpr (S == 2 && BYTES && TYPE != GGUF_Q6_K)
+                    s = _mm512_add_epi32(s, dot[r][c][1]);
                 if constexpr (S == 2 && !BYTES)
                     s = _mm512_add_epi32(s, _mm512_srai_epi32(dot[r][c][1], 4));
                 acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(ds[c][0], dxv),
@@ -557,7 +580,8 @@ PAGEDRUN_VNNI_TARGET static inline void gguf_micro_vnni(const GgufJob& g, int m0
                                                 _mm512_mul_ps(ds[c][1], dxv), acc[r][c]);
                 if constexpr (TYPE == GGUF_Q4_1)
                     acc[r][c] = _mm512_fmadd_ps(mn[c], _mm512_set1_ps(g.xs[o]), acc[r][c]);
-                if constexpr (TYPE == GGUF_Q4_K || TYPE == GGUF_I4Z)  // - dmin * m * sx (I4Z:
+                if constexpr (TYPE == GGUF_Q4_K || TYPE == GGUF_I4Z || TYPE == GGUF_Q5_K)
+                    // - dmin * m * sx (I4Z:
                     // - s * z * sx), one rounding as fma(-dm, sx)
                     acc[r][c] = _mm512_fnmadd_ps(mn[c], _mm512_set1_ps(g.xs[o]), acc[r][c]);
             }
@@ -628,8 +652,242 @@ PAGEDRUN_VNNI_TARGET static void gguf_tiles_vnni_t(const GgufJob& g, int N, int 
                                     t * GGUF_TILE_N, N, bias, y, ldy);
     }
 }
+
+// ------------------------------------------------------------------------- AMX-INT8 path
+// From GGUF_AMX_MIN_ROWS kernel rows, the integer dots of 16 rows x 16 outputs x one 32-block
+// run on one TDPBSUD (A: 16 rows of qx, signed; B: the block's 8 rows of 4 k x 16 outputs,
+// unsigned: the tile-block layout above IS the VNNI-ordered B tile, byte (g, n, j) = k 4 g + j
+// of output n; Q4 nibbles are unpacked to that form once per weight tile into a scratch panel,
+// low nibbles -> B rows 0-3, high -> rows 4-7, and reused by every row block). A's tile is 32
+// bytes deep (colsb 32; B 8 rows), so each C tile holds exactly one block's per-32 dots: the
+// int32 tile is stored, and the epilogue does the portable path's float ops per row and output
+// in its order (dot + xcorr, cvt, fma with d * dx, then Q4_1 / Q4_K / I4Z's m * sx): bit for
+// bit the portable result. Q6_K's two 16-wide halves are two 16-deep products (colsb 16, B 4
+// rows). Two products per step (two blocks, or Q6_K's halves) on C tiles 0 / 1, A 2 / 3, B 4 /
+// 5, stored into a 2 KB buffer the epilogue reads. Loop: weight tile outer (unpack + scales
+// per tile), row blocks of 16 inner, blocks innermost with 16 float32 accumulators in zmm.
+// The last row block (M % 16 rows) reads A from a zero-padded copy (the activation buffers
+// hold exactly M rows). Scales per tile: gguf_block_scales_vnni's float32 values into scratch.
+// EMU = true: the same kernel with the four tile operations done in scalar C++ (the "amx-
+// emulated" path, for tests on CPUs without AMX: it checks the layouts, the unpack, the scratch
+// and the epilogue; only the tile instructions themselves go unexecuted there).
+// NOT MEASURED: written on a Zen 4 box (no AMX); the threshold is the bf16 AMX kernel's.
+constexpr int GGUF_AMX_MIN_ROWS = 8;  // kernel rows (2 M with the residual pass)
+constexpr int GGUF_AMX_ROWS = 16;     // rows of an A / C tile
+
+#define PAGEDRUN_AMXI8_TARGET \
+    __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+struct alignas(64) GgufAmxConfig {  // the LDTILECFG memory operand, palette 1
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// c[0:256] = A0 . B0, c[256:512] = A1 . B1 (int32 [16 rows][16 outputs]); A: 16 rows lda bytes
+// apart, KB bytes deep (signed); B: KB / 4 rows of 64 bytes (unsigned, [k / 4][n][k % 4]).
+template <int KB, bool EMU>
+PAGEDRUN_AMXI8_TARGET __attribute__((always_inline)) static inline void gguf_amx_pair(const int8_t* a0, const int8_t* a1,
+                                                       long lda, const uint8_t* b0,
+                                                       const uint8_t* b1, int32_t* c) {
+    if constexpr (EMU) {
+        const int8_t* as[2] = {a0, a1};
+        const uint8_t* bs[2] = {b0, b1};
+        for (int p = 0; p < 2; ++p)
+            for (int m = 0; m < GGUF_AMX_ROWS; ++m)
+                for (int n = 0; n < GGUF_TILE_N; ++n) {
+                    int32_t s = 0;
+                    for (int k = 0; k < KB; ++k)
+                        s += (int32_t)as[p][(long)m * lda + k] * bs[p][(k / 4) * 64 + 4 * n + k % 4];
+                    c[256 * p + 16 * m + n] = s;
+                }
+    } else {
+        // GCC's tileloadd asm names no memory operand: a compiler barrier so the unpacked
+        // panel and padded rows written above are in memory before the tiles read them.
+        __asm__ volatile("" ::: "memory");
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_loadd(2, a0, lda);
+        _tile_loadd(4, b0, 64);
+        _tile_loadd(3, a1, lda);
+        _tile_loadd(5, b1, 64);
+        _tile_dpbsud(0, 2, 4);
+        _tile_dpbsud(1, 3, 5);
+        _tile_stored(0, c, 64);
+        _tile_stored(1, c + 256, 64);
+    }
+}
+
+// Block b of the row block's epilogue: acc[r] (rows < `rows`) += the block's scaled dots, the
+// portable path's float ops. c: the block's C (Q6_K: its two halves, 256 apart).
+template <int TYPE>
+PAGEDRUN_AMXI8_TARGET __attribute__((always_inline)) static inline void gguf_amx_epilogue(const GgufJob& g, int m0, int rows,
+                                                           int b, const int32_t* c,
+                                                           const float* ds, const float* mn,
+                                                           __m512 acc[GGUF_AMX_ROWS]) {
+    constexpr bool HAS_MIN =
+        TYPE == GGUF_Q4_1 || TYPE == GGUF_Q4_K || TYPE == GGUF_I4Z || TYPE == GGUF_Q5_K;
+    const __m512 d0 = _mm512_load_ps(ds);
+    const __m512 d1 = TYPE == GGUF_Q6_K ? _mm512_load_ps(ds + 16) : d0;
+    const __m512 mv = HAS_MIN ? _mm512_load_ps(mn) : d0;
+#pragma GCC unroll 16
+    for (int r = 0; r < GGUF_AMX_ROWS; ++r) {
+        if (r >= rows) break;
+        const long o = (long)(m0 + r) * g.nb + b;
+        const __m512 dxv = _mm512_set1_ps(g.xd[o]);
+        __m512i s = _mm512_load_si512(c + 16 * r);
+        if constexpr (TYPE == GGUF_Q6_K) {
+            int32_t lo, hi;
+            gguf_split16(g.xcorr[o], lo, hi);
+            s = _mm512_add_epi32(s, _mm512_set1_epi32(-32 * lo));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d0, dxv), acc[r]);
+            const __m512i s1 = _mm512_add_epi32(_mm512_load_si512(c + 256 + 16 * r),
+                                                _mm512_set1_epi32(-32 * hi));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(d1, dxv), acc[r]);
+        } else {
+            if constexpr (!HAS_MIN) s = _mm512_add_epi32(s, _mm512_set1_epi32(g.xcorr[o]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d0, dxv), acc[r]);
+            if constexpr (TYPE == GGUF_Q4_1)
+                acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(g.xs[o]), acc[r]);
+            if constexpr (TYPE == GGUF_Q4_K || TYPE == GGUF_I4Z || TYPE == GGUF_Q5_K)
+                acc[r] = _mm512_fnmadd_ps(mv, _mm512_set1_ps(g.xs[o]), acc[r]);
+        }
+    }
+}
+
+template <int TYPE, bool EMU>
+PAGEDRUN_AMXI8_TARGET static void gguf_tiles_amx_t(const GgufJob& g, int N, int tile_begin,
+                                                   int tile_end, const float* bias, float* y,
+                                                   long ldy) {
+    constexpr long SB = gguf_block_bytes(TYPE), QB = gguf_quant_bytes(TYPE);
+    constexpr int SUP = gguf_super(TYPE);
+    constexpr bool BYTES =
+        TYPE == GGUF_Q8_0 || TYPE == GGUF_Q6_K || TYPE == GGUF_Q5_K;  // B tiles in place
+    constexpr bool Q6 = TYPE == GGUF_Q6_K;
+    constexpr int KB = Q6 ? 16 : 32;  // A depth (bytes) of one product
+    const int nb = g.nb, K = nb * GGUF_QK, M = g.M;
+    const long tile_bytes = gguf_tile_bytes(TYPE, nb);
+    // Scratch: C pair (2 KB), scales ds[nb][2][16] + mn[nb][16], the unpacked panel
+    // (nibble types: nb x 512 bytes), the zero-padded last row block (16 x K bytes).
+    const long c_bytes = 2048, sc_bytes = (long)nb * 48 * 4;
+    const long panel_bytes = BYTES ? 0 : (long)nb * 512;
+    const int tail = M % GGUF_AMX_ROWS;
+    const long pad_bytes = tail ? (long)GGUF_AMX_ROWS * K : 0;
+    const long total = (c_bytes + sc_bytes + panel_bytes + pad_bytes + 63) / 64 * 64;
+    uint8_t* work = static_cast<uint8_t*>(aligned_alloc(64, total));
+    if (!work) {  // no scratch: the VNNI kernel needs none
+        gguf_tiles_vnni_t<TYPE>(g, N, tile_begin, tile_end, bias, y, ldy);
+        return;
+    }
+    int32_t* cbuf = reinterpret_cast<int32_t*>(work);
+    float* ds = reinterpret_cast<float*>(work + c_bytes);  // [nb][2][16]
+    float* mn = ds + (long)nb * 32;                         // [nb][16]
+    uint8_t* panel = work + c_bytes + sc_bytes;
+    int8_t* xpad = reinterpret_cast<int8_t*>(panel + panel_bytes);
+    if (tail) {
+        memset(xpad, 0, pad_bytes);
+        memcpy(xpad, g.xq + (long)(M - tail) * K, (long)tail * K);
+    }
+    if constexpr (!EMU) {
+        GgufAmxConfig cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette_id = 1;
+        for (int i = 0; i < 2; ++i) {
+            cfg.rows[i] = GGUF_AMX_ROWS;  // C
+            cfg.colsb[i] = 64;
+            cfg.rows[2 + i] = GGUF_AMX_ROWS;  // A
+            cfg.colsb[2 + i] = KB;
+            cfg.rows[4 + i] = KB / 4;  // B
+            cfg.colsb[4 + i] = 64;
+        }
+        _tile_loadconfig(&cfg);
+    }
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    for (int t = tile_begin; t < tile_end; ++t) {
+        const uint8_t* wt = g.wq + t * tile_bytes;
+        for (int b = 0; b < nb; ++b) {
+            __m512 dsv[1][2], mnv[1];
+            gguf_block_scales_vnni<TYPE, 1>(wt, tile_bytes, b, dsv, mnv);
+            _mm512_store_ps(ds + 32 * b, dsv[0][0]);
+            if constexpr (Q6) _mm512_store_ps(ds + 32 * b + 16, dsv[0][1]);
+            if constexpr (TYPE == GGUF_Q4_1 || TYPE == GGUF_Q4_K || TYPE == GGUF_I4Z ||
+                          TYPE == GGUF_Q5_K)
+                _mm512_store_ps(mn + 16 * b, mnv[0]);
+            if constexpr (!BYTES) {
+                const uint8_t* wb = wt + (long)(b / SUP) * SB + (b % SUP) * QB;
+#pragma GCC unroll 4
+                for (int L = 0; L < 4; ++L) {
+                    const __m512i v = _mm512_loadu_si512(wb + 64 * L);
+                    _mm512_store_si512(panel + 512L * b + 64 * L, _mm512_and_si512(v, low4));
+                    _mm512_store_si512(panel + 512L * b + 256 + 64 * L,
+                                       _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+                }
+            }
+        }
+        auto wblock = [&](int b) -> const uint8_t* {
+            return BYTES ? wt + (long)(b / SUP) * SB + (b % SUP) * QB : panel + 512L * b;
+        };
+        const int n0 = t * GGUF_TILE_N;
+        const int width = N - n0 < GGUF_TILE_N ? N - n0 : GGUF_TILE_N;
+        const __mmask16 mask = (__mmask16)((1u << width) - 1u);
+        const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+        for (int m0 = 0; m0 < M; m0 += GGUF_AMX_ROWS) {
+            const int rows = M - m0 < GGUF_AMX_ROWS ? M - m0 : GGUF_AMX_ROWS;
+            const int8_t* xa = rows == GGUF_AMX_ROWS ? g.xq + (long)m0 * K : xpad;
+            __m512 acc[GGUF_AMX_ROWS];
+#pragma GCC unroll 16
+            for (int r = 0; r < GGUF_AMX_ROWS; ++r) acc[r] = _mm512_setzero_ps();
+            if constexpr (Q6) {
+                for (int b = 0; b < nb; ++b) {
+                    const int8_t* a = xa + b * GGUF_QK;
+                    gguf_amx_pair<KB, EMU>(a, a + 16, K, wblock(b), wblock(b) + 256, cbuf);
+                    gguf_amx_epilogue<TYPE>(g, m0, rows, b, cbuf, ds + 32 * b, mn, acc);
+                }
+            } else {
+                for (int b = 0; b < nb; b += 2) {
+                    const int b1 = b + 1 < nb ? b + 1 : b;  // odd nb: the last pair repeats b
+                    gguf_amx_pair<KB, EMU>(xa + b * GGUF_QK, xa + b1 * GGUF_QK, K, wblock(b),
+                                           wblock(b1), cbuf);
+                    gguf_amx_epilogue<TYPE>(g, m0, rows, b, cbuf, ds + 32 * b, mn + 16 * b, acc);
+                    if (b1 != b)
+                        gguf_amx_epilogue<TYPE>(g, m0, rows, b1, cbuf + 256, ds + 32 * b1,
+                                                mn + 16 * b1, acc);
+                }
+            }
+#pragma GCC unroll 16
+            for (int r = 0; r < GGUF_AMX_ROWS; ++r) {
+                if (r >= rows) break;
+                _mm512_mask_storeu_ps(y + (long)(m0 + r) * ldy + n0, mask,
+                                      _mm512_add_ps(acc[r], bv));
+            }
+        }
+    }
+    if constexpr (!EMU) _tile_release();
+    free(work);
+}
+
+// AMX-TILE and AMX-INT8 in CPUID, AVX512-VNNI (the epilogue and the small-M kernel), and the
+// kernel's permission for the tile data state (arch_prctl, asked once): 1 if the path may run.
+static inline int gguf_amx_int8_available() {
+#if defined(__linux__)
+    static const int ok = [] {
+        unsigned eax, ebx, ecx, edx;
+        __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
+        const bool tile = (edx >> 24) & 1u, int8 = (edx >> 25) & 1u;
+        if (!tile || !int8 || !cpu_has_avx512vnni()) return 0;
+        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : 0;
+    }();
+    return ok;
+#else
+    return 0;
+#endif
+}
 #else
 static inline int cpu_has_avx512vnni() { return 0; }
+static inline int gguf_amx_int8_available() { return 0; }
 #endif
 
 // ------------------------------------------------------------------------- dispatch
@@ -639,7 +897,7 @@ static inline void gguf_quantize_rows(int path, const float* x, long stride_m, l
                                       int M, int K, int offset, int residual, int8_t* xq,
                                       float* xd, float* xs, int32_t* xcorr) {
 #if PAGEDRUN_X86
-    if (path == 1 && stride_k == 1) {
+    if (path >= 1 && stride_k == 1) {  // the AMX paths' CPUs have VNNI (checked)
         gguf_quantize_rows_vnni(x, stride_m, M, K, offset, residual, xq, xd, xs, xcorr);
         return;
     }
@@ -651,13 +909,36 @@ static inline void gguf_quantize_rows(int path, const float* x, long stride_m, l
 static inline void gguf_tiles(const GgufJob& g, int N, int tile_begin, int tile_end,
                               const float* bias, float* y, long ldy) {
 #if PAGEDRUN_X86
-    if (g.path == 1) {
+    if ((g.path == 2 || g.path == 3) && g.M >= GGUF_AMX_MIN_ROWS) {
+        if (g.path == 2) {
+            switch (g.type) {
+                case GGUF_Q4_0: gguf_tiles_amx_t<GGUF_Q4_0, false>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+                case GGUF_Q4_1: gguf_tiles_amx_t<GGUF_Q4_1, false>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+                case GGUF_Q4_K: gguf_tiles_amx_t<GGUF_Q4_K, false>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+                case GGUF_Q6_K: gguf_tiles_amx_t<GGUF_Q6_K, false>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+                case GGUF_I4Z: gguf_tiles_amx_t<GGUF_I4Z, false>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+                case GGUF_Q5_K: gguf_tiles_amx_t<GGUF_Q5_K, false>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+                default: gguf_tiles_amx_t<GGUF_Q8_0, false>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+            }
+        }
+        switch (g.type) {
+            case GGUF_Q4_0: gguf_tiles_amx_t<GGUF_Q4_0, true>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+            case GGUF_Q4_1: gguf_tiles_amx_t<GGUF_Q4_1, true>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+            case GGUF_Q4_K: gguf_tiles_amx_t<GGUF_Q4_K, true>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+            case GGUF_Q6_K: gguf_tiles_amx_t<GGUF_Q6_K, true>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+            case GGUF_I4Z: gguf_tiles_amx_t<GGUF_I4Z, true>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+            case GGUF_Q5_K: gguf_tiles_amx_t<GGUF_Q5_K, true>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+            default: gguf_tiles_amx_t<GGUF_Q8_0, true>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+        }
+    }
+    if (g.path >= 1) {  // avx512vnni, and the AMX paths below GGUF_AMX_MIN_ROWS rows
         switch (g.type) {
             case GGUF_Q4_0: gguf_tiles_vnni_t<GGUF_Q4_0>(g, N, tile_begin, tile_end, bias, y, ldy); return;
             case GGUF_Q4_1: gguf_tiles_vnni_t<GGUF_Q4_1>(g, N, tile_begin, tile_end, bias, y, ldy); return;
             case GGUF_Q4_K: gguf_tiles_vnni_t<GGUF_Q4_K>(g, N, tile_begin, tile_end, bias, y, ldy); return;
             case GGUF_Q6_K: gguf_tiles_vnni_t<GGUF_Q6_K>(g, N, tile_begin, tile_end, bias, y, ldy); return;
             case GGUF_I4Z: gguf_tiles_vnni_t<GGUF_I4Z>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+            case GGUF_Q5_K: gguf_tiles_vnni_t<GGUF_Q5_K>(g, N, tile_begin, tile_end, bias, y, ldy); return;
             default: gguf_tiles_vnni_t<GGUF_Q8_0>(g, N, tile_begin, tile_end, bias, y, ldy); return;
         }
     }
@@ -668,6 +949,7 @@ static inline void gguf_tiles(const GgufJob& g, int N, int tile_begin, int tile_
         case GGUF_Q4_K: gguf_tiles_portable_t<GGUF_Q4_K>(g, N, tile_begin, tile_end, bias, y, ldy); return;
         case GGUF_Q6_K: gguf_tiles_portable_t<GGUF_Q6_K>(g, N, tile_begin, tile_end, bias, y, ldy); return;
         case GGUF_I4Z: gguf_tiles_portable_t<GGUF_I4Z>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+        case GGUF_Q5_K: gguf_tiles_portable_t<GGUF_Q5_K>(g, N, tile_begin, tile_end, bias, y, ldy); return;
         default: gguf_tiles_portable_t<GGUF_Q8_0>(g, N, tile_begin, tile_end, bias, y, ldy); return;
     }
 }

@@ -105,7 +105,10 @@ def test_mixed_and_unsupported_types_fall_back_to_bf16(tiny_cpu_model, rng):
     # q Q4_1 with k, v Q8_0: the fused QKV cannot stay one quantized matrix.
     qweights.layers[0] = dataclasses.replace(
         lw, k_proj=quantized(dense(lw.k_proj), "Q8_0"), v_proj=quantized(dense(lw.v_proj), "Q8_0"),
-        down_proj=quantized(dense(lw.down_proj), "Q5_0"))  # a type with no cpu kernel
+        down_proj=quantized(dense(lw.down_proj), "Q5_1"))  # a type with no cpu kernel
+    lw1 = qweights.layers[1]  # Q5_0 has one (the Q8_0 kernel on its q - 16)
+    qweights.layers[1] = dataclasses.replace(
+        lw1, down_proj=quantized(dense(lw1.down_proj), "Q5_0"))
     backend = CpuGgufBackend(kv_cache_dtype="float32")
     from pagedrun.runtime.models.llama import LlamaModel
 
@@ -114,7 +117,8 @@ def test_mixed_and_unsupported_types_fall_back_to_bf16(tiny_cpu_model, rng):
     assert isinstance(model.layers[0].down, cpu_gemm.PackedWeight)
     assert isinstance(model.layers[0].gate_up, cpu_gemm.PackedGgufWeight)
     assert isinstance(model.layers[1].qkv, cpu_gemm.PackedGgufWeight)
-    assert backend.dequantized_types == {"Q5_0"}
+    assert isinstance(model.layers[1].down, cpu_gemm.PackedGgufWeight)
+    assert backend.dequantized_types == {"Q5_1"}
     tokens = rng.integers(3, config.vocab_size, 17).tolist()
     got = prefill_logits(config, qweights, CpuGgufBackend(kv_cache_dtype="float32"), tokens)
     ref = prefill_logits(config, dequantized(qweights), NumpyBackend(), tokens)

@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType, quants
 from pagedrun.pyx import cpu_gemm
 
 TYPES = cpu_gemm.GGUF_NATIVE_TYPES
-K_TYPES = ("Q4_K", "Q6_K")
+K_TYPES = ("Q4_K", "Q6_K", "Q5_K")
 PATHS = list(cpu_gemm.available_gguf_paths())
 FP32_UNIT_ROUNDOFF = 2.0 ** -24
 # (N, K, M): awkward widths (a partial last tile, one output), K of 1 .. 48 blocks, decode and
@@ -26,8 +26,8 @@ K_SHAPES = [(1, 256, 1), (17, 512, 3), (111, 1536, 17), (17, 256, 64), (111, 512
             (1, 1536, 64), (17, 1536, 17), (111, 256, 3)]
 GEMM_CASES = [(t, *shape) for t in TYPES for shape in (K_SHAPES if t in K_TYPES else SHAPES)]
 # File bytes per super-block (256 weights) and packed bytes per output per super-block.
-K_FILE_BYTES = {"Q4_K": 144, "Q6_K": 210}
-K_PACKED_BYTES = {"Q4_K": 148, "Q6_K": 274}
+K_FILE_BYTES = {"Q4_K": 144, "Q6_K": 210, "Q5_K": 176}
+K_PACKED_BYTES = {"Q4_K": 148, "Q6_K": 274, "Q5_K": 276}
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ def random_k_raw(rng, ggml_type: str, n: int, k: int, wild: bool = False) -> np.
     all-zero row when there are several."""
     sb = k // 256
     raw = rng.integers(0, 256, (n, sb, K_FILE_BYTES[ggml_type]), dtype=np.uint8)
-    if ggml_type == "Q4_K":  # fp16 d, fp16 dmin, scales, nibbles
+    if ggml_type in ("Q4_K", "Q5_K"):  # fp16 d, fp16 dmin, scales, (5th bits,) nibbles
         raw[:, :, 0:2] = random_fp16_bytes(rng, (n, sb), wild)
         raw[:, :, 2:4] = random_fp16_bytes(rng, (n, sb), wild)
     else:  # Q6_K: ql, qh, scales, fp16 d
@@ -93,6 +93,16 @@ def file_k_blocks(raw: np.ndarray, ggml_type: str, k: int):
         qs = blocks[:, 16:].reshape(n * sb, 4, 32)
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).astype(np.int64)
         return d.reshape(n, sb * 8), m.reshape(n, sb * 8), q.reshape(n, sb * 8, 32)
+    if ggml_type == "Q5_K":  # Q4_K's scales and nibbles (after 32 bytes of 5th bits: bit j of
+        # byte l is weight l of 32-block j)
+        sc, mn = quants.Q4_K.get_scale_min(blocks[:, 4:16].copy())
+        d = half(blocks[:, 0:2])[:, None] * sc
+        m = -half(blocks[:, 2:4])[:, None] * mn
+        qs = blocks[:, 48:176].reshape(n * sb, 4, 32)
+        low = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(n * sb, 8, 32)
+        high = np.stack([(blocks[:, 16:48] >> j) & 1 for j in range(8)], axis=1)
+        q = (low | (high << 4)).astype(np.int64)
+        return d.reshape(n, sb * 8), m.reshape(n, sb * 8), q.reshape(n, sb * 8, 32)
     ql = blocks[:, 0:128].reshape(n * sb, 2, 64).astype(np.int64)
     qh = blocks[:, 128:192].reshape(n * sb, 2, 32).astype(np.int64)
     low = np.concatenate([ql & 0x0F, ql >> 4], axis=2)  # [., 2, 128]
@@ -106,7 +116,8 @@ def file_blocks(raw: np.ndarray, ggml_type: str, k: int):
     """The GGUF block format read independently of the packing: (d [N, nb], m [N, nb] or
     None, q [N, nb, 32] int64) with W = d * q + m (Q4_1) or d * q (Q4_0, Q8_0; Q4_0's q is
     the nibble - 8). Q4 nibbles: byte i holds weight i (low) and weight i + 16 (high).
-    K-quants: file_k_blocks (Q6_K's sub-blocks are 16 wide: [N, 2 nb] and [N, 2 nb, 16])."""
+    K-quants: file_k_blocks (Q6_K's sub-blocks are 16 wide: [N, 2 nb] and [N, 2 nb, 16]).
+    Q5_0: q = nibble | 5th bit << 4 - 16 (bit i of the 4 bytes after d: weight i)."""
     if ggml_type in K_TYPES:
         return file_k_blocks(raw, ggml_type, k)
     n, nb = raw.shape[0], k // 32
@@ -115,6 +126,11 @@ def file_blocks(raw: np.ndarray, ggml_type: str, k: int):
     if ggml_type == "Q8_0":
         q = blocks[:, :, 2:].copy().view(np.int8).astype(np.int64)
         return d, None, q
+    if ggml_type == "Q5_0":  # d, 32 5th bits (bit i: weight i), nibbles as Q4_0's
+        bits = np.unpackbits(blocks[:, :, 2:6], axis=2, bitorder="little").astype(np.int64)
+        qs = blocks[:, :, 6:22]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).astype(np.int64) | (bits << 4)
+        return d, None, q - 16
     qs = blocks[:, :, 4:] if ggml_type == "Q4_1" else blocks[:, :, 2:]
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).astype(np.int64)
     if ggml_type == "Q4_1":
@@ -229,7 +245,7 @@ def test_dequantize_matches_gguf(rng, ggml_type, n, k):
     assert got.dtype == np.float32 and got.shape == (n, k)
     assert np.array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
     # Streamed bytes: the file's block bytes per 32 weights (+ padding to 16 outputs).
-    per_block = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[ggml_type]
+    per_block = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 34}[ggml_type]  # Q5_0: as Q8_0
     assert packed.nbytes == -(-n // 16) * 16 * (k // 32) * per_block
 
 
@@ -347,7 +363,7 @@ def test_empty_batch_and_refusals(rng):
     packed = cpu_gemm.PackedGgufWeight(raw, "Q4_1", 64)
     assert cpu_gemm.gemm_gguf(np.zeros((0, 64), np.float32), packed).shape == (0, 17)
     with pytest.raises(ValueError, match="ggml_type"):
-        cpu_gemm.PackedGgufWeight(raw, "Q5_0", 64)
+        cpu_gemm.PackedGgufWeight(raw, "Q5_1", 64)
     with pytest.raises(ValueError, match="multiple of 32"):
         cpu_gemm.PackedGgufWeight(raw, "Q4_1", 48)
     for ggml_type in K_TYPES:  # super-blocks of 256: K 64 / 288 cannot be one
@@ -411,3 +427,53 @@ def test_int4_type_paths_pools_and_decode_loop_agree(rng, group, activations):
     exact = x.astype(np.float64) @ w.astype(np.float64).T + bias
     assert np.max(np.abs(one - exact)) <= (0.02 if activations == "q8" else 2e-4) * np.abs(
         exact).max()
+
+
+# The AMX-INT8 kernel (path "amx", from 8 kernel rows) and its scalar-tile twin
+# ("amx-emulated", any AVX512-VNNI CPU): row counts around its 16-row tiles (8 = its threshold,
+# 9 / 17 / 33 a partial last row block, 64 four full ones), N a partial tile, K an odd number
+# of 32-blocks (the kernel pairs blocks) or several super-blocks.
+AMX_PATHS = [p for p in ("amx", cpu_gemm.GGUF_AMX_EMULATED)
+             if p == cpu_gemm.GGUF_AMX_EMULATED and cpu_gemm.has_avx512vnni()
+             or p == "amx" and cpu_gemm.has_amx_int8()]
+AMX_CASES = [(m, n, k) for m, n, k in ((8, 17, 160), (9, 40, 96), (17, 33, 224), (33, 17, 32),
+                                       (64, 24, 160))]
+
+
+def amx_weight(rng, ggml_type, n, k):
+    if ggml_type == cpu_gemm.INT4_TYPE:
+        q = rng.integers(0, 16, (n, k), dtype=np.uint8)
+        s = rng.uniform(1e-3, 2e-2, (n, k // 32)).astype(np.float16)
+        z = rng.integers(0, 16, (n, k // 32), dtype=np.uint8)
+        return None, cpu_gemm.PackedGgufWeight.from_int4(q, s, z, 32)
+    raw = random_raw(rng, ggml_type, n, k)
+    return raw, cpu_gemm.PackedGgufWeight(raw, ggml_type, k)
+
+
+@pytest.mark.skipif(not AMX_PATHS, reason="no AVX512-VNNI: neither AMX path runs here")
+@pytest.mark.parametrize("ggml_type", TYPES + (cpu_gemm.INT4_TYPE,))
+@pytest.mark.parametrize("m,n,k", AMX_CASES)
+def test_amx_kernel_matches_portable(rng, ggml_type, m, n, k):
+    """Bit-identical to the portable path (the same float32 ops per output in the same order;
+    the tile's int32 dots are exact), and within the numpy reference's bound; both activation
+    modes ("q8x2" doubles the kernel rows: m 8 -> 16), bias on odd m; the decode loop's gemm."""
+    from pagedrun.pyx import cpu_decode_step
+
+    if ggml_type in K_TYPES:
+        k = 256 * (1 + k // 128)  # 1 .. 2 super-blocks (8 / 16 blocks)
+    raw, packed = amx_weight(rng, ggml_type, n, k)
+    x = make_x(rng, m, k, ("contiguous", "strided")[m % 2])
+    bias = rng.standard_normal(n).astype(np.float32) if m % 2 else None
+    for activations in cpu_gemm.GGUF_ACTIVATIONS:
+        want = cpu_gemm.gemm_gguf(x, packed, bias, path="portable", threads=1,
+                                  activations=activations)
+        if raw is not None:
+            ref, slack = reference(x, raw, ggml_type, k, bias, activations)
+            assert (np.abs(want - ref) <= slack + FP32_UNIT_ROUNDOFF * np.abs(ref)).all()
+        for path in AMX_PATHS:
+            for threads in (1, 2):
+                y = cpu_gemm.gemm_gguf(x, packed, bias, path=path, threads=threads,
+                                       activations=activations)
+                np.testing.assert_array_equal(y, want, err_msg=f"{path} {threads}")
+            y = cpu_decode_step.gemm(x, packed, bias, gguf_path=path, activations=activations)
+            np.testing.assert_array_equal(y, want, err_msg=f"{path} decode loop")
