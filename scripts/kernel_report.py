@@ -363,8 +363,17 @@ def occupancy(registers: int, threads: int, smem_bytes: int, a: dict = ASSUMPTIO
             "occupancy": round(ctas * warps * 32 / a["threads_per_sm"], 3)}
 
 
-def roofline(loop: dict, threads: int, ctas_per_sm: int, a: dict = ASSUMPTIONS) -> dict:
-    """Time of one CTA iteration under each limit; which one binds; the estimate."""
+# Kernels whose tensor-instruction loop streams every weight byte once from HBM (decode-sized M:
+# no reuse through shared memory or L2 to speak of), so HBM, not the tensor pipe, is their
+# roofline: the skinny GEMM's tensor-core kernels and the weight-only GEMMs' 16-row tiles.
+STREAMING_TENSOR = re.compile(r"gemm_skinny_tc_|gemm_w[48]a16_\w+_m16$")
+
+
+def roofline(loop: dict, threads: int, ctas_per_sm: int, a: dict = ASSUMPTIONS,
+             streaming: bool = False) -> dict:
+    """Time of one CTA iteration under each limit; which one binds; the estimate. A loop with
+    tensor instructions is a compute loop (% of the dense bf16 peak) unless `streaming`
+    (STREAMING_TENSOR): then a streaming loop whose tensor time is one more limit."""
     warps = math.ceil(threads / 32)
     per_sm_bw = a["hbm_bytes_per_s"] / a["sms"]
     load_b = loop["load_bytes_per_thread"] * threads
@@ -377,7 +386,7 @@ def roofline(loop: dict, threads: int, ctas_per_sm: int, a: dict = ASSUMPTIONS) 
         tensor_rate *= a["mma_sync_fraction"]
     t_tensor = flops / tensor_rate
     in_flight = load_b * ctas_per_sm
-    if loop["tensor"]:
+    if loop["tensor"] and not streaming:
         t_peak = flops / (a["dense_bf16_flop_per_s"] / a["sms"])
         slowest = max(t_tensor, t_issue)
         return {"kind": "compute", "bound": "tensor" if t_tensor >= t_issue else "issue",
@@ -390,11 +399,14 @@ def roofline(loop: dict, threads: int, ctas_per_sm: int, a: dict = ASSUMPTIONS) 
                 "estimate_pct": None, "of": "HBM peak",
                 "bytes_in_flight_per_sm": in_flight if move_b else None}
     issue_frac = t_mem / max(t_mem, t_issue)
+    tensor_frac = t_mem / max(t_mem, t_tensor)
     latency_frac = min(1.0, in_flight / need_in_flight_bytes(a)) if load_b else 1.0
-    bound = ("latency" if latency_frac < issue_frac else
-             "issue" if issue_frac < 1.0 else "bandwidth")
+    limits = {"latency": latency_frac, "issue": issue_frac, "tensor": tensor_frac}
+    bound = min(limits, key=limits.get)
+    if limits[bound] >= 1.0:
+        bound = "bandwidth"
     return {"kind": "streaming", "bound": bound,
-            "estimate_pct": round(100 * min(issue_frac, latency_frac), 1), "of": "HBM peak",
+            "estimate_pct": round(100 * min(limits.values()), 1), "of": "HBM peak",
             "issue_limit_pct": round(100 * issue_frac, 1),
             "latency_limit_pct": round(100 * latency_frac, 1), "bytes_in_flight_per_sm": in_flight}
 
@@ -411,7 +423,8 @@ def kernel_rows(records: list[dict]) -> list[dict]:
             if threads and k["registers"]:
                 row["occupancy"] = occupancy(k["registers"], threads,
                                              k["smem_static"] + (dyn or 0))
-                row["model"] = roofline(k["main_loop"], threads, row["occupancy"]["ctas_per_sm"])
+                row["model"] = roofline(k["main_loop"], threads, row["occupancy"]["ctas_per_sm"],
+                                        streaming=bool(STREAMING_TENSOR.match(name)))
             else:
                 row["occupancy"] = row["model"] = None
             rows.append(row)
@@ -461,7 +474,9 @@ def assumption_lines() -> list[str]:
         "TMA bytes are not visible in SASS).",
         "Streaming loops: every loaded or stored byte moves to/from HBM once (a floor for tiled "
         "kernels that reuse loads through shared memory, e.g. gemm_f32_*). Compute loops "
-        "(tensor instructions): HBM left out, estimate = % of the dense bf16 peak.",
+        "(tensor instructions): HBM left out, estimate = % of the dense bf16 peak; except the "
+        "decode-sized tensor kernels that stream their weights once (gemm_skinny_tc_*, "
+        "gemm_w4a16/w8a16_*_m16): streaming loops, the tensor pipe one more limit.",
     ]
 
 

@@ -9,7 +9,9 @@ vocab 128256), weights bf16 in the HF [out, in] layout as the cuda backend store
 Prefill (cuda/gemm.cu, split-K where the tile grid is under half the SMs): M = 128 .. 8192;
 TFLOP/s = 2 M N K over the median time, next to cupy.matmul on the same arrays in the same run
 (CuPy's matmul is the baseline only: it never runs on the serving path) and the ratio (the
-mission's target: >= 1.0).
+mission's target: >= 1.0). On a compute capability 9.0 GPU (and on the CPU harness, at toy
+sizes) a second column times the Hopper GEMM (cuda/gemm_hopper.cu: TMA, wgmma) on the same
+arrays, the kernel gemm() takes there for these shapes; "ratio" is the better of the two.
 Decode (cuda/gemm_skinny.cu with the split-K plan: CUDA cores below M = 8, tensor cores from
 M = 8): M = 1 .. 64 rows; GB/s = weight + activation + output bytes over the median time, next
 to the device-to-device copy bandwidth measured in the same run and the ratio (target: >= 0.85).
@@ -26,6 +28,7 @@ import sys
 import numpy as np
 
 from pagedrun.runtime.kernels.gemm import gemm
+from pagedrun.runtime.kernels.gemm_hopper import HOPPER_MIN_M, gemm_hopper
 from pagedrun.runtime.kernels.gemm_plan import SKINNY, SKINNY_TC, plan_gemm
 from pagedrun.runtime.kernels.kernel_args import from_bf16_bits
 from pagedrun.runtime.kernels.loader import load_module
@@ -55,7 +58,7 @@ def _check(out, a, w, what: str) -> None:
 
 
 def bench(xp, device: str, timer: Timer, rng, module, m_values, layers, num_sms: int,
-          baseline: bool) -> list[tuple]:
+          baseline: bool, hopper: bool = False) -> list[tuple]:
     rows = []
     repeats = GPU_REPEATS if device == "cuda" else 1
     for name, N, K in layers:
@@ -67,13 +70,18 @@ def bench(xp, device: str, timer: Timer, rng, module, m_values, layers, num_sms:
             seconds = timer(lambda: gemm(module, a, w, out=out, plan=plan), repeats)
             if device != "cuda":
                 _check(out, a, w, f"{name} M={M}")
+            wgmma = float("nan")
+            if hopper and M >= HOPPER_MIN_M:
+                wgmma = timer(lambda: gemm_hopper(module, a, w, out=out), repeats)
+                if device != "cuda":
+                    _check(out, a, w, f"{name} M={M} (Hopper GEMM)")
             cublas = float("nan")
             if baseline and device == "cuda":
                 # cuBLAS on the same values: bf16 bits viewed as bfloat16 need a real dtype;
                 # CuPy has none, so the baseline runs float16 of the same shape (same FLOPs).
                 a16, w16 = a.view(np.float16), w.view(np.float16)
                 cublas = timer(lambda: xp.matmul(a16, w16.T), repeats)
-            rows.append((name, M, N, K, plan, seconds, cublas))
+            rows.append((name, M, N, K, plan, seconds, wgmma, cublas))
     return rows
 
 
@@ -90,27 +98,31 @@ def main(argv=None) -> int:
         xp, num_sms, where = np, 4, "the CPU harness (times are not GPU times)"
     timer = Timer(args.device)
     rng = np.random.default_rng(0)
-    module = load_module(["gemm.cu", "gemm_skinny.cu"], backend=args.device)
     gpu = args.device == "cuda"
+    hopper = not gpu or int(xp.cuda.Device().compute_capability) == 90
+    sources = ["gemm.cu", "gemm_skinny.cu"] + (["gemm_hopper.cu"] if hopper else [])
+    module = load_module(sources, backend=args.device)
     print(f"# bench_gemm on {where}")
     copy_gbps = copy_bandwidth(xp, timer, GPU_REPEATS) / 1e9 if gpu else float("nan")
     print(f"# device-to-device copy: {copy_gbps:.0f} GB/s (read + write)")
 
     print("\n## prefill (tensor core), bf16, weight [N, K]")
     print(f"{'layer':>8} {'M':>6} {'N':>7} {'K':>6} {'splits':>6} {'median ms':>10} "
-          f"{'TFLOP/s':>8} {'cuBLAS':>8} {'ratio':>6}")
-    for name, M, N, K, plan, sec, cublas in bench(
+          f"{'TFLOP/s':>8} {'Hopper':>8} {'cuBLAS':>8} {'ratio':>6}")
+    for name, M, N, K, plan, sec, wgmma, cublas in bench(
             xp, args.device, timer, rng, module, GPU_PREFILL_M if gpu else SIM_PREFILL_M,
-            GPU_LAYERS if gpu else SIM_LAYERS, num_sms, baseline=True):
+            GPU_LAYERS if gpu else SIM_LAYERS, num_sms, baseline=True, hopper=hopper):
         tflops = 2 * M * N * K / sec / 1e12
+        hopper_tflops = 2 * M * N * K / wgmma / 1e12
         base = 2 * M * N * K / cublas / 1e12
+        best = np.nanmax([tflops, hopper_tflops])
         print(f"{name:>8} {M:>6} {N:>7} {K:>6} {plan.num_splits:>6} {sec * 1e3:>10.3f} "
-              f"{tflops:>8.2f} {base:>8.2f} {tflops / base:>6.2f}")
+              f"{tflops:>8.2f} {hopper_tflops:>8.2f} {base:>8.2f} {best / base:>6.2f}")
 
     print("\n## decode (skinny, split-K plan), bf16, weight [N, K]")
     print(f"{'layer':>8} {'M':>6} {'N':>7} {'K':>6} {'kernel':>11} {'splits':>6} "
           f"{'median us':>10} {'GB/s':>8} {'of copy':>8}")
-    for name, M, N, K, plan, sec, _ in bench(
+    for name, M, N, K, plan, sec, _, _ in bench(
             xp, args.device, timer, rng, module, GPU_DECODE_M if gpu else SIM_DECODE_M,
             GPU_LAYERS if gpu else SIM_LAYERS, num_sms, baseline=False):
         moved = (N * K + M * K + M * N) * BF16_BYTES

@@ -175,8 +175,9 @@ def test_tma_twin_matches_instruction(hopper_modules, swizzle, cols):
         np.testing.assert_array_equal(g[0], s[0])
 
 
+# n = 256: the Hopper GEMM's m64n256k16 (cuda/gemm_hopper.cu).
 @pytest.mark.parametrize("n, is_bf16, swizzled", [(64, 1, 1), (128, 0, 1), (64, 0, 0),
-                                                  (128, 1, 0)])
+                                                  (128, 1, 0), (256, 1, 1), (256, 0, 0)])
 def test_wgmma_twin_matches_instruction(hopper_modules, n, is_bf16, swizzled):
     from pagedrun.runtime.kernels.tma import cuda_descriptor, sim_descriptor
 

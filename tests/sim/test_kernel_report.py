@@ -148,6 +148,31 @@ def test_roofline_compute_loop_caps_mma_sync():
     assert model["estimate_pct"] == pytest.approx(100 * report.ASSUMPTIONS["mma_sync_fraction"])
 
 
+def test_roofline_streaming_tensor_loop_is_held_to_hbm():
+    """A decode-sized tensor loop (weights streamed once) is modelled against HBM: with
+    enough bytes in flight and few instructions it is bandwidth-bound, and when its tensor
+    time exceeds its memory time the tensor pipe binds, as a share of HBM."""
+    a = report.ASSUMPTIONS
+    threads, ctas = 128, 4
+    load = int(report.need_in_flight_bytes() / ctas / threads) + 16
+    t_mem = load * threads / (a["hbm_bytes_per_s"] / a["sms"])
+    tensor_rate = a["dense_bf16_flop_per_s"] / a["sms"] * a["mma_sync_fraction"]
+    loop = {"memory": 8, "tensor": 8, "other": 8, "load_bytes_per_thread": load,
+            "store_bytes_per_thread": 0, "uses_mma_sync": True,
+            "flops_per_warp": int(0.5 * t_mem * tensor_rate / (threads // 32))}
+    assert report.roofline(loop, threads, ctas)["kind"] == "compute"
+    model = report.roofline(loop, threads, ctas, streaming=True)
+    assert model["kind"] == "streaming" and model["bound"] == "bandwidth"
+    assert model["estimate_pct"] == 100.0
+    loop["flops_per_warp"] *= 4  # tensor time = 2x the memory time
+    model = report.roofline(loop, threads, ctas, streaming=True)
+    assert model["bound"] == "tensor" and model["estimate_pct"] == pytest.approx(50, abs=0.5)
+    assert report.STREAMING_TENSOR.match("gemm_skinny_tc_bf16_obf16")
+    assert report.STREAMING_TENSOR.match("gemm_w4a16_f16_m16")
+    assert not report.STREAMING_TENSOR.match("gemm_w4a16_f16_m64")
+    assert not report.STREAMING_TENSOR.match("gemm_bf16_nk_obf16")
+
+
 @pytest.fixture(scope="module")
 def real_report(tmp_path_factory):
     from pagedrun.runtime.kernels.sim_module import sanitizer_mode
