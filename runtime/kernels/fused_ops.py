@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kernel_args import (array_module, ceil_div, dtype_suffix, from_bf16_bits, require,
-                          require_contiguous, require_int32)
+from .kernel_args import (VEC16_BYTES, array_module, ceil_div, dtype_suffix, from_bf16_bits,
+                          require, require_contiguous, require_int32, vec16_aligned)
 
 NORM_THREADS = 256
 ACTIVATION_THREADS = 256
@@ -108,8 +108,15 @@ def _act_and_mul(module, kernel: str, gate_up, out):
     require(out.shape == (num_tokens, intermediate) and out.dtype == gate_up.dtype,
             "out must be [num_tokens, intermediate] in gate_up's dtype")
     if num_tokens and intermediate:
-        module.get_function(f"{kernel}_{suffix}")(
-            (num_tokens, ceil_div(intermediate, ACTIVATION_THREADS)), (ACTIVATION_THREADS,),
+        # 16-byte units when every row's gate and up halves start on 16-byte boundaries
+        # (cuda/activation.cu); element-wise otherwise.
+        vec = VEC16_BYTES // gate_up.itemsize
+        if intermediate % vec == 0 and vec16_aligned(gate_up, out):
+            name, columns = f"{kernel}_{suffix}", intermediate // vec
+        else:
+            name, columns = f"{kernel}_{suffix}_unaligned", intermediate
+        module.get_function(name)(
+            (num_tokens, ceil_div(columns, ACTIVATION_THREADS)), (ACTIVATION_THREADS,),
             (out, gate_up, np.int32(intermediate)))
     return out
 

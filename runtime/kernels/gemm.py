@@ -24,14 +24,13 @@ from .gemm_plan import (SKINNY, SKINNY_ROWS_PER_WARP, SKINNY_TC, SKINNY_TC_BK, S
                         TC_STAGES, TC_THREADS, TC_TILE, TENSOR_CORE, GemmPlan, plan_gemm,
                         tc_aligned)
 from .gemm_hopper import gemm_hopper, hopper_eligible
-from .kernel_args import (array_module, ceil_div, device_num_sms, dtype_suffix, opt_in_smem,
-                          require, require_contiguous)
+from .kernel_args import (VEC16_BYTES, array_module, ceil_div, device_num_sms,  # noqa: F401
+                          dtype_suffix, opt_in_smem, require, require_contiguous, vec16_aligned)
 
 SKINNY_SMEM_BYTES_PER_ROW = 512  # one k-tile of a row: 32 lanes x 16 bytes
 # gemm_skinny_tc_*: SKINNY_TC_STAGES x (weight + activation rows) x SKINNY_TC_BK 16-bit elements
 # = 49,152 bytes (the 48 KiB default limit).
 SKINNY_TC_SMEM_BYTES = SKINNY_TC_STAGES * (SKINNY_TC_BN + SKINNY_TC_BM) * SKINNY_TC_BK * 2
-VEC16_BYTES = 16
 
 
 def gemm_smem_bytes(dtype_name: str) -> int:
@@ -40,16 +39,6 @@ def gemm_smem_bytes(dtype_name: str) -> int:
         return 0
     tile_m, tile_n = TC_TILE[dtype_name]
     return TC_STAGES * (tile_m + tile_n) * TC_BK * 2
-
-
-def _data_ptr(x) -> int:
-    return x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
-
-
-def vec16_aligned(*arrays) -> bool:
-    """Every array starts on a 16-byte boundary (16-byte loads and cp.async need it; a row
-    view of a larger matrix may not)."""
-    return all(_data_ptr(x) % VEC16_BYTES == 0 for x in arrays)
 
 
 def _nullable(x, xp):

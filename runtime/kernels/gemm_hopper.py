@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from .gemm_plan import SKINNY_MAX_M
-from .kernel_args import (UnsupportedKernelShape, array_module, ceil_div, dtype_suffix, require,
-                          require_contiguous)
+from .kernel_args import (UnsupportedKernelShape, array_module, ceil_div, data_ptr, dtype_suffix,
+                          require, require_contiguous)
 from .tma import ROW_STRIDE_ALIGN, cuda_descriptor, sim_descriptor
 
 # cuda/gemm_hopper.cu's constants (gemm_hopper::k*).
@@ -54,10 +54,6 @@ def gemm_hopper_grid(M: int, N: int) -> int:
     return ceil_div(M, HOPPER_TILE_M) * ceil_div(N, HOPPER_TILE_N)
 
 
-def _data_ptr(x) -> int:
-    return x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
-
-
 def _descriptor(x, xp, box_rows: int):
     if xp is np:
         return sim_descriptor(x, box_rows, HOPPER_TILE_K, HOPPER_SWIZZLE_BYTES)
@@ -87,7 +83,7 @@ def gemm_hopper(module, a, b, *, bias=None, residual=None, out=None, out_dtype=N
     if (K * ELEMENT_BYTES) % ROW_STRIDE_ALIGN:
         raise UnsupportedKernelShape(f"the Hopper GEMM needs K % 8 == 0 (TMA's 16-byte row "
                                      f"strides), got K={K}")
-    if _data_ptr(a) % ROW_STRIDE_ALIGN or _data_ptr(b) % ROW_STRIDE_ALIGN:
+    if data_ptr(a) % ROW_STRIDE_ALIGN or data_ptr(b) % ROW_STRIDE_ALIGN:
         raise UnsupportedKernelShape("the Hopper GEMM needs a and b on 16-byte boundaries (TMA)")
     out_dtype = np.dtype(a.dtype if out_dtype is None else out_dtype)
     require(out_dtype in (np.dtype(a.dtype), np.dtype(np.float32)),

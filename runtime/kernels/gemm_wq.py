@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kernel_args import (UnsupportedKernelShape, array_module, ceil_div, device_num_sms,
-                          dtype_suffix, require, require_contiguous)
+from .kernel_args import (UnsupportedKernelShape, array_module, ceil_div, data_ptr,
+                          device_num_sms, dtype_suffix, require, require_contiguous)
 from .wq_pack import W4_TILE_K, W4_WORDS
 
 WQ_THREADS = 128
@@ -44,10 +44,6 @@ def wq_num_splits(M: int, N: int, K: int, num_sms: int) -> int:
     return max(1, min(k_tiles, want))
 
 
-def _data_ptr(x) -> int:
-    return x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
-
-
 def _nullable(x, xp):
     """None under the harness (NULL); an explicit 8-byte 0 on CuPy (see gemm.py)."""
     if x is not None or xp is np:
@@ -68,7 +64,7 @@ def _check_common(x, scales, bias, N: int, group_size: int):
         raise UnsupportedKernelShape(f"group_size must be one of {GROUP_SIZES} or K ({K}) and "
                                      f"divide K, got {group_size}")
     require_contiguous("x", x)
-    if _data_ptr(x) % 16:
+    if data_ptr(x) % 16:
         raise UnsupportedKernelShape("x must start on a 16-byte boundary (16-byte loads)")
     require(scales.shape == (K // group_size, N) and scales.dtype == x.dtype,
             lambda: f"scales must be [{K // group_size}, {N}] {x.dtype}, got {scales.shape} "
@@ -123,7 +119,7 @@ def gemm_w8a16(module, x, qweight, scales, *, group_size: int, bias=None, out=No
     require(qweight.shape[1] == K, lambda: f"x {x.shape} and qweight {qweight.shape} disagree "
                                            "on K")
     require_contiguous("qweight", qweight)
-    if _data_ptr(qweight) % 16:
+    if data_ptr(qweight) % 16:
         raise UnsupportedKernelShape("qweight must start on a 16-byte boundary")
     out = _out(xp, out, M, N, x.dtype)
     if M and N:
@@ -149,7 +145,7 @@ def gemm_w4a16(module, x, qweight, scales, zeros, *, group_size: int, bias=None,
             lambda: f"zeros must be {scales.shape} uint8, got {zeros.shape} {zeros.dtype}")
     require_contiguous("qweight", qweight)
     require_contiguous("zeros", zeros)
-    if _data_ptr(qweight) % 8:
+    if data_ptr(qweight) % 8:
         raise UnsupportedKernelShape("qweight must start on an 8-byte boundary")
     out = _out(xp, out, M, N, x.dtype)
     if M and N:

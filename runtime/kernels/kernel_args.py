@@ -110,6 +110,20 @@ def require_int32(name: str, x, ndim: int) -> None:
     require_contiguous(name, x)
 
 
+VEC16_BYTES = 16  # 16-byte loads, stores and cp.async need 16-byte aligned addresses
+
+
+def data_ptr(x) -> int:
+    """The address of x's first element (numpy under the harness, CuPy on a GPU)."""
+    return x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
+
+
+def vec16_aligned(*arrays) -> bool:
+    """Every array starts on a 16-byte boundary (16-byte loads and cp.async need it; a row
+    view of a larger matrix may not)."""
+    return all(data_ptr(x) % VEC16_BYTES == 0 for x in arrays)
+
+
 # Dynamic shared memory a launch gets without opting in (CUDA's default per-block limit);
 # above it the wrapper sets the kernel's max_dynamic_shared_size_bytes first.
 DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .kernel_args import (array_module, ceil_div, dtype_suffix, require, require_contiguous,
-                          require_int32)
+                          require_int32, vec16_aligned)
 
 ROUTE_THREADS = 128
 ROUTE_ROWS_PER_CTA = ROUTE_THREADS // 32   # one token row per warp
@@ -32,7 +32,6 @@ GEMM_BK = 32
 GEMM_STAGES = 3
 REDUCE_THREADS = 256
 VEC16_ELEMS = 8           # 16-bit elements per 16-byte cp.async chunk
-VEC16_BYTES = 16
 
 
 class MoePermutation(NamedTuple):
@@ -56,10 +55,6 @@ def grouped_gemm_smem_bytes(dtype_name: str) -> int:
     if dtype_name == "f32":
         return 0
     return GEMM_STAGES * (GEMM_TILE_ROWS + GEMM_TILE_COLS) * GEMM_BK * 2
-
-
-def _data_ptr(x) -> int:
-    return x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
 
 
 def moe_route(module, router_logits, top_k: int, renormalize: bool, *, out_ids=None,
@@ -148,7 +143,7 @@ def moe_experts(module, x, topk_ids, topk_weights, w_gate_up, w_down, out=None):
                 lambda: f"the tensor-core grouped GEMM needs hidden and intermediate % "
                         f"{VEC16_ELEMS} "
                 f"== 0, got {hidden} and {inter}")
-        require(all(_data_ptr(a) % VEC16_BYTES == 0 for a in (x, w_gate_up, w_down)),
+        require(vec16_aligned(x, w_gate_up, w_down),
                 "x and the expert weights must start on a 16-byte boundary")
     xp = array_module(x)
     out = xp.empty((num_tokens, hidden), x.dtype) if out is None else out

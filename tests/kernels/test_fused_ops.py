@@ -75,13 +75,19 @@ def test_fused_add_rms_norm_converts_an_activation_residual(rng, dt):
 
 
 @pytest.mark.parametrize("dt", DTYPES)
-@pytest.mark.parametrize("num_tokens,intermediate", [(1, 17), (17, 111), (4, 700)])
+# 264, 2056: 16-byte units (V = 8 / 4) with a partial last CTA; 700: units only for f32.
+@pytest.mark.parametrize("num_tokens,intermediate", [(1, 17), (17, 111), (4, 700), (3, 264),
+                                                     (2, 2056)])
 def test_silu_and_mul(rng, dt, num_tokens, intermediate):
     gate_up = 4 * rng.standard_normal((num_tokens, 2 * intermediate))
     gate_up[0, :3] = (-200.0, 200.0, 0.0)  # saturated sigmoid at both ends, and zero
     g, g_ref = as_kernel_dtype(gate_up, dt)
     out = silu_and_mul(kernel_module("activation.cu"), to_device(g))
     assert_close(result_f32(out, dt), numpy_ops.silu_and_mul(g_ref), FUSED_TOL[dt], f"silu {dt}")
+    # The same values 2 elements past a 16-byte boundary: the element-wise kernel, same result.
+    flat = to_device(np.concatenate([g.reshape(-1)[:2], g.reshape(-1)]))
+    shifted = silu_and_mul(kernel_module("activation.cu"), flat[2:].reshape(g.shape))
+    np.testing.assert_array_equal(result_f32(shifted, dt), result_f32(out, dt))
 
 
 @pytest.mark.parametrize("dt", DTYPES)
