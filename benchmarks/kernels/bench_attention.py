@@ -19,6 +19,10 @@ query_len tokens behind a cached prefix; FLOPs = 4 * num_heads * head_dim * (vis
 over query rows), TFLOP/s over the median time, next to the tensor-core ceiling measured in the
 same run (cuBLAS through cupy.matmul on a square fp16 GEMM).
 
+Each row also shows the static model's estimate for the kernel it ran ("model": the "est" of
+docs/kernel_report.md, % of HBM for decode, % of the dense bf16 peak for prefill), so a GPU run
+prints model and measurement side by side.
+
 On the CPU harness the same code runs at toy sizes, one repeat, and checks each result against
 numpy_ops so the script cannot rot; its times measure the harness, not a GPU.
 """
@@ -35,7 +39,8 @@ from pagedrun.runtime.kernels.attention import (paged_decode_attention, paged_pr
 from pagedrun.runtime.kernels.kernel_args import from_bf16_bits
 from pagedrun.runtime.kernels.loader import load_module
 
-from bench_common import Timer, copy_bandwidth, random_bf16  # this folder (see bench_common)
+from bench_common import (Timer, copy_bandwidth, model_estimate,  # this folder (bench_common)
+                          random_bf16)
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16  # Llama-3-8B attention
 GPU_DECODE_GROUPS = (1, 4, 8)  # query heads per kv head: MHA, Llama-3-8B, the widest kernel
@@ -173,18 +178,21 @@ def main(argv=None) -> int:
     print(f"# device-to-device copy: {copy_gbps:.0f} GB/s (read + write)")
     print("\n## decode, bf16, head_dim 128, block 16")
     print(f"{'group':>5} {'batch':>6} {'context':>8} {'splits':>6} {'median us':>10} "
-          f"{'GB/s':>8} {'% copy':>7}")
+          f"{'GB/s':>8} {'% copy':>7} {'model':>9}")
     for group, num_seqs, context_len, splits, micros, gbps in bench_decode(xp, args.device, timer,
                                                                            rng, modules):
+        model = model_estimate(f"paged_attention_decode_bf16_d{HEAD_DIM}_g{group}")
         print(f"{group:>5} {num_seqs:>6} {context_len:>8} {splits:>6} {micros:>10.1f} "
-              f"{gbps:>8.1f} {100 * gbps / copy_gbps:>6.1f}%")
+              f"{gbps:>8.1f} {100 * gbps / copy_gbps:>6.1f}% {model:>9}")
     ceiling = matmul_tflops(xp, timer) if args.device == "cuda" else float("nan")
     print(f"\n## prefill, bf16, head_dim 128, block 16, one request "
           f"(ceiling: cuBLAS fp16 {CEILING_GEMM_DIM}^3 GEMM {ceiling:.0f} TFLOP/s)")
-    print(f"{'query':>6} {'prefix':>7} {'median ms':>10} {'TFLOP/s':>8} {'% gemm':>7}")
+    print(f"{'query':>6} {'prefix':>7} {'median ms':>10} {'TFLOP/s':>8} {'% gemm':>7} "
+          f"{'model':>9}")
+    model = model_estimate(f"paged_attention_prefill_bf16_d{HEAD_DIM}")
     for query_len, prefix, millis, tflops in bench_prefill(xp, args.device, timer, rng, modules):
         print(f"{query_len:>6} {prefix:>7} {millis:>10.3f} {tflops:>8.2f} "
-              f"{100 * tflops / ceiling:>6.1f}%")
+              f"{100 * tflops / ceiling:>6.1f}% {model:>9}")
     return 0
 
 

@@ -1,19 +1,23 @@
 """What the kernel benchmarks in this folder share: the median device timer (L2 flushed between
 repeats), the device-to-device copy bandwidth that bandwidth-bound kernels are compared with,
-and random bf16 inputs made where they live.
+random bf16 inputs made where they live, and the static model's estimate per kernel
+(docs/kernel_report.md), printed next to each measured row.
 
 Not a script. The bench_*.py scripts import it as `bench_common`: running a script puts this
 folder on sys.path; tests that load a script by path prepend the folder themselves.
 """
 from __future__ import annotations
 
+import functools
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 
 from pagedrun.runtime.kernels.kernel_args import to_bf16_bits
 
+REPORT = Path(__file__).resolve().parents[2] / "docs" / "kernel_report.md"
 COPY_BYTES = 1 << 30          # bytes of the device-to-device copy that measures the ceiling
 L2_FLUSH_BYTES = 256 << 20    # larger than any current L2 (H100 50 MB, H200 60 MB)
 
@@ -67,3 +71,22 @@ def random_bf16(xp, rng: np.random.Generator, shape: tuple[int, ...]):
     values = xp.random.standard_normal(shape, dtype=np.float32)
     # Truncation (not round-to-nearest): fine for timing.
     return (values.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+
+
+@functools.lru_cache(maxsize=None)
+def _model_estimates() -> dict[str, str]:
+    """kernel name -> the "est" cell of docs/kernel_report.md (e.g. "100% HBM", "65% TC")."""
+    estimates = {}
+    if REPORT.is_file():
+        for line in REPORT.read_text().splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if line.startswith("| ") and len(cells) > 2 and cells[0] != "kernel" \
+                    and not cells[0].startswith("-"):
+                estimates[cells[0]] = cells[-1]
+    return estimates
+
+
+def model_estimate(kernel: str) -> str:
+    """The static model's estimate for `kernel` (scripts/kernel_report.py: a model of the sm_90a
+    build on H200 constants, not a measurement), to print beside the measured number."""
+    return _model_estimates().get(kernel, "n/a")

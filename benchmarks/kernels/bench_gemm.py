@@ -17,6 +17,10 @@ M = 8): M = 1 .. 64 rows; GB/s = weight + activation + output bytes over the med
 to the device-to-device copy bandwidth measured in the same run and the ratio (target: >= 0.85).
 L2 is flushed between repeats.
 
+Each row also shows the static model's estimate ("model": docs/kernel_report.md's "est" for the
+kernel that ran, the Hopper GEMM's after a slash), so a GPU run prints model and measurement side
+by side.
+
 On the CPU harness the same code runs at toy sizes, one repeat, and checks every result against
 a float64 reference so the script cannot rot; its times measure the harness, not a GPU.
 """
@@ -33,7 +37,8 @@ from pagedrun.runtime.kernels.gemm_plan import SKINNY, SKINNY_TC, plan_gemm
 from pagedrun.runtime.kernels.kernel_args import from_bf16_bits
 from pagedrun.runtime.kernels.loader import load_module
 
-from bench_common import Timer, copy_bandwidth, random_bf16  # this folder (see bench_common)
+from bench_common import (Timer, copy_bandwidth, model_estimate,  # this folder (bench_common)
+                          random_bf16)
 
 BF16_BYTES = 2
 # (name, N, K) of Llama-3-8B's GEMMs.
@@ -108,7 +113,7 @@ def main(argv=None) -> int:
 
     print("\n## prefill (tensor core), bf16, weight [N, K]")
     print(f"{'layer':>8} {'M':>6} {'N':>7} {'K':>6} {'splits':>6} {'median ms':>10} "
-          f"{'TFLOP/s':>8} {'Hopper':>8} {'cuBLAS':>8} {'ratio':>6}")
+          f"{'TFLOP/s':>8} {'Hopper':>8} {'cuBLAS':>8} {'ratio':>6} {'model':>18}")
     for name, M, N, K, plan, sec, wgmma, cublas in bench(
             xp, args.device, timer, rng, module, GPU_PREFILL_M if gpu else SIM_PREFILL_M,
             GPU_LAYERS if gpu else SIM_LAYERS, num_sms, baseline=True, hopper=hopper):
@@ -116,20 +121,28 @@ def main(argv=None) -> int:
         hopper_tflops = 2 * M * N * K / wgmma / 1e12
         base = 2 * M * N * K / cublas / 1e12
         best = np.nanmax([tflops, hopper_tflops])
+        kernel = "gemm_bf16_nk_splitk" if plan.num_splits > 1 else "gemm_bf16_nk_obf16"
+        model = model_estimate(kernel)
+        if not np.isnan(wgmma):
+            model += " / " + model_estimate("gemm_hopper_bf16_nk_obf16")
         print(f"{name:>8} {M:>6} {N:>7} {K:>6} {plan.num_splits:>6} {sec * 1e3:>10.3f} "
-              f"{tflops:>8.2f} {hopper_tflops:>8.2f} {base:>8.2f} {best / base:>6.2f}")
+              f"{tflops:>8.2f} {hopper_tflops:>8.2f} {base:>8.2f} {best / base:>6.2f} "
+              f"{model:>18}")
 
     print("\n## decode (skinny, split-K plan), bf16, weight [N, K]")
     print(f"{'layer':>8} {'M':>6} {'N':>7} {'K':>6} {'kernel':>11} {'splits':>6} "
-          f"{'median us':>10} {'GB/s':>8} {'of copy':>8}")
+          f"{'median us':>10} {'GB/s':>8} {'of copy':>8} {'model':>9}")
     for name, M, N, K, plan, sec, _, _ in bench(
             xp, args.device, timer, rng, module, GPU_DECODE_M if gpu else SIM_DECODE_M,
             GPU_LAYERS if gpu else SIM_LAYERS, num_sms, baseline=False):
         moved = (N * K + M * K + M * N) * BF16_BYTES
         gbps = moved / sec / 1e9
         kind = {SKINNY: f"skinny m{plan.m_tile}", SKINNY_TC: "skinny tc"}.get(plan.kind, "tensor")
+        kernel = {SKINNY: f"gemm_skinny_bf16_obf16_m{plan.m_tile}",
+                  SKINNY_TC: "gemm_skinny_tc_bf16_obf16"}.get(plan.kind, "gemm_bf16_nk_obf16")
         print(f"{name:>8} {M:>6} {N:>7} {K:>6} {kind:>11} {plan.num_splits:>6} "
-              f"{sec * 1e6:>10.1f} {gbps:>8.1f} {gbps / copy_gbps:>8.2f}")
+              f"{sec * 1e6:>10.1f} {gbps:>8.1f} {gbps / copy_gbps:>8.2f} "
+              f"{model_estimate(kernel):>9}")
     return 0
 
 
