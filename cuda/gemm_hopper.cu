@@ -55,9 +55,12 @@
 // registers to the consumers at run time); the gate must show 0 spill bytes.
 // Measured: no GPU numbers yet; static model in docs/kernel_report.md.
 #include "common.cuh"
+#include "gemm_epilogue.cuh"
 #include "hopper_groundwork.cuh"
 
 namespace gemm_hopper {
+
+using gemm_epilogue::epilogue_pair;
 
 constexpr int kThreads = 384;
 constexpr int kWarpgroupThreads = 128;
@@ -92,38 +95,6 @@ __device__ __forceinline__ unsigned char* align_up_1024(unsigned char* p) {
         (reinterpret_cast<size_t>(p) + kSwizzleAtomBytes - 1) & ~size_t(kSwizzleAtomBytes - 1));
 }
 
-__device__ __forceinline__ void store2(float* dst, float lo, float hi) {
-    *reinterpret_cast<float2*>(dst) = make_float2(lo, hi);
-}
-__device__ __forceinline__ void store2(__half* dst, float lo, float hi) {
-    *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(lo, hi);
-}
-__device__ __forceinline__ void store2(__nv_bfloat16* dst, float lo, float hi) {
-    *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(lo, hi);
-}
-
-// Epilogue of two horizontally adjacent accumulators at (row, col), (row, col + 1).
-template <typename T, typename OutT>
-__device__ __forceinline__ void epilogue_pair(OutT* out, const T* bias, const OutT* residual,
-                                              int row, int col, float v0, float v1, int M, int N) {
-    if (row >= M || col >= N) return;
-    const bool has_second = col + 1 < N;
-    if (bias != nullptr) {
-        v0 += to_f32(bias[col]);
-        if (has_second) v1 += to_f32(bias[col + 1]);
-    }
-    const long long idx = static_cast<long long>(row) * N + col;
-    if (residual != nullptr) {
-        v0 += to_f32(residual[idx]);
-        if (has_second) v1 += to_f32(residual[idx + 1]);
-    }
-    if (has_second && N % 2 == 0) {
-        store2(out + idx, v0, v1);  // idx even: the pair is 2-element aligned
-    } else {
-        out[idx] = from_f32<OutT>(v0);
-        if (has_second) out[idx + 1] = from_f32<OutT>(v1);
-    }
-}
 
 template <bool BF16>
 __device__ __forceinline__ void wgmma_n256(float (&d)[kAccum], uint64_t da, uint64_t db) {

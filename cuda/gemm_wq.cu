@@ -71,9 +71,12 @@
 // show 0 spill bytes.
 // Measured: none (no GPU run yet).
 #include "common.cuh"
+#include "gemm_epilogue.cuh"
 #include "ptx.cuh"
 
 namespace gemm_wq {
+
+using gemm_epilogue::epilogue_pair;
 
 constexpr int kThreads = 128;
 // __launch_bounds__ min blocks per SM: 8 for the decode tile (<= 64 registers: 48 are used),
@@ -237,30 +240,6 @@ __device__ __forceinline__ void load_w4_tile(T* s_w, const uint32_t* q, const T*
     store_chunk(s_w + kmajor_offset(row, 2 * half + 1), w[4], w[5], w[6], w[7]);
 }
 
-__device__ __forceinline__ void store2(__half* dst, float lo, float hi) {
-    *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(lo, hi);
-}
-__device__ __forceinline__ void store2(__nv_bfloat16* dst, float lo, float hi) {
-    *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(lo, hi);
-}
-
-template <typename T>
-__device__ __forceinline__ void epilogue_pair(T* out, const T* bias, int row, int col, float v0,
-                                              float v1, int M, int N) {
-    if (row >= M || col >= N) return;
-    const bool has_second = col + 1 < N;
-    if (bias != nullptr) {
-        v0 += to_f32(bias[col]);
-        if (has_second) v1 += to_f32(bias[col + 1]);
-    }
-    const long long idx = static_cast<long long>(row) * N + col;
-    if (has_second && N % 2 == 0) {
-        store2(out + idx, v0, v1);
-    } else {
-        out[idx] = from_f32<T>(v0);
-        if (has_second) out[idx + 1] = from_f32<T>(v1);
-    }
-}
 
 // W4 = false: q is int8 [N, K]; W4 = true: q is uint32 [K / 32, N, 4] and zeros is used.
 template <typename T, int MT, bool W4>
@@ -337,8 +316,10 @@ __device__ __forceinline__ void gemm_wq(T* out, const T* __restrict__ x, const v
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
             const int col = n0 + warp * kWarpN + nt * 8 + (lane & 3) * 2;
-            epilogue_pair<T>(out, bias, row, col, acc[mt][nt][0], acc[mt][nt][1], M, N);
-            epilogue_pair<T>(out, bias, row + 8, col, acc[mt][nt][2], acc[mt][nt][3], M, N);
+            epilogue_pair<T, T>(out, bias, nullptr, row, col, acc[mt][nt][0], acc[mt][nt][1], M,
+                                N);
+            epilogue_pair<T, T>(out, bias, nullptr, row + 8, col, acc[mt][nt][2], acc[mt][nt][3],
+                                M, N);
         }
     }
 }
