@@ -24,8 +24,9 @@ from .gemm_plan import (SKINNY, SKINNY_ROWS_PER_WARP, SKINNY_TC, SKINNY_TC_BK, S
                         TC_STAGES, TC_THREADS, TC_TILE, TENSOR_CORE, GemmPlan, plan_gemm,
                         tc_aligned)
 from .gemm_hopper import gemm_hopper, hopper_eligible
-from .kernel_args import (VEC16_BYTES, array_module, ceil_div, device_num_sms,  # noqa: F401
-                          dtype_suffix, opt_in_smem, require, require_contiguous, vec16_aligned)
+from .kernel_args import (VEC16_BYTES, array_module, ceil_div,  # noqa: F401 (VEC16_BYTES)
+                          check_gemm_operands, device_num_sms, dtype_suffix, nullable,
+                          opt_in_smem, require, vec16_aligned)
 
 SKINNY_SMEM_BYTES_PER_ROW = 512  # one k-tile of a row: 32 lanes x 16 bytes
 # gemm_skinny_tc_*: SKINNY_TC_STAGES x (weight + activation rows) x SKINNY_TC_BK 16-bit elements
@@ -39,15 +40,6 @@ def gemm_smem_bytes(dtype_name: str) -> int:
         return 0
     tile_m, tile_n = TC_TILE[dtype_name]
     return TC_STAGES * (tile_m + tile_n) * TC_BK * 2
-
-
-def _nullable(x, xp):
-    """An optional pointer argument: None under the harness (a NULL pointer there); on CuPy an
-    explicit 8-byte 0, because CuPy passes None as 0xffffffff, not NULL (cupy/cupy#9046), and
-    the kernels test `bias != nullptr`."""
-    if x is not None or xp is np:
-        return x
-    return np.uint64(0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,32 +83,7 @@ def gemm(module, a, b, *, b_layout: str = "nk", bias=None, residual=None, out=No
     """out = a @ B (+ bias) (+ residual); B = b.T for "nk", b for "kn". Returns out [M, N]."""
     xp = array_module(a)
     suffix = dtype_suffix(a)
-    require(a.ndim == 2 and b.ndim == 2, lambda: f"a {a.shape} and b {b.shape} must be 2-D")
-    require(b.dtype == a.dtype, lambda: f"a ({a.dtype}) and b ({b.dtype}) dtypes differ")
-    require(b_layout in ("nk", "kn"), lambda: f"b_layout must be 'nk' or 'kn', got {b_layout!r}")
-    M, K = a.shape
-    N = b.shape[0] if b_layout == "nk" else b.shape[1]
-    require((b.shape[1] if b_layout == "nk" else b.shape[0]) == K,
-            lambda: f"a {a.shape} and b {b.shape} ({b_layout}) disagree on K")
-    require_contiguous("a", a)
-    require_contiguous("b", b)
-    out_dtype = np.dtype(a.dtype if out_dtype is None else out_dtype)
-    require(out_dtype in (np.dtype(a.dtype), np.dtype(np.float32)),
-            lambda: f"out_dtype {out_dtype}: only a's dtype or float32")
-    if bias is not None:
-        require(bias.shape == (N,) and bias.dtype == a.dtype,
-                lambda: f"bias must be [{N}] {a.dtype}, got {bias.shape} {bias.dtype}")
-        require_contiguous("bias", bias)
-    if residual is not None:
-        require(residual.shape == (M, N) and residual.dtype == out_dtype,
-                lambda: f"residual must be [{M}, {N}] {out_dtype}, got {residual.shape} "
-                        f"{residual.dtype}")
-        require_contiguous("residual", residual)
-    if out is None:
-        out = xp.empty((M, N), dtype=out_dtype)
-    require(out.shape == (M, N) and out.dtype == out_dtype,
-            lambda: f"out must be [{M}, {N}] {out_dtype}, got {out.shape} {out.dtype}")
-    require_contiguous("out", out)
+    M, N, K, out = check_gemm_operands(a, b, b_layout, bias, residual, out, out_dtype)
     out_suffix = dtype_suffix(out)
     require(K > 0, "K must be >= 1 (an empty reduction has no kernel)")
     if M == 0 or N == 0:
@@ -138,8 +105,8 @@ def gemm(module, a, b, *, b_layout: str = "nk", bias=None, residual=None, out=No
             "a or b does not start on a 16-byte boundary: only the unaligned tensor-core "
             "instantiation can read it")
     scalars = (np.int32(M), np.int32(N), np.int32(K))
-    bias_arg, residual_arg = _nullable(bias, xp), _nullable(residual, xp)
-    null = _nullable(None, xp)
+    bias_arg, residual_arg = nullable(bias, xp), nullable(residual, xp)
+    null = nullable(None, xp)
     if plan.kind in (SKINNY, SKINNY_TC):
         require(b_layout == "nk", "the skinny GEMM reads weights in the 'nk' layout only")
         require(K % (16 // a.dtype.itemsize) == 0,

@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from .gemm_plan import SKINNY_MAX_M
-from .kernel_args import (UnsupportedKernelShape, array_module, ceil_div, data_ptr, dtype_suffix,
-                          require, require_contiguous)
+from .kernel_args import (UnsupportedKernelShape, array_module, ceil_div, check_gemm_operands,
+                          data_ptr, dtype_suffix, nullable)
 from .tma import ROW_STRIDE_ALIGN, cuda_descriptor, sim_descriptor
 
 # cuda/gemm_hopper.cu's constants (gemm_hopper::k*).
@@ -60,48 +60,18 @@ def _descriptor(x, xp, box_rows: int):
     return xp.asarray(cuda_descriptor(x, box_rows, HOPPER_TILE_K, HOPPER_SWIZZLE_BYTES))
 
 
-def _nullable(x, xp):
-    """None under the harness (NULL); on CuPy an explicit 8-byte 0 (cupy/cupy#9046)."""
-    if x is not None or xp is np:
-        return x
-    return np.uint64(0)
-
-
 def gemm_hopper(module, a, b, *, bias=None, residual=None, out=None, out_dtype=None):
     """out = a @ b.T (+ bias) (+ residual) on cuda/gemm_hopper.cu. Returns out [M, N]."""
     xp = array_module(a)
     suffix = dtype_suffix(a)
     if suffix not in HOPPER_DTYPES:
         raise UnsupportedKernelShape(f"the Hopper GEMM takes f16 / bf16, got {a.dtype}")
-    require(a.ndim == 2 and b.ndim == 2, lambda: f"a {a.shape} and b {b.shape} must be 2-D")
-    require(b.dtype == a.dtype, lambda: f"a ({a.dtype}) and b ({b.dtype}) dtypes differ")
-    M, K = a.shape
-    N = b.shape[0]
-    require(b.shape[1] == K, lambda: f"a {a.shape} and b {b.shape} (nk) disagree on K")
-    require_contiguous("a", a)
-    require_contiguous("b", b)
+    M, N, K, out = check_gemm_operands(a, b, "nk", bias, residual, out, out_dtype)
     if (K * ELEMENT_BYTES) % ROW_STRIDE_ALIGN:
         raise UnsupportedKernelShape(f"the Hopper GEMM needs K % 8 == 0 (TMA's 16-byte row "
                                      f"strides), got K={K}")
     if data_ptr(a) % ROW_STRIDE_ALIGN or data_ptr(b) % ROW_STRIDE_ALIGN:
         raise UnsupportedKernelShape("the Hopper GEMM needs a and b on 16-byte boundaries (TMA)")
-    out_dtype = np.dtype(a.dtype if out_dtype is None else out_dtype)
-    require(out_dtype in (np.dtype(a.dtype), np.dtype(np.float32)),
-            lambda: f"out_dtype {out_dtype}: only a's dtype or float32")
-    if bias is not None:
-        require(bias.shape == (N,) and bias.dtype == a.dtype,
-                lambda: f"bias must be [{N}] {a.dtype}, got {bias.shape} {bias.dtype}")
-        require_contiguous("bias", bias)
-    if residual is not None:
-        require(residual.shape == (M, N) and residual.dtype == out_dtype,
-                lambda: f"residual must be [{M}, {N}] {out_dtype}, got {residual.shape} "
-                        f"{residual.dtype}")
-        require_contiguous("residual", residual)
-    if out is None:
-        out = xp.empty((M, N), dtype=out_dtype)
-    require(out.shape == (M, N) and out.dtype == out_dtype,
-            lambda: f"out must be [{M}, {N}] {out_dtype}, got {out.shape} {out.dtype}")
-    require_contiguous("out", out)
     if M == 0 or N == 0:
         return out
     desc_a = _descriptor(a, xp, HOPPER_TILE_M)
@@ -112,7 +82,7 @@ def gemm_hopper(module, a, b, *, bias=None, residual=None, out=None, out_dtype=N
     # desc_a / desc_b may be freed on return: the pool hands their memory only to later work
     # on the same stream, which runs after this kernel.
     kernel((gemm_hopper_grid(M, N),), (HOPPER_THREADS,),
-           (out, desc_a, desc_b, _nullable(bias, xp), _nullable(residual, xp),
+           (out, desc_a, desc_b, nullable(bias, xp), nullable(residual, xp),
             np.int32(M), np.int32(N), np.int32(K)), shared_mem=HOPPER_SMEM_BYTES)
     return out
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from .kernel_args import (UnsupportedKernelShape, array_module, ceil_div, data_ptr,
-                          device_num_sms, dtype_suffix, require, require_contiguous)
+                          device_num_sms, dtype_suffix, nullable, require, require_contiguous)
 from .wq_pack import W4_TILE_K, W4_WORDS
 
 WQ_THREADS = 128
@@ -42,13 +42,6 @@ def wq_num_splits(M: int, N: int, K: int, num_sms: int) -> int:
     k_tiles = K // WQ_TILE_K
     want = ceil_div(num_sms * WQ_TARGET_CTAS_PER_SM, ceil_div(N, WQ_TILE_N))
     return max(1, min(k_tiles, want))
-
-
-def _nullable(x, xp):
-    """None under the harness (NULL); an explicit 8-byte 0 on CuPy (see gemm.py)."""
-    if x is not None or xp is np:
-        return x
-    return np.uint64(0)
 
 
 def _check_common(x, scales, bias, N: int, group_size: int):
@@ -96,15 +89,15 @@ def _launch(module, name, xp, out, bias, M, N, K, num_splits, head, tail):
     grid = (ceil_div(N, WQ_TILE_N), ceil_div(M, tile_m), num_splits)
     kernel = module.get_function(f"{name}_m{tile_m}")
     scalars = (np.int32(M), np.int32(N), np.int32(K), *tail, np.int32(kps))
-    null = _nullable(None, xp)
+    null = nullable(None, xp)
     if num_splits == 1:
-        kernel(grid, (WQ_THREADS,), (out, null, *head, _nullable(bias, xp), *scalars))
+        kernel(grid, (WQ_THREADS,), (out, null, *head, nullable(bias, xp), *scalars))
         return
     partial = xp.empty((num_splits, M, N), dtype=np.float32)
     kernel(grid, (WQ_THREADS,), (out, partial, *head, null, *scalars))
     reduce = module.get_function(f"gemm_wq_splitk_reduce_{dtype_suffix(out)}")
     reduce((ceil_div(M * N, WQ_THREADS),), (WQ_THREADS,),
-           (out, partial, _nullable(bias, xp), np.int32(M), np.int32(N), np.int32(num_splits)))
+           (out, partial, nullable(bias, xp), np.int32(M), np.int32(N), np.int32(num_splits)))
 
 
 def gemm_w8a16(module, x, qweight, scales, *, group_size: int, bias=None, out=None,

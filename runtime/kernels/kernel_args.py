@@ -124,6 +124,49 @@ def vec16_aligned(*arrays) -> bool:
     return all(data_ptr(x) % VEC16_BYTES == 0 for x in arrays)
 
 
+def nullable(x, xp):
+    """An optional pointer argument: None under the harness (a NULL pointer there); on CuPy an
+    explicit 8-byte 0, because CuPy passes None as 0xffffffff, not NULL (cupy/cupy#9046), and
+    the kernels test `bias != nullptr`."""
+    if x is not None or xp is np:
+        return x
+    return np.uint64(0)
+
+
+def check_gemm_operands(a, b, b_layout: str, bias, residual, out, out_dtype):
+    """The GEMM wrappers' shared contract (gemm.py, gemm_hopper.py): a [M, K] and b ([N, K] for
+    "nk", [K, N] for "kn") 2-D, one dtype, contiguous; bias [N] in a's dtype; residual and out
+    [M, N] in out_dtype (a's dtype, the default, or float32). Makes out when it is None.
+    Returns (M, N, K, out)."""
+    require(a.ndim == 2 and b.ndim == 2, lambda: f"a {a.shape} and b {b.shape} must be 2-D")
+    require(b.dtype == a.dtype, lambda: f"a ({a.dtype}) and b ({b.dtype}) dtypes differ")
+    require(b_layout in ("nk", "kn"), lambda: f"b_layout must be 'nk' or 'kn', got {b_layout!r}")
+    M, K = a.shape
+    N = b.shape[0] if b_layout == "nk" else b.shape[1]
+    require((b.shape[1] if b_layout == "nk" else b.shape[0]) == K,
+            lambda: f"a {a.shape} and b {b.shape} ({b_layout}) disagree on K")
+    require_contiguous("a", a)
+    require_contiguous("b", b)
+    out_dtype = np.dtype(a.dtype if out_dtype is None else out_dtype)
+    require(out_dtype in (np.dtype(a.dtype), np.dtype(np.float32)),
+            lambda: f"out_dtype {out_dtype}: only a's dtype or float32")
+    if bias is not None:
+        require(bias.shape == (N,) and bias.dtype == a.dtype,
+                lambda: f"bias must be [{N}] {a.dtype}, got {bias.shape} {bias.dtype}")
+        require_contiguous("bias", bias)
+    if residual is not None:
+        require(residual.shape == (M, N) and residual.dtype == out_dtype,
+                lambda: f"residual must be [{M}, {N}] {out_dtype}, got {residual.shape} "
+                        f"{residual.dtype}")
+        require_contiguous("residual", residual)
+    if out is None:
+        out = array_module(a).empty((M, N), dtype=out_dtype)
+    require(out.shape == (M, N) and out.dtype == out_dtype,
+            lambda: f"out must be [{M}, {N}] {out_dtype}, got {out.shape} {out.dtype}")
+    require_contiguous("out", out)
+    return M, N, K, out
+
+
 # Dynamic shared memory a launch gets without opting in (CUDA's default per-block limit);
 # above it the wrapper sets the kernel's max_dynamic_shared_size_bytes first.
 DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024
