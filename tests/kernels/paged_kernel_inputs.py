@@ -8,6 +8,7 @@ the float32 array of the same bf16 values (what numpy_ops computes on).
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import numpy as np
 
@@ -133,3 +134,58 @@ class PagedKV:
         for i, first in enumerate(first_visible):
             tables[i, :max(int(first), 0) // block_size] = spare
         return tables
+
+
+# ---- GEMM cases (test_gemm*.py) --------------------------------------------------------------
+OUT_NP = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}  # kernel arrays per dtype
+# |kernel - reference| <= atol * K + rtol * |reference|. A serial fp32 sum of K unit-normal
+# products drifts like a random walk whose partial sums grow as sqrt(k): its rounding error has
+# a standard deviation of about 0.35 eps K (eps = 2^-23), so 2.5 eps K covers the largest of a
+# few hundred outputs; every output is then rounded once (half an ulp: 2^-24, 2^-11, 2^-8
+# relative). A wrong kernel is off by O(1).
+GEMM_ATOL_PER_K = 3e-7
+GEMM_RTOL = {"f32": 2e-6, "f16": 1.2e-3, "bf16": 8e-3}
+
+
+class GemmCase(NamedTuple):
+    """Fresh inputs of one GEMM, out = a @ w.T (+ bias) (+ residual), and its reference."""
+    a: object            # [M, K] kernel dtype, on the device
+    w: np.ndarray        # [N, K] kernel dtype, host (the "nk" weight; tests lay it out)
+    bias: object         # [N] kernel dtype on the device, or None
+    residual: object     # [M, N] in out_dt on the device, or None
+    expected: np.ndarray  # float64 [M, N] on the same rounded values
+    out_dt: str          # the output dtype: dt, or "f32"
+
+
+def gemm_case(rng, dt: str, M: int, N: int, K: int, *, with_bias: bool = True,
+              with_residual: bool = True, out_f32: bool = False, scale: float = 1.0) -> GemmCase:
+    a, a_ref = as_kernel_dtype(scale * rng.standard_normal((M, K)), dt)
+    w, w_ref = as_kernel_dtype(rng.standard_normal((N, K)), dt)
+    out_dt = "f32" if out_f32 else dt
+    expected = a_ref.astype(np.float64) @ w_ref.astype(np.float64).T
+    bias = residual = None
+    if with_bias:
+        bias, bias_ref = as_kernel_dtype(rng.standard_normal(N), dt)
+        expected += bias_ref
+        bias = to_device(bias)
+    if with_residual:
+        residual, res_ref = as_kernel_dtype(rng.standard_normal((M, N)), out_dt)
+        expected += res_ref
+        residual = to_device(residual)
+    return GemmCase(to_device(a), w, bias, residual, expected, out_dt)
+
+
+def gemm_tol(out_dt: str, K: int) -> dict:
+    return dict(atol=GEMM_ATOL_PER_K * K, rtol=GEMM_RTOL[out_dt])
+
+
+def check_gemm(result, case: GemmCase, K: int, what: str) -> None:
+    """result (a device array in case.out_dt) against case.expected within gemm_tol."""
+    assert result.dtype == OUT_NP[case.out_dt], f"{what}: out dtype {result.dtype}"
+    assert_close(result_f32(result, case.out_dt), case.expected, gemm_tol(case.out_dt, K), what)
+
+
+def nan_output(shape, out_dt: str):
+    """A device output array full of NaN (bf16: its NaN bits), so unwritten elements show."""
+    nan, _ = as_kernel_dtype(np.full(shape, np.nan), out_dt)
+    return to_device(nan)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paged_kernel_inputs import BACKEND, as_kernel_dtype, assert_close, result_f32, to_device
+from paged_kernel_inputs import (BACKEND, GEMM_ATOL_PER_K, OUT_NP, as_kernel_dtype, assert_close,
+                                 gemm_case, gemm_tol, result_f32, to_device)
 from pagedrun.runtime.backends import numpy_ops
 from pagedrun.runtime.kernels.gemm import gemm, linear
 from pagedrun.runtime.kernels.gemm_plan import (SKINNY, SKINNY_MAX_M, SKINNY_TC, TENSOR_CORE,
@@ -17,16 +18,7 @@ from pagedrun.runtime.kernels.kernel_args import UnsupportedKernelShape
 from pagedrun.runtime.kernels.loader import load_module
 
 DTYPES = ("f32", "f16", "bf16")
-_OUT_NP = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
-# |kernel - reference| <= atol * K + rtol * |reference|. A serial fp32 sum of K unit-normal
-# products drifts like a random walk whose partial sums grow as sqrt(k): its rounding error has
-# a standard deviation of about 0.35 eps K (eps = 2^-23), so 2.5 eps K covers the largest of a
-# few hundred outputs; every output is then rounded once (half an ulp: 2^-24, 2^-11, 2^-8
-# relative). A wrong kernel is off by O(1).
-GEMM_ATOL_PER_K = 3e-7
-GEMM_TOL = {"f32": dict(atol=GEMM_ATOL_PER_K, rtol=2e-6),
-            "f16": dict(atol=GEMM_ATOL_PER_K, rtol=1.2e-3),
-            "bf16": dict(atol=GEMM_ATOL_PER_K, rtol=8e-3)}
+# Tolerance: paged_kernel_inputs.gemm_tol (atol grows with K, one rounding to the output).
 SIM_NUM_SMS = 4
 
 _MODULE = []
@@ -38,36 +30,17 @@ def module():
     return _MODULE[0]
 
 
-def _tol(dt: str, K: int) -> dict:
-    t = GEMM_TOL[dt]
-    return dict(atol=t["atol"] * K, rtol=t["rtol"])
-
-
-def _inputs(rng, dt, M, N, K, scale=1.0):
-    a, a_ref = as_kernel_dtype(scale * rng.standard_normal((M, K)), dt)
-    w, w_ref = as_kernel_dtype(rng.standard_normal((N, K)), dt)
-    return a, a_ref, w, w_ref
-
-
 def _run(dt, M, N, K, layout, plan, rng, with_bias=True, with_residual=True, out_f32=False,
          scale=1.0):
-    a, a_ref, w, w_ref = _inputs(rng, dt, M, N, K, scale)
-    b = w if layout == "nk" else np.ascontiguousarray(w.T)
-    out_dt = "f32" if out_f32 else dt
-    expected = a_ref.astype(np.float64) @ w_ref.astype(np.float64).T
-    bias = residual = None
-    if with_bias:
-        bias, bias_ref = as_kernel_dtype(rng.standard_normal(N), dt)
-        expected += bias_ref
-    if with_residual:
-        residual, res_ref = as_kernel_dtype(rng.standard_normal((M, N)), out_dt)
-        expected += res_ref
-    out = gemm(module(), to_device(a), to_device(b), b_layout=layout,
-               bias=None if bias is None else to_device(bias),
-               residual=None if residual is None else to_device(residual),
-               out_dtype=np.float32 if out_f32 else None, plan=plan, num_sms=SIM_NUM_SMS)
-    assert out.dtype == _OUT_NP[out_dt]
-    return result_f32(out, out_dt), expected
+    """One GEMM on fresh inputs: (result as f32, float64 reference)."""
+    case = gemm_case(rng, dt, M, N, K, with_bias=with_bias, with_residual=with_residual,
+                     out_f32=out_f32, scale=scale)
+    b = case.w if layout == "nk" else np.ascontiguousarray(case.w.T)
+    out = gemm(module(), case.a, to_device(b), b_layout=layout, bias=case.bias,
+               residual=case.residual, out_dtype=np.float32 if out_f32 else None, plan=plan,
+               num_sms=SIM_NUM_SMS)
+    assert out.dtype == OUT_NP[case.out_dt]
+    return result_f32(out, case.out_dt), case.expected
 
 
 TC_SHAPES = [(1, 17, 111), (17, 111, 64), (111, 17, 40), (130, 136, 96), (1, 24, 4096)]
@@ -79,7 +52,8 @@ TC_SHAPES = [(1, 17, 111), (17, 111, 64), (111, 17, 40), (130, 136, 96), (1, 24,
 def test_tensor_core_gemm(rng, dt, layout, M, N, K):
     plan = tensor_core_plan(M, N, K, dt, layout)
     actual, expected = _run(dt, M, N, K, layout, plan, rng)
-    assert_close(actual, expected, _tol(dt, K), f"{dt} {layout} {M}x{N}x{K} aligned={plan.aligned}")
+    assert_close(actual, expected, gemm_tol(dt, K),
+                 f"{dt} {layout} {M}x{N}x{K} aligned={plan.aligned}")
 
 
 @pytest.mark.parametrize("dt", ("f16", "bf16"))
@@ -88,7 +62,7 @@ def test_tensor_core_fp32_logits_no_epilogue(rng, dt, layout):
     M, N, K = 19, 200, 64
     actual, expected = _run(dt, M, N, K, layout, tensor_core_plan(M, N, K, dt, layout), rng,
                             with_bias=False, with_residual=False, out_f32=True)
-    assert_close(actual, expected, _tol("f32", K), f"{dt} -> f32 logits")
+    assert_close(actual, expected, gemm_tol("f32", K), f"{dt} -> f32 logits")
 
 
 @pytest.mark.parametrize("dt", DTYPES)
@@ -99,7 +73,7 @@ def test_skinny_gemm(rng, dt, M, N, K, num_splits):
     if num_splits:  # whole k-tiles per split: 4 tiles in 3 splits become 2 of 2 tiles
         assert 1 <= plan.num_splits <= num_splits and (num_splits == 1) == (plan.num_splits == 1)
     actual, expected = _run(dt, M, N, K, "nk", plan, rng)
-    assert_close(actual, expected, _tol(dt, K), f"skinny {dt} {M}x{N}x{K} {plan}")
+    assert_close(actual, expected, gemm_tol(dt, K), f"skinny {dt} {M}x{N}x{K} {plan}")
 
 
 @pytest.mark.parametrize("dt", ("bf16",))
@@ -124,7 +98,7 @@ def test_linear_takes_the_models_transposed_weights(rng, dt):
     for weight in (w, w_t.T):
         out = linear(module(), to_device(x), to_device(weight) if weight.flags.c_contiguous
                      else to_device(w_t).T, to_device(bias), num_sms=SIM_NUM_SMS)
-        assert_close(result_f32(out, dt), expected, _tol(dt, K), f"linear {dt}")
+        assert_close(result_f32(out, dt), expected, gemm_tol(dt, K), f"linear {dt}")
 
 
 @pytest.mark.parametrize("dt", ("f32", "bf16"))
@@ -142,7 +116,7 @@ def test_row_views_off_a_16_byte_boundary(rng, dt):
     assert a.flags.c_contiguous and address % 16 != 0
     out = gemm(module(), a, w, num_sms=SIM_NUM_SMS)
     expected = full_ref[1:].astype(np.float64) @ w_ref.astype(np.float64).T
-    assert_close(result_f32(out, dt), expected, _tol(dt, K), f"misaligned {dt}")
+    assert_close(result_f32(out, dt), expected, gemm_tol(dt, K), f"misaligned {dt}")
     with pytest.raises(UnsupportedKernelShape, match="16-byte boundary"):  # 16-byte loads
         gemm(module(), a, w, plan=skinny_plan(M, N, K, dt, SIM_NUM_SMS), num_sms=SIM_NUM_SMS)
 
@@ -178,7 +152,8 @@ def test_skinny_plan_covers_k_and_fills_the_gpu(M, N, K, dt):
 
 
 def test_negative_cases(rng):
-    a, _, w, _ = _inputs(rng, "bf16", 4, 16, 64)
+    a, _ = as_kernel_dtype(rng.standard_normal((4, 64)), "bf16")
+    w, _ = as_kernel_dtype(rng.standard_normal((16, 64)), "bf16")
     mod = module()
     with pytest.raises(UnsupportedKernelShape, match="dtypes differ"):
         gemm(mod, a, w.astype(np.float16), num_sms=SIM_NUM_SMS)

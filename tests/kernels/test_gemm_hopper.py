@@ -9,17 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paged_kernel_inputs import BACKEND, as_kernel_dtype, assert_close, result_f32, to_device
+from paged_kernel_inputs import (BACKEND, as_kernel_dtype, check_gemm, gemm_case, nan_output,
+                                 to_device)
 from pagedrun.runtime.kernels.gemm_hopper import (HOPPER_MIN_M, HOPPER_SMEM_BYTES, gemm_hopper,
                                                   gemm_hopper_grid, hopper_eligible)
 from pagedrun.runtime.kernels.kernel_args import UnsupportedKernelShape
 from pagedrun.runtime.kernels.loader import load_module
-
-# |kernel - reference| <= atol * K + rtol * |reference| (tests/kernels/test_gemm.py's table:
-# fp32 accumulation drifts ~0.35 eps K; one rounding to the output type at the end).
-GEMM_ATOL_PER_K = 3e-7
-GEMM_RTOL = {"f32": 2e-6, "f16": 1.2e-3, "bf16": 8e-3}
-_OUT_NP = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
 
 _MODULE = []
 
@@ -37,29 +32,13 @@ def module():
 
 def _run(rng, dt, M, N, K, *, with_bias=True, with_residual=True, out_f32=False,
          alias=False):
-    a, a_ref = as_kernel_dtype(rng.standard_normal((M, K)), dt)
-    w, w_ref = as_kernel_dtype(rng.standard_normal((N, K)), dt)
-    out_dt = "f32" if out_f32 else dt
-    expected = a_ref.astype(np.float64) @ w_ref.astype(np.float64).T
-    bias = residual = None
-    if with_bias:
-        bias, bias_ref = as_kernel_dtype(rng.standard_normal(N), dt)
-        expected += bias_ref
-        bias = to_device(bias)
-    if with_residual:
-        residual, res_ref = as_kernel_dtype(rng.standard_normal((M, N)), out_dt)
-        expected += res_ref
-        residual = to_device(residual)
-    if alias:
-        out = residual
-    else:
-        nan, _ = as_kernel_dtype(np.full((M, N), np.nan), out_dt)
-        out = to_device(nan)
-    got = gemm_hopper(module(), to_device(a), to_device(w), bias=bias, residual=residual,
-                      out=out, out_dtype=np.float32 if out_f32 else None)
-    assert got is out and got.dtype == _OUT_NP[out_dt]
-    tol = dict(atol=GEMM_ATOL_PER_K * K, rtol=GEMM_RTOL[out_dt])
-    assert_close(result_f32(got, out_dt), expected, tol, f"{dt}->{out_dt} {M}x{N}x{K}")
+    case = gemm_case(rng, dt, M, N, K, with_bias=with_bias, with_residual=with_residual,
+                     out_f32=out_f32)
+    out = case.residual if alias else nan_output((M, N), case.out_dt)
+    got = gemm_hopper(module(), case.a, to_device(case.w), bias=case.bias,
+                      residual=case.residual, out=out, out_dtype=np.float32 if out_f32 else None)
+    assert got is out
+    check_gemm(got, case, K, f"{dt}->{case.out_dt} {M}x{N}x{K}")
 
 
 # Every M, N and K of the brief at least once, with both dtypes; each case one or two CTAs.

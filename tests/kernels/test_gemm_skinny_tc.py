@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paged_kernel_inputs import BACKEND, as_kernel_dtype, assert_close, result_f32, to_device
+from paged_kernel_inputs import BACKEND, check_gemm, gemm_case, nan_output, to_device
 from pagedrun.runtime.kernels.gemm import gemm
 from pagedrun.runtime.kernels.gemm_plan import (SKINNY, SKINNY_TC, SKINNY_TC_BK, SKINNY_TC_MIN_M,
                                                 TENSOR_CORE, plan_gemm, skinny_tc_fill,
@@ -17,12 +17,6 @@ from pagedrun.runtime.kernels.gemm_plan import (SKINNY, SKINNY_TC, SKINNY_TC_BK,
 from pagedrun.runtime.kernels.loader import load_module
 
 SIM_NUM_SMS = 4
-_OUT_NP = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}
-_NAN_BITS = {"bf16": 0x7FC0}
-# |kernel - reference| <= atol * K + rtol * |reference| (as in test_gemm.py): fp32 sums of K
-# products drift like a random walk; the output is rounded once (2^-24, 2^-11, 2^-8 relative).
-ATOL_PER_K = 3e-7
-RTOL = {"f32": 2e-6, "f16": 1.2e-3, "bf16": 8e-3}
 
 _MODULE = []
 
@@ -33,35 +27,17 @@ def module():
     return _MODULE[0]
 
 
-def _nan(shape, out_dt):
-    if out_dt == "bf16":
-        return np.full(shape, _NAN_BITS["bf16"], np.uint16)
-    return np.full(shape, np.nan, _OUT_NP[out_dt])
-
-
 def _run(rng, dt, M, N, K, num_splits, *, bias=True, residual=True, alias=False,
          out_f32=False):
-    a, a_ref = as_kernel_dtype(rng.standard_normal((M, K)), dt)
-    w, w_ref = as_kernel_dtype(rng.standard_normal((N, K)), dt)
-    out_dt = "f32" if out_f32 else dt
-    expected = a_ref.astype(np.float64) @ w_ref.astype(np.float64).T
-    bias_arr = res_arr = None
-    if bias:
-        bias_arr, bias_ref = as_kernel_dtype(rng.standard_normal(N), dt)
-        expected += bias_ref
-    if residual:
-        res_arr, res_ref = as_kernel_dtype(rng.standard_normal((M, N)), out_dt)
-        expected += res_ref
-        res_arr = to_device(res_arr)
-    out = res_arr if alias else to_device(_nan((M, N), out_dt))
+    case = gemm_case(rng, dt, M, N, K, with_bias=bias, with_residual=residual, out_f32=out_f32)
+    out = case.residual if alias else nan_output((M, N), case.out_dt)
     plan = skinny_tc_plan(M, N, K, dt, SIM_NUM_SMS, num_splits=num_splits)
-    result = gemm(module(), to_device(a), to_device(w), bias=None if bias_arr is None
-                  else to_device(bias_arr), residual=res_arr, out=out,
-                  out_dtype=np.float32 if out_f32 else None, plan=plan, num_sms=SIM_NUM_SMS)
-    assert result is out and result.dtype == _OUT_NP[out_dt]
-    what = f"skinny_tc {dt} {M}x{N}x{K} {plan} bias={bias} residual={residual} alias={alias}"
-    assert_close(result_f32(result, out_dt), expected,
-                 dict(atol=ATOL_PER_K * K, rtol=RTOL[out_dt]), what)
+    result = gemm(module(), case.a, to_device(case.w), bias=case.bias, residual=case.residual,
+                  out=out, out_dtype=np.float32 if out_f32 else None, plan=plan,
+                  num_sms=SIM_NUM_SMS)
+    assert result is out
+    check_gemm(result, case, K,
+               f"skinny_tc {dt} {M}x{N}x{K} {plan} bias={bias} residual={residual} alias={alias}")
     return plan
 
 

@@ -10,16 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paged_kernel_inputs import BACKEND, as_kernel_dtype, assert_close, result_f32, to_device
+from paged_kernel_inputs import BACKEND, check_gemm, gemm_case, to_device
 from pagedrun.runtime.kernels.gemm import gemm
 from pagedrun.runtime.kernels.gemm_plan import (MAX_SPLITS, TC_BK, TC_MIN_TILES_PER_SPLIT,
                                                 TENSOR_CORE, plan_gemm, tensor_core_plan)
 from pagedrun.runtime.kernels.loader import load_module
 
-# |kernel - reference| <= atol * K + rtol * |reference|: fp32 accumulation drifts like a random
-# walk (see test_gemm.py), one rounding to the output type at the end. A wrong tile is O(1).
-ATOL_PER_K = 3e-7
-RTOL = {"f16": 1.2e-3, "bf16": 8e-3, "f32": 2e-6}
 # The rasterization groups this many m-tiles (cuda/gemm.cu kGroupM); a taller grid has a
 # partial last group.
 RASTER_GROUP_M = 8
@@ -34,34 +30,18 @@ def module():
     return _MODULE[0]
 
 
-def _case(rng, dt, layout, M, N, K, *, plan=None, num_sms=4, out_f32=False, alias=False,
-          with_bias=True, with_residual=True):
-    """Runs one GEMM on fresh inputs; returns (kernel result as f32, float64 reference)."""
-    a, a_ref = as_kernel_dtype(rng.standard_normal((M, K)), dt)
-    w, w_ref = as_kernel_dtype(rng.standard_normal((N, K)), dt)
-    b = w if layout == "nk" else np.ascontiguousarray(w.T)
-    out_dt = "f32" if out_f32 else dt
-    expected = a_ref.astype(np.float64) @ w_ref.astype(np.float64).T
-    bias = residual = out = None
-    if with_bias:
-        bias, bias_ref = as_kernel_dtype(rng.standard_normal(N), dt)
-        expected += bias_ref
-        bias = to_device(bias)
-    if with_residual:
-        residual, res_ref = as_kernel_dtype(rng.standard_normal((M, N)), out_dt)
-        expected += res_ref
-        residual = to_device(residual)
-        if alias:  # out = residual + a @ B in place (the decoder's residual stream)
-            out = residual
-    result = gemm(module(), to_device(a), to_device(b), b_layout=layout, bias=bias,
-                  residual=residual, out=out, out_dtype=np.float32 if out_f32 else None,
+def _run(rng, dt, layout, M, N, K, what, *, plan=None, num_sms=4, out_f32=False, alias=False,
+         with_bias=True, with_residual=True):
+    """One GEMM on fresh inputs, checked against the float64 reference."""
+    case = gemm_case(rng, dt, M, N, K, with_bias=with_bias, with_residual=with_residual,
+                     out_f32=out_f32)
+    b = case.w if layout == "nk" else np.ascontiguousarray(case.w.T)
+    out = case.residual if alias else None  # out = residual + a @ B in place (residual stream)
+    result = gemm(module(), case.a, to_device(b), b_layout=layout, bias=case.bias,
+                  residual=case.residual, out=out, out_dtype=np.float32 if out_f32 else None,
                   plan=plan, num_sms=num_sms)
     assert out is None or result is out
-    return result_f32(result, out_dt), expected
-
-
-def _check(actual, expected, dt, K, what):
-    assert_close(actual, expected, dict(atol=ATOL_PER_K * K, rtol=RTOL[dt]), what)
+    check_gemm(result, case, K, what)
 
 
 # (M, N, K): every M, N and K of the brief at least once, each against both layouts.
@@ -75,8 +55,8 @@ TILED_SHAPES = [(1, 136, 72), (17, 111, 264), (111, 200, 136), (130, 136, 8), (2
 def test_tiled_gemm_unsplit(rng, dt, layout, M, N, K):
     plan = tensor_core_plan(M, N, K, dt, layout, num_splits=1)
     assert plan.num_splits == 1 and plan.k_split == K
-    actual, expected = _case(rng, dt, layout, M, N, K, plan=plan, alias=(M == 130))
-    _check(actual, expected, dt, K, f"{dt} {layout} {M}x{N}x{K} aligned={plan.aligned}")
+    _run(rng, dt, layout, M, N, K, f"{dt} {layout} {M}x{N}x{K} aligned={plan.aligned}",
+         plan=plan, alias=(M == 130))
 
 
 @pytest.mark.parametrize("dt,layout,M,N,K,num_splits,alias,out_f32", [
@@ -89,10 +69,8 @@ def test_tiled_gemm_split_k(rng, dt, layout, M, N, K, num_splits, alias, out_f32
     plan = tensor_core_plan(M, N, K, dt, layout, num_splits=num_splits)
     assert plan.aligned and 1 < plan.num_splits <= num_splits
     assert plan.k_split % TC_BK == 0 and (plan.num_splits - 1) * plan.k_split < K
-    actual, expected = _case(rng, dt, layout, M, N, K, plan=plan, alias=alias, out_f32=out_f32,
-                             with_bias=not out_f32)
-    _check(actual, expected, "f32" if out_f32 else dt, K, f"split {dt} {layout} {M}x{N}x{K} "
-           f"{plan}")
+    _run(rng, dt, layout, M, N, K, f"split {dt} {layout} {M}x{N}x{K} {plan}", plan=plan,
+         alias=alias, out_f32=out_f32, with_bias=not out_f32)
 
 
 def test_planned_split_k_end_to_end(rng):
@@ -100,16 +78,14 @@ def test_planned_split_k_end_to_end(rng):
     M, N, K, num_sms = 111, 136, 8 * TC_BK, 16
     plan = plan_gemm(M, N, K, dtype_name="bf16", b_layout="kn", num_sms=num_sms)
     assert plan.kind == TENSOR_CORE and plan.num_splits == 2
-    actual, expected = _case(rng, "bf16", "kn", M, N, K, num_sms=num_sms)
-    _check(actual, expected, "bf16", K, "planned split")
+    _run(rng, "bf16", "kn", M, N, K, "planned split", num_sms=num_sms)
 
 
 def test_rasterization_covers_a_grid_taller_than_one_group(rng):
     """10 x 2 tiles: one full group of 8 m-tiles and a partial one of 2."""
     M, N, K = (RASTER_GROUP_M + 1) * TILE + 1, 136, 8
     plan = tensor_core_plan(M, N, K, "f16", "nk", num_splits=1)
-    actual, expected = _case(rng, "f16", "nk", M, N, K, plan=plan, with_residual=False)
-    _check(actual, expected, "f16", K, f"raster {M}x{N}x{K}")
+    _run(rng, "f16", "nk", M, N, K, f"raster {M}x{N}x{K}", plan=plan, with_residual=False)
 
 
 def test_split_plan_follows_the_sm_count():
