@@ -141,7 +141,9 @@ def embedding(module, token_ids, table, out=None):
     require(out.shape == (num_tokens, hidden) and out.dtype == table.dtype,
             "out must be [num_tokens, hidden] in the table's dtype")
     if num_tokens:
-        module.get_function(f"embedding_{suffix}")(
+        # 16-byte units when the rows allow (cuda/embedding.cu); element-wise otherwise.
+        units = (hidden * table.itemsize) % VEC16_BYTES == 0 and vec16_aligned(table, out)
+        module.get_function(f"embedding_{suffix}" + ("" if units else "_unaligned"))(
             (num_tokens,), (EMBEDDING_THREADS,),
             (out, token_ids, table, np.int32(hidden), np.int32(vocab)))
     return out

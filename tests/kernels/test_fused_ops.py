@@ -91,13 +91,21 @@ def test_silu_and_mul(rng, dt, num_tokens, intermediate):
 
 
 @pytest.mark.parametrize("dt", DTYPES)
-@pytest.mark.parametrize("num_tokens,vocab,hidden", [(1, 17, 64), (111, 389, 17)])
+# hidden 64, 2056: 16-byte units for every dtype (2056: a partial last pass of the CTA); 17:
+# element-wise; 36: units for f32 only.
+@pytest.mark.parametrize("num_tokens,vocab,hidden", [(1, 17, 64), (111, 389, 17), (5, 33, 2056),
+                                                     (3, 9, 36)])
 def test_embedding_is_an_exact_gather(rng, dt, num_tokens, vocab, hidden):
     table, table_ref = as_kernel_dtype(1e3 * rng.standard_normal((vocab, hidden)), dt)
     ids = rng.integers(0, vocab, num_tokens).astype(np.int32)
     ids[0] = vocab - 1
     out = embedding(kernel_module("embedding.cu"), to_device(ids), to_device(table))
     np.testing.assert_array_equal(result_f32(out, dt), numpy_ops.embedding(ids, table_ref))
+    # The same table 1 element past a 16-byte boundary: the element-wise kernel, same rows.
+    flat = to_device(np.concatenate([table.reshape(-1)[:1], table.reshape(-1)]))
+    shifted = embedding(kernel_module("embedding.cu"), to_device(ids),
+                        flat[1:].reshape(table.shape))
+    np.testing.assert_array_equal(result_f32(shifted, dt), result_f32(out, dt))
 
 
 def test_negative_cases(rng):
