@@ -173,13 +173,14 @@ struct Config {
     int min_tiles_per_thread;
     long min_macs;  // per threaded call
     int gguf_path;      // cpu_gemm's GGUF path code (0 portable, 1 avx512vnni, 2 amx, 3 amx-emulated)
-    int gguf_residual;  // activations "q8x2": the second int8 pass over the residual
+    int gguf_activations;  // cpu_gemm's GGUF activation mode code (GGUF_ACT_*; auto per call)
 };
 
 // gemm_gguf's workspace for up to R kernel rows (2 M with the residual pass) of width <= Kmax
 // and outputs <= Nmax: xq [R, Kmax] int8, xd / xs / xcorr [R, Kmax / 32], y2 [R, Nmax] (the two
-// passes' rows before they are summed).
+// passes' rows before they are summed); xb [R, Kmax] bf16 (activations "bf16").
 struct GgufWork {
+    uint16_t* xb;
     int8_t* xq;
     float* xd;
     float* xs;
@@ -261,34 +262,48 @@ static inline void gemm_rows(int gemm_path, int threads, int min_tiles_per_threa
 }
 
 // y [M, w.n] = x [M, w.k] @ W.T (+ bias) for GGUF blocks: cpu_gemm.gemm_gguf's native path
-// step for step (the same quantization, kernel rows, split point and sums, so the same bits):
-// x quantized into `work`, the kernel's rows (2 M with the residual pass, summed after, then
-// the bias) split over the two threads at the same tile.
-static inline void gemm_rows_gguf(int gguf_path, int residual, int threads,
+// step for step (the same activation mode for M rows, quantization, kernel rows, split point
+// and sums, so the same bits): x quantized into `work`, the kernel's rows (2 M with the
+// residual pass, summed after, then the bias) split over the two threads at the same tile; or
+// ("bf16") x rounded to bf16 into work.xb and the unpacking kernel, bias in its epilogue.
+static inline void gemm_rows_gguf(int gguf_path, int activations, int threads,
                                   int min_tiles_per_thread, long min_macs, const GgufWork& work,
                                   const Weight& w, const float* x, long ldx, long ldk, int M,
                                   float* y) {
     using namespace pagedrun_gemm;
-    const int rows = residual ? 2 * M : M;
-    gguf_quantize_rows(gguf_path, x, ldx, ldk, M, w.k, w.gguf_offset, residual, work.xq,
-                       work.xd, work.xs, work.xcorr);
+    const int mode = gguf_activations_for_rows(gguf_path, activations, M);
     GgufJob g;
+    memset(&g, 0, sizeof(g));
     g.type = w.gguf_type;
     g.path = gguf_path;
     g.wq = w.wg;
     g.nb = w.nb;
+    g.M = M;
+    TileJob job;
+    memset(&job, 0, sizeof(job));
+    job.gguf = &g;
+    job.N = w.n;
+    job.ldy = w.n;
+    if (mode == GGUF_ACT_BF16) {
+        convert_rows(x, ldx, ldk, M, w.k, work.xb, w.k);
+        g.xb = work.xb;
+        job.bias = w.bias;
+        job.y = y;
+        run_tiles(job, w.num_tiles, threads, min_tiles_per_thread, (long)M * w.n * w.k,
+                  min_macs);
+        return;
+    }
+    const int residual = mode == GGUF_ACT_Q8X2;
+    const int rows = residual ? 2 * M : M;
+    gguf_quantize_rows(gguf_path, x, ldx, ldk, M, w.k, w.gguf_offset, residual, work.xq,
+                       work.xd, work.xs, work.xcorr);
     g.M = rows;
     g.xq = work.xq;
     g.xd = work.xd;
     g.xs = work.xs;
     g.xcorr = work.xcorr;
-    TileJob job;
-    memset(&job, 0, sizeof(job));
-    job.gguf = &g;
-    job.N = w.n;
     job.bias = residual ? nullptr : w.bias;
     job.y = residual ? work.y2 : y;
-    job.ldy = w.n;
     run_tiles(job, w.num_tiles, threads, min_tiles_per_thread, (long)rows * w.n * w.k, min_macs);
     if (!residual) return;
     // cpu_gemm._gguf_finish: (first pass + residual pass), then + bias, in float32.
@@ -303,7 +318,7 @@ static inline void gemm_rows_gguf(int gguf_path, int residual, int threads,
 static inline void linear(const Config& c, const Buffers& b, const Weight& w, const float* x,
                           long ldx, int M, float* y) {
     if (w.kind == WEIGHT_GGUF) {
-        gemm_rows_gguf(c.gguf_path, c.gguf_residual, c.threads, c.min_tiles_per_thread,
+        gemm_rows_gguf(c.gguf_path, c.gguf_activations, c.threads, c.min_tiles_per_thread,
                        c.min_macs, b.gguf, w, x, ldx, 1, M, y);
         return;
     }

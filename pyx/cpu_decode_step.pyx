@@ -17,7 +17,8 @@ work buffers allocated once per model, grown to the largest batch seen.
 
 Only dense SwiGLU layers (no MoE, QK-norm, sliding window, post-sublayer norms) with weights
 packed as cpu_gemm.PackedWeight, PackedInt8Weight or PackedGgufWeight (the GGUF GEMM's
-quantization, kernel rows and split as cpu_gemm.gemm_gguf's, with its `activations` mode):
+quantization, kernel rows and split as cpu_gemm.gemm_gguf's, with its `activations` mode, "auto"
+resolved per GEMM by the same C++ function, gguf_activations_for_rows):
 the backend checks that before it builds
 a loop, the model asks for one only where it applies and falls back to the Python path per step
 (prefill rows, LoRA, a pipeline stage's input).
@@ -63,8 +64,9 @@ cdef extern from "cpu_decode_step.h" namespace "pagedrun_decode" nogil:
         int min_tiles_per_thread
         long min_macs
         int gguf_path
-        int gguf_residual
+        int gguf_activations
     cdef struct GgufWork:
+        uint16_t* xb
         int8_t* xq
         float* xd
         float* xs
@@ -96,7 +98,7 @@ cdef extern from "cpu_decode_step.h" namespace "pagedrun_decode" nogil:
     void gemm_rows(int gemm_path, int threads, int min_tiles_per_thread, long min_macs,
                    uint16_t* xb, const Weight& w, const float* x, long ldx, long ldk, int M,
                    float* y)
-    void gemm_rows_gguf(int gguf_path, int residual, int threads, int min_tiles_per_thread,
+    void gemm_rows_gguf(int gguf_path, int activations, int threads, int min_tiles_per_thread,
                         long min_macs, const GgufWork& work, const Weight& w, const float* x,
                         long ldx, long ldk, int M, float* y)
 
@@ -187,26 +189,39 @@ cdef Weight _weight(w, bias, int k, list refs) except *:
 
 
 def _gguf_options(gguf_path, activations):
-    """(path code, residual) of cpu_gemm.gemm_gguf's `path` and `activations` arguments."""
-    if activations not in cpu_gemm.GGUF_ACTIVATIONS:
-        raise ValueError(f"activations must be one of {cpu_gemm.GGUF_ACTIVATIONS}, got "
+    """(path code, activation mode code) of cpu_gemm.gemm_gguf's `path` and `activations`
+    arguments ("auto" is resolved per call by rows, as gemm_gguf does: the same C++ function)."""
+    if activations not in cpu_gemm.GGUF_ACTIVATION_MODES:
+        raise ValueError(f"activations must be one of {cpu_gemm.GGUF_ACTIVATION_MODES}, got "
                          f"{activations!r}")
-    return cpu_gemm._resolve_gguf_path(gguf_path), int(activations == "q8x2")
+    code = cpu_gemm._resolve_gguf_path(gguf_path)
+    if activations == cpu_gemm.GGUF_BF16 and code != 0 and not cpu_gemm.has_gguf_bf16():
+        raise RuntimeError("activations 'bf16' needs AVX512-BF16, VBMI and VNNI on this path; "
+                           "gguf_path='portable' runs it on any CPU")
+    return code, cpu_gemm._GGUF_ACT_CODE[activations]
 
 
 cdef dict _gguf_work(GgufWork* work, int rows, int k, int n):
     """Arrays of a GgufWork for `rows` kernel rows of width <= k and <= n outputs, pointed to
     by `work`; the caller keeps the returned dict alive while `work` is used."""
-    arrays = {"xq": np.empty(rows * k, np.int8), "xd": np.empty(rows * (k // 32), _F32),
+    arrays = {"xb": np.empty(rows * k, np.uint16), "xq": np.empty(rows * k, np.int8),
+              "xd": np.empty(rows * (k // 32), _F32),
               "xs": np.empty(rows * (k // 32), _F32),
               "xcorr": np.empty(rows * (k // 32), _I32), "y2": np.empty(rows * n, _F32)}
+    cdef uint16_t[::1] xb = arrays["xb"]
     cdef int8_t[::1] q = arrays["xq"]
     cdef float[::1] d = arrays["xd"]
     cdef float[::1] xs = arrays["xs"]
     cdef int32_t[::1] corr = arrays["xcorr"]
     cdef float[::1] y2 = arrays["y2"]
-    work.xq, work.xd, work.xs, work.xcorr, work.y2 = &q[0], &d[0], &xs[0], &corr[0], &y2[0]
+    work.xb, work.xq, work.xd = &xb[0], &q[0], &d[0]
+    work.xs, work.xcorr, work.y2 = &xs[0], &corr[0], &y2[0]
     return arrays
+
+
+def _gguf_work_rows(int act_code, int m):
+    """Kernel rows a GgufWork needs for m rows of x: 2 m unless the mode is q8 (one pass)."""
+    return m if act_code == cpu_gemm._GGUF_ACT_CODE["q8"] else 2 * m
 
 
 def gemm(x, packed, bias=None, *, path="auto", int threads=2, gguf_path="auto",
@@ -234,18 +249,18 @@ def gemm(x, packed, bias=None, *, path="auto", int threads=2, gguf_path="auto",
     if m == 0:
         return y
     cdef GgufWork work
-    cdef int gguf_code, residual
+    cdef int gguf_code, act_code
     cdef const float[:, :] xg
     cdef float[:, ::1] yg
     cdef long gx0, gx1
     if w.kind == WEIGHT_GGUF:
-        gguf_code, residual = _gguf_options(gguf_path, activations)
-        refs.append(_gguf_work(&work, (2 if residual else 1) * m, w.k, w.n))
+        gguf_code, act_code = _gguf_options(gguf_path, activations)
+        refs.append(_gguf_work(&work, _gguf_work_rows(act_code, m), w.k, w.n))
         xg = x
         yg = y
         gx0, gx1 = xg.strides[0] // 4, xg.strides[1] // 4
         with nogil:
-            gemm_rows_gguf(gguf_code, residual, threads, _MIN_TILES_PER_THREAD, _MIN_MACS,
+            gemm_rows_gguf(gguf_code, act_code, threads, _MIN_TILES_PER_THREAD, _MIN_MACS,
                            work, w, &xg[0, 0], gx0, gx1, m, &yg[0, 0])
         return y
     # The AMX kernel (from AMX_MIN_ROWS rows) reads x in blocks of AMX_ROWS rows.
@@ -326,7 +341,7 @@ cdef class DecodeLoop:
         c.threads = threads if self.threads_from is None else threads.gemm_threads
         c.min_tiles_per_thread = _MIN_TILES_PER_THREAD
         c.min_macs = _MIN_MACS
-        c.gguf_path, c.gguf_residual = _gguf_options(gguf_path, activations)
+        c.gguf_path, c.gguf_activations = _gguf_options(gguf_path, activations)
         c.kv_kind = -1
         self.gguf_k = self.gguf_n = 0
         self.refs = []
@@ -382,7 +397,8 @@ cdef class DecodeLoop:
         gguf = None
         self.buf.gguf.xq = NULL
         if self.gguf_k:
-            gguf = _gguf_work(&self.buf.gguf, (2 if c.gguf_residual else 1) * rows, self.gguf_k,
+            gguf = _gguf_work(&self.buf.gguf, _gguf_work_rows(c.gguf_activations, rows),
+                              self.gguf_k,
                               self.gguf_n)
         self.buf.xb = &xv[0]
         fv = floats["h"]

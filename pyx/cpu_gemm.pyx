@@ -23,7 +23,9 @@ super-blocks):
 x is quantized per row per 32-wide block to int8 (llama.cpp's q8 activations; or, with
 activations="q8x2", two int8 passes: the second over the first one's residual) once per
 call, and the integer dot products run on AMX-INT8 tiles (GGUF path "amx", from 8 kernel
-rows) or vpdpbusd (GGUF paths "avx512vnni", "portable"); the
+rows) or vpdpbusd (GGUF paths "avx512vnni", "portable"); or, activations="bf16", x is rounded
+to bf16 and each weight tile unpacked to bf16 for vdpbf16ps (pyx/cpu_gguf_bf16_kernels.h;
+activations="auto" takes it from BF16_MIN_ROWS rows on CPUs without AMX-INT8); the
 math and the packed layout are in pyx/cpu_quant_kernels.h. Q4_K / Q6_K super-blocks run through the
 same per-32 kernels with float32 scales that are exact products of their fp16 super-scales and
 small int scales (K a multiple of 256); dequantize() is bit-exact against gguf's.
@@ -54,7 +56,12 @@ cdef extern from "cpu_gemm_kernels.h" namespace "pagedrun_gemm" nogil:
         const float* xd
         const float* xs
         const int32_t* xcorr
+        const uint16_t* xb
     int cpu_has_avx512vnni()
+    int gguf_bf16_available()
+    int gguf_activations_for_rows(int path, int activations, int M)
+    const int GGUF_BF16_MIN_ROWS
+    const int GGUF_ACT_Q8, GGUF_ACT_Q8X2, GGUF_ACT_BF16, GGUF_ACT_AUTO
     int gguf_amx_int8_available()
     int gguf_block_bytes_of(int type)
     int gguf_offset(int type)
@@ -436,6 +443,17 @@ GGUF_SUPER_BLOCK = 256  # weights per K-quant super-block (Q4_K, Q6_K): k must b
 # its real activations: "q8" 0.6-0.9% relative error per GEMM (the greedy answer to "What is
 # the capital of France?" changes), the float product of the same weights answers "Paris".
 GGUF_ACTIVATIONS = ("q8", "q8x2")
+# Beyond the int8 modes: "bf16" (x rounded to bf16, each weight tile unpacked to bf16 into a
+# cache-resident panel, the bf16 GEMM's vdpbf16ps micro-kernel: pyx/cpu_gguf_bf16_kernels.h),
+# and "auto": "bf16" from GGUF_BF16_MIN_ROWS rows of x on the avx512vnni path of a CPU that
+# runs it (has_gguf_bf16), "q8x2" otherwise (fewer rows: memory-bound, the int8 kernel wins;
+# an AMX-INT8 path: TDPBSUD). gguf_activations_for(m) names the choice.
+GGUF_BF16 = "bf16"
+GGUF_ACTIVATION_MODES = GGUF_ACTIVATIONS + (GGUF_BF16, "auto")
+_GGUF_ACT_CODE = {"q8": GGUF_ACT_Q8, "q8x2": GGUF_ACT_Q8X2, GGUF_BF16: GGUF_ACT_BF16,
+                  "auto": GGUF_ACT_AUTO}
+_GGUF_ACT_NAME = {code: name for name, code in _GGUF_ACT_CODE.items()}
+BF16_MIN_ROWS = GGUF_BF16_MIN_ROWS  # "auto"'s threshold (rows of x), measured: see the header
 # Q5_0 runs as Q8_0 (its q - 16 as int8 bytes, the same d): the Q8_0 kernel.
 _GGUF_TYPE_CODE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q6_K": 4, "I4Z": 5,
                    "Q5_0": 2, "Q5_K": 6}
@@ -455,6 +473,22 @@ cdef int _HAS_AMX_INT8 = gguf_amx_int8_available()  # CPUID and the kernel's per
 def has_avx512vnni():
     """True when this CPU runs the GGUF GEMM's vpdpbusd path (AVX512F+BW+VL+VNNI)."""
     return bool(_HAS_VNNI)
+
+
+def has_gguf_bf16():
+    """True when this CPU runs the GGUF GEMM's bf16-activation kernel on vectors (AVX512-BF16,
+    VBMI and VNNI); without them activations "bf16" runs only on the portable path."""
+    return bool(gguf_bf16_available())
+
+
+def gguf_activations_for(int m, path="auto", activations="auto"):
+    """The activation mode gemm_gguf(x [m, K], path=path, activations=activations) runs (one of
+    GGUF_ACTIVATIONS or "bf16"): `activations` itself unless it is "auto"."""
+    if activations not in GGUF_ACTIVATION_MODES:
+        raise ValueError(f"activations must be one of {GGUF_ACTIVATION_MODES}, got "
+                         f"{activations!r}")
+    return _GGUF_ACT_NAME[gguf_activations_for_rows(_resolve_gguf_path(path),
+                                                    _GGUF_ACT_CODE[activations], m)]
 
 
 def has_amx_int8():
@@ -834,6 +868,7 @@ def _gguf_native(const float[:, :] x, packed, bias, float[:, ::1] y, int path, i
     cdef int rows = 2 * m if residual else m
     cdef int num_tiles = packed.num_tiles, offset = packed.offset
     cdef GgufJob g
+    memset(&g, 0, sizeof(GgufJob))
     g.type = packed.type_code
     g.path = path
     g.wq = &wq[0]
@@ -864,6 +899,7 @@ def _gguf_run(const int8_t[:, ::1] xq, const float[:, ::1] xd, const float[:, ::
     cdef const uint8_t[::1] wq = packed.flat
     cdef const float* b = _bias_ptr(bias)
     cdef GgufJob g
+    memset(&g, 0, sizeof(GgufJob))
     g.type = packed.type_code
     g.path = path
     g.wq = &wq[0]
@@ -876,6 +912,26 @@ def _gguf_run(const int8_t[:, ::1] xq, const float[:, ::1] xd, const float[:, ::
     cdef int n = packed.n
     with nogil:
         _gguf_tiles(&g, n, b, &y[0, 0], y.shape[1], tile_begin, tile_end, -1)
+
+
+def _gguf_bf16_run(const uint16_t[:, ::1] xb, packed, bias, float[:, ::1] y, int path,
+                   int tile_begin, int tile_end, int split=-1):
+    """activations "bf16": tiles [tile_begin, tile_end) of y from x rounded to bf16 (xb [M, K],
+    _convert's), on this thread (+ the native helper from tile `split` when >= 0), without the
+    GIL."""
+    cdef const uint8_t[::1] wq = packed.flat
+    cdef const float* b = _bias_ptr(bias)
+    cdef GgufJob g
+    memset(&g, 0, sizeof(GgufJob))
+    g.type = packed.type_code
+    g.path = path
+    g.wq = &wq[0]
+    g.nb = packed.nb
+    g.M = xb.shape[0]
+    g.xb = &xb[0, 0]
+    cdef int n = packed.n
+    with nogil:
+        _gguf_tiles(&g, n, b, &y[0, 0], y.shape[1], tile_begin, tile_end, split)
 
 
 def _gguf_quantize(const float[:, :] x, int path, int offset, int residual, xq, xd, xs, xcorr):
@@ -896,21 +952,30 @@ def gemm_gguf(x, packed, bias=None, *, path="auto", threads=2, pool="native",
 
     x: [M, K] float32 (any strides; other float dtypes are converted); bias: [N] float32 or
     None. Returns a new [M, N] float32 array. path: "auto" or one of GGUF_PATHS; threads and
-    pool as gemm_bf16; activations: one of GGUF_ACTIVATIONS ("q8x2": y = the kernel's rows of
-    the first pass + those of the residual pass, + bias).
+    pool as gemm_bf16; activations: one of GGUF_ACTIVATION_MODES ("q8x2": y = the kernel's
+    rows of the first pass + those of the residual pass, + bias; "bf16": y = bf16(x) @
+    bf16(W).T + bias in float32, W the packed weight's dequantize(); "auto": one of those two
+    by rows, gguf_activations_for).
     """
     if not isinstance(packed, PackedGgufWeight):
         raise TypeError(f"gemm_gguf takes a PackedGgufWeight, got {type(packed).__name__}")
     if pool not in POOLS:
         raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
     cdef int code = _resolve_gguf_path(path)
-    if activations not in GGUF_ACTIVATIONS:
-        raise ValueError(f"activations must be one of {GGUF_ACTIVATIONS}, got {activations!r}")
-    cdef int residual = activations == "q8x2"
+    if activations not in GGUF_ACTIVATION_MODES:
+        raise ValueError(f"activations must be one of {GGUF_ACTIVATION_MODES}, got "
+                         f"{activations!r}")
     x, bias = _gemm_operands(x, packed, bias)
     m = x.shape[0]
     if m == 0:
         return np.empty((0, packed.n), dtype=np.float32)
+    cdef int mode = gguf_activations_for_rows(code, _GGUF_ACT_CODE[activations], m)
+    if mode == GGUF_ACT_BF16:
+        if code != 0 and not gguf_bf16_available():
+            raise RuntimeError("activations 'bf16' needs AVX512-BF16, VBMI and VNNI on this "
+                               "path; path='portable' runs it on any CPU")
+        return _gemm_gguf_bf16(x, packed, bias, code, threads, pool)
+    cdef int residual = mode == GGUF_ACT_Q8X2
     rows = 2 * m if residual else m
     y = np.empty((rows, packed.n), dtype=np.float32)
     kernel_bias = None if residual else bias
@@ -935,6 +1000,29 @@ def gemm_gguf(x, packed, bias=None, *, path="auto", threads=2, pool="native",
     _gguf_run(xq, xd, xs, xcorr, packed, kernel_bias, y, code, 0, split)
     job.result()
     return _gguf_finish(y, m, bias, residual)
+
+
+def _gemm_gguf_bf16(x, packed, bias, int code, threads, pool):
+    """gemm_gguf's "bf16" mode: x rounded to bf16 once, the tiles split as the int8 modes'."""
+    m = x.shape[0]
+    xb = _convert(x, packed.k)
+    y = np.empty((m, packed.n), dtype=np.float32)
+    num_tiles = packed.num_tiles
+    if (threads < 2 or num_tiles < 2 * MIN_TILES_PER_THREAD
+            or m * packed.n * packed.k < MIN_MACS_PER_THREADED_CALL[pool]):
+        _gguf_bf16_run(xb, packed, bias, y, code, 0, num_tiles)
+        return y
+    split = (num_tiles // 2 + 1) & ~1  # even: both halves on the two-tile micro-kernel
+    if pool == "native":
+        _gguf_bf16_run(xb, packed, bias, y, code, 0, num_tiles, split)
+        return y
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedrun-gemm")
+    job = _pool.submit(_gguf_bf16_run, xb, packed, bias, y, code, split, num_tiles)
+    _gguf_bf16_run(xb, packed, bias, y, code, 0, split)
+    job.result()
+    return y
 
 
 def _gguf_finish(y, m, bias, residual):

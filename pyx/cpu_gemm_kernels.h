@@ -875,6 +875,13 @@ static inline void gemm_int8_tiles(int path, const uint16_t* xb, int M, int kp,
                            ldy);
 }
 
+}  // namespace pagedrun_gemm
+
+// The GGUF GEMM on weights unpacked to bf16: this file's AVX512-BF16 micro-kernel on a panel.
+#include "cpu_gguf_bf16_kernels.h"
+
+namespace pagedrun_gemm {
+
 // ------------------------------------------------------------------------- native helper thread
 // The second GEMM thread without Python: a helper that runs one half of the tiles while the
 // caller runs the other. A decode step calls the GEMM every 20-200 us, and a condition
@@ -903,7 +910,9 @@ struct TileJob {
 };
 
 static inline void run_job(const TileJob& j) {
-    if (j.gguf != nullptr)
+    if (j.gguf != nullptr && j.gguf->xb != nullptr)
+        gguf_tiles_bf16(*j.gguf, j.gguf->xb, j.N, j.tile_begin, j.tile_end, j.bias, j.y, j.ldy);
+    else if (j.gguf != nullptr)
         gguf_tiles(*j.gguf, j.N, j.tile_begin, j.tile_end, j.bias, j.y, j.ldy);
     else if (j.wq != nullptr)
         gemm_int8_tiles(j.path, j.xb, j.M, j.kp, j.wq, j.scales, j.group_pairs, j.N,

@@ -94,6 +94,8 @@
 // Zen 4 (AMD EPYC, no AMX; 2 threads on a busy shared box, medians of 3 runs, 2026-12-02): q8
 // 1.1-2.3x faster than the avx512bf16 GEMM at M 1-64 on every shape (Q6_K 3072x1536 M 64:
 // 0.98x); q8x2 0.4-0.95x of it from M 8. The AMX-INT8 path below is unmeasured (no AMX there).
+// Hence activations "bf16" (cpu_gguf_bf16_kernels.h: weight tiles unpacked to bf16 for the bf16
+// GEMM's micro-kernel), which "auto" takes from GGUF_BF16_MIN_ROWS (32) rows on such CPUs.
 #pragma once
 
 #include <math.h>
@@ -154,6 +156,9 @@ struct GgufJob {
     const float* xd;
     const float* xs;
     const int32_t* xcorr;
+    // activations "bf16" (cpu_gguf_bf16_kernels.h): x rounded to bf16 [M][K], the int8 arrays
+    // above unused; nullptr for the int8 modes.
+    const uint16_t* xb;
 };
 
 // IEEE half -> float, exact (subnormals, inf, NaN): the portable path's vcvtph2ps.

@@ -9,7 +9,10 @@ Q4_K, Q6_K, Q5_0, Q5_K) into that kernel's layout at about the file's own bytes 
 against the file's 0.69), and `linear` runs cpu_gemm.gemm_gguf on them: activations
 quantized per row per 32-weight block to int8 twice (the value, then the residual; see
 __init__), integer dot products (AMX-INT8 from 8 kernel rows where the CPU has it, else
-AVX512-VNNI), float32 scales and output. A matrix in another
+AVX512-VNNI), float32 scales and output; or, on a CPU without AMX-INT8 from
+cpu_gemm.BF16_MIN_ROWS rows (batched decode, prefill), bf16 activations against each weight
+tile unpacked to bf16 in cache (the bf16 GEMM's vdpbf16ps kernel: faster there than two int8
+passes, with the weights still quantized in memory). A matrix in another
 block type (Q5_1, Q2_K, Q3_K until they get a kernel), or a fused matrix whose parts differ in
 type, is dequantized at load and packed as bf16 (the bf16 backend's GEMM), logged once per type.
 
@@ -42,19 +45,22 @@ class CpuGgufBackend(CpuBf16Backend):
     # (cpu_decode_step.gemm: gemm_gguf's bits), so the compiled decode step applies here too.
     loop_aware_linear = True
 
-    def __init__(self, *, activations: str = "q8x2", quantization: str = "gguf",
+    def __init__(self, *, activations: str = "auto", quantization: str = "gguf",
                  **kwargs) -> None:
-        """activations: how gemm_gguf quantizes a GEMM's input (cpu_gemm.GGUF_ACTIVATIONS).
-        "q8x2" (the default): int8 per 32 weights plus a second int8 pass over the residual,
-        error <= dx / 256 -- llama.cpp's single pass "q8" (error <= dx / 2) measured 0.6-0.9%
-        relative error per GEMM on the default model and changed its greedy answer to the demo
-        question; q8x2 keeps it (benchmarks/bench_quant_accuracy.py has both) at about the
-        same decode speed, memory-bound at batch 1. quantization: the EngineConfig name it
-        serves ("gguf", "awq", "gptq"). kwargs: CpuBf16Backend's."""
+        """activations: how gemm_gguf takes a GEMM's input (cpu_gemm.GGUF_ACTIVATION_MODES).
+        "q8x2": int8 per 32 weights plus a second int8 pass over the residual, error <= dx /
+        256 -- llama.cpp's single pass "q8" (error <= dx / 2) measured 0.6-0.9% relative error
+        per GEMM on the default model and changed its greedy answer to the demo question; q8x2
+        keeps it (benchmarks/bench_quant_accuracy.py has both) at about the same decode speed,
+        memory-bound at batch 1. "bf16": x rounded to bf16, the weights unpacked to bf16 tile
+        by tile. "auto" (the default): q8x2, or bf16 from cpu_gemm.BF16_MIN_ROWS rows on a CPU
+        without AMX-INT8 (cpu_gemm.gguf_activations_for; the compiled decode loop asks the same
+        function). quantization: the EngineConfig name it serves ("gguf", "awq", "gptq").
+        kwargs: CpuBf16Backend's."""
         super().__init__(**kwargs)
         self.quantization = quantization
-        if activations not in cpu_gemm.GGUF_ACTIVATIONS:
-            raise ValueError(f"activations must be one of {cpu_gemm.GGUF_ACTIVATIONS}, "
+        if activations not in cpu_gemm.GGUF_ACTIVATION_MODES:
+            raise ValueError(f"activations must be one of {cpu_gemm.GGUF_ACTIVATION_MODES}, "
                              f"got {activations!r}")
         self.activations = activations
         # The quantized kernel's path follows a forced portable GEMM path (tests).

@@ -477,3 +477,121 @@ def test_amx_kernel_matches_portable(rng, ggml_type, m, n, k):
                 np.testing.assert_array_equal(y, want, err_msg=f"{path} {threads}")
             y = cpu_decode_step.gemm(x, packed, bias, gguf_path=path, activations=activations)
             np.testing.assert_array_equal(y, want, err_msg=f"{path} decode loop")
+
+
+# ---------------------------------------------------------------- activations "bf16"
+# x rounded to bf16, each weight tile unpacked to bf16 (pyx/cpu_gguf_bf16_kernels.h), the bf16
+# GEMM's micro-kernel. Reference: the packed weight's own float32 dequantization (bit-exact
+# against gguf's: the tests above) rounded to bf16, times bf16(x), in float64. The kernel's
+# products of two bf16 values are exact in float32; its K accumulating adds and the bias add
+# each round once, so |err| <= gamma_(K + 2) * (|bf16 x| @ |bf16 W|.T + |bias|) (Higham's
+# bound for a float32 sum of K + 1 exact terms, plus the output's own rounding).
+BF16_PATHS = [p for p in PATHS if p == "portable" or cpu_gemm.has_gguf_bf16()]
+# (N, K, M): a partial last tile (17, 111, 49), one output, an odd tile count (49: the kernel
+# pairs tiles), K of 1 .. 48 blocks, M from 1 to past a pass of rows (83 at K 1536: the pass is
+# 80 rows), and M not a multiple of the 8-row micro-kernel.
+BF16_SHAPES = [(1, 32, 1), (17, 96, 3), (49, 576, 9), (111, 1536, 83), (17, 32, 64),
+               (33, 1536, 17)]
+BF16_K_SHAPES = [(1, 256, 1), (17, 512, 3), (49, 1536, 17), (111, 256, 83), (33, 1536, 64)]
+BF16_CASES = ([(t, *s) for t in TYPES for s in (BF16_K_SHAPES if t in K_TYPES else BF16_SHAPES)]
+              + [(cpu_gemm.INT4_TYPE, *s) for s in BF16_SHAPES if s[1] % 64 == 0])
+
+
+def bf16_round(a: np.ndarray) -> np.ndarray:
+    """float32 -> the nearest bf16 (ties to even) as float32; finite inputs only. Numpy's own,
+    independent of the kernel's f32_to_bf16."""
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def bf16_weight(rng, ggml_type, n, k):
+    """A PackedGgufWeight of a random [n, k] weight of any type here (I4Z: groups of 64)."""
+    if ggml_type == cpu_gemm.INT4_TYPE:
+        q = rng.integers(0, 16, (n, k), dtype=np.uint8)
+        s = rng.uniform(1e-3, 2e-2, (n, k // 64)).astype(np.float16)
+        z = rng.integers(0, 16, (n, k // 64), dtype=np.uint8)
+        return cpu_gemm.PackedGgufWeight.from_int4(q, s, z, 64)
+    return cpu_gemm.PackedGgufWeight(random_raw(rng, ggml_type, n, k), ggml_type, k)
+
+
+@pytest.mark.parametrize("ggml_type,n,k,m", BF16_CASES)
+def test_bf16_activations_match_bf16_reference(rng, ggml_type, n, k, m):
+    packed = bf16_weight(rng, ggml_type, n, k)
+    x = make_x(rng, m, k, ("contiguous", "transposed", "strided")[(n + m) % 3])
+    bias = rng.standard_normal(n).astype(np.float32) if m % 2 else None
+    xb = bf16_round(x).astype(np.float64)
+    wb = bf16_round(packed.dequantize()).astype(np.float64)
+    want = xb @ wb.T + (0 if bias is None else bias.astype(np.float64))
+    mag = np.abs(xb) @ np.abs(wb).T + (0 if bias is None else np.abs(bias.astype(np.float64)))
+    gamma = (k + 2) * FP32_UNIT_ROUNDOFF / (1 - (k + 2) * FP32_UNIT_ROUNDOFF)
+    results = {}
+    for path in BF16_PATHS:
+        for threads in (1, 2):
+            y = cpu_gemm.gemm_gguf(x, packed, bias, path=path, threads=threads,
+                                   activations="bf16")
+            assert y.shape == (m, n) and y.dtype == np.float32
+            err = np.abs(y.astype(np.float64) - want)
+            assert (err <= gamma * mag).all(), (path, threads, float((err - gamma * mag).max()))
+            results[path, threads] = y
+    for path in BF16_PATHS:  # one path: the same bits whatever the thread split
+        assert np.array_equal(results[path, 1], results[path, 2]), path
+
+
+@pytest.mark.parametrize("ggml_type", TYPES + (cpu_gemm.INT4_TYPE,))
+def test_bf16_unpack_is_the_rounded_dequantization_exactly(rng, ggml_type):
+    """x = the identity (M = K rows): row j of y is column j of the unpacked weight, one exact
+    product each, so y.T must equal bf16(dequantize()) bit for bit (a wrong scale, offset, k
+    order or rounding shows here however small), and with a bias float32(that + bias)."""
+    n, k = 49, 512
+    packed = bf16_weight(rng, ggml_type, n, k)
+    want = bf16_round(packed.dequantize())
+    bias = rng.standard_normal(n).astype(np.float32)
+    eye = np.eye(k, dtype=np.float32)
+    for path in BF16_PATHS:
+        y = cpu_gemm.gemm_gguf(eye, packed, path=path, activations="bf16")
+        np.testing.assert_array_equal(y.T, want, err_msg=path)
+        y = cpu_gemm.gemm_gguf(eye, packed, bias, path=path, threads=1, activations="bf16")
+        np.testing.assert_array_equal(y, want.T + bias, err_msg=path)
+
+
+def test_auto_activations_choose_by_rows():
+    """"auto": q8x2 below BF16_MIN_ROWS rows, bf16 from there on the avx512vnni path of a CPU
+    that runs the unpack kernel; q8x2 on the portable and AMX paths."""
+    t = cpu_gemm.BF16_MIN_ROWS
+    assert cpu_gemm.gguf_activations_for(t - 1) == "q8x2"
+    vector = cpu_gemm.available_gguf_paths()[0] == "avx512vnni" and cpu_gemm.has_gguf_bf16()
+    assert cpu_gemm.gguf_activations_for(t) == ("bf16" if vector else "q8x2")
+    assert cpu_gemm.gguf_activations_for(4 * t, path="portable") == "q8x2"
+    if cpu_gemm.has_avx512vnni():
+        assert cpu_gemm.gguf_activations_for(4 * t, path=cpu_gemm.GGUF_AMX_EMULATED) == "q8x2"
+    for mode in ("q8", "q8x2", "bf16"):
+        assert cpu_gemm.gguf_activations_for(1, activations=mode) == mode
+    with pytest.raises(ValueError, match="activations"):
+        cpu_gemm.gguf_activations_for(1, activations="int4")
+
+
+@pytest.mark.parametrize("ggml_type", ("Q4_1", "Q8_0", "Q6_K"))
+def test_auto_and_bf16_pools_and_decode_loop_agree(rng, ggml_type):
+    """"auto" equals the mode it names (gguf_activations_for) bit for bit at the threshold and
+    one row below, on both pools and in the compiled decode loop's gemm (which must choose
+    alike: the step's results equal the per-op path's)."""
+    from pagedrun.pyx import cpu_decode_step
+
+    n, k = 576, 512
+    packed = bf16_weight(rng, ggml_type, n, k)
+    bias = rng.standard_normal(n).astype(np.float32)
+    for m in (cpu_gemm.BF16_MIN_ROWS - 1, cpu_gemm.BF16_MIN_ROWS, 37):
+        x = rng.standard_normal((m, 2 * k)).astype(np.float32)[:, ::2]
+        for path in PATHS:
+            named = cpu_gemm.gguf_activations_for(m, path=path)
+            want = cpu_gemm.gemm_gguf(x, packed, bias, path=path, threads=1, activations=named)
+            for activations in ("auto", named):
+                for pool in cpu_gemm.POOLS:
+                    y = cpu_gemm.gemm_gguf(x, packed, bias, path=path, threads=2, pool=pool,
+                                           activations=activations)
+                    np.testing.assert_array_equal(y, want, err_msg=f"{m} {path} {pool}")
+                for threads in (1, 2):
+                    y = cpu_decode_step.gemm(x, packed, bias, threads=threads, gguf_path=path,
+                                             activations=activations)
+                    np.testing.assert_array_equal(y, want, err_msg=f"{m} {path} loop")
