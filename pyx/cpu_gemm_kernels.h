@@ -520,19 +520,11 @@ PAGEDRUN_AMX_TARGET static void gemm_tiles_amx(const uint16_t* xb, int M, int kp
 }
 #endif
 
-// AMX-TILE and AMX-BF16 in CPUID, and the kernel's permission for this process to use the tile
-// data state (Linux arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA; asked once): 1 if the
-// AMX path may run here.
+// AMX-BF16 usable (cpu_quant_kernels.h amx_usable: CPUID and the kernel's permission for the
+// tile data state) and AVX512-BF16: 1 if the AMX path may run here.
 static inline int amx_available() {
-#if PAGEDRUN_X86 && defined(__linux__)
-    static const int ok = [] {
-        unsigned eax, ebx, ecx, edx;
-        __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
-        const bool tile = (edx >> 24) & 1u, bf16 = (edx >> 22) & 1u;
-        if (!tile || !bf16 || !cpu_has_avx512bf16()) return 0;
-        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : 0;
-    }();
+#if PAGEDRUN_X86
+    static const int ok = amx_usable(CPUID7_EDX_AMX_BF16) && cpu_has_avx512bf16();
     return ok;
 #else
     return 0;

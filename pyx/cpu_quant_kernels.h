@@ -873,22 +873,38 @@ PAGEDRUN_AMXI8_TARGET static void gguf_tiles_amx_t(const GgufJob& g, int N, int 
     free(work);
 }
 
-// AMX-TILE and AMX-INT8 in CPUID, AVX512-VNNI (the epilogue and the small-M kernel), and the
-// kernel's permission for the tile data state (arch_prctl, asked once): 1 if the path may run.
-static inline int gguf_amx_int8_available() {
+// CPUID leaf 7 EDX: the AMX feature bits (AMX-BF16 22, AMX-TILE 24, AMX-INT8 25).
+constexpr int CPUID7_EDX_AMX_BF16 = 22, CPUID7_EDX_AMX_TILE = 24, CPUID7_EDX_AMX_INT8 = 25;
+
+static inline unsigned cpuid7_edx() {
+    unsigned eax, ebx, ecx, edx;
+    __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
+    return edx;
+}
+
+// AMX-TILE plus the AMX `feature_bit` in CPUID, and the kernel's permission for this process to
+// use the tile data state (Linux arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA; asked at
+// most once per process, whichever AMX path asks first).
+static inline bool amx_usable(int feature_bit) {
 #if defined(__linux__)
-    static const int ok = [] {
-        unsigned eax, ebx, ecx, edx;
-        __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
-        const bool tile = (edx >> 24) & 1u, int8 = (edx >> 25) & 1u;
-        if (!tile || !int8 || !cpu_has_avx512vnni()) return 0;
+    const unsigned edx = cpuid7_edx();
+    if (!((edx >> CPUID7_EDX_AMX_TILE) & 1u) || !((edx >> feature_bit) & 1u)) return false;
+    static const bool permitted = [] {
         constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : 0;
+        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     }();
-    return ok;
+    return permitted;
 #else
-    return 0;
+    (void)feature_bit;
+    return false;
 #endif
+}
+
+// AMX-INT8 usable (amx_usable) and AVX512-VNNI (the epilogue and the small-M kernel): 1 if the
+// path may run.
+static inline int gguf_amx_int8_available() {
+    static const int ok = amx_usable(CPUID7_EDX_AMX_INT8) && cpu_has_avx512vnni();
+    return ok;
 }
 #else
 static inline int cpu_has_avx512vnni() { return 0; }
