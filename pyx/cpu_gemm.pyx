@@ -857,23 +857,30 @@ cdef const float* _bias_ptr(bias) except? NULL:
     return &b[0]  # borrowed: the caller holds `bias`
 
 
-def _gguf_native(const float[:, :] x, packed, bias, float[:, ::1] y, int path, int split,
-                 int residual):
-    """The whole call on the calling thread (+ the native helper from tile `split` when >= 0):
-    activations quantized into one malloc'ed workspace, then the tiles, without the GIL.
-    residual: y has 2M rows, the second M those of the residual pass."""
+cdef GgufJob _gguf_job(packed, int path, int rows) except *:
+    """A GgufJob over packed's blocks for `rows` activation rows; activation pointers unset.
+    g.wq points into packed.flat: the caller keeps packed alive while the job runs."""
     cdef const uint8_t[::1] wq = packed.flat
-    cdef const float* b = _bias_ptr(bias)
-    cdef int m = x.shape[0], k = x.shape[1], nb = packed.nb, n = packed.n
-    cdef int rows = 2 * m if residual else m
-    cdef int num_tiles = packed.num_tiles, offset = packed.offset
     cdef GgufJob g
     memset(&g, 0, sizeof(GgufJob))
     g.type = packed.type_code
     g.path = path
     g.wq = &wq[0]
-    g.nb = nb
+    g.nb = packed.nb
     g.M = rows
+    return g
+
+
+def _gguf_native(const float[:, :] x, packed, bias, float[:, ::1] y, int path, int split,
+                 int residual):
+    """The whole call on the calling thread (+ the native helper from tile `split` when >= 0):
+    activations quantized into one malloc'ed workspace, then the tiles, without the GIL.
+    residual: y has 2M rows, the second M those of the residual pass."""
+    cdef const float* b = _bias_ptr(bias)
+    cdef int m = x.shape[0], k = x.shape[1], nb = packed.nb, n = packed.n
+    cdef int rows = 2 * m if residual else m
+    cdef int num_tiles = packed.num_tiles, offset = packed.offset
+    cdef GgufJob g = _gguf_job(packed, path, rows)
     cdef size_t per_block = (<size_t>rows) * nb
     # xd, xs, xcorr (4-byte aligned: malloc's alignment), then xq.
     cdef char* work = <char*>malloc(per_block * 12 + (<size_t>rows) * k)
@@ -896,15 +903,8 @@ def _gguf_run(const int8_t[:, ::1] xq, const float[:, ::1] xd, const float[:, ::
               int tile_begin, int tile_end):
     """Tiles [tile_begin, tile_end) of y from activations quantized by _gguf_quantize (the
     python pool's share), without the GIL."""
-    cdef const uint8_t[::1] wq = packed.flat
     cdef const float* b = _bias_ptr(bias)
-    cdef GgufJob g
-    memset(&g, 0, sizeof(GgufJob))
-    g.type = packed.type_code
-    g.path = path
-    g.wq = &wq[0]
-    g.nb = packed.nb
-    g.M = xq.shape[0]
+    cdef GgufJob g = _gguf_job(packed, path, xq.shape[0])
     g.xq = &xq[0, 0]
     g.xd = &xd[0, 0]
     g.xs = &xs[0, 0]
@@ -919,15 +919,8 @@ def _gguf_bf16_run(const uint16_t[:, ::1] xb, packed, bias, float[:, ::1] y, int
     """activations "bf16": tiles [tile_begin, tile_end) of y from x rounded to bf16 (xb [M, K],
     _convert's), on this thread (+ the native helper from tile `split` when >= 0), without the
     GIL."""
-    cdef const uint8_t[::1] wq = packed.flat
     cdef const float* b = _bias_ptr(bias)
-    cdef GgufJob g
-    memset(&g, 0, sizeof(GgufJob))
-    g.type = packed.type_code
-    g.path = path
-    g.wq = &wq[0]
-    g.nb = packed.nb
-    g.M = xb.shape[0]
+    cdef GgufJob g = _gguf_job(packed, path, xb.shape[0])
     g.xb = &xb[0, 0]
     cdef int n = packed.n
     with nogil:
