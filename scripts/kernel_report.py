@@ -109,6 +109,9 @@ def _dynamic_smem_rules():
     zero = "0: launched without shared_mem"
     return [
         (r"paged_attention_decode_merge_", lambda m: 0, zero + " (attention.py)"),
+        (r"paged_attention_decode_tc_(\w+)_d(\d+)_g(\d+)$",
+         lambda m: attention.decode_tc_smem_bytes(int(m[3]), int(m[2]), m[1]),
+         "attention.decode_tc_smem_bytes"),
         (r"paged_attention_decode_(\w+)_d(\d+)_g(\d+)$",
          lambda m: attention.decode_smem_bytes(int(m[3]), int(m[2]), m[1]),
          "attention.decode_smem_bytes"),
@@ -363,10 +366,12 @@ def occupancy(registers: int, threads: int, smem_bytes: int, a: dict = ASSUMPTIO
             "occupancy": round(ctas * warps * 32 / a["threads_per_sm"], 3)}
 
 
-# Kernels whose tensor-instruction loop streams every weight byte once from HBM (decode-sized M:
-# no reuse through shared memory or L2 to speak of), so HBM, not the tensor pipe, is their
-# roofline: the skinny GEMM's tensor-core kernels and the weight-only GEMMs' 16-row tiles.
-STREAMING_TENSOR = re.compile(r"gemm_skinny_tc_|gemm_w[48]a16_\w+_m16$")
+# Kernels whose tensor-instruction loop streams every weight (or K/V) byte once from HBM
+# (decode-sized M: no reuse through shared memory or L2 to speak of), so HBM, not the tensor
+# pipe, is their roofline: the skinny GEMM's tensor-core kernels, the weight-only GEMMs' 16-row
+# tiles and the tensor-core decode attention.
+STREAMING_TENSOR = re.compile(
+    r"gemm_skinny_tc_|gemm_w[48]a16_\w+_m16$|paged_attention_decode_tc_")
 
 
 def roofline(loop: dict, threads: int, ctas_per_sm: int, a: dict = ASSUMPTIONS,
@@ -475,8 +480,9 @@ def assumption_lines() -> list[str]:
         "Streaming loops: every loaded or stored byte moves to/from HBM once (a floor for tiled "
         "kernels that reuse loads through shared memory, e.g. gemm_f32_*). Compute loops "
         "(tensor instructions): HBM left out, estimate = % of the dense bf16 peak; except the "
-        "decode-sized tensor kernels that stream their weights once (gemm_skinny_tc_*, "
-        "gemm_w4a16/w8a16_*_m16): streaming loops, the tensor pipe one more limit.",
+        "decode-sized tensor kernels that stream their weights or K/V once (gemm_skinny_tc_*, "
+        "gemm_w4a16/w8a16_*_m16, paged_attention_decode_tc_*): streaming loops, the tensor "
+        "pipe one more limit.",
     ]
 
 

@@ -34,8 +34,9 @@ import sys
 import numpy as np
 
 from pagedrun.runtime.backends import numpy_ops
-from pagedrun.runtime.kernels.attention import (paged_decode_attention, paged_prefill_attention,
-                                                plan_decode_split)
+from pagedrun.runtime.kernels.attention import (decode_group_instantiation,
+                                                decode_uses_tensor_cores, paged_decode_attention,
+                                                paged_prefill_attention, plan_decode_split)
 from pagedrun.runtime.kernels.kernel_args import from_bf16_bits
 from pagedrun.runtime.kernels.loader import load_module
 
@@ -181,7 +182,8 @@ def main(argv=None) -> int:
           f"{'GB/s':>8} {'% copy':>7} {'model':>9}")
     for group, num_seqs, context_len, splits, micros, gbps in bench_decode(xp, args.device, timer,
                                                                            rng, modules):
-        model = model_estimate(f"paged_attention_decode_bf16_d{HEAD_DIM}_g{group}")
+        kind = "tc_" if decode_uses_tensor_cores("bf16", decode_group_instantiation(group)) else ""
+        model = model_estimate(f"paged_attention_decode_{kind}bf16_d{HEAD_DIM}_g{group}")
         print(f"{group:>5} {num_seqs:>6} {context_len:>8} {splits:>6} {micros:>10.1f} "
               f"{gbps:>8.1f} {100 * gbps / copy_gbps:>6.1f}% {model:>9}")
     ceiling = matmul_tflops(xp, timer) if args.device == "cuda" else float("nan")

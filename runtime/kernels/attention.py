@@ -147,6 +147,41 @@ def decode_smem_bytes(group: int, head_dim: int, dtype_name: str = "bf16") -> in
     return max(tiling.num_stages * tiling.stage_bytes, merge_scratch)
 
 
+# Tensor-core decode (paged_attention_decode_tc_*): 16-bit q with a kv-head group instantiated
+# at 4 or 8 scores on mma.m16n8k16 (the group's query heads as M rows) instead of fp32 FMAs;
+# f32 q and groups 1-2 keep the CUDA-core kernels. Rows of K/V a warp owns per tile: 16 at
+# head_dim 64, 8 above (the kernel's TcTiling WARP_TOKENS).
+DECODE_TC_GROUPS = (4, 8)
+DECODE_TC_ACTIVATIONS = ("f16", "bf16")
+
+
+def decode_uses_tensor_cores(dtype_name: str, group: int) -> bool:
+    """Whether paged_decode_attention launches the tensor-core kernel for this kernel dtype
+    part ("bf16", "f16_kv_fp8", ...) and group instantiation."""
+    return dtype_name.split("_kv_")[0] in DECODE_TC_ACTIVATIONS and group in DECODE_TC_GROUPS
+
+
+def decode_tc_tiling(dtype_name: str, head_dim: int) -> DecodeTiling:
+    """The tensor-core decode kernel's pipeline geometry (cuda/paged_attention_decode.cu
+    TcTiling): kDecodeWarps x (16 rows at d64, 8 above) per tile, ring sized as decode_tiling."""
+    act, _, cache = dtype_name.partition("_kv_")
+    require(act in DECODE_TC_ACTIVATIONS,
+            lambda: f"tensor-core decode has no {act} instantiation (16-bit q only)")
+    cache_bytes = 1 if cache == "fp8" else 2
+    tile_tokens = (16 if head_dim == 64 else 8) * DECODE_WARPS
+    stage_bytes = 2 * tile_tokens * head_dim * cache_bytes
+    num_stages = 1 + ceil_div(DECODE_IN_FLIGHT_BYTES, stage_bytes)
+    return DecodeTiling(tile_tokens, stage_bytes, max(2, min(DECODE_MAX_STAGES, num_stages)))
+
+
+def decode_tc_smem_bytes(group: int, head_dim: int, dtype_name: str = "bf16") -> int:
+    """Dynamic shared memory of a tensor-core decode CTA: its stage ring, or the same merge
+    scratch as decode_smem_bytes (the end of the kernel reuses the stages), the larger."""
+    tiling = decode_tc_tiling(dtype_name, head_dim)
+    merge_scratch = DECODE_WARPS * group * (head_dim + 2) * FLOAT32_BYTES
+    return max(tiling.num_stages * tiling.stage_bytes, merge_scratch)
+
+
 def prefill_smem_bytes(dtype_name: str, head_dim: int) -> int:
     """Dynamic shared memory of a prefill CTA: f32, one K and one V tile; f16/bf16, the Q tile
     plus one K/V stage (padded rows; below d256 the Q rows double as the second stage).
@@ -202,7 +237,8 @@ def paged_decode_attention(module, q, k_cache, v_cache, block_tables, context_le
     max_blocks] int32; context_lens: [num_seqs] int32, each in [1, max_blocks * block_size].
     max_context_len: the largest context_lens entry, if the caller knows it (saves a device
     sync on GPU). split: force a plan (tests, benchmarks); default plan_decode_split, over at
-    most sliding_window tokens per request (the splits walk the window only).
+    most sliding_window tokens per request (the splits walk the window only). f16 / bf16 q
+    with 3-8 query heads per kv head runs the tensor-core kernel (decode_uses_tensor_cores).
     """
     suffix, group_size, block_size_log2, head_dim = _check_attention(q, k_cache, v_cache,
                                                                      block_tables)
@@ -236,7 +272,12 @@ def paged_decode_attention(module, q, k_cache, v_cache, block_tables, context_le
             lambda: f"split {split} does not cover {max_visible} visible tokens")
 
     group = decode_group_instantiation(group_size)
-    kernel = module.get_function(f"paged_attention_decode_{suffix}_d{head_dim}_g{group}")
+    if decode_uses_tensor_cores(suffix, group):
+        kernel = module.get_function(f"paged_attention_decode_tc_{suffix}_d{head_dim}_g{group}")
+        smem = decode_tc_smem_bytes(group, head_dim, suffix)
+    else:
+        kernel = module.get_function(f"paged_attention_decode_{suffix}_d{head_dim}_g{group}")
+        smem = decode_smem_bytes(group, head_dim, suffix)
     if split.num_splits > 1:
         partial_out = xp.empty((num_seqs, num_heads, split.num_splits, head_dim), dtype=np.float32)
         partial_lse = xp.empty((num_seqs, num_heads, split.num_splits), dtype=np.float32)
@@ -244,7 +285,6 @@ def paged_decode_attention(module, q, k_cache, v_cache, block_tables, context_le
         # Unused by the kernel when num_splits == 1; an array, not None, because CuPy's
         # launcher takes arrays and numpy scalars only.
         partial_out = partial_lse = xp.empty((1,), dtype=np.float32)
-    smem = decode_smem_bytes(group, head_dim, suffix)
     opt_in_smem(kernel, smem)
     kernel((num_kv_heads, num_seqs, split.num_splits), (DECODE_THREADS,),
            (out, partial_out, partial_lse, q, k_cache, v_cache, block_tables, context_lens,

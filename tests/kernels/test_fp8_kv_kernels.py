@@ -16,9 +16,9 @@ from paged_kernel_inputs import (ATTENTION_TOL, BACKEND, DTYPES, ROTARY_TOL, Pag
                                  as_kernel_dtype, assert_close, kernel_module, result_f32,
                                  to_device, to_host)
 from pagedrun.runtime.backends import numpy_ops
-from pagedrun.runtime.kernels.attention import (DecodeSplitPlan, decode_tiling,
-                                                paged_decode_attention, paged_prefill_attention,
-                                                prefill_smem_bytes)
+from pagedrun.runtime.kernels.attention import (DecodeSplitPlan, decode_tc_tiling,
+                                                decode_tiling, paged_decode_attention,
+                                                paged_prefill_attention, prefill_smem_bytes)
 from pagedrun.runtime.kernels.cache_ops import rotary_embedding_and_cache_write
 from pagedrun.runtime.kernels.kernel_args import UnsupportedKernelShape
 
@@ -113,6 +113,30 @@ def test_decode_all_256_codes_exactly(dt):
         assert np.array_equal(np.isnan(got), np.isnan(want)), what
         finite = ~np.isnan(want)
         np.testing.assert_array_equal(got[finite], want[finite], err_msg=what)
+
+
+@pytest.mark.parametrize("dt", ("f16", "bf16"))
+@pytest.mark.parametrize("group", (4, 8))
+def test_decode_tc_all_256_codes_exactly(dt, group):
+    """The tensor-core decode (16-bit q, group 4 / 8) widens V codes in its own way (pairs for
+    the mma B fragments, HMUL2 by 2^8 / 2^120): the one-token context must still return
+    every code's exact value in every query head, subnormals and NaN positions included."""
+    codes = np.arange(256, dtype=np.uint8)
+    v_cache = np.full((2, BLOCK_SIZE, 1, 256), NAN_CODE, np.uint8)  # unused slots: NaN
+    v_cache[1, 0, 0] = codes
+    k_cache = np.full_like(v_cache, NAN_CODE)
+    k_cache[1, 0] = 0  # scores 0: one key, weight 1
+    q, _ = as_kernel_dtype(np.ones((1, group, 256), np.float32), dt)
+    out = paged_decode_attention(kernel_module("paged_attention_decode.cu"), to_device(q),
+                                 to_device(k_cache), to_device(v_cache),
+                                 to_device(np.array([[1, 0]], np.int32)),
+                                 to_device(np.array([1], np.int32)), 0.0625)
+    want = decode(codes)
+    got = result_f32(out, dt).reshape(group, 256)
+    for head in range(group):
+        assert np.array_equal(np.isnan(got[head]), np.isnan(want)), head
+        finite = ~np.isnan(want)
+        np.testing.assert_array_equal(got[head][finite], want[finite], err_msg=f"head {head}")
 
 
 # ------------------------------------------------------------------------ rotary + cache write
@@ -248,6 +272,22 @@ def test_decode_fp8_pipeline_edges(rng, dt, head_dim):
     run_decode_fp8(rng, dt, contexts, head_dim=head_dim, group=2, num_kv_heads=1)
     run_decode_fp8(rng, dt, (1, 25, 111, 300), head_dim=head_dim,
                    split=DecodeSplitPlan(13, 24))
+
+
+@pytest.mark.parametrize("dt", ("f16", "bf16"))
+@pytest.mark.parametrize("head_dim", (64, 128, 256))
+def test_decode_tc_fp8_pipeline_edges(rng, dt, head_dim):
+    # The tensor-core kernels' rings of raw e4m3 rows (64 / 32 / 32-token tiles): contexts
+    # around one tile and past the ring at group 8, then 13 splits of 24 tokens at group 4,
+    # each bit for bit against the same kernel over the widened 16-bit cache.
+    tiling = decode_tc_tiling(f"{dt}_kv_fp8", head_dim)
+    tile = tiling.tile_tokens
+    contexts = (1, 17, tile - 1, tile + 1, (tiling.num_stages + 1) * tile + 9)
+    run_decode_fp8(rng, dt, contexts, head_dim=head_dim, group=8, num_kv_heads=1)
+    run_decode_fp8(rng, dt, (1, 25, 111, 300), head_dim=head_dim, group=4,
+                   split=DecodeSplitPlan(13, 24))
+    run_decode_fp8(rng, dt, (1, 17, 111, 300), head_dim=head_dim, group=8, num_kv_heads=1,
+                   sliding_window=40, split=DecodeSplitPlan(2, 32))
 
 
 def run_prefill_fp8(rng, dt, requests, *, num_kv_heads=2, group=3, head_dim=64, block_size=16,

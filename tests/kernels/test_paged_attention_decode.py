@@ -9,11 +9,12 @@ from paged_kernel_inputs import (ATTENTION_TOL, DTYPES, PagedKV, as_kernel_dtype
                                  kernel_module, result_f32, to_device)
 from pagedrun.runtime.backends import numpy_ops
 from pagedrun.runtime.kernels.attention import (DECODE_GROUPS, DECODE_IN_FLIGHT_BYTES,
-                                                DECODE_MAX_STAGES, DECODE_WARPS,
-                                                SUPPORTED_HEAD_DIMS,
+                                                DECODE_MAX_STAGES, DECODE_TC_GROUPS,
+                                                DECODE_WARPS, SUPPORTED_HEAD_DIMS,
                                                 DecodeSplitPlan, decode_smem_bytes,
-                                                decode_tiling, paged_decode_attention,
-                                                plan_decode_split)
+                                                decode_tc_smem_bytes, decode_tc_tiling,
+                                                decode_tiling, decode_uses_tensor_cores,
+                                                paged_decode_attention, plan_decode_split)
 from pagedrun.runtime.kernels.kernel_args import DEFAULT_DYNAMIC_SMEM_LIMIT, UnsupportedKernelShape
 
 NUM_KV_HEADS = 2
@@ -188,3 +189,88 @@ def test_decode_smem_covers_stages_and_merge_scratch():
                 assert smem >= tiling.num_stages * tiling.stage_bytes
                 assert smem >= DECODE_WARPS * group * (head_dim + 2) * 4
                 assert (smem > DEFAULT_DYNAMIC_SMEM_LIMIT) == (dt == "f32" and head_dim == 256)
+
+
+# ------------------------------------------------------------------ tensor-core path (g4, g8)
+# f16 / bf16 q with a group instantiated at 4 or 8 runs paged_attention_decode_tc_* (mma
+# scoring, the query heads as M rows, P rounded to T before P V: ATTENTION_TOL's 16-bit rows
+# already budget that rounding, as for prefill). Most tests above reach it through group 4 / 8
+# (test_decode_matches_reference, splits, windows, off-tile splits); these cover its own tile
+# geometry (16 rows a warp at d64, 8 above; 64 / 32 / 32-token tiles) and the dispatch.
+class LaunchSpy:
+    """A module stand-in that records the kernels a wrapper asks for."""
+
+    def __init__(self, module):
+        self.module, self.names = module, []
+
+    def get_function(self, name):
+        self.names.append(name)
+        return self.module.get_function(name)
+
+
+@pytest.mark.parametrize("dt,group,want_tc", [("f16", 4, True), ("bf16", 8, True),
+                                              ("bf16", 3, True), ("f16", 6, True),
+                                              ("f32", 8, False), ("bf16", 2, False),
+                                              ("f16", 1, False)])
+def test_decode_dispatch_tensor_cores(dt, group, want_tc):
+    # 16-bit q with a group instantiated at 4 or 8: the tensor-core kernel; else CUDA cores.
+    args = _inputs(dt=dt, num_heads=2 * group, num_kv_heads=2)
+    spy = LaunchSpy(kernel_module("paged_attention_decode.cu"))
+    paged_decode_attention(spy, args["q"], args["k_cache"], args["v_cache"],
+                           args["block_tables"], args["context_lens"], 0.125)
+    instantiated = 4 if group in (3, 4) else (8 if group > 4 else group)
+    stem = "paged_attention_decode_tc_" if want_tc else "paged_attention_decode_"
+    assert spy.names == [f"{stem}{dt}_d64_g{instantiated}"]
+    assert decode_uses_tensor_cores(dt, instantiated) == want_tc
+
+
+def tc_pipeline_contexts(dt: str, head_dim: int, block_size: int = 16) -> tuple[int, ...]:
+    tiling = decode_tc_tiling(dt, head_dim)
+    tile = tiling.tile_tokens
+    wrap = (tiling.num_stages + 1) * tile + block_size // 2 + 1  # partial last block
+    return (1, 17, tile - 1, tile, tile + 1, wrap)
+
+
+@pytest.mark.parametrize("dt,head_dim,group", [("f16", 64, 8), ("bf16", 64, 4),
+                                               ("bf16", 128, 8), ("f16", 128, 4),
+                                               ("f16", 256, 8), ("bf16", 256, 4)])
+def test_decode_tc_pipeline_tile_edges(rng, dt, head_dim, group):
+    run_decode(rng, dt, tc_pipeline_contexts(dt, head_dim), group=group, head_dim=head_dim,
+               num_kv_heads=1 if group == 8 else NUM_KV_HEADS)
+
+
+@pytest.mark.parametrize("dt", ("f16", "bf16"))
+@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
+def test_decode_tc_long_split_and_window(rng, dt, head_dim):
+    # A long context the plan splits (a pretend 64-SM GPU), then split starts off every tile
+    # (21-token partitions), then a sliding window walked by two splits, at group 8.
+    run_decode(rng, dt, (1, 17, 111, 700), group=8, head_dim=head_dim, num_kv_heads=1,
+               num_sms=64)
+    run_decode(rng, dt, (1, 17, 111, 130), group=8, head_dim=head_dim, num_kv_heads=1,
+               split=DecodeSplitPlan(7, 21))
+    run_decode(rng, dt, (1, 17, 40, 111), group=8, head_dim=head_dim, num_kv_heads=1,
+               sliding_window=40, split=DecodeSplitPlan(2, 32))
+
+
+@pytest.mark.parametrize("block_size", (32, 64))
+def test_decode_tc_block_sizes(rng, block_size):
+    run_decode(rng, "bf16", (1, block_size - 1, block_size + 1, 150), group=8,
+               block_size=block_size, num_kv_heads=1)
+
+
+def test_decode_tc_smem_covers_stages_and_merge_scratch():
+    # Same rule as the CUDA-core kernel: ring or merge scratch, the larger; only the 16-bit
+    # d256 ring (two 32-row stages of 32 KiB) goes past the 48 KiB default.
+    for dt in ("f16", "bf16", "f16_kv_fp8", "bf16_kv_fp8"):
+        for head_dim in SUPPORTED_HEAD_DIMS:
+            tiling = decode_tc_tiling(dt, head_dim)
+            assert tiling.tile_tokens == DECODE_WARPS * (16 if head_dim == 64 else 8)
+            assert (tiling.num_stages - 1) * tiling.stage_bytes >= DECODE_IN_FLIGHT_BYTES
+            for group in DECODE_TC_GROUPS:
+                smem = decode_tc_smem_bytes(group, head_dim, dt)
+                assert smem >= tiling.num_stages * tiling.stage_bytes
+                assert smem >= DECODE_WARPS * group * (head_dim + 2) * 4
+                assert (smem > DEFAULT_DYNAMIC_SMEM_LIMIT) == (dt in ("f16", "bf16") and
+                                                                head_dim == 256)
+    with pytest.raises(UnsupportedKernelShape):
+        decode_tc_tiling("f32", 64)
