@@ -16,9 +16,11 @@ Subcommands (`all` runs each in turn; `--json PATH` writes every number measured
   prefix       time to first token of a request sharing a 1,000-token prefix, cold (empty
                prefix cache) vs warm (the prefix cached by an earlier request).
   concurrency  output tokens/s with 1, 8 and 32 concurrent requests (32-token prompts,
-               24 new tokens each); `--dtype` takes a comma list of float32, bfloat16 (the
-               bf16-weight cpu backend), int8 (weight-only int8, --quantization int8) and
-               gguf (the model's own GGUF blocks, --quantization gguf), or
+               24 new tokens each; `--prompt-tokens` / `--new-tokens` change them, and the KV
+               pool grows to fit levels x (prompt + new)); `--dtype` takes a comma list of
+               float32, bfloat16 (the bf16-weight cpu backend), int8 (weight-only int8,
+               --quantization int8) and gguf (the model's own GGUF blocks, --quantization
+               gguf), or
                `both` (float32,bfloat16), run interleaved, medians of `--repeats` - 2 runs
                (at least 1); `--levels 1,8,32,64`.
 
@@ -49,6 +51,8 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--gemm-threads", type=int, default=None,
                         help="concurrency, bfloat16: threads of one GEMM (default: the backend's)")
     parser.add_argument("--levels", default="1,8,32", help="concurrency: concurrent requests")
+    parser.add_argument("--prompt-tokens", type=int, default=32, help="concurrency: prompt length")
+    parser.add_argument("--new-tokens", type=int, default=24, help="concurrency: tokens generated")
     return parser.parse_args()
 
 
@@ -243,16 +247,16 @@ CONC_PROMPT = 32
 CONC_NEW = 24
 
 
-def _concurrency_run(llm, prompts) -> tuple[float, float]:
+def _concurrency_run(llm, prompts, new_tokens: int) -> tuple[float, float]:
     """(output tok/s including prefill, decode-only tok/s) of one generate over `prompts`."""
     start = time.perf_counter()
-    outs = llm.generate(prompts, _greedy(CONC_NEW))
+    outs = llm.generate(prompts, _greedy(new_tokens))
     wall = time.perf_counter() - start
     # Decode-only rate: tokens after the first, over the time after the last first token.
     last_first = max(o.first_token_time for o in outs)
     end = max(o.finished_time for o in outs)
     num = len(prompts)
-    return num * CONC_NEW / wall, num * (CONC_NEW - 1) / (end - last_first)
+    return num * new_tokens / wall, num * (new_tokens - 1) / (end - last_first)
 
 
 def read_bandwidth(threads: int, nbytes: int = 512 << 20) -> float:
@@ -290,13 +294,18 @@ def concurrency_arms(text: str) -> tuple[str, ...]:
 
 
 def bench_concurrency(dtypes=("float32",), levels=(1, 8, 32), repeats: int = 1,
-                      gemm_threads: int | None = None) -> dict:
+                      gemm_threads: int | None = None, prompt_tokens: int = CONC_PROMPT,
+                      new_tokens: int = CONC_NEW) -> dict:
     """Each level runs every dtype in turn, `repeats` times interleaved (machine noise hits
-    all alike); medians. Keys without a dtype suffix are float32's (the earlier tables')."""
+    all alike); medians. Keys without a dtype suffix are float32's (the earlier tables').
+    The KV pool holds every request of the largest level at once (no preemption)."""
+    blocks_per_request = -(-(prompt_tokens + new_tokens) // BLOCK_SIZE) + 1
+    num_kv_blocks = max(512, max(levels) * blocks_per_request + 64)
+    max_model_len = max(512, prompt_tokens + new_tokens)
     llms = {}
     for dtype in dtypes:
-        llms[dtype] = _llm(max_model_len=512, num_kv_blocks=512, enable_prefix_caching=False,
-                           **CONC_ARMS[dtype])
+        llms[dtype] = _llm(max_model_len=max_model_len, num_kv_blocks=num_kv_blocks,
+                           enable_prefix_caching=False, **CONC_ARMS[dtype])
         if dtype != "float32" and gemm_threads is not None:
             llms[dtype].engine.backend.gemm_threads = gemm_threads
     vocab = next(iter(llms.values())).engine.model_config.vocab_size
@@ -304,8 +313,8 @@ def bench_concurrency(dtypes=("float32",), levels=(1, 8, 32), repeats: int = 1,
     warm = random_prompt_ids(rng, 8, vocab)
     for llm in llms.values():
         llm.generate(warm, _greedy(2))
-    result = {"prompt_tokens": CONC_PROMPT, "new_tokens": CONC_NEW, "repeats": repeats,
-              "dtypes": list(dtypes)}
+    result = {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "repeats": repeats,
+              "dtypes": list(dtypes), "num_kv_blocks": num_kv_blocks}
     if "bfloat16" in llms:
         result["bf16_gemm_threads"] = llms["bfloat16"].engine.backend.gemm_threads
     # Batch 1 is bound by the weight bytes a step reads: its roofline is the read bandwidth
@@ -318,11 +327,11 @@ def bench_concurrency(dtypes=("float32",), levels=(1, 8, 32), repeats: int = 1,
             result[f"weight_bytes_per_token_{dtype}"] = backend.packed_weight_bytes()
             result[f"roofline_tok_s_1_{dtype}"] = bandwidth / backend.packed_weight_bytes()
     for num in levels:
-        prompts = [random_prompt_ids(rng, CONC_PROMPT, vocab) for _ in range(num)]
+        prompts = [random_prompt_ids(rng, prompt_tokens, vocab) for _ in range(num)]
         runs = {dtype: [] for dtype in dtypes}
         for _ in range(repeats):
             for dtype, llm in llms.items():
-                runs[dtype].append(_concurrency_run(llm, prompts))
+                runs[dtype].append(_concurrency_run(llm, prompts, new_tokens))
         for dtype, values in runs.items():
             suffix = "" if dtype == "float32" else f"_{dtype}"
             result[f"tok_s_{num}{suffix}"] = float(np.median([v[0] for v in values]))
@@ -348,7 +357,7 @@ def main() -> int:
         "concurrency": lambda: bench_concurrency(
             concurrency_arms(args.dtype),
             tuple(int(v) for v in args.levels.split(",")), max(1, args.repeats - 2),
-            args.gemm_threads),
+            args.gemm_threads, args.prompt_tokens, args.new_tokens),
     }
     names = list(benches) if args.bench == "all" else [args.bench]
     results = {"blas_threads": args.blas_threads, "load_average_at_start": os.getloadavg()[0]}
