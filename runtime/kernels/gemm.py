@@ -14,8 +14,6 @@ On a compute capability 9.0 GPU, with gemm_hopper.cu in the module, the shapes i
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from .gemm_plan import (SKINNY, SKINNY_ROWS_PER_WARP, SKINNY_TC, SKINNY_TC_BK, SKINNY_TC_BM,
@@ -23,10 +21,10 @@ from .gemm_plan import (SKINNY, SKINNY_ROWS_PER_WARP, SKINNY_TC, SKINNY_TC_BK, S
                         SKINNY_WARPS, TC_BK,
                         TC_STAGES, TC_THREADS, TC_TILE, TENSOR_CORE, GemmPlan, plan_gemm,
                         tc_aligned)
-from .gemm_hopper import gemm_hopper, hopper_eligible
+from .gemm_hopper import HOPPER_ARCH, gemm_hopper, hopper_eligible
 from .kernel_args import (VEC16_BYTES, array_module, ceil_div,  # noqa: F401 (VEC16_BYTES)
-                          check_gemm_operands, device_num_sms, dtype_suffix, nullable,
-                          opt_in_smem, require, vec16_aligned)
+                          check_gemm_operands, device_arch, device_num_sms, dtype_suffix,
+                          nullable, opt_in_smem, require, vec16_aligned)
 
 SKINNY_SMEM_BYTES_PER_ROW = 512  # one k-tile of a row: 32 lanes x 16 bytes
 # gemm_skinny_tc_*: SKINNY_TC_STAGES x (weight + activation rows) x SKINNY_TC_BK 16-bit elements
@@ -40,13 +38,6 @@ def gemm_smem_bytes(dtype_name: str) -> int:
         return 0
     tile_m, tile_n = TC_TILE[dtype_name]
     return TC_STAGES * (tile_m + tile_n) * TC_BK * 2
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_arch() -> int:
-    from .loader import device_arch  # CuPy only on this path
-
-    return device_arch()
 
 
 def _capturing(xp) -> bool:
@@ -89,9 +80,12 @@ def gemm(module, a, b, *, b_layout: str = "nk", bias=None, residual=None, out=No
     if M == 0 or N == 0:
         return out
     base_aligned = vec16_aligned(a, b)
+    # Shape first, then whether the module has the kernel, then the device (a module without
+    # gemm_hopper.cu never asks the device anything).
     if (plan is None and xp is not np and base_aligned
-            and hopper_eligible(M, N, K, suffix, b_layout, _cuda_arch())
-            and not _capturing(xp) and _hopper_module(module)):
+            and hopper_eligible(M, N, K, suffix, b_layout, HOPPER_ARCH)
+            and _hopper_module(module)
+            and device_arch(xp) == HOPPER_ARCH and not _capturing(xp)):
         return gemm_hopper(module, a, b, bias=bias, residual=residual, out=out,
                            out_dtype=out.dtype)
     if plan is None:

@@ -56,6 +56,21 @@ def _cuda_num_sms(device_id: int) -> int:
     return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_arch(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).compute_capability)
+
+
+def device_arch(xp) -> int | None:
+    """Compute capability of the current device as major * 10 + minor (e.g. 90); None under
+    the harness. Cached per device, as device_num_sms."""
+    if xp is np:
+        return None
+    return _cuda_arch(xp.cuda.Device().id)
+
+
 def device_num_sms(xp) -> int:
     """Streaming multiprocessors of the current device (SIM_NUM_SMS under the harness).
 

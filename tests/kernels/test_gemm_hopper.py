@@ -93,3 +93,56 @@ def test_gemm_hopper_refuses_what_tma_cannot_read(rng):
     if BACKEND == "sim":
         with pytest.raises(UnsupportedKernelShape, match="16-byte boundaries"):
             gemm_hopper(mod, shifted, np.zeros((16, 64), np.uint16))
+
+
+class _Launches:
+    """A module that records the names of the kernels launched through it."""
+
+    def __init__(self, module):
+        self.module, self.names = module, []
+
+    def get_function(self, name):
+        function = self.module.get_function(name)  # raises for a kernel it does not have
+        names = self.names
+
+        class Recorded:
+            def __call__(self, *args, **kwargs):
+                names.append(name)
+                return function(*args, **kwargs)
+
+            def __setattr__(self, attr, value):  # max_dynamic_shared_size_bytes
+                setattr(function, attr, value)
+
+        return Recorded()
+
+
+@pytest.mark.skipif(BACKEND != "sim", reason="drives gemm()'s device checks with a stand-in")
+@pytest.mark.parametrize("arch, capturing, with_hopper, expect_hopper", [
+    (90, False, True, True), (80, False, True, False), (90, True, True, False),
+    (90, False, False, False)])
+def test_gemm_dispatches_to_hopper_only_where_it_runs(rng, monkeypatch, arch, capturing,
+                                                      with_hopper, expect_hopper):
+    """gemm() takes the Hopper GEMM on compute capability 9.0, outside a graph capture, when
+    the module has it; otherwise the mma.sync kernel. A stand-in array module makes gemm()
+    see a "device" (the arrays stay numpy, so the harness still runs the kernels)."""
+    import types
+
+    import pagedrun.runtime.kernels.gemm as gemm_module
+    from pagedrun.runtime.kernels import kernel_args
+
+    stream = types.SimpleNamespace(is_capturing=lambda: capturing)
+    fake_xp = types.SimpleNamespace(
+        empty=np.empty, cuda=types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0),
+                                                   get_current_stream=lambda: stream))
+    monkeypatch.setattr(gemm_module, "array_module", lambda x: fake_xp)
+    monkeypatch.setattr(kernel_args, "_cuda_arch", lambda device_id: arch)
+    monkeypatch.setattr(kernel_args, "_cuda_num_sms", lambda device_id: 4)
+    sources = ["gemm.cu", "gemm_skinny.cu"] + (["gemm_hopper.cu"] if with_hopper else [])
+    launches = _Launches(load_module(sources, backend="sim"))
+    M, N, K = 70, 136, 72
+    case = gemm_case(rng, "bf16", M, N, K)
+    out = gemm_module.gemm(launches, case.a, to_device(case.w), bias=case.bias,
+                           residual=case.residual)
+    check_gemm(out, case, K, f"arch {arch} capturing {capturing} hopper {with_hopper}")
+    assert (launches.names == ["gemm_hopper_bf16_nk_obf16"]) == expect_hopper, launches.names
+    assert launches.names, "nothing launched"
