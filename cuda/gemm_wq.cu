@@ -94,18 +94,6 @@ __device__ __forceinline__ int kmajor_offset(int row, int chunk) {
     return row * kBK + ((chunk ^ ((row >> 1) & 3)) * kChunkElems);
 }
 
-template <typename T> __device__ __forceinline__ uint32_t bits16(T v);
-template <> __device__ __forceinline__ uint32_t bits16<__half>(__half v) {
-    return __half_as_ushort(v);
-}
-template <> __device__ __forceinline__ uint32_t bits16<__nv_bfloat16>(__nv_bfloat16 v) {
-    return __bfloat16_as_ushort(v);
-}
-
-template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-    return bits16<T>(from_f32<T>(lo)) | (bits16<T>(from_f32<T>(hi)) << 16);
-}
-
 // 16 bytes as 4 words, byte-wise under the harness (no type punning there), one load on GPU.
 __device__ __forceinline__ uint4 load16(const void* p) {
 #if defined(PAGEDRUN_SIM)

@@ -692,17 +692,6 @@ struct TcTiling {
 template <typename T> constexpr bool kIsBf16 = false;
 template <> constexpr bool kIsBf16<__nv_bfloat16> = true;
 
-// Two floats -> one b32 of two T, the lower-indexed element in the low half (mma order).
-template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
-template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
-    return static_cast<uint32_t>(__half_as_ushort(__float2half_rn(lo))) |
-           (static_cast<uint32_t>(__half_as_ushort(__float2half_rn(hi))) << 16);
-}
-template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-    return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
-           (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16);
-}
-
 // Exact power-of-two rescale of a b32 pair of T (one HMUL2): the last step of fp8 widening.
 __device__ __forceinline__ uint32_t scale_pair(uint32_t h, __half) {
     const __half2 pair = __halves2half2(__ushort_as_half(static_cast<unsigned short>(h)),
@@ -1039,18 +1028,22 @@ __device__ __forceinline__ void decode_merge(T* __restrict__ out,
 
 }  // namespace decode_attn
 
-#define PAGEDRUN_DECODE_KERNEL(NAME, T, CacheT, HEAD_DIM, GROUP)                                \
+// One launchable decode kernel NAME running the device function FN (decode_partition: CUDA
+// cores; decode_partition_tc: tensor cores) for one (T, CacheT, HEAD_DIM, GROUP).
+#define PAGEDRUN_DECODE_ENTRY(NAME, FN, T, CacheT, HEAD_DIM, GROUP)                             \
     extern "C" __global__ void __launch_bounds__(decode_attn::kThreads, decode_attn::kMinCtasPerSm) \
         NAME(T* out, float* partial_out, float* partial_lse, const T* q, const CacheT* k_cache, \
              const CacheT* v_cache, const int* block_tables, const int* context_lens,           \
              float scale,                                                                       \
              int num_heads, int num_kv_heads, int group_size, int block_size_log2,              \
              int max_blocks_per_seq, int partition_size, int num_splits, int sliding_window) {  \
-        decode_attn::decode_partition<T, CacheT, HEAD_DIM, GROUP>(                              \
+        decode_attn::FN<T, CacheT, HEAD_DIM, GROUP>(                                            \
             out, partial_out, partial_lse, q, k_cache, v_cache, block_tables, context_lens,     \
             scale, num_heads, num_kv_heads, group_size, block_size_log2, max_blocks_per_seq,    \
             partition_size, num_splits, sliding_window);                                        \
     }
+#define PAGEDRUN_DECODE_KERNEL(NAME, T, CacheT, HEAD_DIM, GROUP)                                \
+    PAGEDRUN_DECODE_ENTRY(NAME, decode_partition, T, CacheT, HEAD_DIM, GROUP)
 
 // CUDA-core scoring: groups 1 and 2 for every T; groups 4 and 8 only for f32 q (16-bit q
 // takes the tensor-core kernels below there: runtime/kernels/attention.py
@@ -1084,17 +1077,7 @@ PAGEDRUN_DECODE_SMALL_GROUPS(bf16_kv_fp8, __nv_bfloat16, uint8_t, 128)
 PAGEDRUN_DECODE_SMALL_GROUPS(bf16_kv_fp8, __nv_bfloat16, uint8_t, 256)
 
 #define PAGEDRUN_DECODE_TC_KERNEL(NAME, T, CacheT, HEAD_DIM, GROUP)                             \
-    extern "C" __global__ void __launch_bounds__(decode_attn::kThreads, decode_attn::kMinCtasPerSm) \
-        NAME(T* out, float* partial_out, float* partial_lse, const T* q, const CacheT* k_cache, \
-             const CacheT* v_cache, const int* block_tables, const int* context_lens,           \
-             float scale,                                                                       \
-             int num_heads, int num_kv_heads, int group_size, int block_size_log2,              \
-             int max_blocks_per_seq, int partition_size, int num_splits, int sliding_window) {  \
-        decode_attn::decode_partition_tc<T, CacheT, HEAD_DIM, GROUP>(                           \
-            out, partial_out, partial_lse, q, k_cache, v_cache, block_tables, context_lens,     \
-            scale, num_heads, num_kv_heads, group_size, block_size_log2, max_blocks_per_seq,    \
-            partition_size, num_splits, sliding_window);                                        \
-    }
+    PAGEDRUN_DECODE_ENTRY(NAME, decode_partition_tc, T, CacheT, HEAD_DIM, GROUP)
 
 #define PAGEDRUN_DECODE_TC_GROUPS(DT, T, CacheT, HEAD_DIM)                                      \
     PAGEDRUN_DECODE_TC_KERNEL(paged_attention_decode_tc_##DT##_d##HEAD_DIM##_g4, T, CacheT,     \

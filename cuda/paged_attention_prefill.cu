@@ -97,19 +97,6 @@ constexpr int kSimtKeys = 8;  // f32 path: keys scored per online-softmax update
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kLog2e = 1.4426950408889634f;
 
-
-// Two floats -> one b32 of two 16-bit values, the lower-indexed element in the low half
-// (the mma fragment order and the memory order of a 2-element store).
-template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
-template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
-    return static_cast<uint32_t>(__half_as_ushort(__float2half_rn(lo))) |
-           (static_cast<uint32_t>(__half_as_ushort(__float2half_rn(hi))) << 16);
-}
-template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-    return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
-           (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16);
-}
-
 // One 4-byte store of two adjacent outputs, through the pair type: legal aliasing in host
 // C++ too (the pair is an aggregate of T), unlike a store through uint32_t*.
 __device__ __forceinline__ void store2(__half* dst, float lo, float hi) {
