@@ -377,6 +377,42 @@ __device__ __forceinline__ int window_start(int context_len, int sliding_window)
     return sliding_window > 0 ? max(0, context_len - sliding_window) : 0;
 }
 
+// The tokens split `split` of a request covers: [begin, end) of its window, in num_tiles tiles of
+// TILE_TOKENS rows (0 for an empty split).
+struct Partition {
+    int begin, end, num_tiles;
+};
+
+template <typename G>
+__device__ __forceinline__ Partition partition_of(int context_len, int sliding_window, int split,
+                                                  int partition_size) {
+    Partition p;
+    p.begin = window_start(context_len, sliding_window) + split * partition_size;
+    p.end = min(context_len, p.begin + partition_size);
+    p.num_tiles = p.end > p.begin ? (p.end - p.begin + G::TILE_TOKENS - 1) / G::TILE_TOKENS : 0;
+    return p;
+}
+
+// Issues tile `tile` of the partition into its ring stage, when it exists, and reads the block
+// ids of the next one; then closes one commit group (empty past the partition, so the wait
+// counts stay fixed). The prologue calls it for tiles 0 .. STAGES - 2, the main loop for tile
+// t + STAGES - 1 once tile t - 1's stage is free.
+template <typename G, typename CacheT, int HEAD_DIM>
+__device__ __forceinline__ void refill_stage(unsigned char* stages,
+                                             int (&blocks)[G::CHUNKS_PER_THREAD],
+                                             const Partition& p, int tile, const int* block_table,
+                                             const CacheT* k_cache, const CacheT* v_cache,
+                                             int block_size_log2, int num_kv_heads, int kv_head) {
+    if (tile < p.num_tiles) {
+        issue_tile<G, CacheT, HEAD_DIM>(stages + (tile % G::STAGES) * G::STAGE_BYTES, blocks,
+                                        k_cache, v_cache, p.begin + tile * G::TILE_TOKENS,
+                                        block_size_log2, num_kv_heads, kv_head);
+        fetch_blocks<G>(blocks, block_table, p.begin + (tile + 1) * G::TILE_TOKENS, p.end,
+                        block_size_log2);
+    }
+    cp_async_commit();
+}
+
 // Folds the softmax state (m_o, l_o, acc_o) into (m, l, acc); -inf maxima are empty states.
 template <int N>
 __device__ __forceinline__ void merge_state(float& m, float& l, float (&acc)[N], float m_o,
@@ -456,32 +492,18 @@ __device__ __forceinline__ void decode_partition(
     const int dim0 = (lane % LANES_PER_TOKEN) * VEC;
     const int head0 = kv_head * group_size;
 
-    const int context_len = context_lens[seq];
-    const int window_begin = window_start(context_len, sliding_window);
-    const int part_begin = window_begin + split * partition_size;
-    const int part_end = min(context_len, part_begin + partition_size);
-    const int num_tiles = part_end > part_begin
-                              ? (part_end - part_begin + G::TILE_TOKENS - 1) / G::TILE_TOKENS
-                              : 0;
+    const Partition part = partition_of<G>(context_lens[seq], sliding_window, split,
+                                           partition_size);
+    const int part_begin = part.begin, part_end = part.end, num_tiles = part.num_tiles;
     const int* block_table = block_tables + static_cast<long long>(seq) * max_blocks_per_seq;
 
-    // Prologue: block ids of tile 0, then STAGES - 1 tiles in flight before any compute (one
-    // commit group per tile slot, empty past the partition, so the wait counts stay fixed).
+    // Prologue: block ids of tile 0, then STAGES - 1 tiles in flight before any compute.
     int blocks[G::CHUNKS_PER_THREAD];
-    fetch_blocks<G>(blocks, block_table, part_begin, part_end,
-                                      block_size_log2);
+    fetch_blocks<G>(blocks, block_table, part_begin, part_end, block_size_log2);
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < num_tiles) {
-            issue_tile<G, CacheT, HEAD_DIM>(stages + s * G::STAGE_BYTES, blocks, k_cache,
-                                            v_cache, part_begin + s * G::TILE_TOKENS,
-                                            block_size_log2, num_kv_heads, kv_head);
-            fetch_blocks<G>(blocks, block_table,
-                                              part_begin + (s + 1) * G::TILE_TOKENS, part_end,
-                                              block_size_log2);
-        }
-        cp_async_commit();
-    }
+    for (int s = 0; s < STAGES - 1; ++s)
+        refill_stage<G, CacheT, HEAD_DIM>(stages, blocks, part, s, block_table, k_cache, v_cache,
+                                          block_size_log2, num_kv_heads, kv_head);
 
     // q rows of the group, pre-scaled so the softmax runs in base 2 (exp2f is one MUFU op).
     // Loaded after the prologue's copies are on their way.
@@ -520,17 +542,9 @@ __device__ __forceinline__ void decode_partition(
     for (int t = 0; t < num_tiles; ++t) {
         cp_async_wait<STAGES - 2>();
         __syncthreads();
-        const int refill = t + STAGES - 1;
-        if (refill < num_tiles) {
-            issue_tile<G, CacheT, HEAD_DIM>(stages + (refill % STAGES) * G::STAGE_BYTES, blocks,
-                                            k_cache, v_cache,
-                                            part_begin + refill * G::TILE_TOKENS,
-                                            block_size_log2, num_kv_heads, kv_head);
-            fetch_blocks<G>(blocks, block_table,
-                                              part_begin + (refill + 1) * G::TILE_TOKENS,
-                                              part_end, block_size_log2);
-        }
-        cp_async_commit();
+        refill_stage<G, CacheT, HEAD_DIM>(stages, blocks, part, t + STAGES - 1, block_table,
+                                          k_cache, v_cache, block_size_log2, num_kv_heads,
+                                          kv_head);
 
         const CacheT* k_tile =
             reinterpret_cast<const CacheT*>(stages + (t % STAGES) * G::STAGE_BYTES);
@@ -787,28 +801,18 @@ __device__ __forceinline__ void decode_partition_tc(
     const int quad_t = lane % 4;  // fragment column pair
     const int head0 = kv_head * group_size;
 
-    const int context_len = context_lens[seq];
-    const int window_begin = window_start(context_len, sliding_window);
-    const int part_begin = window_begin + split * partition_size;
-    const int part_end = min(context_len, part_begin + partition_size);
-    const int num_tiles = part_end > part_begin
-                              ? (part_end - part_begin + G::TILE_TOKENS - 1) / G::TILE_TOKENS
-                              : 0;
+    const Partition part = partition_of<G>(context_lens[seq], sliding_window, split,
+                                           partition_size);
+    const int part_begin = part.begin, part_end = part.end, num_tiles = part.num_tiles;
     const int* block_table = block_tables + static_cast<long long>(seq) * max_blocks_per_seq;
 
+    // Prologue: block ids of tile 0, then STAGES - 1 tiles in flight before any compute.
     int blocks[G::CHUNKS_PER_THREAD];
     fetch_blocks<G>(blocks, block_table, part_begin, part_end, block_size_log2);
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < num_tiles) {
-            issue_tile<G, CacheT, HEAD_DIM>(stages + s * G::STAGE_BYTES, blocks, k_cache,
-                                            v_cache, part_begin + s * G::TILE_TOKENS,
-                                            block_size_log2, num_kv_heads, kv_head);
-            fetch_blocks<G>(blocks, block_table, part_begin + (s + 1) * G::TILE_TOKENS,
-                            part_end, block_size_log2);
-        }
-        cp_async_commit();
-    }
+    for (int s = 0; s < STAGES - 1; ++s)
+        refill_stage<G, CacheT, HEAD_DIM>(stages, blocks, part, s, block_table, k_cache, v_cache,
+                                          block_size_log2, num_kv_heads, kv_head);
 
     // Q as A fragments, row g = query head g (zero for g >= group_size; rows 8..15 are the
     // constant zero registers a[1], a[3]). Dim order: k-step 4j + i, fragment column pair t
@@ -848,16 +852,9 @@ __device__ __forceinline__ void decode_partition_tc(
     for (int t = 0; t < num_tiles; ++t) {
         cp_async_wait<STAGES - 2>();
         __syncthreads();
-        const int refill = t + STAGES - 1;
-        if (refill < num_tiles) {
-            issue_tile<G, CacheT, HEAD_DIM>(stages + (refill % STAGES) * G::STAGE_BYTES, blocks,
-                                            k_cache, v_cache,
-                                            part_begin + refill * G::TILE_TOKENS,
-                                            block_size_log2, num_kv_heads, kv_head);
-            fetch_blocks<G>(blocks, block_table, part_begin + (refill + 1) * G::TILE_TOKENS,
-                            part_end, block_size_log2);
-        }
-        cp_async_commit();
+        refill_stage<G, CacheT, HEAD_DIM>(stages, blocks, part, t + STAGES - 1, block_table,
+                                          k_cache, v_cache, block_size_log2, num_kv_heads,
+                                          kv_head);
 
         const unsigned char* k_tile = stages + (t % STAGES) * G::STAGE_BYTES;
         const unsigned char* v_tile = k_tile + G::TILE_BYTES;
