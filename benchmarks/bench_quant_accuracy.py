@@ -13,10 +13,12 @@ repository's licence (Apache-2.0): a fixed, licence-clean text the model has not
 
     python benchmarks/bench_quant_accuracy.py [--json out.json] [--new-tokens 32]
 
-The int4 arm is the default model's own weights rounded to int4 (RTN, groups of 64) in AutoAWQ's
-packing (benchmarks/make_int4_checkpoint.py: no AWQ checkpoint of it ships, and AutoAWQ needs
-torch). Those weights are already Q4_1, so the arm measures re-quantizing 4-bit weights onto an
-integer-zero int4 grid, not int4's accuracy on a float checkpoint (make_int4_checkpoint.py).
+The int4 arms are the default model's own weights quantized to int4 by
+benchmarks/make_int4_checkpoint.py (no AWQ / GPTQ checkpoint of it ships, and AutoAWQ / AutoGPTQ
+need torch): round to nearest in AutoAWQ's packing, and GPTQ (benchmarks/gptq.py, calibrated on
+benchmarks/data/quant_calib_text.txt, another original text under the same licence) in GPTQ's.
+Those weights are already Q4_1, so RTN measures re-rounding 4-bit weights onto an integer-zero
+grid; GPTQ is what a user quantizing these weights with GPTQ would get (make_int4_checkpoint.py).
 """
 from __future__ import annotations
 
@@ -49,9 +51,12 @@ FORMATS = {
     "bf16 + fp8 KV": {"dtype": "bfloat16", "kv_cache_dtype": "fp8"},
     # The model package's own file kept in its blocks: Q4_1 layers, Q8_0 embedding / LM head.
     "gguf Q4_1 (native)": {"quantization": "gguf"},
-    # An AWQ-format int4 checkpoint of the same weights by round-to-nearest, groups of 64
-    # (benchmarks/make_int4_checkpoint.py), served int4 (quantization "awq").
-    "int4 RTN (awq, g64)": {"int4_checkpoint": 64},
+    # Int4 checkpoints of the same weights (benchmarks/make_int4_checkpoint.py), served int4:
+    # round-to-nearest in AWQ's packing (quantization "awq"), GPTQ in GPTQ's ("gptq").
+    "int4 RTN (awq, g64)": {"int4_checkpoint": (64, "rtn")},
+    "int4 GPTQ (gptq, g64)": {"int4_checkpoint": (64, "gptq")},
+    "int4 GPTQ (gptq, g32)": {"int4_checkpoint": (32, "gptq")},
+    "int4 GPTQ act order (g32)": {"int4_checkpoint": (32, "gptq-act")},
 }
 NOT_BUILT = ()
 
@@ -101,6 +106,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--only", nargs="+", default=None, metavar="FORMAT",
+                    help="run these formats (float32 and bfloat16 always run: the references)")
     args = ap.parse_args()
     from pagedrun import LLM
 
@@ -109,11 +116,15 @@ def main() -> None:
     ref_tokens = None
     scratch = tempfile.TemporaryDirectory(prefix="pagedrun-int4-")
     for name, kwargs in FORMATS.items():
+        if args.only and name not in args.only and name not in ("float32", "bfloat16"):
+            continue
         start = time.perf_counter()
         if "int4_checkpoint" in kwargs:
             from make_int4_checkpoint import make_checkpoint
 
-            kwargs = {"model": str(make_checkpoint(scratch.name, kwargs["int4_checkpoint"]))}
+            group, method = kwargs["int4_checkpoint"]
+            checkpoint = Path(scratch.name) / f"{method}-g{group}"
+            kwargs = {"model": str(make_checkpoint(checkpoint, group, method))}
         llm = LLM(device="cpu", max_model_len=2048, **kwargs)
         token_ids = llm.get_tokenizer().encode(TEXT.read_text())
         ppl = perplexity(llm, token_ids)
@@ -129,10 +140,10 @@ def main() -> None:
     base = results["formats"]["bfloat16"]["perplexity"]
     print(f"cpu: {results['cpu']}; text: {results['formats']['float32']['text_tokens']} tokens;"
           f" greedy: {len(PROMPTS)} prompts x {args.new_tokens} tokens vs float32")
-    print(f"{'format':<20} {'perplexity':>10} {'vs bf16':>8} {'prefix agree':>13} "
+    print(f"{'format':<22} {'perplexity':>10} {'vs bf16':>8} {'prefix agree':>13} "
           f"{'full agree':>11}")
     for name, r in results["formats"].items():
-        print(f"{name:<20} {r['perplexity']:>10.4f} {100 * (r['perplexity'] / base - 1):>+7.2f}%"
+        print(f"{name:<22} {r['perplexity']:>10.4f} {100 * (r['perplexity'] / base - 1):>+7.2f}%"
               f" {100 * r['greedy_prefix_agreement']:>12.1f}% "
               f"{100 * r['greedy_full_agreement']:>10.1f}%")
     for name in NOT_BUILT:
