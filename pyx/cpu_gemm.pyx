@@ -14,7 +14,7 @@ ThreadPoolExecutor worker that sleeps on a queue.
 Paths: "avx512bf16" (vdpbf16ps), "avx2" (bf16 widened to float32, FMA), "portable" (scalar
 C, any CPU); "auto" picks the first of these the CPU runs. Tests force each.
 
-GGUF weights kept quantized (Q4_0 / Q4_1 / Q8_0 / Q5_0 blocks, Q4_K / Q5_K / Q6_K
+GGUF weights kept quantized (Q4_0 / Q4_1 / Q8_0 / Q5_0 blocks, Q4_K / Q5_K / Q6_K / Q3_K
 super-blocks):
 
     packed = PackedGgufWeight(raw, "Q4_1", k)  # raw: uint8 [N, row_bytes], the file's blocks
@@ -423,7 +423,7 @@ def _gemm(x, packed, bias, path, threads, pool):
 
 
 # ------------------------------------------------------------------------- GGUF blocks
-GGUF_NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q5_K")
+GGUF_NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q5_K", "Q3_K")
 # INT4_TYPE "I4Z", not a GGML type (so not in GGUF_NATIVE_TYPES): AWQ / GPTQ int4
 # (runtime/hf_quantized.py), W = s * (q - z) per group of INT4_GROUPS weights along k (s fp16,
 # z 0..15). Its raw rows (this module's own format): k / 2 bytes of nibbles (byte i: k 2i low,
@@ -454,17 +454,20 @@ _GGUF_ACT_CODE = {"q8": GGUF_ACT_Q8, "q8x2": GGUF_ACT_Q8X2, GGUF_BF16: GGUF_ACT_
                   "auto": GGUF_ACT_AUTO}
 _GGUF_ACT_NAME = {code: name for name, code in _GGUF_ACT_CODE.items()}
 BF16_MIN_ROWS = GGUF_BF16_MIN_ROWS  # "auto"'s threshold (rows of x), measured: see the header
-# Q5_0 runs as Q8_0 (its q - 16 as int8 bytes, the same d): the Q8_0 kernel.
+# Q5_0 runs as Q8_0 (its q - 16 as int8 bytes, the same d): the Q8_0 kernel. Q3_K runs as
+# Q6_K (its q in -4..3 and 6-bit scales are Q6_K values exactly, the same d): the Q6_K kernel,
+# at Q6_K's bytes (1.9x Q3_K's; still 0.27x bf16's).
 _GGUF_TYPE_CODE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q6_K": 4, "I4Z": 5,
-                   "Q5_0": 2, "Q5_K": 6}
+                   "Q5_0": 2, "Q5_K": 6, "Q3_K": 4}
 # Bytes of one block in the file: fp16 d (+ fp16 m for Q4_1), then the quants; Q4_K: fp16 d,
 # fp16 dmin, 12 bytes of 6-bit scales / mins, 128 of nibbles; Q6_K: 128 bytes of low nibbles,
 # 64 of high 2 bits, 16 int8 scales, fp16 d; Q5_0: fp16 d, 4 bytes of 5th bits (bit i: weight
 # i), 16 of nibbles (as Q4_0's); Q5_K: Q4_K's first 16 bytes, 32 of 5th bits (bit j of byte l:
-# weight l of 32-block j), 128 of nibbles (as Q4_K's).
+# weight l of 32-block j), 128 of nibbles (as Q4_K's); Q3_K: 32 bytes of high bits, 64 of 2-bit
+# pairs, 12 of 6-bit scales, fp16 d (_q3_k_as_q6_k reads them).
 _GGUF_FILE_BLOCK = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210, "Q5_0": 22,
-                    "Q5_K": 176}
-_GGUF_K_TYPES = ("Q4_K", "Q6_K", "Q5_K")
+                    "Q5_K": 176, "Q3_K": 110}
+_GGUF_K_TYPES = ("Q4_K", "Q6_K", "Q5_K", "Q3_K")
 _GGUF_PATH_CODE = {"portable": 0, "avx512vnni": 1, "amx": 2, GGUF_AMX_EMULATED: 3}
 cdef int _HAS_VNNI = cpu_has_avx512vnni()
 cdef int _HAS_AMX_INT8 = gguf_amx_int8_available()  # CPUID and the kernel's permission
@@ -592,6 +595,35 @@ def _q5_0_as_q8_0(blocks):
     return np.concatenate([blocks[:, :, 0:2], signed], axis=2)
 
 
+def _q3_k_as_q6_k(blocks):
+    """Q3_K super-blocks [N, U, 110] -> Q6_K super-blocks [N, U, 210] of the same values.
+
+    Q3_K (ggml's block_q3_K): weight e = 128 h + 32 s + l (h 0..1, s 0..3, l 0..31) has the 2
+    bits (qs[32 h + l] >> 2 s) & 3 and the high bit (hmask[l] >> (4 h + s)) & 1; its value is
+    d * (sc[e // 16] - 32) * q with q = 2 bits - 4 unless the high bit is set (-4..3); the 16
+    6-bit sc: low 4 bits (scales[i % 8] >> 4 (i // 8)) & 15, high 2 bits (scales[8 + i % 4] >>
+    2 (i // 4)) & 3. Q6_K holds it exactly: q6 = q + 32 (28..35 of 0..63), its int8 scale
+    sc - 32, the same d; ql / qh laid out as _pack_q6_k reads them."""
+    n, u = blocks.shape[0], blocks.shape[1]
+    hmask = blocks[:, :, 0:32].reshape(n, u, 1, 1, 32)
+    qs = blocks[:, :, 32:96].reshape(n, u, 2, 1, 32)
+    s = np.arange(4, dtype=np.uint8).reshape(1, 4, 1)
+    h = np.arange(2, dtype=np.uint8).reshape(2, 1, 1)
+    two_bits = (qs >> (np.uint8(2) * s)) & np.uint8(3)                  # [N, U, 2, 4, 32]
+    high = (hmask >> (np.uint8(4) * h + s)) & np.uint8(1)
+    q6 = two_bits + np.uint8(28) + (high << np.uint8(2))                # q + 32, q = bits - 4 + 4 high
+    i = np.arange(16)
+    raw_scales = blocks[:, :, 96:108]
+    low4 = (raw_scales[:, :, i % 8] >> (4 * (i // 8)).astype(np.uint8)) & np.uint8(0x0F)
+    high2 = (raw_scales[:, :, 8 + i % 4] >> (2 * (i // 4)).astype(np.uint8)) & np.uint8(3)
+    scales = ((low4 | (high2 << np.uint8(4))).astype(np.int16) - 32).astype(np.int8)
+    nibbles = (q6 & np.uint8(0x0F)).reshape(n, u, 2, 2, 64)             # [h][s // 2][32 (s % 2) + l]
+    ql = (nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << np.uint8(4))).reshape(n, u, 128)
+    pairs = (q6 >> np.uint8(4)) << (np.uint8(2) * s)                    # [h][s][l] at bits 2 s
+    qh = np.bitwise_or.reduce(pairs, axis=3).reshape(n, u, 64)
+    return np.concatenate([ql, qh, scales.view(np.uint8), blocks[:, :, 108:110]], axis=2)
+
+
 def _pack_q6_k(blocks, t):
     """Q6_K super-blocks [t * 16, U, 210] -> [t, U, 4384]: per 32-block j the 6-bit q as one
     byte a weight (0..63, the -32 goes to the activations' 16-sums) tiled as Q8_0's, then the
@@ -648,13 +680,15 @@ class PackedGgufWeight:
         blocks[:n] = raw.reshape(n, units, fb)
         if ggml_type == "Q5_0":  # the Q8_0 form of the same values (its kernel and layout)
             blocks, ggml_as = _q5_0_as_q8_0(blocks), "Q8_0"
+        elif ggml_type == "Q3_K":  # the Q6_K form of the same values
+            blocks, ggml_as = _q3_k_as_q6_k(blocks), "Q6_K"
         else:
             ggml_as = ggml_type
         if ggml_type == "Q4_K":
             packed = _pack_q4_k(blocks, num_tiles)
         elif ggml_type == "Q5_K":
             packed = _pack_q5_k(blocks, num_tiles)
-        elif ggml_type == "Q6_K":
+        elif ggml_as == "Q6_K":
             packed = _pack_q6_k(blocks, num_tiles)
         else:
             scale_bytes = 4 if ggml_type == "Q4_1" else 2
@@ -731,7 +765,7 @@ class PackedGgufWeight:
         t, nb, tile = self.num_tiles, self.nb, TILE_N
         if self.ggml_type == "Q4_K":
             return self._dequantize_q4_k()
-        if self.ggml_type == "Q6_K":
+        if self.ggml_type in ("Q6_K", "Q3_K"):  # Q3_K: as Q6_K, d * (sc - 32) * q the same
             return self._dequantize_q6_k()
         if self.ggml_type == "Q5_K":
             return self._dequantize_q5_k()

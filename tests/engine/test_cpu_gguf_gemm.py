@@ -3,8 +3,9 @@ gemm_gguf): the packing against gguf's own dequantization, every path against a 
 reference of the same quantized-activation math (read straight from the file's blocks, not
 from the packed layout), and against the float64 product of the dequantized weights within the
 bound the activation rounding allows; paths and thread counts against each other; refusals.
-K-quants (Q4_K, Q6_K): gguf has no numpy quantizer for them, so their blocks are random bytes
-with finite fp16 super-scales (every such block is a valid one)."""
+K-quants (Q4_K, Q5_K, Q6_K, Q3_K): gguf has no numpy quantizer for them, so their blocks are
+random bytes with finite fp16 super-scales (every such block is a valid one). Q3_K runs as Q6_K
+(repacked at load): its reference reads the Q3_K bytes themselves."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,7 +15,7 @@ from gguf import GGMLQuantizationType, quants
 from pagedrun.pyx import cpu_gemm
 
 TYPES = cpu_gemm.GGUF_NATIVE_TYPES
-K_TYPES = ("Q4_K", "Q6_K", "Q5_K")
+K_TYPES = ("Q4_K", "Q6_K", "Q5_K", "Q3_K")
 PATHS = list(cpu_gemm.available_gguf_paths())
 FP32_UNIT_ROUNDOFF = 2.0 ** -24
 # (N, K, M): awkward widths (a partial last tile, one output), K of 1 .. 48 blocks, decode and
@@ -26,8 +27,8 @@ K_SHAPES = [(1, 256, 1), (17, 512, 3), (111, 1536, 17), (17, 256, 64), (111, 512
             (1, 1536, 64), (17, 1536, 17), (111, 256, 3)]
 GEMM_CASES = [(t, *shape) for t in TYPES for shape in (K_SHAPES if t in K_TYPES else SHAPES)]
 # File bytes per super-block (256 weights) and packed bytes per output per super-block.
-K_FILE_BYTES = {"Q4_K": 144, "Q6_K": 210, "Q5_K": 176}
-K_PACKED_BYTES = {"Q4_K": 148, "Q6_K": 274, "Q5_K": 276}
+K_FILE_BYTES = {"Q4_K": 144, "Q6_K": 210, "Q5_K": 176, "Q3_K": 110}
+K_PACKED_BYTES = {"Q4_K": 148, "Q6_K": 274, "Q5_K": 276, "Q3_K": 274}
 
 
 @pytest.fixture
@@ -58,8 +59,10 @@ def random_k_raw(rng, ggml_type: str, n: int, k: int, wild: bool = False) -> np.
     if ggml_type in ("Q4_K", "Q5_K"):  # fp16 d, fp16 dmin, scales, (5th bits,) nibbles
         raw[:, :, 0:2] = random_fp16_bytes(rng, (n, sb), wild)
         raw[:, :, 2:4] = random_fp16_bytes(rng, (n, sb), wild)
-    else:  # Q6_K: ql, qh, scales, fp16 d
+    elif ggml_type == "Q6_K":  # ql, qh, scales, fp16 d
         raw[:, :, 208:210] = random_fp16_bytes(rng, (n, sb), wild)
+    else:  # Q3_K: hmask, qs, scales, fp16 d
+        raw[:, :, 108:110] = random_fp16_bytes(rng, (n, sb), wild)
     if n > 2:
         raw[n // 2] = 0
     return raw.reshape(n, -1)
@@ -103,12 +106,38 @@ def file_k_blocks(raw: np.ndarray, ggml_type: str, k: int):
         high = np.stack([(blocks[:, 16:48] >> j) & 1 for j in range(8)], axis=1)
         q = (low | (high << 4)).astype(np.int64)
         return d.reshape(n, sb * 8), m.reshape(n, sb * 8), q.reshape(n, sb * 8, 32)
+    if ggml_type == "Q3_K":
+        return q3_k_blocks(blocks, n, sb, half)
     ql = blocks[:, 0:128].reshape(n * sb, 2, 64).astype(np.int64)
     qh = blocks[:, 128:192].reshape(n * sb, 2, 32).astype(np.int64)
     low = np.concatenate([ql & 0x0F, ql >> 4], axis=2)  # [., 2, 128]
     high = np.concatenate([(qh >> (2 * s)) & 3 for s in range(4)], axis=2)
     q = (low | (high << 4)) - 32
     d = half(blocks[:, 208:210])[:, None] * blocks[:, 192:208].view(np.int8)
+    return d.reshape(n, sb * 16), None, q.reshape(n, sb * 16, 16)
+
+
+def q3_k_blocks(blocks: np.ndarray, n: int, sb: int, half):
+    """Q3_K super-blocks [n * sb, 110] as file_k_blocks' Q6_K form, after ggml's
+    dequantize_row_q3_K: per 128 weights a 32-byte run of qs, read at 4 shifts of 2 bits, each
+    covering 32 weights; the high bit from hmask (its mask doubling per shift, on across both
+    halves), unset meaning -4; the 16 scales unpacked from 12 bytes with ggml's kmask words."""
+    aux = np.ascontiguousarray(blocks[:, 96:108]).view("<u4").astype(np.int64)  # [., 3]
+    tmp, k1, k2 = aux[:, 2], 0x03030303, 0x0F0F0F0F
+    words = [(aux[:, 0] & k2) | (((tmp >> 0) & k1) << 4),
+             (aux[:, 1] & k2) | (((tmp >> 2) & k1) << 4),
+             ((aux[:, 0] >> 4) & k2) | (((tmp >> 4) & k1) << 4),
+             ((aux[:, 1] >> 4) & k2) | (((tmp >> 6) & k1) << 4)]
+    scales = np.stack([(w >> (8 * j)) & 0xFF for w in words for j in range(4)], axis=1) - 32
+    d = half(blocks[:, 108:110])[:, None] * scales
+    hmask = blocks[:, 0:32].astype(np.int64)
+    q = np.zeros((n * sb, 256), dtype=np.int64)
+    y, mask = 0, 1
+    for run in (32, 64):  # qs bytes of the first and second 128 weights
+        qs = blocks[:, run:run + 32].astype(np.int64)
+        for shift in (0, 2, 4, 6):
+            q[:, y:y + 32] = ((qs >> shift) & 3) - np.where(hmask & mask, 0, 4)
+            y, mask = y + 32, mask << 1
     return d.reshape(n, sb * 16), None, q.reshape(n, sb * 16, 16)
 
 
