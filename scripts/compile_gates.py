@@ -2,10 +2,14 @@
 """Compile gates for every cuda/*.cu: each kernel file must compile
 
   (a) through NVRTC, the path CuPy takes at run time (stricter than nvcc in places, e.g.
-      `INFINITY` needs a definition NVRTC does not ship), for sm_80 and sm_90; and
+      `INFINITY` needs a definition NVRTC does not ship), for sm_80 and sm_90 -- to PTX for the
+      virtual architecture (compute_80 / compute_90), since the ptxas step after it is (b)'s; and
   (b) with `nvcc -cubin -Xptxas -v` for sm_80 and sm_90 (sm_90a when the file uses Hopper-only
       instructions), with zero spill bytes in every function and at most the registers
       promised by the "Register budget: N" line in the file's header.
+
+nvcc builds are kept by content in ~/.cache/paged-run/cubins (--cubin-cache, --no-cache), where
+scripts/kernel_report.py finds the same sm_90 / sm_90a builds instead of compiling them again.
 
 Usage: python scripts/compile_gates.py [--only nvrtc|nvcc] [cuda/x.cu ...]
 Exit status 0 when every gate passes; the report names each file, arch, kernel and number.
@@ -18,8 +22,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import glob
+import hashlib
 import os
+import shutil
 import re
 import subprocess
 import sys
@@ -110,7 +117,10 @@ class Nvrtc:
 
 
 def nvrtc_gate(nvrtc: Nvrtc, path: Path, arch: str, toolkit_include: Path | None) -> GateResult:
-    opts = ["--std=c++17", f"--gpu-architecture={arch}", f"-I{CUDA_DIR}", f"-I{path.parent}"]
+    # The virtual architecture: NVRTC's front end and NVVM, to PTX. What CuPy's run-time build
+    # adds after that is ptxas, the nvcc gate's (a cubin here cost half of this gate's time).
+    virtual = arch.replace("sm_", "compute_")
+    opts = ["--std=c++17", f"--gpu-architecture={virtual}", f"-I{CUDA_DIR}", f"-I{path.parent}"]
     if toolkit_include:
         opts.append(f"-I{toolkit_include}")
     # The same translation unit the loader hands CuPy: one #include of the file.
@@ -176,21 +186,58 @@ def check_stats(stats: dict[str, FunctionStats], budget: int | None) -> list[str
     return problems
 
 
-def nvcc_cubin(nvcc: Path, path: Path, arch: str, cubin: str) -> subprocess.CompletedProcess:
+CUBIN_CACHE = Path.home() / ".cache" / "paged-run" / "cubins"
+
+
+@functools.lru_cache(maxsize=None)
+def _nvcc_version(nvcc: Path) -> str:
+    return subprocess.run([str(nvcc), "--version"], capture_output=True, text=True).stdout
+
+
+def _cubin_key(nvcc: Path, path: Path, cmd: list[str]) -> str:
+    """The build's inputs: nvcc's version, the command (less its output path), the file and
+    every header it could include (cuda/ and the file's folder)."""
+    h = hashlib.sha256(_nvcc_version(nvcc).encode())
+    h.update("\0".join(cmd).encode())
+    h.update(path.read_bytes())
+    for folder in sorted({CUDA_DIR, path.parent}):
+        for header in sorted(folder.rglob("*.cuh")) + sorted(folder.rglob("*.h")):
+            h.update(str(header.relative_to(folder)).encode() + header.read_bytes())
+    return h.hexdigest()[:32]
+
+
+def nvcc_cubin(nvcc: Path, path: Path, arch: str, cubin: str,
+               cache_dir: Path | None = None) -> subprocess.CompletedProcess:
     """Compiles one kernel file to `cubin` with ptxas -v (its report is in stdout + stderr);
-    scripts/kernel_report.py builds its sm_90a cubins through here too."""
+    scripts/kernel_report.py builds its cubins through here too. With `cache_dir`, a build
+    with the same inputs (_cubin_key) is copied from there instead, with its ptxas report
+    (CI's tier 3: the report reuses the gates' sm_90 / sm_90a builds)."""
     cmd = [str(nvcc), "-cubin", f"-arch={arch}", "-std=c++17", f"-I{CUDA_DIR}",
-           f"-I{path.parent}",
-           "-Xptxas", "-v", "-o", cubin, str(path)]
-    return subprocess.run(cmd, capture_output=True, text=True)
+           f"-I{path.parent}", "-Xptxas", "-v", str(path)]
+    stored = log = None
+    if cache_dir is not None:
+        stored = cache_dir / f"{path.stem}-{arch}-{_cubin_key(nvcc, path, cmd)}"
+        log = stored.with_suffix(".ptxas")
+        if stored.with_suffix(".cubin").is_file() and log.is_file():
+            shutil.copyfile(stored.with_suffix(".cubin"), cubin)
+            return subprocess.CompletedProcess(cmd, 0, log.read_text(), "")
+    proc = subprocess.run(cmd[:-1] + ["-o", cubin, cmd[-1]], capture_output=True, text=True)
+    if stored is not None and proc.returncode == 0:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = stored.with_suffix(f".tmp{os.getpid()}")
+        shutil.copyfile(cubin, tmp)
+        os.replace(tmp, stored.with_suffix(".cubin"))
+        tmp.write_text(proc.stdout + proc.stderr)
+        os.replace(tmp, log)
+    return proc
 
 
-def nvcc_gate(nvcc: Path, path: Path, arch: str) -> GateResult:
+def nvcc_gate(nvcc: Path, path: Path, arch: str, cache_dir: Path | None = None) -> GateResult:
     source = path.read_text()
     m = BUDGET.search(source)
     budget = int(m.group(1)) if m else None
     with tempfile.TemporaryDirectory() as tmp:
-        proc = nvcc_cubin(nvcc, path, arch, os.path.join(tmp, "out.cubin"))
+        proc = nvcc_cubin(nvcc, path, arch, os.path.join(tmp, "out.cubin"), cache_dir)
     res = GateResult(f"nvcc {path.name} {arch}", proc.returncode == 0)
     if proc.returncode != 0:
         res.lines += (proc.stdout + proc.stderr).splitlines()[-40:]
@@ -214,6 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--allow-missing", action="store_true",
                     help="report a gate whose tool is missing as skipped instead of failed")
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--cubin-cache", type=Path, default=CUBIN_CACHE,
+                    help="where nvcc builds are kept by content for scripts/kernel_report.py "
+                         "(default %(default)s)")
+    ap.add_argument("--no-cache", action="store_true",
+                    help="compile every nvcc gate afresh (and store nothing)")
     args = ap.parse_args(argv)
     files = [p.resolve() for p in args.files] or sorted(CUDA_DIR.glob("*.cu"))
     root = toolkit_root()
@@ -238,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
             missing("nvcc (set CUDA_HOME)")
         else:
             nvcc = root / "bin" / "nvcc"
-            jobs += [(nvcc_gate, (nvcc, f, a)) for f in files for a in archs_for(f)]
+            cache = None if args.no_cache else args.cubin_cache
+            jobs += [(nvcc_gate, (nvcc, f, a, cache)) for f in files for a in archs_for(f)]
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         results = list(pool.map(lambda job: job[0](*job[1]), jobs))
     for res in results:

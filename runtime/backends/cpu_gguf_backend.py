@@ -6,9 +6,9 @@ down, the LM head -- and the embedding table as QuantizedMatrix blocks. `linear_
 the types pagedrun.pyx.cpu_gemm has a kernel for (cpu_gemm.GGUF_NATIVE_TYPES: Q4_0, Q4_1, Q8_0,
 Q4_K, Q6_K, Q5_0, Q5_K, Q3_K) into that kernel's layout at about the file's own bytes per weight
 (Q4_1 0.625, Q4_K 0.578, Q8_0 1.0625, Q6_K 1.07; Q5_0 1.0625 and Q5_K 1.08: one byte a weight,
-against the file's 0.69; Q3_K as Q6_K, 1.07 against the file's 0.43), and `linear` runs cpu_gemm.gemm_gguf on them: activations
-quantized per row per 32-weight block to int8 twice (the value, then the residual; see
-__init__), integer dot products (AMX-INT8 from 8 kernel rows where the CPU has it, else
+against the file's 0.69; Q3_K as Q6_K, 1.07 against the file's 0.43), and `linear` runs
+cpu_gemm.gemm_gguf on them: activations quantized per row per 32-weight block to int8 twice
+(the value, then the residual; see __init__), integer dot products (AMX-INT8 from 8 kernel rows where the CPU has it, else
 AVX512-VNNI), float32 scales and output; or, on a CPU without AMX-INT8 from
 cpu_gemm.BF16_MIN_ROWS rows (batched decode, prefill), bf16 activations against each weight
 tile unpacked to bf16 in cache (the bf16 GEMM's vdpbf16ps kernel: faster there than two int8

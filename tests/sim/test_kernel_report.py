@@ -196,7 +196,7 @@ def test_real_report_structure_and_values(real_report):
 
     rc, text, data, _, _ = real_report
     assert rc == 0 and "not a measurement" in text and "not a measurement" in data["note"]
-    assert data["arch"] == "sm_90a" and data["failures"] == []
+    assert data["arch"] == "sm_90/sm_90a" and data["failures"] == []
     assert set(data["assumptions"]) >= {"sms", "hbm_bytes_per_s", "dense_bf16_flop_per_s"}
     (row,) = data["kernels"]
     assert row["kernel"] == "copy_blocks" and row["file"] == "block_copy.cu"
