@@ -1,20 +1,20 @@
 """CpuGgufBackend: the cpu backend that computes on a GGUF file's quantized weights as the file
 stores them (EngineConfig.quantization "gguf").
 
-The loader (runtime/gguf_quantized.py) hands the model the GEMM matrices -- q/k/v/o, gate/up,
-down, the LM head -- and the embedding table as QuantizedMatrix blocks. `linear_weight` repacks
-the types pagedrun.pyx.cpu_gemm has a kernel for (cpu_gemm.GGUF_NATIVE_TYPES: Q4_0, Q4_1, Q8_0,
-Q4_K, Q6_K, Q5_0, Q5_K, Q3_K) into that kernel's layout at about the file's own bytes per weight
-(Q4_1 0.625, Q4_K 0.578, Q8_0 1.0625, Q6_K 1.07; Q5_0 1.0625 and Q5_K 1.08: one byte a weight,
-against the file's 0.69; Q3_K as Q6_K, 1.07 against the file's 0.43), and `linear` runs
-cpu_gemm.gemm_gguf on them: activations quantized per row per 32-weight block to int8 twice
-(the value, then the residual; see __init__), integer dot products (AMX-INT8 from 8 kernel rows where the CPU has it, else
-AVX512-VNNI), float32 scales and output; or, on a CPU without AMX-INT8 from
-cpu_gemm.BF16_MIN_ROWS rows (batched decode, prefill), bf16 activations against each weight
-tile unpacked to bf16 in cache (the bf16 GEMM's vdpbf16ps kernel: faster there than two int8
-passes, with the weights still quantized in memory). A matrix in another
-block type (Q5_1, Q2_K until they get a kernel), or a fused matrix whose parts differ in
-type, is dequantized at load and packed as bf16 (the bf16 backend's GEMM), logged once per type.
+The loader (runtime/gguf_quantized.py) hands the model the GEMM matrices -- q/k/v/o, gate/up, down,
+the LM head -- and the embedding table as QuantizedMatrix blocks. `linear_weight` repacks the types
+pagedrun.pyx.cpu_gemm has a kernel for (cpu_gemm.GGUF_NATIVE_TYPES: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K,
+Q5_0, Q5_K, Q3_K) into that kernel's layout at about the file's own bytes per weight (Q4_1 0.625,
+Q4_K 0.578, Q8_0 1.0625, Q6_K 1.07; Q5_0 1.0625 and Q5_K 1.08: one byte a weight, against the
+file's 0.69; Q3_K as Q6_K, 1.07 against the file's 0.43), and `linear` runs cpu_gemm.gemm_gguf on
+them: activations quantized per row per 32-weight block to int8 twice (the value, then the
+residual; see __init__), integer dot products (AMX-INT8 from 8 kernel rows where the CPU has it,
+else AVX512-VNNI), float32 scales and output; or, on a CPU without AMX-INT8 from
+cpu_gemm.BF16_MIN_ROWS rows (batched decode, prefill), bf16 activations against each weight tile
+unpacked to bf16 in cache (the bf16 GEMM's vdpbf16ps kernel: faster there than two int8 passes,
+with the weights still quantized in memory). A matrix in another block type (Q5_1, Q2_K until they
+get a kernel), or a fused matrix whose parts differ in type, is dequantized at load and packed as
+bf16 (the bf16 backend's GEMM), logged once per type.
 
 The embedding lookup dequantizes only the rows a step reads (llama.py). Everything else --
 norms, rotary, attention, the bf16 KV cache (kv_cache_dtype "auto"), MoE experts, LoRA deltas --
