@@ -107,3 +107,47 @@ ptxas info    : Used 12 registers, 368 bytes cmem[0]
 def test_hopper_only_instructions_select_sm90a():
     assert gates.hopper_arch("asm volatile(\"wgmma.mma_async.sync ...\");") == "sm_90a"
     assert gates.hopper_arch("mma_m16n8k16_bf16(d, a, b, c);") == "sm_90"
+
+
+def test_cubin_cache_replays_a_build_and_misses_on_any_changed_input(tmp_path, monkeypatch):
+    """nvcc_cubin's content cache (the kernel report reuses the gates' builds through it): the
+    same inputs give the stored cubin and ptxas report without running nvcc; a changed file,
+    header or architecture is built afresh."""
+    from pagedrun.runtime.kernels.sim_module import sanitizer_mode
+
+    if sanitizer_mode() != "plain":
+        pytest.skip("nvcc would run under the preloaded sanitizer; the plain job covers it")
+    root = gates.toolkit_root()
+    if root is None:
+        pytest.skip("needs nvcc")
+    nvcc = root / "bin" / "nvcc"
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "probe.cuh").write_text("#define SCALE 2.0f\n")
+    kernel = src / "probe.cu"
+    kernel.write_text('#include "probe.cuh"\n'
+                      'extern "C" __global__ void probe(float* x) { x[threadIdx.x] *= SCALE; }\n')
+    cache = tmp_path / "cache"
+    first = gates.nvcc_cubin(nvcc, kernel, "sm_80", str(tmp_path / "a.cubin"), cache)
+    assert first.returncode == 0 and "probe" in first.stdout + first.stderr
+
+    runs = []
+    real_run = gates.subprocess.run
+
+    def counting_run(cmd, *args, **kwargs):
+        if cmd and str(cmd[0]).endswith("nvcc") and "-cubin" in cmd:
+            runs.append(cmd)
+        return real_run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(gates.subprocess, "run", counting_run)
+    again = gates.nvcc_cubin(nvcc, kernel, "sm_80", str(tmp_path / "b.cubin"), cache)
+    assert runs == [] and again.returncode == 0
+    assert again.stdout == first.stdout + first.stderr
+    assert (tmp_path / "b.cubin").read_bytes() == (tmp_path / "a.cubin").read_bytes()
+
+    gates.nvcc_cubin(nvcc, kernel, "sm_90", str(tmp_path / "c.cubin"), cache)
+    assert len(runs) == 1                      # another architecture
+    (src / "probe.cuh").write_text("#define SCALE 3.0f\n")
+    gates.nvcc_cubin(nvcc, kernel, "sm_80", str(tmp_path / "d.cubin"), cache)
+    assert len(runs) == 2                      # a header changed
+    assert (tmp_path / "d.cubin").read_bytes() != (tmp_path / "a.cubin").read_bytes()
