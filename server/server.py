@@ -340,8 +340,9 @@ class Server:
                 self._send(identity, MsgType.ABORTED,
                            {"request_id": rid, "found": engine_id is not None})
             elif msg_type == MsgType.PING:
+                stopping = self._draining or self._shutdown.is_set()
                 self._send(identity, MsgType.PONG, {
-                    "request_id": rid, "status": "draining" if self._draining else "ok",
+                    "request_id": rid, "status": "draining" if stopping else "ok",
                     "protocol_version": PROTOCOL_VERSION,
                     "protocol_revision": PROTOCOL_REVISION, "lease_s": self.config.lease_s,
                     "server_time": time.time(), "num_requests_in_flight": len(self._requests)})
@@ -371,7 +372,9 @@ class Server:
 
     def _on_generate(self, identity: bytes, req: GenerateRequest) -> None:
         rid = req.request_id
-        if self._draining:
+        # The event, not only _draining: a request that arrives after request_shutdown()
+        # returned but before the loop's next turn set _draining is refused as well.
+        if self._draining or self._shutdown.is_set():
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, "server is shutting down", rid)
         if (identity, rid) in self._by_client:
             raise ProtocolError(ErrorCode.DUPLICATE_REQUEST_ID,

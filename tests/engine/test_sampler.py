@@ -290,7 +290,7 @@ def test_logprobs_modes(rng, mode):
     vocab, rows = 4099, 7
     logits = (rng.standard_normal((rows, vocab)) * 5).astype(np.float32)
     params = [SamplingParams(temperature=0.6, top_k=3, logprobs=5, repetition_penalty=1.5),
-              SamplingParams(temperature=0.0, logprobs=0, logit_bias={7: 30.0}),
+              SamplingParams(temperature=0.0, logprobs=0, logit_bias={7: 100.0}),
               SamplingParams(temperature=1.0),
               SamplingParams(temperature=1.0, top_p=0.5, logprobs=20, seed=3),
               SamplingParams(temperature=0.0, logprobs=1, presence_penalty=2.0),
