@@ -17,58 +17,67 @@
 //   W8A16:
 //     qweight [N, K]                 int8 (the HF [out, in] layout; 16-byte aligned)
 //     scales  [K / g, N]             T
-//   W4A16 (layout produced by runtime/kernels/wq_pack.py: pack_w4):
-//     qweight [K / 32, N, 4]         uint32: k-tile kt (32 k), row n = 4 words = 16 bytes, so
-//             one k-tile of 64 rows is one contiguous 1 KiB run and each thread loads its row
-//             half (8 bytes) with consecutive threads on consecutive addresses (coalesced, no
-//             bank or sector waste). Word w covers k = kt*32 + w*8 + e, e = 0..7, with element
-//             e in nibble (e >> 1) + 4 * (e & 1), i.e. nibbles hold e = 0,2,4,6,1,3,5,7: pair
+//   W4A16 (pre-shuffled by runtime/kernels/wq_pack.py: pack_w4, pack_w4_groups; Ng =
+//   ceil(N / 32) column groups of 32 output rows, rows past N zero):
+//     qweight [K / 32, Ng, 32, 4]    uint32: the mma fragments. Word [kt, ng, l, j] holds the 8
+//             weights W[32 ng + 8j + l / 4][32 kt + 8 (l % 4) + e], e = 0..7, element e in
+//             nibble (e >> 1) + 4 * (e & 1), i.e. nibbles hold e = 0,2,4,6,1,3,5,7: pair
 //             (2i, 2i+1) sits in bits [4i, 4i+4) and [4i+16, 4i+20), so `(w >> 4i) & 0x000f000f`
 //             yields both halves of a packed pair at once (the magic-number conversion
-//             1024 + q (f16 0x6400) / 128 + q (bf16 0x4300), see dequant_pair).
-//     scales  [K / g, N]             T
-//     zeros   [K / g, N]             uint8 (0..15)
+//             1024 + q (f16 0x6400) / 128 + q (bf16 0x4300), see dequant_pair). One
+//             (k-tile, column group) is a contiguous 512-byte run: lane l's 16 bytes at 16 l.
+//     scales  [K / g, Ng * 32]       T; within a group of 32 columns, column 4r + j holds
+//             column 8j + r (a lane's four n8 tiles: one 8-byte load); padding 0
+//     zeros   [K / g, Ng * 32]       uint8 (0..15), the same order (one 4-byte load)
 //
-// One kernel family for any M: CTA = 128 threads (4 warps), tile BM x 64 x 32, BM = 16 * MT
-// (MT = 1: decode, M <= 16; MT = 4: prefill). Each k-tile: x tile [BM][32] T (16-byte loads,
-// zero rows past M) and the dequantized weight tile [64][32] T go to shared memory, swizzled as
-// in gemm.cu's K-major tiles (chunk' = chunk ^ ((row >> 1) & 3): conflict-free ldmatrix);
-// each warp owns 16 columns (2 n8 tiles) and all BM rows (MT m16 tiles). The weight tile lies
-// in one quantization group because g % 32 == 0, so a thread reads one scale (and zero) per
-// k-tile. Not pipelined: load -> dequantize -> __syncthreads -> mma -> __syncthreads.
+// Two designs:
+// - W4 decode (M <= 16, gemm_w4a16_DT_m8 / _m16: 1 or 2 tiles of 8 tokens), dequantized in
+//   registers, no shared memory and no barrier (gemm_w4_decode below): out^T = W x^T with W as
+//   the mma's A operand, x as its B operand, k permuted within each 32-k tile identically for
+//   both so that a lane's 16 bytes of weights and of each token row are exactly its fragments.
+//   4 warps per CTA, one 32-column group each; loads run 4 k-tiles ahead in a register ring.
+// - The shared-memory tile (W8 at every M, W4 prefill): CTA = 128 threads (4 warps), tile
+//   BM x 64 x 32, BM = 16 * MT (MT = 1: W8 decode, M <= 16; MT = 4: prefill). Each k-tile:
+//   x tile [BM][32] T (16-byte loads, zero rows past M) and the dequantized weight tile
+//   [64][32] T go to shared memory, swizzled as in gemm.cu's K-major tiles (chunk' = chunk ^
+//   ((row >> 1) & 3): conflict-free ldmatrix); each warp owns 16 columns (2 n8 tiles) and all
+//   BM rows (MT m16 tiles). Not pipelined: load -> dequantize -> __syncthreads -> mma ->
+//   __syncthreads.
+// A k-tile lies in one quantization group because g % 32 == 0: one scale (and zero) per column
+// per k-tile.
 //
 // Split-K (decode): with partial != nullptr, CTA z covers k-tiles [z * kps, (z + 1) * kps)
 // (kps = k_tiles_per_split) and writes its raw fp32 sums to partial [splits, M, N] (no bias);
 // gemm_wq_splitk_reduce_DT adds the slices and the bias and rounds once to T. Without it the
-// decode grid is only N / 64 CTAs (64 for N = 4096: fewer than one per SM).
+// decode grid is only N / 128 (W4) or N / 64 (W8) CTAs: fewer than one per SM at N = 4096.
 //
-// Bytes in flight (decode, H200): one k-tile per CTA is outstanding at a time (synchronous
-// loads). Per k-tile a CTA loads qweight 64 x 16 B (W4) or 64 x 32 B (W8), scales 64 x 2 B,
-// zeros 64 B (W4) and x BM x 64 B (only M real rows: 64 B at M = 1) ~ 1.3 KiB (W4, M = 1) /
-// 2.2 KiB (W8). Little's law wants 4.8 TB/s x 700 ns / 132 SMs ~ 25 KiB per SM. The decode
-// tile uses 48 registers (<= 64 by launch bounds) and 5 KiB of shared memory, so 10 CTAs fit
-// per SM (register-limited): ~13 KiB (W4) / ~22 KiB (W8) in flight, i.e. at most ~50% / ~85%
-// of HBM bandwidth, and only if the grid fills the machine -- runtime/kernels/gemm_wq.py picks the
-// split count for >= 8 CTAs per SM. Issue: the k-tile loop is ~140 SASS instructions per warp
-// (docs/kernel_report.md), 4 warps per CTA: ~140 SM clocks per ~1.3 KiB (W4, M = 1) -> ~9
-// B/clock/SM ~ 2.3 TB/s, about half of HBM -- so decode is issue-bound about as much as
-// latency-bound. Next: a cp.async double buffer (twice the bytes in flight), more rows per
-// thread (fewer address / index instructions per weight byte), a register-only decode path.
-// W4 dequantizes two weights per HSUB2 + HMUL2 (magic-number conversion, dequant_pair); W8
-// still converts through float. Prefill (MT = 4) runs 16 mma per warp per k-tile against the
-// same ~130 other instructions: issue-bound on loads and dequantization, not on tensor cores.
+// Bytes in flight (decode, H200; Little's law wants 4.8 TB/s x 700 ns / 132 SMs ~ 25 KiB per
+// SM). W4 (m8): 96 registers (<= 128 by launch bounds), so 5 CTAs = 20 warps per SM, each with
+// 4 k-tiles x 512 B of weights outstanding: ~40 KiB per SM. Issue: the unrolled loop is ~107
+// non-memory, non-tensor SASS instructions per warp per k-tile (docs/kernel_report.md: 16
+// dequantizing HADD2 + 16 HMUL2, 16 LOP3, 12 shifts, 8 PRMT for scales and zero points, the
+// rest addressing), ~115 issue slots per 512 B of weights: ~18 B per SM clock at 4 warps
+// issuing, ~4.6 TB/s -- about HBM's 4.8, so the kernel should sit at the bandwidth with little
+// room to spare (the target: >= 80% of copy bandwidth counted in int4 bytes). W8 (the
+// shared-memory tile, m16): 48 registers, 10 CTAs per SM, one k-tile of ~2.2 KiB in flight per
+// CTA: ~22 KiB, ~85% of HBM at most; ~135 instructions per k-tile. W8 converts through float;
+// a register path like W4's is the next step for it. Prefill (MT = 4) runs 16 mma per warp
+// per k-tile against ~100 other instructions: issue-bound on loads and dequantization (51% of
+// the tensor peak in the model), not on tensor cores.
 //
-// Launch geometry: grid (ceil(N / 64), ceil(M / BM), splits), block 128, no dynamic shared
-// memory (static (BM + 64) x 32 x 2 bytes); reduce: grid ceil(M * N / 128), block 128.
-// runtime/kernels/gemm_wq.py picks MT = 1 for M <= 16.
-// Instantiations (extern "C"; DT in {f16, bf16}, BM in {16, 64} for MT = 1, 4):
-//   gemm_w8a16_DT_mBM(out, partial, x, qweight, scales, bias, M, N, K, group_size, kps)
-//   gemm_w4a16_DT_mBM(out, partial, x, qweight, scales, zeros, bias, M, N, K, group_size, kps)
+// Launch geometry: W4 decode: grid (ceil(N / 128), ceil(M / (8 NT)), splits), block 128, no
+// shared memory; the tile: grid (ceil(N / 64), ceil(M / BM), splits), block 128, static shared
+// memory (BM + 64) x 32 x 2 bytes; reduce: grid ceil(M * N / 128), block 128.
+// runtime/kernels/gemm_wq.py picks the kernel by M (W4: m8 for M <= 8, m16 for M <= 16).
+// Instantiations (extern "C"; DT in {f16, bf16}):
+//   gemm_w8a16_DT_m{16,64}(out, partial, x, qweight, scales, bias, M, N, K, group_size, kps)
+//   gemm_w4a16_DT_m{8,16,64}(out, partial, x, qweight, scales, zeros, bias, M, N, K,
+//                            group_size, kps)
 //   gemm_wq_splitk_reduce_DT(out, partial, bias, M, N, num_splits)
 // (partial: float [splits, M, N] or nullptr; with nullptr, pass kps = K / 32, one split.)
 //
-// Register budget: 128 per thread at 128 threads (32 accumulators at MT = 4); the gate must
-// show 0 spill bytes.
+// Register budget: 128 per thread at 128 threads (32 accumulators at MT = 4; the W4 decode
+// ring: 4 x (16 + 16 NT + 12) bytes per lane); the gate must show 0 spill bytes.
 // Measured: none (no GPU run yet).
 #include "common.cuh"
 #include "gemm_epilogue.cuh"
@@ -83,12 +92,16 @@ constexpr int kThreads = 128;
 // 4 for the prefill tile (<= 128). Without the hint ptxas (sm_90) picks 64 registers for the
 // 64-row W4 tile and spills 8 bytes.
 template <int MT> constexpr int kMinBlocks = MT == 1 ? 8 : 4;
+constexpr int kDecodeMinBlocks = 4;  // W4 decode: <= 128 registers (the register ring)
 constexpr int kBN = 64;         // CTA columns: 4 warps x 16
 constexpr int kBK = 32;         // k per tile; the K granularity
 constexpr int kWarpN = 16;
 constexpr int kChunkElems = 8;  // 16 bytes of T
 constexpr int kKChunks = kBK / kChunkElems;
-constexpr int kW4WordsPerRow = kBK / 8;  // 4 uint32 per (k-tile, row)
+constexpr int kW4GroupN = 32;      // W4: output rows per column group (one decode warp)
+constexpr int kW4GroupWords = 128;  // W4: uint32 per (k-tile, column group): 32 lanes x 4
+constexpr int kDecodeWarps = kThreads / 32;
+constexpr int kDecodeStages = 4;    // W4 decode: k-tiles loaded ahead into registers
 
 __device__ __forceinline__ int kmajor_offset(int row, int chunk) {
     return row * kBK + ((chunk ^ ((row >> 1) & 3)) * kChunkElems);
@@ -111,6 +124,15 @@ __device__ __forceinline__ uint2 load8(const void* p) {
     return v;
 #else
     return *reinterpret_cast<const uint2*>(p);
+#endif
+}
+__device__ __forceinline__ uint32_t load4(const void* p) {
+#if defined(PAGEDRUN_SIM)
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+#else
+    return *reinterpret_cast<const uint32_t*>(p);
 #endif
 }
 __device__ __forceinline__ void store_chunk(void* dst, uint32_t w0, uint32_t w1, uint32_t w2,
@@ -170,66 +192,141 @@ template <typename T> struct Magic;
 template <> struct Magic<__half> {
     using T2 = __half2;
     static constexpr uint32_t kBits = 0x64006400u;
+    static constexpr uint32_t kHighBytes = 0x64646464u;  // kBits' high byte, in every byte
     static constexpr float kBase = 1024.f;
     static __device__ __forceinline__ T2 from_bits(uint32_t b) {
+#if defined(PAGEDRUN_SIM)
         return __halves2half2(__ushort_as_half(static_cast<unsigned short>(b & 0xffffu)),
                               __ushort_as_half(static_cast<unsigned short>(b >> 16)));
+#else
+        return *reinterpret_cast<const T2*>(&b);  // one register, no repacking
+#endif
     }
     static __device__ __forceinline__ uint32_t to_bits(T2 v) {
+#if defined(PAGEDRUN_SIM)
         return static_cast<uint32_t>(__half_as_ushort(v.x)) |
                (static_cast<uint32_t>(__half_as_ushort(v.y)) << 16);
+#else
+        return *reinterpret_cast<const uint32_t*>(&v);
+#endif
     }
     static __device__ __forceinline__ T2 splat(float v) { return __float2half2_rn(v); }
 };
 template <> struct Magic<__nv_bfloat16> {
     using T2 = __nv_bfloat162;
     static constexpr uint32_t kBits = 0x43004300u;
+    static constexpr uint32_t kHighBytes = 0x43434343u;
     static constexpr float kBase = 128.f;
     static __device__ __forceinline__ T2 from_bits(uint32_t b) {
+#if defined(PAGEDRUN_SIM)
         return __halves2bfloat162(
             __ushort_as_bfloat16(static_cast<unsigned short>(b & 0xffffu)),
             __ushort_as_bfloat16(static_cast<unsigned short>(b >> 16)));
+#else
+        return *reinterpret_cast<const T2*>(&b);
+#endif
     }
     static __device__ __forceinline__ uint32_t to_bits(T2 v) {
+#if defined(PAGEDRUN_SIM)
         return static_cast<uint32_t>(__bfloat16_as_ushort(v.x)) |
                (static_cast<uint32_t>(__bfloat16_as_ushort(v.y)) << 16);
+#else
+        return *reinterpret_cast<const uint32_t*>(&v);
+#endif
     }
     static __device__ __forceinline__ T2 splat(float v) { return __float2bfloat162_rn(v); }
 };
 
+// (a & mask) | bits in one LOP3 (the compiler otherwise emits two: one immediate each).
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t mask, uint32_t bits) {
+#if defined(PAGEDRUN_SIM)
+    return (a & mask) | bits;
+#else
+    uint32_t d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(d) : "r"(a), "r"(mask), "r"(bits));
+    return d;
+#endif
+}
+
 template <typename T>
 __device__ __forceinline__ uint32_t dequant_pair(uint32_t word, typename Magic<T>::T2 s2,
                                                  typename Magic<T>::T2 base_z2) {
-    const auto v = Magic<T>::from_bits((word & 0x000f000fu) | Magic<T>::kBits);
+    const auto v = Magic<T>::from_bits(and_or(word, 0x000f000fu, Magic<T>::kBits));
     return Magic<T>::to_bits(__hmul2(__hsub2(v, base_z2), s2));
 }
 
-// Dequantized 4-bit weight tile [64][32]: thread t takes row t / 2, words 2(t % 2), +1.
+// The T pair {base + z, base + z} of a zero point z (0..15), by the same bit trick.
 template <typename T>
-__device__ __forceinline__ void load_w4_tile(T* s_w, const uint32_t* q, const T* scales,
-                                             const uint8_t* zeros, int n0, int kt, int N,
-                                             int group_size) {
-    const int row = threadIdx.x / 2, half = threadIdx.x % 2;
-    const int n = n0 + row;
-    uint32_t w[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
-    if (n < N) {
-        const long long g = static_cast<long long>(kt * kBK / group_size) * N + n;
-        const auto s2 = Magic<T>::splat(to_f32(scales[g]));
-        const auto base_z2 = Magic<T>::splat(Magic<T>::kBase + static_cast<float>(zeros[g]));
-        const uint2 v = load8(q + (static_cast<long long>(kt) * N + n) * kW4WordsPerRow +
-                              2 * half);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {  // pair (2i, 2i + 1): nibbles i and i + 4
-            w[i] = dequant_pair<T>(v.x >> (4 * i), s2, base_z2);
-            w[4 + i] = dequant_pair<T>(v.y >> (4 * i), s2, base_z2);
-        }
-    }
-    store_chunk(s_w + kmajor_offset(row, 2 * half), w[0], w[1], w[2], w[3]);
-    store_chunk(s_w + kmajor_offset(row, 2 * half + 1), w[4], w[5], w[6], w[7]);
+__device__ __forceinline__ typename Magic<T>::T2 base_plus_zero2(uint32_t z) {
+    return Magic<T>::from_bits(((Magic<T>::kBits & 0xffffu) | z) * 0x00010001u);
 }
 
+// One PRMT each: both lanes scale j of the 4 T scales in `sc` (2 per word), and both lanes
+// base + z_j for the 4 zero points in the bytes of `zp` (z_j in the low byte, base's high
+// byte above it: base + z exactly, as the weights' own magic-number conversion).
+template <typename T>
+__device__ __forceinline__ typename Magic<T>::T2 scale_pair(uint2 sc, int j) {
+    return Magic<T>::from_bits(__byte_perm(j < 2 ? sc.x : sc.y, 0u, (j & 1) ? 0x3232u : 0x1010u));
+}
+template <typename T>
+__device__ __forceinline__ typename Magic<T>::T2 base_zero_pair(uint32_t zp, int j) {
+    return Magic<T>::from_bits(__byte_perm(zp, Magic<T>::kHighBytes, 0x4040u + 0x0101u * j));
+}
 
-// W4 = false: q is int8 [N, K]; W4 = true: q is uint32 [K / 32, N, 4] and zeros is used.
+// The 8 weights of one pre-shuffled word as 4 packed T pairs s * (q - z), pair i = elements
+// (2i, 2i + 1).
+template <typename T>
+__device__ __forceinline__ void dequant_word(uint32_t (&pairs)[4], uint32_t word,
+                                             typename Magic<T>::T2 s2,
+                                             typename Magic<T>::T2 base_z2) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) pairs[i] = dequant_pair<T>(word >> (4 * i), s2, base_z2);
+}
+
+// The quantization group of k-tile kt: kt >> group_shift, or 0 per-channel (group_shift < 0).
+__device__ __forceinline__ int w4_group_shift(int group_size, int K) {
+    return group_size == K ? -1 : __ffs(group_size / kBK) - 1;
+}
+__device__ __forceinline__ int w4_group(int kt, int group_shift) {
+    return group_shift < 0 ? 0 : kt >> group_shift;
+}
+
+// Dequantized 4-bit weight tile [64][32] from the pre-shuffled layout: the CTA's 64 columns are
+// column groups n0 / 32 and n0 / 32 + 1; thread t reads 8 bytes of group t / 64 as the decode
+// kernel's lane (t % 64) / 2 would (words 2 (t % 2) and + 1: two n8 tiles), dequantizes them
+// and stores each word's 8 k as one 16-byte chunk: row 32 (t / 64) + 8j + lane / 4, chunk
+// lane % 4. Consecutive threads read consecutive 8 bytes (a 512-byte run per group).
+template <typename T>
+__device__ __forceinline__ void load_w4_tile(T* s_w, const uint32_t* q, const T* scales,
+                                             const uint8_t* zeros, int n0, int kt,
+                                             int num_groups, int group) {
+    const int gi = threadIdx.x / 64;
+    const int lane = (threadIdx.x % 64) / 2;
+    const int jp = threadIdx.x % 2;
+    const int ng = n0 / kW4GroupN + gi;
+    uint32_t w[2][4] = {{0u, 0u, 0u, 0u}, {0u, 0u, 0u, 0u}};
+    if (ng < num_groups) {
+        const uint2 v = load8(q + (static_cast<long long>(kt) * num_groups + ng) * kW4GroupWords +
+                              lane * 4 + 2 * jp);
+        const long long gidx =
+            (static_cast<long long>(group) * num_groups + ng) * kW4GroupN + (lane / 4) * 4 + 2 * jp;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const auto s2 = Magic<T>::splat(to_f32(scales[gidx + h]));
+            const auto base_z2 = base_plus_zero2<T>(zeros[gidx + h]);
+            const uint32_t word = h == 0 ? v.x : v.y;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) w[h][i] = dequant_pair<T>(word >> (4 * i), s2, base_z2);
+        }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+        store_chunk(s_w + kmajor_offset(gi * kW4GroupN + (2 * jp + h) * 8 + lane / 4, lane % 4),
+                    w[h][0], w[h][1], w[h][2], w[h][3]);
+}
+
+// W4 = false: q is int8 [N, K]; W4 = true: q is the pre-shuffled uint32 [K / 32, Ng, 32, 4]
+// and zeros is used (only the 64-row tile: the W4 decode kernel is gemm_w4_decode).
 template <typename T, int MT, bool W4>
 __device__ __forceinline__ void gemm_wq(T* out, const T* __restrict__ x, const void* q,
                                         const T* __restrict__ scales,
@@ -258,8 +355,9 @@ __device__ __forceinline__ void gemm_wq(T* out, const T* __restrict__ x, const v
         const int k0 = kt * kBK;
         load_x_tile<T, kBM>(s_x, x, m0, k0, M, K);
         if constexpr (W4)
-            load_w4_tile<T>(s_w, static_cast<const uint32_t*>(q), scales, zeros, n0, kt, N,
-                            group_size);
+            load_w4_tile<T>(s_w, static_cast<const uint32_t*>(q), scales, zeros, n0, kt,
+                            (N + kW4GroupN - 1) / kW4GroupN,
+                            w4_group(kt, w4_group_shift(group_size, K)));
         else
             load_w8_tile<T>(s_w, static_cast<const int8_t*>(q), scales, n0, k0, N, K,
                             group_size);
@@ -312,6 +410,134 @@ __device__ __forceinline__ void gemm_wq(T* out, const T* __restrict__ x, const v
     }
 }
 
+// W4A16 for M <= 8 * NT (decode), dequantized in registers: no shared memory, no barrier. The
+// product is computed transposed, out^T = W x^T: the weights are the mma's A operand (16
+// output columns = two n8 tiles of the packing) and the activations its B operand (8 tokens),
+// so M <= 8 wastes no half of every mma and the B fragments are loaded exactly as the
+// registers the mma reads. Warp w of CTA b owns column group ng = 4 b + w (32 output
+// columns: A tiles {0, 1} and {2, 3} of the packing) and the k-tiles of split blockIdx.z.
+// Per k-tile, lane l (g = l / 4, c = l % 4) loads
+//   - its 16 bytes of the pre-shuffled weights: word j = W[32 ng + 8j + g][32 kt + 8c + e],
+//     e = 0..7 -- A-fragment rows g (tile 2p) and g + 8 (tile 2p + 1) of two k16 steps;
+//   - x[m0 + 8t + g][32 kt + 8c .. + 7] per token tile t (16 bytes; zero past M): the B
+//     fragments of the same two steps. k is permuted within the tile identically for A and B
+//     (fragment k-position 2c + {0, 1} is k = 8c + 4s + {0, 1}, 2c + 8 + {0, 1} is
+//     8c + 4s + {2, 3} in step s): a sum over k does not depend on the order of its terms;
+//   - 4 scales (8 bytes) and 4 zero points (4 bytes) of its columns in the k-tile's group.
+// The loads run kDecodeStages k-tiles ahead of the math (a register ring, fully unrolled so it
+// stays in registers): 4 x 512 bytes of weights in flight per warp.
+template <typename T, int NT>
+__device__ __forceinline__ void gemm_w4_decode(T* out, const T* __restrict__ x,
+                                               const uint32_t* __restrict__ q,
+                                               const T* __restrict__ scales,
+                                               const uint8_t* __restrict__ zeros,
+                                               const T* __restrict__ bias, float* partial, int M,
+                                               int N, int K, int group_size,
+                                               int k_tiles_per_split) {
+    constexpr int S = kDecodeStages;
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int g = lane / 4, c = lane % 4;
+    const int num_groups = (N + kW4GroupN - 1) / kW4GroupN;
+    const int ng = blockIdx.x * kDecodeWarps + warp;
+    if (ng >= num_groups) return;  // whole warps only: no barrier below
+    const int m0 = blockIdx.y * 8 * NT;
+    const int group_shift = w4_group_shift(group_size, K);
+    const int kt_begin = blockIdx.z * k_tiles_per_split;
+    const int kt_end = min(K / kBK, kt_begin + k_tiles_per_split);
+    // Offsets in 32 bits (one IMAD each per k-tile): the largest array, qweight, holds
+    // K N / 8 words -- 2^26 for a 128K-vocabulary head of 4096 -- far below 2^32.
+    bool token_ok[NT];
+    const T* x_lane[NT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+        token_ok[t] = m0 + 8 * t + g < M;
+        x_lane[t] = x + static_cast<long long>(token_ok[t] ? m0 + 8 * t + g : 0) * K + 8 * c;
+    }
+    const uint32_t* q_lane = q + static_cast<long long>(ng) * kW4GroupWords + lane * 4;
+    const uint32_t q_tile_stride = static_cast<uint32_t>(num_groups) * kW4GroupWords;
+    const T* scales_lane = scales + static_cast<long long>(ng) * kW4GroupN + g * 4;
+    const uint8_t* zeros_lane = zeros + static_cast<long long>(ng) * kW4GroupN + g * 4;
+    const uint32_t g_stride = static_cast<uint32_t>(num_groups) * kW4GroupN;
+
+    // The ring. A slot past kt_end is never read (its k-tile is skipped below), so it is not
+    // cleared: only tokens past M must read as zeros.
+    uint4 wq[S], xv[S][NT];
+    uint2 sc[S];
+    uint32_t zp[S];
+    auto fetch = [&](int s, int kt) {
+        if (kt < kt_end) {
+            wq[s] = load16(q_lane + static_cast<uint32_t>(kt) * q_tile_stride);
+#pragma unroll
+            for (int t = 0; t < NT; ++t)
+                xv[s][t] = token_ok[t] ? load16(x_lane[t] + kt * kBK) : make_uint4(0u, 0u, 0u, 0u);
+            const uint32_t gi = static_cast<uint32_t>(w4_group(kt, group_shift)) * g_stride;
+            sc[s] = load8(scales_lane + gi);
+            zp[s] = load4(zeros_lane + gi);
+        }
+    };
+
+    float acc[2][NT][4];
+#pragma unroll
+    for (int p = 0; p < 2; ++p)
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[p][t][i] = 0.f;
+
+#pragma unroll
+    for (int s = 0; s < S; ++s) fetch(s, kt_begin + s);
+    for (int kt0 = kt_begin; kt0 < kt_end; kt0 += S) {
+#pragma unroll
+        for (int s = 0; s < S; ++s) {
+            if (kt0 + s < kt_end) {  // warp-uniform
+                const uint32_t words[4] = {wq[s].x, wq[s].y, wq[s].z, wq[s].w};
+#pragma unroll
+                for (int p = 0; p < 2; ++p) {
+                    uint32_t lo[4], hi[4];  // A rows g (tile 2p) and g + 8 (tile 2p + 1)
+                    dequant_word<T>(lo, words[2 * p], scale_pair<T>(sc[s], 2 * p),
+                                    base_zero_pair<T>(zp[s], 2 * p));
+                    dequant_word<T>(hi, words[2 * p + 1], scale_pair<T>(sc[s], 2 * p + 1),
+                                    base_zero_pair<T>(zp[s], 2 * p + 1));
+#pragma unroll
+                    for (int step = 0; step < 2; ++step) {
+                        const uint32_t a[4] = {lo[2 * step], hi[2 * step], lo[2 * step + 1],
+                                               hi[2 * step + 1]};
+#pragma unroll
+                        for (int t = 0; t < NT; ++t) {
+                            const uint32_t b[2] = {step == 0 ? xv[s][t].x : xv[s][t].z,
+                                                   step == 0 ? xv[s][t].y : xv[s][t].w};
+                            mma_m16n8k16_acc<T>(acc[p][t], a, b);
+                        }
+                    }
+                }
+            }
+            fetch(s, kt0 + s + S);
+        }
+    }
+
+    // D fragment: rows g / g + 8 are columns n of tiles 2p / 2p + 1, columns 2c + {0, 1} are
+    // tokens.
+#pragma unroll
+    for (int p = 0; p < 2; ++p)
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int token = m0 + 8 * t + 2 * c + (i % 2);
+                const int n = ng * kW4GroupN + 8 * (2 * p + i / 2) + g;
+                if (token >= M || n >= N) continue;
+                const long long idx = static_cast<long long>(token) * N + n;
+                if (partial != nullptr) {  // split-K: raw fp32 sums of this K slice, no bias
+                    partial[static_cast<long long>(blockIdx.z) * M * N + idx] = acc[p][t][i];
+                } else {
+                    float v = acc[p][t][i];
+                    if (bias != nullptr) v += to_f32(bias[n]);
+                    out[idx] = from_f32<T>(v);
+                }
+            }
+}
+
 // out[m, n] = sum_z partial[z, m, n] (+ bias[n]): one thread per output.
 template <typename T>
 __device__ __forceinline__ void splitk_reduce(T* out, const float* partial, const T* bias, int M,
@@ -327,20 +553,38 @@ __device__ __forceinline__ void splitk_reduce(T* out, const float* partial, cons
 
 }  // namespace gemm_wq
 
-#define PAGEDRUN_GEMM_WQ(DT, T, MT, BM)                                                        \
+#define PAGEDRUN_GEMM_W8(DT, T, MT, BM)                                                        \
     extern "C" __global__ void __launch_bounds__(gemm_wq::kThreads, gemm_wq::kMinBlocks<MT>)   \
         gemm_w8a16_##DT##_m##BM(T* out, float* partial, const T* x, const int8_t* qweight,     \
                                 const T* scales, const T* bias, int M, int N, int K,           \
                                 int group_size, int k_tiles_per_split) {                       \
         gemm_wq::gemm_wq<T, MT, false>(out, x, qweight, scales, nullptr, bias, partial, M, N,  \
                                        K, group_size, k_tiles_per_split);                      \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(gemm_wq::kThreads, gemm_wq::kMinBlocks<MT>)   \
-        gemm_w4a16_##DT##_m##BM(T* out, float* partial, const T* x, const uint32_t* qweight,   \
-                                const T* scales, const uint8_t* zeros, const T* bias, int M,   \
-                                int N, int K, int group_size, int k_tiles_per_split) {         \
-        gemm_wq::gemm_wq<T, MT, true>(out, x, qweight, scales, zeros, bias, partial, M, N, K,  \
+    }
+
+// W4: the 8- and 16-row names are the register-only decode kernel (1 or 2 token tiles), the
+// 64-row one the shared-memory tile.
+#define PAGEDRUN_GEMM_W4(DT, T)                                                                \
+    extern "C" __global__ void __launch_bounds__(gemm_wq::kThreads, gemm_wq::kDecodeMinBlocks) \
+        gemm_w4a16_##DT##_m8(T* out, float* partial, const T* x, const uint32_t* qweight,      \
+                             const T* scales, const uint8_t* zeros, const T* bias, int M,      \
+                             int N, int K, int group_size, int k_tiles_per_split) {            \
+        gemm_wq::gemm_w4_decode<T, 1>(out, x, qweight, scales, zeros, bias, partial, M, N, K,  \
                                       group_size, k_tiles_per_split);                          \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(gemm_wq::kThreads, gemm_wq::kDecodeMinBlocks) \
+        gemm_w4a16_##DT##_m16(T* out, float* partial, const T* x, const uint32_t* qweight,     \
+                              const T* scales, const uint8_t* zeros, const T* bias, int M,     \
+                              int N, int K, int group_size, int k_tiles_per_split) {           \
+        gemm_wq::gemm_w4_decode<T, 2>(out, x, qweight, scales, zeros, bias, partial, M, N, K,  \
+                                      group_size, k_tiles_per_split);                          \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(gemm_wq::kThreads, gemm_wq::kMinBlocks<4>)    \
+        gemm_w4a16_##DT##_m64(T* out, float* partial, const T* x, const uint32_t* qweight,     \
+                              const T* scales, const uint8_t* zeros, const T* bias, int M,     \
+                              int N, int K, int group_size, int k_tiles_per_split) {           \
+        gemm_wq::gemm_wq<T, 4, true>(out, x, qweight, scales, zeros, bias, partial, M, N, K,   \
+                                     group_size, k_tiles_per_split);                           \
     }
 
 #define PAGEDRUN_GEMM_WQ_REDUCE(DT, T)                                                         \
@@ -350,9 +594,11 @@ __device__ __forceinline__ void splitk_reduce(T* out, const float* partial, cons
         gemm_wq::splitk_reduce<T>(out, partial, bias, M, N, num_splits);                       \
     }
 
-PAGEDRUN_GEMM_WQ(f16, __half, 1, 16)
-PAGEDRUN_GEMM_WQ(f16, __half, 4, 64)
-PAGEDRUN_GEMM_WQ(bf16, __nv_bfloat16, 1, 16)
-PAGEDRUN_GEMM_WQ(bf16, __nv_bfloat16, 4, 64)
+PAGEDRUN_GEMM_W8(f16, __half, 1, 16)
+PAGEDRUN_GEMM_W8(f16, __half, 4, 64)
+PAGEDRUN_GEMM_W8(bf16, __nv_bfloat16, 1, 16)
+PAGEDRUN_GEMM_W8(bf16, __nv_bfloat16, 4, 64)
+PAGEDRUN_GEMM_W4(f16, __half)
+PAGEDRUN_GEMM_W4(bf16, __nv_bfloat16)
 PAGEDRUN_GEMM_WQ_REDUCE(f16, __half)
 PAGEDRUN_GEMM_WQ_REDUCE(bf16, __nv_bfloat16)

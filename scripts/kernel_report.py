@@ -377,7 +377,7 @@ def occupancy(registers: int, threads: int, smem_bytes: int, a: dict = ASSUMPTIO
 # pipe, is their roofline: the skinny GEMM's tensor-core kernels, the weight-only GEMMs' 16-row
 # tiles and the tensor-core decode attention.
 STREAMING_TENSOR = re.compile(
-    r"gemm_skinny_tc_|gemm_w[48]a16_\w+_m16$|paged_attention_decode_tc_")
+    r"gemm_skinny_tc_|gemm_w[48]a16_\w+_m(8|16)$|paged_attention_decode_tc_")
 
 
 def roofline(loop: dict, threads: int, ctas_per_sm: int, a: dict = ASSUMPTIONS,
@@ -487,8 +487,8 @@ def assumption_lines() -> list[str]:
         "kernels that reuse loads through shared memory, e.g. gemm_f32_*). Compute loops "
         "(tensor instructions): HBM left out, estimate = % of the dense bf16 peak; except the "
         "decode-sized tensor kernels that stream their weights or K/V once (gemm_skinny_tc_*, "
-        "gemm_w4a16/w8a16_*_m16, paged_attention_decode_tc_*): streaming loops, the tensor "
-        "pipe one more limit.",
+        "gemm_w4a16/w8a16_*_m16, gemm_w4a16_*_m8, paged_attention_decode_tc_*): streaming "
+        "loops, the tensor pipe one more limit.",
     ]
 
 

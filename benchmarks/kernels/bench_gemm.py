@@ -17,6 +17,12 @@ M = 8): M = 1 .. 64 rows; GB/s = weight + activation + output bytes over the med
 to the device-to-device copy bandwidth measured in the same run and the ratio (target: >= 0.85).
 L2 is flushed between repeats.
 
+Weight-only quantized decode (cuda/gemm_wq.cu, issue 16: W4A16 as AWQ / GPTQ checkpoints run
+it, W8A16 as --quantization int8 makes it; groups of 128, bf16 activations): M = 1 / 8 / 16;
+GB/s = the bytes the kernel must read and write (packed int4 or int8 weights, scales, zero
+points, x, out) over the median time, next to copy and the ratio (issue 16's target for W4A16:
+>= 0.8).
+
 Each row also shows the static model's estimate ("model": docs/kernel_report.md's "est" for the
 kernel that ran, the Hopper GEMM's after a slash), so a GPU run prints model and measurement side
 by side.
@@ -27,6 +33,7 @@ a float64 reference so the script cannot rot; its times measure the harness, not
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import numpy as np
@@ -34,8 +41,11 @@ import numpy as np
 from pagedrun.runtime.kernels.gemm import gemm
 from pagedrun.runtime.kernels.gemm_hopper import HOPPER_MIN_M, gemm_hopper
 from pagedrun.runtime.kernels.gemm_plan import SKINNY, SKINNY_TC, plan_gemm
-from pagedrun.runtime.kernels.kernel_args import from_bf16_bits
+from pagedrun.runtime.kernels.gemm_wq import (gemm_w4a16, gemm_w8a16, wq_num_splits, wq_tile_m,
+                                              wq_tile_n)
+from pagedrun.runtime.kernels.kernel_args import from_bf16_bits, to_bf16_bits
 from pagedrun.runtime.kernels.loader import load_module
+from pagedrun.runtime.kernels.wq_pack import num_column_groups, pack_w4, pack_w4_groups
 
 from bench_common import (Timer, copy_bandwidth, model_estimate,  # this folder (bench_common)
                           random_bf16)
@@ -50,6 +60,10 @@ GPU_DECODE_M = (1, 8, 16, 32, 64)
 SIM_LAYERS = (("qkv", 96, 64), ("down", 40, 160))
 SIM_PREFILL_M = (70,)
 SIM_DECODE_M = (1, 9)
+GPU_WQ_DECODE_M = (1, 8, 16)
+SIM_WQ_DECODE_M = (1, 9)
+GPU_WQ_GROUP = 128
+SIM_WQ_GROUP = 32
 GPU_REPEATS = 20
 SIM_TOLERANCE = 2e-2  # bf16 output rounding vs the float64 reference, relative to max |ref|
 
@@ -87,6 +101,59 @@ def bench(xp, device: str, timer: Timer, rng, module, m_values, layers, num_sms:
                 a16, w16 = a.view(np.float16), w.view(np.float16)
                 cublas = timer(lambda: xp.matmul(a16, w16.T), repeats)
             rows.append((name, M, N, K, plan, seconds, wgmma, cublas))
+    return rows
+
+
+def _wq_operands(xp, rng, bits: int, N: int, K: int, group: int):
+    """(weights tuple for gemm_w{4,8}a16, float64 reference W [N, K] or None). On a GPU the
+    packed arrays are random bytes drawn there (timing only: the kernel tests check values); on
+    the harness, random q / s / z packed on the host with their reference."""
+    groups = K // group
+    if xp is not np:
+        if bits == 4:
+            ng = num_column_groups(N)
+            qweight = xp.random.randint(0, 256, size=K * ng * 32 // 2).astype(np.uint8)
+            scales = random_bf16(xp, rng, (groups, ng * 32))
+            zeros = xp.random.randint(0, 16, size=(groups, ng * 32)).astype(np.uint8)
+            return (qweight.view(np.uint32).reshape(K // 32, ng, 32, 4), scales, zeros), None
+        q8 = xp.random.randint(0, 256, size=(N, K)).astype(np.uint8).view(np.int8)
+        return (q8, random_bf16(xp, rng, (groups, N))), None
+    s = from_bf16_bits(to_bf16_bits(rng.uniform(0.5, 1.5, (groups, N)).astype(np.float32) / 64))
+    if bits == 4:
+        q, z = rng.integers(0, 16, (N, K)), rng.integers(0, 16, (groups, N))
+        weights = (pack_w4(q), pack_w4_groups(to_bf16_bits(s)), pack_w4_groups(z.astype(np.uint8)))
+    else:
+        q, z = rng.integers(-128, 128, (N, K)), np.zeros((groups, N))
+        weights = (q.astype(np.int8), to_bf16_bits(s))
+    ref = np.repeat(s.astype(np.float64), group, axis=0).T * (q - np.repeat(z, group, axis=0).T)
+    return weights, ref
+
+
+def bench_wq(xp, device: str, timer: Timer, rng, module, m_values, layers, group: int,
+             num_sms: int) -> list[tuple]:
+    rows = []
+    repeats = GPU_REPEATS if device == "cuda" else 1
+    for bits in (4, 8):
+        for name, N, K in layers:
+            weights, ref = _wq_operands(xp, rng, bits, N, K, group)
+            for M in m_values:
+                a = random_bf16(xp, rng, (M, K))
+                out = xp.empty((M, N), dtype=np.uint16)
+                if bits == 4:
+                    run = functools.partial(gemm_w4a16, module, a, *weights, n=N,
+                                            group_size=group, out=out, num_sms=num_sms)
+                else:
+                    run = functools.partial(gemm_w8a16, module, a, *weights, group_size=group,
+                                            out=out, num_sms=num_sms)
+                seconds = timer(run, repeats)
+                if ref is not None:
+                    want = from_bf16_bits(a).astype(np.float64) @ ref.T
+                    err = np.abs(from_bf16_bits(out) - want).max() / max(np.abs(want).max(), 1e-30)
+                    if err > SIM_TOLERANCE:
+                        raise AssertionError(f"W{bits}A16 {name} M={M}: relative error {err:.3g}")
+                moved = sum(int(w.nbytes) for w in weights) + int(a.nbytes) + int(out.nbytes)
+                splits = wq_num_splits(M, N, K, num_sms, wq_tile_n(M, bits))
+                rows.append((bits, name, M, N, K, splits, seconds, moved))
     return rows
 
 
@@ -141,6 +208,20 @@ def main(argv=None) -> int:
         kernel = {SKINNY: f"gemm_skinny_bf16_obf16_m{plan.m_tile}",
                   SKINNY_TC: "gemm_skinny_tc_bf16_obf16"}.get(plan.kind, "gemm_bf16_nk_obf16")
         print(f"{name:>8} {M:>6} {N:>7} {K:>6} {kind:>11} {plan.num_splits:>6} "
+              f"{sec * 1e6:>10.1f} {gbps:>8.1f} {gbps / copy_gbps:>8.2f} "
+              f"{model_estimate(kernel):>9}")
+
+    print(f"\n## decode, weight-only quantized (gemm_wq.cu), bf16 x, groups of "
+          f"{GPU_WQ_GROUP if gpu else SIM_WQ_GROUP}")
+    print(f"{'layer':>8} {'W':>3} {'M':>6} {'N':>7} {'K':>6} {'kernel':>22} {'splits':>6} "
+          f"{'median us':>10} {'GB/s':>8} {'of copy':>8} {'model':>9}")
+    wq_module = load_module("gemm_wq.cu", backend=args.device)
+    for bits, name, M, N, K, splits, sec, moved in bench_wq(
+            xp, args.device, timer, rng, wq_module, GPU_WQ_DECODE_M if gpu else SIM_WQ_DECODE_M,
+            GPU_LAYERS if gpu else SIM_LAYERS, GPU_WQ_GROUP if gpu else SIM_WQ_GROUP, num_sms):
+        gbps = moved / sec / 1e9
+        kernel = f"gemm_w{bits}a16_bf16_m{wq_tile_m(M, bits)}"
+        print(f"{name:>8} {bits:>3} {M:>6} {N:>7} {K:>6} {kernel:>22} {splits:>6} "
               f"{sec * 1e6:>10.1f} {gbps:>8.1f} {gbps / copy_gbps:>8.2f} "
               f"{model_estimate(kernel):>9}")
     return 0

@@ -2,15 +2,18 @@
 
     module = load_module("gemm_wq.cu", backend="sim")          # or "cuda"
     out = gemm_w8a16(module, x, q8, scales, bias=bias)          # x @ (s * q8).T + bias
-    out = gemm_w4a16(module, x, qweight, scales, zeros)         # x @ (s * (q4 - z)).T
+    out = gemm_w4a16(module, x, qweight, scales, zeros, n=N)    # x @ (s * (q4 - z)).T
 
 x: [M, K] float16 or uint16 (bf16 bits), 16-byte aligned; K % 32 == 0. group_size g in
-{32, 64, 128} or K (per-channel), K % g == 0. q8: int8 [N, K] (wq_pack.pack_w8); qweight:
-uint32 [K / 32, N, 4] (wq_pack.pack_w4); scales [K / g, N] in x's dtype; zeros [K / g, N]
-uint8; bias [N] in x's dtype or None. out: [M, N] in x's dtype. Arrays are numpy under the CPU
-harness and cupy on a GPU. Shapes no kernel serves raise UnsupportedKernelShape.
-M <= 16 runs the 16-row tile split over K (wq_num_splits: ~8 CTAs per SM; fp32 partials and a
-reduce kernel that adds the bias), larger M the 64-row tile in one pass.
+{32, 64, 128} or K (per-channel), K % g == 0. W8: q8 int8 [N, K] (wq_pack.pack_w8), scales
+[K / g, N] in x's dtype. W4 (pre-shuffled, wq_pack): qweight uint32 [K / 32, Ng, 32, 4]
+(pack_w4), scales [K / g, Ng * 32] in x's dtype and zeros [K / g, Ng * 32] uint8
+(pack_w4_groups), Ng = ceil(N / 32). bias [N] in x's dtype or None. out: [M, N] in x's dtype.
+Arrays are numpy under the CPU harness and cupy on a GPU. Shapes no kernel serves raise
+UnsupportedKernelShape.
+M <= 16 runs the decode kernel split over K (wq_num_splits: ~8 CTAs per SM; fp32 partials and a
+reduce kernel that adds the bias): W8 the 16-row shared-memory tile, W4 the register-only
+kernel (128 columns per CTA); larger M the 64-row tile in one pass.
 """
 from __future__ import annotations
 
@@ -18,10 +21,11 @@ import numpy as np
 
 from .kernel_args import (UnsupportedKernelShape, array_module, ceil_div, data_ptr,
                           device_num_sms, dtype_suffix, nullable, require, require_contiguous)
-from .wq_pack import W4_TILE_K, W4_WORDS
+from .wq_pack import W4_GROUP_N, W4_LANES, W4_TILE_K, W4_WORDS, num_column_groups
 
 WQ_THREADS = 128
-WQ_TILE_N = 64
+WQ_TILE_N = 64               # columns per CTA: every 64-row tile, the W8 decode tile
+W4_DECODE_TILE_N = 4 * W4_GROUP_N   # the W4 decode kernel: 4 warps x one 32-column group
 WQ_TILE_K = W4_TILE_K        # the K granularity of every instantiation
 WQ_DECODE_MAX_M = 16         # M up to this runs the 16-row tile, larger M the 64-row tile
 GROUP_SIZES = (32, 64, 128)
@@ -30,21 +34,29 @@ GROUP_SIZES = (32, 64, 128)
 WQ_TARGET_CTAS_PER_SM = 8
 
 
-def wq_tile_m(M: int) -> int:
-    return 16 if M <= WQ_DECODE_MAX_M else 64
+def wq_tile_m(M: int, bits: int = 8) -> int:
+    """Rows per CTA: the W4 decode kernel takes 8 or 16 tokens, the W8 decode tile 16, larger M
+    the 64-row tile."""
+    if M > WQ_DECODE_MAX_M:
+        return 64
+    return 8 if bits == 4 and M <= 8 else 16
 
 
-def wq_num_splits(M: int, N: int, K: int, num_sms: int) -> int:
-    """K slices for one launch: only the decode tile splits, enough to put ~8 CTAs on every
-    SM, never an empty slice."""
+def wq_tile_n(M: int, bits: int) -> int:
+    return W4_DECODE_TILE_N if bits == 4 and M <= WQ_DECODE_MAX_M else WQ_TILE_N
+
+
+def wq_num_splits(M: int, N: int, K: int, num_sms: int, tile_n: int = WQ_TILE_N) -> int:
+    """K slices for one launch: only the decode kernels split, enough to put ~8 CTAs (of
+    `tile_n` columns) on every SM, never an empty slice."""
     if M > WQ_DECODE_MAX_M:
         return 1
     k_tiles = K // WQ_TILE_K
-    want = ceil_div(num_sms * WQ_TARGET_CTAS_PER_SM, ceil_div(N, WQ_TILE_N))
+    want = ceil_div(num_sms * WQ_TARGET_CTAS_PER_SM, ceil_div(N, tile_n))
     return max(1, min(k_tiles, want))
 
 
-def _check_common(x, scales, bias, N: int, group_size: int):
+def _check_common(x, scales, bias, N: int, group_size: int, scale_cols: int | None = None):
     suffix = dtype_suffix(x)
     if suffix not in ("f16", "bf16"):
         raise UnsupportedKernelShape(f"weight-only GEMM takes float16 / bf16 activations, got "
@@ -59,8 +71,9 @@ def _check_common(x, scales, bias, N: int, group_size: int):
     require_contiguous("x", x)
     if data_ptr(x) % 16:
         raise UnsupportedKernelShape("x must start on a 16-byte boundary (16-byte loads)")
-    require(scales.shape == (K // group_size, N) and scales.dtype == x.dtype,
-            lambda: f"scales must be [{K // group_size}, {N}] {x.dtype}, got {scales.shape} "
+    cols = N if scale_cols is None else scale_cols
+    require(scales.shape == (K // group_size, cols) and scales.dtype == x.dtype,
+            lambda: f"scales must be [{K // group_size}, {cols}] {x.dtype}, got {scales.shape} "
                     f"{scales.dtype}")
     require_contiguous("scales", scales)
     if bias is not None:
@@ -79,14 +92,14 @@ def _out(xp, out, M, N, dtype):
     return out
 
 
-def _launch(module, name, xp, out, bias, M, N, K, num_splits, head, tail):
+def _launch(module, name, xp, out, bias, M, N, K, num_splits, head, tail, bits):
     """head: the pointers after (out, partial); tail: the scalars after (M, N, K, group)."""
-    tile_m = wq_tile_m(M)
+    tile_m, tile_n = wq_tile_m(M, bits), wq_tile_n(M, bits)
     k_tiles = K // WQ_TILE_K
     num_splits = max(1, min(num_splits, k_tiles))
     kps = ceil_div(k_tiles, num_splits)
     num_splits = ceil_div(k_tiles, kps)          # no empty slice
-    grid = (ceil_div(N, WQ_TILE_N), ceil_div(M, tile_m), num_splits)
+    grid = (ceil_div(N, tile_n), ceil_div(M, tile_m), num_splits)
     kernel = module.get_function(f"{name}_m{tile_m}")
     scalars = (np.int32(M), np.int32(N), np.int32(K), *tail, np.int32(kps))
     null = nullable(None, xp)
@@ -118,34 +131,45 @@ def gemm_w8a16(module, x, qweight, scales, *, group_size: int, bias=None, out=No
     if M and N:
         splits = num_splits or wq_num_splits(M, N, K, num_sms or device_num_sms(xp))
         _launch(module, f"gemm_w8a16_{suffix}", xp, out, bias, M, N, K, splits,
-                (x, qweight, scales), (np.int32(group_size),))
+                (x, qweight, scales), (np.int32(group_size),), bits=8)
     return out
 
 
-def gemm_w4a16(module, x, qweight, scales, zeros, *, group_size: int, bias=None, out=None,
-               num_splits: int | None = None, num_sms: int | None = None):
-    """out = x @ (scales[k // g, n] * (q[n, k] - zeros[k // g, n])).T (+ bias). qweight: uint32
-    [K / 32, N, 4] from wq_pack.pack_w4. num_splits as in gemm_w8a16."""
+def gemm_w4a16(module, x, qweight, scales, zeros, *, n: int, group_size: int, bias=None,
+               out=None, num_splits: int | None = None, num_sms: int | None = None):
+    """out = x @ (s[k // g, j] * (q[j, k] - z[k // g, j])).T (+ bias), j < n: the weight's n
+    output rows. qweight: uint32 [K / 32, ceil(n / 32), 32, 4] from wq_pack.pack_w4; scales and
+    zeros from wq_pack.pack_w4_groups. num_splits as in gemm_w8a16."""
     xp = array_module(x)
-    require(qweight.ndim == 3 and qweight.shape[2] == W4_WORDS and qweight.dtype == np.uint32,
-            lambda: f"qweight must be uint32 [K / 32, N, 4], got {qweight.shape} "
-                    f"{qweight.dtype}")
-    N = qweight.shape[1]
-    suffix, M, K = _check_common(x, scales, bias, N, group_size)
+    require(qweight.ndim == 4 and qweight.shape[2:] == (W4_LANES, W4_WORDS)
+            and qweight.dtype == np.uint32,
+            lambda: f"qweight must be uint32 [K / 32, Ng, {W4_LANES}, {W4_WORDS}] (wq_pack."
+                    f"pack_w4), got {qweight.shape} {qweight.dtype}")
+    N = int(n)
+    require(N > 0 and qweight.shape[1] == num_column_groups(N),
+            lambda: f"qweight {qweight.shape} holds {qweight.shape[1]} groups of 32 rows, not "
+                    f"the {num_column_groups(N)} of n = {N}")
+    padded = qweight.shape[1] * W4_GROUP_N
+    suffix, M, K = _check_common(x, scales, bias, N, group_size, scale_cols=padded)
     require(qweight.shape[0] * W4_TILE_K == K,
             lambda: f"x {x.shape} and qweight {qweight.shape} disagree on K")
     require(zeros.shape == scales.shape and zeros.dtype == np.uint8,
             lambda: f"zeros must be {scales.shape} uint8, got {zeros.shape} {zeros.dtype}")
     require_contiguous("qweight", qweight)
     require_contiguous("zeros", zeros)
-    if data_ptr(qweight) % 8:
-        raise UnsupportedKernelShape("qweight must start on an 8-byte boundary")
+    if qweight.size >= 1 << 32:   # the decode kernel's 32-bit word offsets
+        raise UnsupportedKernelShape(f"qweight of {qweight.size} words: at most 2^32")
+    if data_ptr(qweight) % 16 or data_ptr(scales) % 8 or data_ptr(zeros) % 4:
+        raise UnsupportedKernelShape("qweight / scales / zeros must start on 16 / 8 / 4-byte "
+                                     "boundaries")
     out = _out(xp, out, M, N, x.dtype)
-    if M and N:
-        splits = num_splits or wq_num_splits(M, N, K, num_sms or device_num_sms(xp))
+    if M:
+        tile_n = wq_tile_n(M, 4)
+        splits = num_splits or wq_num_splits(M, N, K, num_sms or device_num_sms(xp), tile_n)
         _launch(module, f"gemm_w4a16_{suffix}", xp, out, bias, M, N, K, splits,
-                (x, qweight, scales, zeros), (np.int32(group_size),))
+                (x, qweight, scales, zeros), (np.int32(group_size),), bits=4)
     return out
 
 
-__all__ = ["GROUP_SIZES", "WQ_TILE_K", "gemm_w4a16", "gemm_w8a16", "wq_num_splits", "wq_tile_m"]
+__all__ = ["GROUP_SIZES", "WQ_TILE_K", "gemm_w4a16", "gemm_w8a16", "wq_num_splits", "wq_tile_m",
+           "wq_tile_n"]

@@ -26,6 +26,7 @@ from pagedrun.runtime.backends import make_backend
 from pagedrun.runtime.backends.numpy_backend import NumpyBackend
 from pagedrun.runtime.backends.sim_backend import SimBackend
 from pagedrun.runtime.backends.weight_only import WeightOnlyMatrix
+from pagedrun.runtime.kernels.wq_pack import unpack_w4_groups
 from pagedrun.runtime.engine import LLMEngine
 from pagedrun.runtime.engine_config import EngineConfig, EngineConfigError
 from pagedrun.runtime.gguf_quantized import QuantizedMatrix
@@ -88,8 +89,9 @@ def test_linear_matches_dequantized(dtype):
     assert isinstance(packed, WeightOnlyMatrix) and packed.shape == (64, 192)
     assert packed.group_size == 32
     # The reference over the scales as the kernel holds them (exact in float16, rounded once
-    # to nearest in bfloat16); the weights placed once and counted.
-    scales = backend.to_host(packed.scales)
+    # to nearest in bfloat16, in the kernel's column order); the weights placed once and
+    # counted.
+    scales = unpack_w4_groups(backend.to_host(packed.scales), 64)
     s16 = Int4Matrix(matrix.ggml_type, matrix.shape, matrix.raw).parts()[1].astype(np.float32).T
     if dtype == "float16":
         np.testing.assert_array_equal(scales, s16)

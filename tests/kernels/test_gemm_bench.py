@@ -1,5 +1,6 @@
 """benchmarks/kernels/bench_gemm.py must keep running: its CPU-harness mode (toy sizes, each
-result checked against a float64 reference) runs here, so the GPU table cannot rot unnoticed."""
+result, the weight-only quantized decode rows included, checked against a float64 reference)
+runs here, so the GPU table cannot rot unnoticed."""
 from __future__ import annotations
 
 import importlib.util
@@ -15,7 +16,12 @@ def test_bench_gemm_runs_on_the_harness(capsys, monkeypatch):
     spec.loader.exec_module(bench)
     assert bench.main(["--device", "sim"]) == 0
     table = capsys.readouterr().out
-    assert "## prefill" in table and "## decode" in table
+    assert "## prefill" in table and "## decode" in table and "## decode, weight-only" in table
     rows = [line for line in table.splitlines() if line.split()[:1] in (["qkv"], ["down"])]
-    assert len(rows) == len(bench.SIM_LAYERS) * (len(bench.SIM_PREFILL_M) + len(bench.SIM_DECODE_M))
+    wq_rows = 2 * len(bench.SIM_LAYERS) * len(bench.SIM_WQ_DECODE_M)   # W4 and W8
+    assert len(rows) == len(bench.SIM_LAYERS) * (len(bench.SIM_PREFILL_M) +
+                                                 len(bench.SIM_DECODE_M)) + wq_rows
     assert sum("skinny" in line for line in rows) == len(bench.SIM_LAYERS) * len(bench.SIM_DECODE_M)
+    # M = 1 runs W4's 8-token register kernel, M = 9 its 16-token one
+    assert sum("gemm_w4a16_bf16_m8" in line for line in rows) == len(bench.SIM_LAYERS)
+    assert sum("gemm_w4a16_bf16_m16" in line for line in rows) == len(bench.SIM_LAYERS)

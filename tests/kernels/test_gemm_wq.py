@@ -1,20 +1,24 @@
 """cuda/gemm_wq.cu (through runtime/kernels/gemm_wq.py and wq_pack.py) against a float64
 reference: dequantize q / s / z in float64, matmul with the same rounded activations, add the
-bias. Awkward M (1, 3: the 16-row decode tile, partial; 17, 64: the 64-row tile), N (8, 24,
+bias. Awkward M (1, 3: W8's 16-row decode tile and W4's 8-token decode kernel, partial; 12: both
+16-row decode kernels; 17, 64: the 64-row tile), N (8, 24,
 200: partial 64-column tiles), K (64, 192, 576; multiples of the 32-k tile), every group size and
-per-channel, bias or not, f16 and bf16, W8A16 and W4A16, split-K as planned and forced; the
-packer's round trip; a wrongly
-packed nibble order that the comparison must reject; shapes the kernels refuse."""
+per-channel, bias or not, f16 and bf16, W8A16 and W4A16 (the register-only decode kernel at
+M <= 16: N = 200 leaves a partial column group and an idle warp), split-K as planned and
+forced; the packers' round trips; wrong W4 packings (nibble order, no fragment shuffle) that
+the comparison must reject; shapes the kernels refuse."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from paged_kernel_inputs import BACKEND, as_kernel_dtype, result_f32, to_device
-from pagedrun.runtime.kernels.gemm_wq import gemm_w4a16, gemm_w8a16, wq_num_splits
+from pagedrun.runtime.kernels.gemm_wq import (W4_DECODE_TILE_N, gemm_w4a16, gemm_w8a16,
+                                              wq_num_splits)
 from pagedrun.runtime.kernels.kernel_args import UnsupportedKernelShape
 from pagedrun.runtime.kernels.loader import load_module
-from pagedrun.runtime.kernels.wq_pack import pack_w4, pack_w8, unpack_w4
+from pagedrun.runtime.kernels.wq_pack import (NIBBLE_OF_ELEMENT, pack_w4, pack_w4_groups,
+                                              pack_w8, unpack_w4, unpack_w4_groups)
 
 # Unit roundoff of T (half an ulp, relative): the kernel rounds each dequantized weight to T
 # (the mma operand type) and the output once to T.
@@ -74,9 +78,10 @@ def _run(rng, bits, dt, M, N, K, g, with_bias, pack4=pack_w4, num_splits=None):
         out = gemm_w8a16(module(), to_device(x), to_device(pack_w8(q)), to_device(s),
                          group_size=g, bias=b, num_splits=num_splits, num_sms=SIM_NUM_SMS)
     else:
-        out = gemm_w4a16(module(), to_device(x), to_device(pack4(q)), to_device(s),
-                         to_device(z.astype(np.uint8)), group_size=g, bias=b,
-                         num_splits=num_splits, num_sms=SIM_NUM_SMS)
+        out = gemm_w4a16(module(), to_device(x), to_device(pack4(q)),
+                         to_device(pack_w4_groups(s)),
+                         to_device(pack_w4_groups(z.astype(np.uint8))), n=N, group_size=g,
+                         bias=b, num_splits=num_splits, num_sms=SIM_NUM_SMS)
     assert out.shape == (M, N) and out.dtype == x.dtype
     return result_f32(out, dt).astype(np.float64), expected, _bound(dt, x_ref, w_ref, expected)
 
@@ -88,7 +93,7 @@ NKG = [(8, 64, 32, True), (24, 192, 64, False), (200, 576, 32, True), (24, 384, 
 
 @pytest.mark.parametrize("bits", (8, 4))
 @pytest.mark.parametrize("dt", ("f16", "bf16"))
-@pytest.mark.parametrize("M", (1, 3, 17, 64))
+@pytest.mark.parametrize("M", (1, 3, 12, 17, 64))
 @pytest.mark.parametrize("N,K,g,with_bias", NKG)
 def test_gemm_wq_matches_reference(rng, bits, dt, M, N, K, g, with_bias):
     actual, expected, bound = _run(rng, bits, dt, M, N, K, g or K, with_bias)
@@ -99,7 +104,7 @@ def test_gemm_wq_matches_reference(rng, bits, dt, M, N, K, g, with_bias):
 
 
 @pytest.mark.parametrize("bits", (8, 4))
-@pytest.mark.parametrize("M,splits", [(1, 1), (3, 5), (17, 4), (64, 18)])
+@pytest.mark.parametrize("M,splits", [(1, 1), (3, 5), (12, 3), (17, 4), (64, 18)])
 def test_gemm_wq_forced_splits(rng, bits, M, splits):
     """One slice for a decode shape the plan would split; slices for the 64-row tile the plan
     never splits; uneven slices (18 k-tiles in 5 -> 4 x 4 + 2) and one k-tile per slice."""
@@ -109,33 +114,58 @@ def test_gemm_wq_forced_splits(rng, bits, M, splits):
 
 def test_split_plan():
     assert wq_num_splits(1, 4096, 4096, 132) == 17         # 64 column tiles x 17 >= 8 x 132
+    # the W4 decode kernel's 128-column CTAs: 32 x 33 >= 8 x 132
+    assert wq_num_splits(1, 4096, 4096, 132, W4_DECODE_TILE_N) == 33
     assert wq_num_splits(1, 8, 64, 132) == 2               # capped at the k-tiles
     assert wq_num_splits(17, 8, 4096, 132) == 1            # prefill tile: never split
     assert wq_num_splits(16, 1 << 17, 4096, 132) == 1      # 2048 column tiles: full
 
 
 def _naive_pack_w4(q):
-    """Nibble e holds element e (plain order): NOT the kernel's layout."""
+    """Nibble e holds element e (plain order, the usual GPTQ packing) in the pre-shuffled
+    layout: NOT the kernel's layout. pack_w4 puts element e in nibble NIBBLE_OF_ELEMENT[e], so
+    packing q with each 8-k run permuted by that map leaves element e in nibble e."""
     N, K = q.shape
-    e = q.astype(np.uint32).reshape(N, K // 32, 4, 8).transpose(1, 0, 2, 3)
-    return np.ascontiguousarray(np.bitwise_or.reduce(e << (4 * np.arange(8, dtype=np.uint32)),
-                                                     axis=-1))
+    runs = np.asarray(q).reshape(N, K // 8, 8)
+    return pack_w4(runs[:, :, NIBBLE_OF_ELEMENT].reshape(N, K))
 
 
-def test_w4_wrong_nibble_order_is_rejected(rng):
-    """The comparison can fail: a plain nibble order (the usual GPTQ packing) must not pass."""
-    actual, expected, bound = _run(rng, 4, "f16", 3, 24, 192, 64, True, pack4=_naive_pack_w4)
+def _row_major_w4(q):
+    """The right words and nibbles, without the fragment shuffle: row n's 4 words of a k-tile
+    at [kt, n // 32, (n % 32) // 8 ... ] in plain row order -- NOT the kernel's layout."""
+    packed = pack_w4(q)
+    kt, ng = packed.shape[:2]
+    plain = packed.reshape(kt, ng, 8, 4, 4).transpose(0, 1, 4, 2, 3)   # [kt, ng, j, r, c]
+    return np.ascontiguousarray(plain.reshape(packed.shape))
+
+
+@pytest.mark.parametrize("M", (3, 17))
+@pytest.mark.parametrize("pack4", (_naive_pack_w4, _row_major_w4), ids=("nibbles", "rows"))
+def test_w4_wrong_packing_is_rejected(rng, M, pack4):
+    """The comparison can fail: a plain nibble order, or rows in plain order instead of the
+    fragment shuffle, must not pass -- on the decode kernel (M = 3) and the 64-row tile."""
+    actual, expected, bound = _run(rng, 4, "f16", M, 72, 192, 64, True, pack4=pack4)
     assert np.mean(np.abs(actual - expected) > bound) > 0.5
 
 
 def test_pack_w4_round_trip_and_layout(rng):
-    q = rng.integers(0, 16, size=(24, 96))
+    q = rng.integers(0, 16, size=(40, 96))
     packed = pack_w4(q)
-    assert packed.shape == (3, 24, 4) and packed.dtype == np.uint32
-    assert np.array_equal(unpack_w4(packed), q)
+    assert packed.shape == (3, 2, 32, 4) and packed.dtype == np.uint32
+    assert np.array_equal(unpack_w4(packed, 40), q)
+    assert not unpack_w4(packed, 64)[40:].any()              # padded rows are zero
     one = np.zeros((1, 32), dtype=np.int64)
     one[0, 1] = 1    # element 1 of word 0 lives in nibble 4 (bits 16..19)
-    assert pack_w4(one)[0, 0, 0] == 1 << 16
+    assert pack_w4(one)[0, 0, 0, 0] == 1 << 16
+    one = np.zeros((10, 64), dtype=np.int64)
+    one[9, 32 + 13] = 7   # row 9 = 8 x 1 + 1 (j 1, r 1); k 45: tile 1, c 1, element 5
+    assert pack_w4(one)[1, 0, 1 * 4 + 1, 1] == 7 << (4 * 6)   # nibble (5 >> 1) + 4 = 6
+    assert np.count_nonzero(pack_w4(one)) == 1
+    s = rng.standard_normal((3, 40)).astype(np.float16)
+    groups = pack_w4_groups(s)
+    assert groups.shape == (3, 64) and np.array_equal(unpack_w4_groups(groups, 40), s)
+    assert groups[2, 4 * 3 + 2] == s[2, 8 * 2 + 3]             # column 8j + r at 4r + j
+    assert not unpack_w4_groups(groups, 64)[:, 40:].any()     # padded columns are zero
     with pytest.raises(ValueError):
         pack_w4(np.full((2, 32), 16))
 

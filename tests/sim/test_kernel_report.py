@@ -169,6 +169,7 @@ def test_roofline_streaming_tensor_loop_is_held_to_hbm():
     assert model["bound"] == "tensor" and model["estimate_pct"] == pytest.approx(50, abs=0.5)
     assert report.STREAMING_TENSOR.match("gemm_skinny_tc_bf16_obf16")
     assert report.STREAMING_TENSOR.match("gemm_w4a16_f16_m16")
+    assert report.STREAMING_TENSOR.match("gemm_w4a16_bf16_m8")
     assert report.STREAMING_TENSOR.match("paged_attention_decode_tc_bf16_kv_fp8_d128_g8")
     assert not report.STREAMING_TENSOR.match("gemm_w4a16_f16_m64")
     assert not report.STREAMING_TENSOR.match("gemm_bf16_nk_obf16")
