@@ -340,9 +340,8 @@ class Server:
                 self._send(identity, MsgType.ABORTED,
                            {"request_id": rid, "found": engine_id is not None})
             elif msg_type == MsgType.PING:
-                stopping = self._draining or self._shutdown.is_set()
                 self._send(identity, MsgType.PONG, {
-                    "request_id": rid, "status": "draining" if stopping else "ok",
+                    "request_id": rid, "status": "draining" if self._stopping() else "ok",
                     "protocol_version": PROTOCOL_VERSION,
                     "protocol_revision": PROTOCOL_REVISION, "lease_s": self.config.lease_s,
                     "server_time": time.time(), "num_requests_in_flight": len(self._requests)})
@@ -361,6 +360,12 @@ class Server:
                          f"the server failed to handle this message ({type(exc).__name__}); "
                          "it was dropped", rid)
 
+    def _stopping(self) -> bool:
+        """Whether new work is refused: draining, or shutdown requested. The event as well as
+        _draining: a message that arrives after request_shutdown() returned but before the
+        loop's next turn set _draining is refused too (and PING says draining)."""
+        return self._draining or self._shutdown.is_set()
+
     def _reject(self, identity: bytes, code: ErrorCode, message: str,
                 request_id: str | None) -> None:
         """Answer a message with an ERROR; never raises (a failure here is only logged)."""
@@ -372,9 +377,7 @@ class Server:
 
     def _on_generate(self, identity: bytes, req: GenerateRequest) -> None:
         rid = req.request_id
-        # The event, not only _draining: a request that arrives after request_shutdown()
-        # returned but before the loop's next turn set _draining is refused as well.
-        if self._draining or self._shutdown.is_set():
+        if self._stopping():
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, "server is shutting down", rid)
         if (identity, rid) in self._by_client:
             raise ProtocolError(ErrorCode.DUPLICATE_REQUEST_ID,
