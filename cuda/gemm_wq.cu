@@ -14,11 +14,9 @@
 //   out       [M, N]                 T
 //   x         [M, K]                 T    (16-byte aligned)
 //   bias      [N]                    T    or nullptr
-//   W8A16:
-//     qweight [N, K]                 int8 (the HF [out, in] layout; 16-byte aligned)
-//     scales  [K / g, N]             T
-//   W4A16 (pre-shuffled by runtime/kernels/wq_pack.py: pack_w4, pack_w4_groups; Ng =
-//   ceil(N / 32) column groups of 32 output rows, rows past N zero):
+//   Weights pre-shuffled by runtime/kernels/wq_pack.py (pack_w4 / pack_w8, pack_groups); Ng =
+//   ceil(N / 32) column groups of 32 output rows, rows past N zero:
+//   W4A16:
 //     qweight [K / 32, Ng, 32, 4]    uint32: the mma fragments. Word [kt, ng, l, j] holds the 8
 //             weights W[32 ng + 8j + l / 4][32 kt + 8 (l % 4) + e], e = 0..7, element e in
 //             nibble (e >> 1) + 4 * (e & 1), i.e. nibbles hold e = 0,2,4,6,1,3,5,7: pair
@@ -26,58 +24,61 @@
 //             yields both halves of a packed pair at once (the magic-number conversion
 //             1024 + q (f16 0x6400) / 128 + q (bf16 0x4300), see dequant_pair). One
 //             (k-tile, column group) is a contiguous 512-byte run: lane l's 16 bytes at 16 l.
-//     scales  [K / g, Ng * 32]       T; within a group of 32 columns, column 4r + j holds
+//     zeros   [K / g, Ng * 32]       uint8 (0..15), in the scales' order (one 4-byte load)
+//   W8A16:
+//     qweight [K / 32, Ng, 32, 8]    uint32: the same fragments, a byte per weight: words
+//             [kt, ng, l, 2j + h] hold W[32 ng + 8j + l / 4][32 kt + 8 (l % 4) + 4h + b] in
+//             byte b; lane l's 32 bytes (two 16-byte loads) at 32 l of a 1 KiB run
+//   scales    [K / g, Ng * 32]       T; within a group of 32 columns, column 4r + j holds
 //             column 8j + r (a lane's four n8 tiles: one 8-byte load); padding 0
-//     zeros   [K / g, Ng * 32]       uint8 (0..15), the same order (one 4-byte load)
 //
 // Two designs:
-// - W4 decode (M <= 16, gemm_w4a16_DT_m8 / _m16: 1 or 2 tiles of 8 tokens), dequantized in
-//   registers, no shared memory and no barrier (gemm_w4_decode below): out^T = W x^T with W as
+// - Decode (M <= 16, gemm_w{4,8}a16_DT_m8 / _m16: 1 or 2 tiles of 8 tokens), dequantized in
+//   registers, no shared memory and no barrier (gemm_wq_decode below): out^T = W x^T with W as
 //   the mma's A operand, x as its B operand, k permuted within each 32-k tile identically for
-//   both so that a lane's 16 bytes of weights and of each token row are exactly its fragments.
-//   4 warps per CTA, one 32-column group each; loads run 4 k-tiles ahead in a register ring.
-// - The shared-memory tile (W8 at every M, W4 prefill): CTA = 128 threads (4 warps), tile
-//   BM x 64 x 32, BM = 16 * MT (MT = 1: W8 decode, M <= 16; MT = 4: prefill). Each k-tile:
-//   x tile [BM][32] T (16-byte loads, zero rows past M) and the dequantized weight tile
-//   [64][32] T go to shared memory, swizzled as in gemm.cu's K-major tiles (chunk' = chunk ^
-//   ((row >> 1) & 3): conflict-free ldmatrix); each warp owns 16 columns (2 n8 tiles) and all
-//   BM rows (MT m16 tiles). Not pipelined: load -> dequantize -> __syncthreads -> mma ->
-//   __syncthreads.
+//   both so that a lane's weight bytes and its 16 bytes of each token row are exactly its
+//   fragments. 4 warps per CTA, one 32-column group each; loads run 4 k-tiles ahead in a
+//   register ring.
+// - The shared-memory tile (prefill, M > 16, gemm_w{4,8}a16_DT_m64): CTA = 128 threads (4
+//   warps), tile 64 x 64 x 32. Each k-tile: x tile [64][32] T (16-byte loads, zero rows past M)
+//   and the dequantized weight tile [64][32] T go to shared memory, swizzled as in gemm.cu's
+//   K-major tiles (chunk' = chunk ^ ((row >> 1) & 3): conflict-free ldmatrix); each warp owns
+//   16 columns (2 n8 tiles) and all 64 rows (4 m16 tiles). Not pipelined: load -> dequantize
+//   -> __syncthreads -> mma -> __syncthreads.
 // A k-tile lies in one quantization group because g % 32 == 0: one scale (and zero) per column
 // per k-tile.
 //
 // Split-K (decode): with partial != nullptr, CTA z covers k-tiles [z * kps, (z + 1) * kps)
 // (kps = k_tiles_per_split) and writes its raw fp32 sums to partial [splits, M, N] (no bias);
 // gemm_wq_splitk_reduce_DT adds the slices and the bias and rounds once to T. Without it the
-// decode grid is only N / 128 (W4) or N / 64 (W8) CTAs: fewer than one per SM at N = 4096.
+// decode grid is only N / 128 CTAs: fewer than one per SM at N = 4096.
 //
 // Bytes in flight (decode, H200; Little's law wants 4.8 TB/s x 700 ns / 132 SMs ~ 25 KiB per
-// SM). W4 (m8): 96 registers (<= 128 by launch bounds), so 5 CTAs = 20 warps per SM, each with
-// 4 k-tiles x 512 B of weights outstanding: ~40 KiB per SM. Issue: the unrolled loop is ~107
-// non-memory, non-tensor SASS instructions per warp per k-tile (docs/kernel_report.md: 16
+// SM; numbers from docs/kernel_report.md). W4 m8: 96 registers (<= 128 by launch bounds), so
+// 5 CTAs = 20 warps per SM, each with 4 k-tiles x 512 B of weights outstanding: ~40 KiB per
+// SM. Issue: ~107 non-memory, non-tensor SASS instructions per warp per k-tile (16
 // dequantizing HADD2 + 16 HMUL2, 16 LOP3, 12 shifts, 8 PRMT for scales and zero points, the
 // rest addressing), ~115 issue slots per 512 B of weights: ~18 B per SM clock at 4 warps
 // issuing, ~4.6 TB/s -- about HBM's 4.8, so the kernel should sit at the bandwidth with little
-// room to spare (the target: >= 80% of copy bandwidth counted in int4 bytes). W8 (the
-// shared-memory tile, m16): 48 registers, 10 CTAs per SM, one k-tile of ~2.2 KiB in flight per
-// CTA: ~22 KiB, ~85% of HBM at most; ~135 instructions per k-tile. W8 converts through float;
-// a register path like W4's is the next step for it. Prefill (MT = 4) runs 16 mma per warp
-// per k-tile against ~100 other instructions: issue-bound on loads and dequantization (51% of
-// the tensor peak in the model), not on tensor cores.
+// room to spare (the target: >= 80% of copy bandwidth counted in int4 bytes). W8 m8: 103
+// (f16) / 123 (bf16) registers, 4 CTAs per SM, 4 x 1 KiB per warp in flight (~64 KiB per SM);
+// ~108 (f16: magic-number conversion, one PRMT per pair) / ~148 (bf16: through float) other
+// instructions per 1 KiB k-tile: twice the bytes per instruction of W4, not issue-bound.
+// Prefill (m64) runs 16 mma per warp per k-tile against ~90-116 other instructions:
+// issue-bound on loads and dequantization (46-56% of the tensor peak in the model).
 //
-// Launch geometry: W4 decode: grid (ceil(N / 128), ceil(M / (8 NT)), splits), block 128, no
-// shared memory; the tile: grid (ceil(N / 64), ceil(M / BM), splits), block 128, static shared
-// memory (BM + 64) x 32 x 2 bytes; reduce: grid ceil(M * N / 128), block 128.
-// runtime/kernels/gemm_wq.py picks the kernel by M (W4: m8 for M <= 8, m16 for M <= 16).
-// Instantiations (extern "C"; DT in {f16, bf16}):
-//   gemm_w8a16_DT_m{16,64}(out, partial, x, qweight, scales, bias, M, N, K, group_size, kps)
-//   gemm_w4a16_DT_m{8,16,64}(out, partial, x, qweight, scales, zeros, bias, M, N, K,
-//                            group_size, kps)
+// Launch geometry: decode: grid (ceil(N / 128), ceil(M / (8 NT)), splits), block 128, no
+// shared memory; the tile: grid (ceil(N / 64), ceil(M / 64), 1), block 128, static shared
+// memory 2 x 64 x 32 x 2 bytes; reduce: grid ceil(M * N / 128), block 128.
+// runtime/kernels/gemm_wq.py picks the kernel by M (m8 for M <= 8, m16 for M <= 16, m64).
+// Instantiations (extern "C"; DT in {f16, bf16}, BITS in {4, 8}, BM in {8, 16, 64}):
+//   gemm_wBITSa16_DT_mBM(out, partial, x, qweight, scales, zeros, bias, M, N, K, group_size,
+//                        kps)        (zeros: nullptr for W8)
 //   gemm_wq_splitk_reduce_DT(out, partial, bias, M, N, num_splits)
 // (partial: float [splits, M, N] or nullptr; with nullptr, pass kps = K / 32, one split.)
 //
-// Register budget: 128 per thread at 128 threads (32 accumulators at MT = 4; the W4 decode
-// ring: 4 x (16 + 16 NT + 12) bytes per lane); the gate must show 0 spill bytes.
+// Register budget: 128 per thread at 128 threads (32 accumulators in the 64-row tile; the
+// decode ring: 4 x (16 or 32 + 16 NT + 12) bytes per lane); the gate must show 0 spill bytes.
 // Measured: none (no GPU run yet).
 #include "common.cuh"
 #include "gemm_epilogue.cuh"
@@ -88,11 +89,11 @@ namespace gemm_wq {
 using gemm_epilogue::epilogue_pair;
 
 constexpr int kThreads = 128;
-// __launch_bounds__ min blocks per SM: 8 for the decode tile (<= 64 registers: 48 are used),
-// 4 for the prefill tile (<= 128). Without the hint ptxas (sm_90) picks 64 registers for the
-// 64-row W4 tile and spills 8 bytes.
-template <int MT> constexpr int kMinBlocks = MT == 1 ? 8 : 4;
-constexpr int kDecodeMinBlocks = 4;  // W4 decode: <= 128 registers (the register ring)
+// __launch_bounds__ min blocks per SM, 4 for both (<= 128 registers): the 64-row tile (without
+// the hint ptxas (sm_90) picks 64 registers for the W4 tile and spills 8 bytes) and the
+// register-only decode kernel (its load ring).
+constexpr int kTileMinBlocks = 4;
+constexpr int kDecodeMinBlocks = 4;
 constexpr int kBN = 64;         // CTA columns: 4 warps x 16
 constexpr int kBK = 32;         // k per tile; the K granularity
 constexpr int kWarpN = 16;
@@ -100,6 +101,7 @@ constexpr int kChunkElems = 8;  // 16 bytes of T
 constexpr int kKChunks = kBK / kChunkElems;
 constexpr int kW4GroupN = 32;      // W4: output rows per column group (one decode warp)
 constexpr int kW4GroupWords = 128;  // W4: uint32 per (k-tile, column group): 32 lanes x 4
+constexpr int kW8GroupWords = 256;  // W8: 32 lanes x 8
 constexpr int kDecodeWarps = kThreads / 32;
 constexpr int kDecodeStages = 4;    // W4 decode: k-tiles loaded ahead into registers
 
@@ -135,6 +137,11 @@ __device__ __forceinline__ uint32_t load4(const void* p) {
     return *reinterpret_cast<const uint32_t*>(p);
 #endif
 }
+// The bits of a 16-bit scale, in the low half of a word.
+__device__ __forceinline__ uint32_t scale_bits(__half v) { return __half_as_ushort(v); }
+__device__ __forceinline__ uint32_t scale_bits(__nv_bfloat16 v) {
+    return __bfloat16_as_ushort(v);
+}
 __device__ __forceinline__ void store_chunk(void* dst, uint32_t w0, uint32_t w1, uint32_t w2,
                                             uint32_t w3) {
     *reinterpret_cast<uint4*>(dst) = make_uint4(w0, w1, w2, w3);
@@ -158,30 +165,6 @@ __device__ __forceinline__ void load_x_tile(T* s_x, const T* x, int m0, int k0, 
     }
 }
 
-// Dequantized int8 weight tile [64][32]: thread t takes row t / 2, k half t % 2 (16 k).
-template <typename T>
-__device__ __forceinline__ void load_w8_tile(T* s_w, const int8_t* q, const T* scales, int n0,
-                                             int k0, int N, int K, int group_size) {
-    const int row = threadIdx.x / 2, half = threadIdx.x % 2;
-    const int n = n0 + row;
-    uint32_t w[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
-    if (n < N) {
-        const float s = to_f32(scales[static_cast<long long>(k0 / group_size) * N + n]);
-        const uint4 v = load16(q + static_cast<long long>(n) * K + k0 + half * 16);
-        const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const uint32_t word = words[i / 2];
-            const int sh = 16 * (i % 2);
-            const float lo = static_cast<float>(static_cast<int8_t>((word >> sh) & 0xffu));
-            const float hi = static_cast<float>(static_cast<int8_t>((word >> (sh + 8)) & 0xffu));
-            w[i] = pack2<T>(s * lo, s * hi);
-        }
-    }
-    store_chunk(s_w + kmajor_offset(row, 2 * half), w[0], w[1], w[2], w[3]);
-    store_chunk(s_w + kmajor_offset(row, 2 * half + 1), w[4], w[5], w[6], w[7]);
-}
-
 // Bits [0, 4) and [16, 20) of `word` as the packed T pair s * (q - z), by the magic-number
 // conversion: OR-ing a nibble q into the mantissa of 1024.0 (f16 0x6400) or 128.0 (bf16
 // 0x4300) gives the T value base + q exactly; subtracting base + z (exact: integers up to
@@ -191,6 +174,7 @@ __device__ __forceinline__ void load_w8_tile(T* s_w, const int8_t* q, const T* s
 template <typename T> struct Magic;
 template <> struct Magic<__half> {
     using T2 = __half2;
+    static constexpr bool kIsHalf = true;
     static constexpr uint32_t kBits = 0x64006400u;
     static constexpr uint32_t kHighBytes = 0x64646464u;  // kBits' high byte, in every byte
     static constexpr float kBase = 1024.f;
@@ -214,6 +198,7 @@ template <> struct Magic<__half> {
 };
 template <> struct Magic<__nv_bfloat16> {
     using T2 = __nv_bfloat162;
+    static constexpr bool kIsHalf = false;
     static constexpr uint32_t kBits = 0x43004300u;
     static constexpr uint32_t kHighBytes = 0x43434343u;
     static constexpr float kBase = 128.f;
@@ -283,6 +268,38 @@ __device__ __forceinline__ void dequant_word(uint32_t (&pairs)[4], uint32_t word
     for (int i = 0; i < 4; ++i) pairs[i] = dequant_pair<T>(word >> (4 * i), s2, base_z2);
 }
 
+// The 8 int8 weights of one pre-shuffled W8 word pair (w0: elements 0..3, w1: 4..7, a byte
+// each) as 4 packed T pairs s * q, pair i = elements (2i, 2i + 1); sbits: s's bits in the low
+// 16. f16: the magic-number conversion -- q + 128 (the byte with its sign bit flipped) below
+// 0x64 is 1024 + q + 128 exactly (one PRMT per pair), minus 1152 is q, times s rounds once.
+// bf16 has too few mantissa bits for an 8-bit q under its magic: through float (q and s * q
+// exact there), rounded once by the pack.
+template <typename T>
+__device__ __forceinline__ void dequant_w8(uint32_t (&pairs)[4], uint32_t w0, uint32_t w1,
+                                           uint32_t sbits) {
+    if constexpr (Magic<T>::kIsHalf) {
+        const auto s2 = Magic<T>::from_bits(__byte_perm(sbits, 0u, 0x1010u));
+        const auto base2 = Magic<T>::from_bits(0x64806480u);  // 1152 = 1024 + 128
+        const uint32_t biased[2] = {w0 ^ 0x80808080u, w1 ^ 0x80808080u};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const auto v = Magic<T>::from_bits(
+                __byte_perm(biased[i / 2], 0x64646464u, (i & 1) ? 0x4342u : 0x4140u));
+            pairs[i] = Magic<T>::to_bits(__hmul2(__hsub2(v, base2), s2));
+        }
+    } else {
+        const float s = to_f32(__ushort_as_bfloat16(static_cast<unsigned short>(sbits & 0xffffu)));
+        const uint32_t words[2] = {w0, w1};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const uint32_t word = words[i / 2] >> (16 * (i & 1));
+            const float lo = static_cast<float>(static_cast<int8_t>(word & 0xffu));
+            const float hi = static_cast<float>(static_cast<int8_t>((word >> 8) & 0xffu));
+            pairs[i] = pack2<T>(s * lo, s * hi);
+        }
+    }
+}
+
 // The quantization group of k-tile kt: kt >> group_shift, or 0 per-channel (group_shift < 0).
 __device__ __forceinline__ int w4_group_shift(int group_size, int K) {
     return group_size == K ? -1 : __ffs(group_size / kBK) - 1;
@@ -325,10 +342,35 @@ __device__ __forceinline__ void load_w4_tile(T* s_w, const uint32_t* q, const T*
                     w[h][0], w[h][1], w[h][2], w[h][3]);
 }
 
-// W4 = false: q is int8 [N, K]; W4 = true: q is the pre-shuffled uint32 [K / 32, Ng, 32, 4]
-// and zeros is used (only the 64-row tile: the W4 decode kernel is gemm_w4_decode).
+// Dequantized int8 weight tile [64][32] from the pre-shuffled W8 layout: as load_w4_tile,
+// thread t reads 16 bytes of group t / 64 as lane (t % 64) / 2 -- words 4 (t % 2) .. + 3, the
+// n8 tiles 2 (t % 2) and + 1 -- and stores each tile's 8 k as one 16-byte chunk.
+template <typename T>
+__device__ __forceinline__ void load_w8_tile(T* s_w, const uint32_t* q, const T* scales, int n0,
+                                             int kt, int num_groups, int group) {
+    const int gi = threadIdx.x / 64;
+    const int lane = (threadIdx.x % 64) / 2;
+    const int jp = threadIdx.x % 2;
+    const int ng = n0 / kW4GroupN + gi;
+    uint32_t w[2][4] = {{0u, 0u, 0u, 0u}, {0u, 0u, 0u, 0u}};
+    if (ng < num_groups) {
+        const uint4 v = load16(q + (static_cast<long long>(kt) * num_groups + ng) *
+                                       kW8GroupWords + lane * 8 + 4 * jp);
+        const long long gidx =
+            (static_cast<long long>(group) * num_groups + ng) * kW4GroupN + (lane / 4) * 4 + 2 * jp;
+        dequant_w8<T>(w[0], v.x, v.y, scale_bits(scales[gidx]));
+        dequant_w8<T>(w[1], v.z, v.w, scale_bits(scales[gidx + 1]));
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+        store_chunk(s_w + kmajor_offset(gi * kW4GroupN + (2 * jp + h) * 8 + lane / 4, lane % 4),
+                    w[h][0], w[h][1], w[h][2], w[h][3]);
+}
+
+// The 64-row shared-memory tile (prefill). W4 = false: q is the pre-shuffled W8 uint32
+// [K / 32, Ng, 32, 8]; W4 = true: the W4 uint32 [K / 32, Ng, 32, 4] and zeros is used.
 template <typename T, int MT, bool W4>
-__device__ __forceinline__ void gemm_wq(T* out, const T* __restrict__ x, const void* q,
+__device__ __forceinline__ void gemm_wq(T* out, const T* __restrict__ x, const uint32_t* q,
                                         const T* __restrict__ scales,
                                         const uint8_t* __restrict__ zeros,
                                         const T* __restrict__ bias, float* partial, int M,
@@ -354,13 +396,12 @@ __device__ __forceinline__ void gemm_wq(T* out, const T* __restrict__ x, const v
     for (int kt = kt_begin; kt < kt_end; ++kt) {
         const int k0 = kt * kBK;
         load_x_tile<T, kBM>(s_x, x, m0, k0, M, K);
+        const int num_groups = (N + kW4GroupN - 1) / kW4GroupN;
+        const int group = w4_group(kt, w4_group_shift(group_size, K));
         if constexpr (W4)
-            load_w4_tile<T>(s_w, static_cast<const uint32_t*>(q), scales, zeros, n0, kt,
-                            (N + kW4GroupN - 1) / kW4GroupN,
-                            w4_group(kt, w4_group_shift(group_size, K)));
+            load_w4_tile<T>(s_w, q, scales, zeros, n0, kt, num_groups, group);
         else
-            load_w8_tile<T>(s_w, static_cast<const int8_t*>(q), scales, n0, k0, N, K,
-                            group_size);
+            load_w8_tile<T>(s_w, q, scales, n0, kt, num_groups, group);
         __syncthreads();
 #pragma unroll
         for (int kk = 0; kk < kBK / 16; ++kk) {
@@ -410,24 +451,25 @@ __device__ __forceinline__ void gemm_wq(T* out, const T* __restrict__ x, const v
     }
 }
 
-// W4A16 for M <= 8 * NT (decode), dequantized in registers: no shared memory, no barrier. The
-// product is computed transposed, out^T = W x^T: the weights are the mma's A operand (16
-// output columns = two n8 tiles of the packing) and the activations its B operand (8 tokens),
-// so M <= 8 wastes no half of every mma and the B fragments are loaded exactly as the
-// registers the mma reads. Warp w of CTA b owns column group ng = 4 b + w (32 output
+// W4A16 / W8A16 for M <= 8 * NT (decode), dequantized in registers: no shared memory, no
+// barrier. The product is computed transposed, out^T = W x^T: the weights are the mma's A
+// operand (16 output columns = two n8 tiles of the packing) and the activations its B operand
+// (8 tokens), so M <= 8 wastes no half of every mma and the B fragments are loaded exactly as
+// the registers the mma reads. Warp w of CTA b owns column group ng = 4 b + w (32 output
 // columns: A tiles {0, 1} and {2, 3} of the packing) and the k-tiles of split blockIdx.z.
 // Per k-tile, lane l (g = l / 4, c = l % 4) loads
-//   - its 16 bytes of the pre-shuffled weights: word j = W[32 ng + 8j + g][32 kt + 8c + e],
-//     e = 0..7 -- A-fragment rows g (tile 2p) and g + 8 (tile 2p + 1) of two k16 steps;
+//   - its 16 (W4) or 32 (W8) bytes of the pre-shuffled weights: n8 tile j's 8 weights
+//     W[32 ng + 8j + g][32 kt + 8c + e], e = 0..7 (W4: word j; W8: words 2j, 2j + 1) --
+//     A-fragment rows g (tile 2p) and g + 8 (tile 2p + 1) of two k16 steps;
 //   - x[m0 + 8t + g][32 kt + 8c .. + 7] per token tile t (16 bytes; zero past M): the B
 //     fragments of the same two steps. k is permuted within the tile identically for A and B
 //     (fragment k-position 2c + {0, 1} is k = 8c + 4s + {0, 1}, 2c + 8 + {0, 1} is
 //     8c + 4s + {2, 3} in step s): a sum over k does not depend on the order of its terms;
-//   - 4 scales (8 bytes) and 4 zero points (4 bytes) of its columns in the k-tile's group.
+//   - 4 scales (8 bytes) and, W4, 4 zero points (4 bytes) of its columns in the k-tile's group.
 // The loads run kDecodeStages k-tiles ahead of the math (a register ring, fully unrolled so it
-// stays in registers): 4 x 512 bytes of weights in flight per warp.
-template <typename T, int NT>
-__device__ __forceinline__ void gemm_w4_decode(T* out, const T* __restrict__ x,
+// stays in registers): 4 x 512 (W4) / 1024 (W8) bytes of weights in flight per warp.
+template <typename T, int NT, bool W4>
+__device__ __forceinline__ void gemm_wq_decode(T* out, const T* __restrict__ x,
                                                const uint32_t* __restrict__ q,
                                                const T* __restrict__ scales,
                                                const uint8_t* __restrict__ zeros,
@@ -435,6 +477,8 @@ __device__ __forceinline__ void gemm_w4_decode(T* out, const T* __restrict__ x,
                                                int N, int K, int group_size,
                                                int k_tiles_per_split) {
     constexpr int S = kDecodeStages;
+    constexpr int kLaneWords = W4 ? 4 : 8;          // per lane per (k-tile, column group)
+    constexpr int kLoads = kLaneWords / 4;          // 16-byte loads
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int g = lane / 4, c = lane % 4;
@@ -454,26 +498,28 @@ __device__ __forceinline__ void gemm_w4_decode(T* out, const T* __restrict__ x,
         token_ok[t] = m0 + 8 * t + g < M;
         x_lane[t] = x + static_cast<long long>(token_ok[t] ? m0 + 8 * t + g : 0) * K + 8 * c;
     }
-    const uint32_t* q_lane = q + static_cast<long long>(ng) * kW4GroupWords + lane * 4;
-    const uint32_t q_tile_stride = static_cast<uint32_t>(num_groups) * kW4GroupWords;
+    const uint32_t* q_lane = q + static_cast<long long>(ng) * 32 * kLaneWords + lane * kLaneWords;
+    const uint32_t q_tile_stride = static_cast<uint32_t>(num_groups) * 32 * kLaneWords;
     const T* scales_lane = scales + static_cast<long long>(ng) * kW4GroupN + g * 4;
     const uint8_t* zeros_lane = zeros + static_cast<long long>(ng) * kW4GroupN + g * 4;
     const uint32_t g_stride = static_cast<uint32_t>(num_groups) * kW4GroupN;
 
     // The ring. A slot past kt_end is never read (its k-tile is skipped below), so it is not
     // cleared: only tokens past M must read as zeros.
-    uint4 wq[S], xv[S][NT];
+    uint4 wq[S][kLoads], xv[S][NT];
     uint2 sc[S];
     uint32_t zp[S];
     auto fetch = [&](int s, int kt) {
         if (kt < kt_end) {
-            wq[s] = load16(q_lane + static_cast<uint32_t>(kt) * q_tile_stride);
+#pragma unroll
+            for (int i = 0; i < kLoads; ++i)
+                wq[s][i] = load16(q_lane + static_cast<uint32_t>(kt) * q_tile_stride + 4 * i);
 #pragma unroll
             for (int t = 0; t < NT; ++t)
                 xv[s][t] = token_ok[t] ? load16(x_lane[t] + kt * kBK) : make_uint4(0u, 0u, 0u, 0u);
             const uint32_t gi = static_cast<uint32_t>(w4_group(kt, group_shift)) * g_stride;
             sc[s] = load8(scales_lane + gi);
-            zp[s] = load4(zeros_lane + gi);
+            if constexpr (W4) zp[s] = load4(zeros_lane + gi);
         }
     };
 
@@ -491,14 +537,27 @@ __device__ __forceinline__ void gemm_w4_decode(T* out, const T* __restrict__ x,
 #pragma unroll
         for (int s = 0; s < S; ++s) {
             if (kt0 + s < kt_end) {  // warp-uniform
-                const uint32_t words[4] = {wq[s].x, wq[s].y, wq[s].z, wq[s].w};
+                uint32_t words[kLaneWords];
+#pragma unroll
+                for (int i = 0; i < kLoads; ++i) {
+                    words[4 * i] = wq[s][i].x;
+                    words[4 * i + 1] = wq[s][i].y;
+                    words[4 * i + 2] = wq[s][i].z;
+                    words[4 * i + 3] = wq[s][i].w;
+                }
+                const uint32_t sbits[4] = {sc[s].x, sc[s].x >> 16, sc[s].y, sc[s].y >> 16};
 #pragma unroll
                 for (int p = 0; p < 2; ++p) {
                     uint32_t lo[4], hi[4];  // A rows g (tile 2p) and g + 8 (tile 2p + 1)
-                    dequant_word<T>(lo, words[2 * p], scale_pair<T>(sc[s], 2 * p),
-                                    base_zero_pair<T>(zp[s], 2 * p));
-                    dequant_word<T>(hi, words[2 * p + 1], scale_pair<T>(sc[s], 2 * p + 1),
-                                    base_zero_pair<T>(zp[s], 2 * p + 1));
+                    if constexpr (W4) {
+                        dequant_word<T>(lo, words[2 * p], scale_pair<T>(sc[s], 2 * p),
+                                        base_zero_pair<T>(zp[s], 2 * p));
+                        dequant_word<T>(hi, words[2 * p + 1], scale_pair<T>(sc[s], 2 * p + 1),
+                                        base_zero_pair<T>(zp[s], 2 * p + 1));
+                    } else {
+                        dequant_w8<T>(lo, words[4 * p], words[4 * p + 1], sbits[2 * p]);
+                        dequant_w8<T>(hi, words[4 * p + 2], words[4 * p + 3], sbits[2 * p + 1]);
+                    }
 #pragma unroll
                     for (int step = 0; step < 2; ++step) {
                         const uint32_t a[4] = {lo[2 * step], hi[2 * step], lo[2 * step + 1],
@@ -553,39 +612,30 @@ __device__ __forceinline__ void splitk_reduce(T* out, const float* partial, cons
 
 }  // namespace gemm_wq
 
-#define PAGEDRUN_GEMM_W8(DT, T, MT, BM)                                                        \
-    extern "C" __global__ void __launch_bounds__(gemm_wq::kThreads, gemm_wq::kMinBlocks<MT>)   \
-        gemm_w8a16_##DT##_m##BM(T* out, float* partial, const T* x, const int8_t* qweight,     \
-                                const T* scales, const T* bias, int M, int N, int K,           \
-                                int group_size, int k_tiles_per_split) {                       \
-        gemm_wq::gemm_wq<T, MT, false>(out, x, qweight, scales, nullptr, bias, partial, M, N,  \
-                                       K, group_size, k_tiles_per_split);                      \
-    }
-
-// W4: the 8- and 16-row names are the register-only decode kernel (1 or 2 token tiles), the
+// The 8- and 16-row names are the register-only decode kernel (1 or 2 token tiles), the
 // 64-row one the shared-memory tile.
-#define PAGEDRUN_GEMM_W4(DT, T)                                                                \
+#define PAGEDRUN_GEMM_WQ_DECODE(BITS, DT, T, NT, BM, W4)                                       \
     extern "C" __global__ void __launch_bounds__(gemm_wq::kThreads, gemm_wq::kDecodeMinBlocks) \
-        gemm_w4a16_##DT##_m8(T* out, float* partial, const T* x, const uint32_t* qweight,      \
-                             const T* scales, const uint8_t* zeros, const T* bias, int M,      \
-                             int N, int K, int group_size, int k_tiles_per_split) {            \
-        gemm_wq::gemm_w4_decode<T, 1>(out, x, qweight, scales, zeros, bias, partial, M, N, K,  \
-                                      group_size, k_tiles_per_split);                          \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(gemm_wq::kThreads, gemm_wq::kDecodeMinBlocks) \
-        gemm_w4a16_##DT##_m16(T* out, float* partial, const T* x, const uint32_t* qweight,     \
-                              const T* scales, const uint8_t* zeros, const T* bias, int M,     \
-                              int N, int K, int group_size, int k_tiles_per_split) {           \
-        gemm_wq::gemm_w4_decode<T, 2>(out, x, qweight, scales, zeros, bias, partial, M, N, K,  \
-                                      group_size, k_tiles_per_split);                          \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(gemm_wq::kThreads, gemm_wq::kMinBlocks<4>)    \
-        gemm_w4a16_##DT##_m64(T* out, float* partial, const T* x, const uint32_t* qweight,     \
-                              const T* scales, const uint8_t* zeros, const T* bias, int M,     \
-                              int N, int K, int group_size, int k_tiles_per_split) {           \
-        gemm_wq::gemm_wq<T, 4, true>(out, x, qweight, scales, zeros, bias, partial, M, N, K,   \
-                                     group_size, k_tiles_per_split);                           \
+        gemm_w##BITS##a16_##DT##_m##BM(T* out, float* partial, const T* x,                     \
+                                       const uint32_t* qweight, const T* scales,               \
+                                       const uint8_t* zeros, const T* bias, int M, int N,      \
+                                       int K, int group_size, int k_tiles_per_split) {         \
+        gemm_wq::gemm_wq_decode<T, NT, W4>(out, x, qweight, scales, zeros, bias, partial, M,   \
+                                           N, K, group_size, k_tiles_per_split);               \
     }
+#define PAGEDRUN_GEMM_WQ_TILE(BITS, DT, T, W4)                                                 \
+    extern "C" __global__ void __launch_bounds__(gemm_wq::kThreads, gemm_wq::kTileMinBlocks)   \
+        gemm_w##BITS##a16_##DT##_m64(T* out, float* partial, const T* x,                       \
+                                     const uint32_t* qweight, const T* scales,                 \
+                                     const uint8_t* zeros, const T* bias, int M, int N, int K, \
+                                     int group_size, int k_tiles_per_split) {                  \
+        gemm_wq::gemm_wq<T, 4, W4>(out, x, qweight, scales, zeros, bias, partial, M, N, K,     \
+                                   group_size, k_tiles_per_split);                             \
+    }
+#define PAGEDRUN_GEMM_WQ_ALL(BITS, DT, T, W4)                                                  \
+    PAGEDRUN_GEMM_WQ_DECODE(BITS, DT, T, 1, 8, W4)                                             \
+    PAGEDRUN_GEMM_WQ_DECODE(BITS, DT, T, 2, 16, W4)                                            \
+    PAGEDRUN_GEMM_WQ_TILE(BITS, DT, T, W4)
 
 #define PAGEDRUN_GEMM_WQ_REDUCE(DT, T)                                                         \
     extern "C" __global__ void __launch_bounds__(gemm_wq::kThreads)                            \
@@ -594,11 +644,9 @@ __device__ __forceinline__ void splitk_reduce(T* out, const float* partial, cons
         gemm_wq::splitk_reduce<T>(out, partial, bias, M, N, num_splits);                       \
     }
 
-PAGEDRUN_GEMM_W8(f16, __half, 1, 16)
-PAGEDRUN_GEMM_W8(f16, __half, 4, 64)
-PAGEDRUN_GEMM_W8(bf16, __nv_bfloat16, 1, 16)
-PAGEDRUN_GEMM_W8(bf16, __nv_bfloat16, 4, 64)
-PAGEDRUN_GEMM_W4(f16, __half)
-PAGEDRUN_GEMM_W4(bf16, __nv_bfloat16)
+PAGEDRUN_GEMM_WQ_ALL(8, f16, __half, false)
+PAGEDRUN_GEMM_WQ_ALL(8, bf16, __nv_bfloat16, false)
+PAGEDRUN_GEMM_WQ_ALL(4, f16, __half, true)
+PAGEDRUN_GEMM_WQ_ALL(4, bf16, __nv_bfloat16, true)
 PAGEDRUN_GEMM_WQ_REDUCE(f16, __half)
 PAGEDRUN_GEMM_WQ_REDUCE(bf16, __nv_bfloat16)

@@ -487,7 +487,7 @@ def assumption_lines() -> list[str]:
         "kernels that reuse loads through shared memory, e.g. gemm_f32_*). Compute loops "
         "(tensor instructions): HBM left out, estimate = % of the dense bf16 peak; except the "
         "decode-sized tensor kernels that stream their weights or K/V once (gemm_skinny_tc_*, "
-        "gemm_w4a16/w8a16_*_m16, gemm_w4a16_*_m8, paged_attention_decode_tc_*): streaming "
+        "gemm_w4a16/w8a16_*_m8 and _m16, paged_attention_decode_tc_*): streaming "
         "loops, the tensor pipe one more limit.",
     ]
 

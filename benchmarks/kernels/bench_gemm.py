@@ -41,11 +41,10 @@ import numpy as np
 from pagedrun.runtime.kernels.gemm import gemm
 from pagedrun.runtime.kernels.gemm_hopper import HOPPER_MIN_M, gemm_hopper
 from pagedrun.runtime.kernels.gemm_plan import SKINNY, SKINNY_TC, plan_gemm
-from pagedrun.runtime.kernels.gemm_wq import (gemm_w4a16, gemm_w8a16, wq_num_splits, wq_tile_m,
-                                              wq_tile_n)
+from pagedrun.runtime.kernels.gemm_wq import gemm_w4a16, gemm_w8a16, wq_num_splits, wq_tile_m
 from pagedrun.runtime.kernels.kernel_args import from_bf16_bits, to_bf16_bits
 from pagedrun.runtime.kernels.loader import load_module
-from pagedrun.runtime.kernels.wq_pack import num_column_groups, pack_w4, pack_w4_groups
+from pagedrun.runtime.kernels.wq_pack import num_column_groups, pack_groups, pack_w4, pack_w8
 
 from bench_common import (Timer, copy_bandwidth, model_estimate,  # this folder (bench_common)
                           random_bf16)
@@ -109,22 +108,22 @@ def _wq_operands(xp, rng, bits: int, N: int, K: int, group: int):
     packed arrays are random bytes drawn there (timing only: the kernel tests check values); on
     the harness, random q / s / z packed on the host with their reference."""
     groups = K // group
+    ng = num_column_groups(N)
     if xp is not np:
+        words = 4 if bits == 4 else 8
+        qweight = xp.random.randint(0, 256, size=K * ng * words * 4).astype(np.uint8)
+        weights = (qweight.view(np.uint32).reshape(K // 32, ng, 32, words),
+                   random_bf16(xp, rng, (groups, ng * 32)))
         if bits == 4:
-            ng = num_column_groups(N)
-            qweight = xp.random.randint(0, 256, size=K * ng * 32 // 2).astype(np.uint8)
-            scales = random_bf16(xp, rng, (groups, ng * 32))
-            zeros = xp.random.randint(0, 16, size=(groups, ng * 32)).astype(np.uint8)
-            return (qweight.view(np.uint32).reshape(K // 32, ng, 32, 4), scales, zeros), None
-        q8 = xp.random.randint(0, 256, size=(N, K)).astype(np.uint8).view(np.int8)
-        return (q8, random_bf16(xp, rng, (groups, N))), None
+            weights += (xp.random.randint(0, 16, size=(groups, ng * 32)).astype(np.uint8),)
+        return weights, None
     s = from_bf16_bits(to_bf16_bits(rng.uniform(0.5, 1.5, (groups, N)).astype(np.float32) / 64))
     if bits == 4:
         q, z = rng.integers(0, 16, (N, K)), rng.integers(0, 16, (groups, N))
-        weights = (pack_w4(q), pack_w4_groups(to_bf16_bits(s)), pack_w4_groups(z.astype(np.uint8)))
+        weights = (pack_w4(q), pack_groups(to_bf16_bits(s)), pack_groups(z.astype(np.uint8)))
     else:
         q, z = rng.integers(-128, 128, (N, K)), np.zeros((groups, N))
-        weights = (q.astype(np.int8), to_bf16_bits(s))
+        weights = (pack_w8(q), pack_groups(to_bf16_bits(s)))
     ref = np.repeat(s.astype(np.float64), group, axis=0).T * (q - np.repeat(z, group, axis=0).T)
     return weights, ref
 
@@ -143,8 +142,8 @@ def bench_wq(xp, device: str, timer: Timer, rng, module, m_values, layers, group
                     run = functools.partial(gemm_w4a16, module, a, *weights, n=N,
                                             group_size=group, out=out, num_sms=num_sms)
                 else:
-                    run = functools.partial(gemm_w8a16, module, a, *weights, group_size=group,
-                                            out=out, num_sms=num_sms)
+                    run = functools.partial(gemm_w8a16, module, a, *weights, n=N,
+                                            group_size=group, out=out, num_sms=num_sms)
                 seconds = timer(run, repeats)
                 if ref is not None:
                     want = from_bf16_bits(a).astype(np.float64) @ ref.T
@@ -152,7 +151,7 @@ def bench_wq(xp, device: str, timer: Timer, rng, module, m_values, layers, group
                     if err > SIM_TOLERANCE:
                         raise AssertionError(f"W{bits}A16 {name} M={M}: relative error {err:.3g}")
                 moved = sum(int(w.nbytes) for w in weights) + int(a.nbytes) + int(out.nbytes)
-                splits = wq_num_splits(M, N, K, num_sms, wq_tile_n(M, bits))
+                splits = wq_num_splits(M, N, K, num_sms)
                 rows.append((bits, name, M, N, K, splits, seconds, moved))
     return rows
 
@@ -220,7 +219,7 @@ def main(argv=None) -> int:
             xp, args.device, timer, rng, wq_module, GPU_WQ_DECODE_M if gpu else SIM_WQ_DECODE_M,
             GPU_LAYERS if gpu else SIM_LAYERS, GPU_WQ_GROUP if gpu else SIM_WQ_GROUP, num_sms):
         gbps = moved / sec / 1e9
-        kernel = f"gemm_w{bits}a16_bf16_m{wq_tile_m(M, bits)}"
+        kernel = f"gemm_w{bits}a16_bf16_m{wq_tile_m(M)}"
         print(f"{name:>8} {bits:>3} {M:>6} {N:>7} {K:>6} {kernel:>22} {splits:>6} "
               f"{sec * 1e6:>10.1f} {gbps:>8.1f} {gbps / copy_gbps:>8.2f} "
               f"{model_estimate(kernel):>9}")

@@ -10,13 +10,14 @@ The loader (runtime/hf_quantized.py) hands over exact q / s / z (W = s * (q - z)
 a plain QuantizedMatrix of I4Z rows). They are repacked once at load into the kernel's
 pre-shuffled layouts (kernels/wq_pack.py): q through pack_w4, s transposed to [K / g, N] in the
 activation dtype (fp16 scales are exact in float16, rounded once to nearest in bfloat16) and z
-to [K / g, N] uint8, both through pack_w4_groups; then placed on the device by the backend,
+to [K / g, N] uint8, both through pack_groups; then placed on the device by the backend,
 which counts them among its weights.
 
 int8 is made at load from any float weight as the cpu int8 backend makes it
 (runtime/backends/cpu_int8_backend.py): symmetric, one scale per INT8_GROUP = 64 inputs of a
 row, s = max |w| / 127, q = round(w / s); the scale then rounded to the activation dtype (the
-kernel reads it so), q computed against the float32 scale.
+kernel reads it so), q computed against the float32 scale; q through pack_w8 and s through
+pack_groups (the same pre-shuffled layouts as int4's).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from pagedrun.runtime.gguf_quantized import QuantizedMatrix
 from pagedrun.runtime.hf_quantized import INT4_TYPE, Int4Matrix
 from pagedrun.runtime.kernels import fused_ops
 from pagedrun.runtime.kernels.gemm_wq import gemm_w4a16, gemm_w8a16
-from pagedrun.runtime.kernels.wq_pack import pack_w4, pack_w4_groups, pack_w8
+from pagedrun.runtime.kernels.wq_pack import pack_groups, pack_w4, pack_w8
 
 INT8_GROUP = 64  # cpu_gemm.DEFAULT_INT8_GROUP_SIZE: measured closest to bf16 there
 
@@ -38,11 +39,10 @@ class WeightOnlyMatrix:
     """An [n, k] weight W = scales * (q - zeros) on the device (kernels/gemm_wq.py layouts);
     int8: W = scales * q, no zeros."""
 
-    qweight: object      # int4: uint32 [k / 32, ceil(n / 32), 32, 4] (wq_pack.pack_w4);
-                         # int8: int8 [n, k]
-    scales: object       # the activation dtype; int4: [k / g, ceil(n / 32) * 32]
-                         # (wq_pack.pack_w4_groups), int8: [k / g, n]
-    zeros: object        # uint8, as int4's scales; None for int8
+    qweight: object      # uint32 [k / 32, ceil(n / 32), 32, 4] (int4, wq_pack.pack_w4) or
+                         # [.., 8] (int8, wq_pack.pack_w8)
+    scales: object       # [k / g, ceil(n / 32) * 32] (wq_pack.pack_groups), activation dtype
+    zeros: object        # uint8, as the scales; None for int8
     group_size: int
     n: int
     k: int
@@ -78,9 +78,9 @@ def pack_int4(matrix: QuantizedMatrix, backend) -> WeightOnlyMatrix:
     n, k = matrix.shape
     return WeightOnlyMatrix(
         qweight=backend.place_weight(pack_w4(q)),
-        scales=backend.place_weight(pack_w4_groups(backend.to_kernel_dtype(
+        scales=backend.place_weight(pack_groups(backend.to_kernel_dtype(
             s.astype(np.float32)))),
-        zeros=backend.place_weight(pack_w4_groups(z)), group_size=group, n=n, k=k)
+        zeros=backend.place_weight(pack_groups(z)), group_size=group, n=n, k=k)
 
 
 def int8_servable(w) -> bool:
@@ -105,7 +105,7 @@ def pack_int8(w: np.ndarray, backend) -> WeightOnlyMatrix:
     q, s = quantize_int8(w, backend)
     n, k = q.shape
     return WeightOnlyMatrix(qweight=backend.place_weight(pack_w8(q)),
-                            scales=backend.place_weight(s), zeros=None,
+                            scales=backend.place_weight(pack_groups(s)), zeros=None,
                             group_size=INT8_GROUP, n=n, k=k)
 
 
@@ -113,7 +113,7 @@ def linear(module, x, weight: WeightOnlyMatrix, bias=None, *, out_dtype=None):
     """x [M, K] (float16 / bf16 bits, contiguous) @ W.T (+ bias, in x's dtype): [M, N] in x's
     dtype, or float32 when out_dtype asks for it (widened from x's dtype)."""
     if weight.zeros is None:
-        out = gemm_w8a16(module, x, weight.qweight, weight.scales,
+        out = gemm_w8a16(module, x, weight.qweight, weight.scales, n=weight.n,
                          group_size=weight.group_size, bias=bias)
     else:
         out = gemm_w4a16(module, x, weight.qweight, weight.scales, weight.zeros, n=weight.n,

@@ -1,19 +1,18 @@
 """Launch wrappers of the weight-only quantized GEMM kernels (cuda/gemm_wq.cu): W8A16, W4A16.
 
     module = load_module("gemm_wq.cu", backend="sim")          # or "cuda"
-    out = gemm_w8a16(module, x, q8, scales, bias=bias)          # x @ (s * q8).T + bias
-    out = gemm_w4a16(module, x, qweight, scales, zeros, n=N)    # x @ (s * (q4 - z)).T
+    out = gemm_w8a16(module, x, qweight, scales, n=N, group_size=g)          # x @ (s q8).T
+    out = gemm_w4a16(module, x, qweight, scales, zeros, n=N, group_size=g)   # x @ (s (q4 - z)).T
 
 x: [M, K] float16 or uint16 (bf16 bits), 16-byte aligned; K % 32 == 0. group_size g in
-{32, 64, 128} or K (per-channel), K % g == 0. W8: q8 int8 [N, K] (wq_pack.pack_w8), scales
-[K / g, N] in x's dtype. W4 (pre-shuffled, wq_pack): qweight uint32 [K / 32, Ng, 32, 4]
-(pack_w4), scales [K / g, Ng * 32] in x's dtype and zeros [K / g, Ng * 32] uint8
-(pack_w4_groups), Ng = ceil(N / 32). bias [N] in x's dtype or None. out: [M, N] in x's dtype.
-Arrays are numpy under the CPU harness and cupy on a GPU. Shapes no kernel serves raise
-UnsupportedKernelShape.
-M <= 16 runs the decode kernel split over K (wq_num_splits: ~8 CTAs per SM; fp32 partials and a
-reduce kernel that adds the bias): W8 the 16-row shared-memory tile, W4 the register-only
-kernel (128 columns per CTA); larger M the 64-row tile in one pass.
+{32, 64, 128} or K (per-channel), K % g == 0. Weights pre-shuffled by wq_pack (Ng =
+ceil(N / 32)): qweight uint32 [K / 32, Ng, 32, 8] (W8, pack_w8) or [K / 32, Ng, 32, 4] (W4,
+pack_w4); scales [K / g, Ng * 32] in x's dtype and W4's zeros [K / g, Ng * 32] uint8
+(pack_groups). bias [N] in x's dtype or None. out: [M, N] in x's dtype. Arrays are numpy under
+the CPU harness and cupy on a GPU. Shapes no kernel serves raise UnsupportedKernelShape.
+M <= 16 runs the register-only decode kernel (8 or 16 tokens x 128 columns per CTA) split over
+K (wq_num_splits: ~8 CTAs per SM; fp32 partials and a reduce kernel that adds the bias), larger
+M the 64-row shared-memory tile in one pass.
 """
 from __future__ import annotations
 
@@ -21,38 +20,38 @@ import numpy as np
 
 from .kernel_args import (UnsupportedKernelShape, array_module, ceil_div, data_ptr,
                           device_num_sms, dtype_suffix, nullable, require, require_contiguous)
-from .wq_pack import W4_GROUP_N, W4_LANES, W4_TILE_K, W4_WORDS, num_column_groups
+from .wq_pack import W4_GROUP_N, W4_LANES, W4_TILE_K, W4_WORDS, W8_WORDS, num_column_groups
 
 WQ_THREADS = 128
-WQ_TILE_N = 64               # columns per CTA: every 64-row tile, the W8 decode tile
-W4_DECODE_TILE_N = 4 * W4_GROUP_N   # the W4 decode kernel: 4 warps x one 32-column group
+WQ_TILE_N = 64               # columns per CTA of the 64-row tile
+WQ_DECODE_TILE_N = 4 * W4_GROUP_N   # the decode kernel: 4 warps x one 32-column group
 WQ_TILE_K = W4_TILE_K        # the K granularity of every instantiation
-WQ_DECODE_MAX_M = 16         # M up to this runs the 16-row tile, larger M the 64-row tile
+WQ_DECODE_MAX_M = 16         # M up to this runs the decode kernel, larger M the 64-row tile
 GROUP_SIZES = (32, 64, 128)
-# Split-K target for the decode tile: resident CTAs per SM (cuda/gemm_wq.cu header: 10 fit,
-# register-limited; 8 keeps most of them busy without shrinking the K slices further).
+# Split-K target for the decode kernel: resident CTAs per SM (4 fit by registers; 8 gives the
+# scheduler a second wave to balance uneven slices).
 WQ_TARGET_CTAS_PER_SM = 8
+LANE_WORDS = {4: W4_WORDS, 8: W8_WORDS}
 
 
-def wq_tile_m(M: int, bits: int = 8) -> int:
-    """Rows per CTA: the W4 decode kernel takes 8 or 16 tokens, the W8 decode tile 16, larger M
-    the 64-row tile."""
+def wq_tile_m(M: int) -> int:
+    """Rows per CTA: the decode kernel takes 8 or 16 tokens, larger M the 64-row tile."""
     if M > WQ_DECODE_MAX_M:
         return 64
-    return 8 if bits == 4 and M <= 8 else 16
+    return 8 if M <= 8 else 16
 
 
-def wq_tile_n(M: int, bits: int) -> int:
-    return W4_DECODE_TILE_N if bits == 4 and M <= WQ_DECODE_MAX_M else WQ_TILE_N
+def wq_tile_n(M: int) -> int:
+    return WQ_DECODE_TILE_N if M <= WQ_DECODE_MAX_M else WQ_TILE_N
 
 
-def wq_num_splits(M: int, N: int, K: int, num_sms: int, tile_n: int = WQ_TILE_N) -> int:
-    """K slices for one launch: only the decode kernels split, enough to put ~8 CTAs (of
-    `tile_n` columns) on every SM, never an empty slice."""
+def wq_num_splits(M: int, N: int, K: int, num_sms: int) -> int:
+    """K slices for one launch: only the decode kernel splits, enough to put ~8 CTAs on every
+    SM, never an empty slice."""
     if M > WQ_DECODE_MAX_M:
         return 1
     k_tiles = K // WQ_TILE_K
-    want = ceil_div(num_sms * WQ_TARGET_CTAS_PER_SM, ceil_div(N, tile_n))
+    want = ceil_div(num_sms * WQ_TARGET_CTAS_PER_SM, ceil_div(N, wq_tile_n(M)))
     return max(1, min(k_tiles, want))
 
 
@@ -92,9 +91,9 @@ def _out(xp, out, M, N, dtype):
     return out
 
 
-def _launch(module, name, xp, out, bias, M, N, K, num_splits, head, tail, bits):
+def _launch(module, name, xp, out, bias, M, N, K, num_splits, head, tail):
     """head: the pointers after (out, partial); tail: the scalars after (M, N, K, group)."""
-    tile_m, tile_n = wq_tile_m(M, bits), wq_tile_n(M, bits)
+    tile_m, tile_n = wq_tile_m(M), wq_tile_n(M)
     k_tiles = K // WQ_TILE_K
     num_splits = max(1, min(num_splits, k_tiles))
     kps = ceil_div(k_tiles, num_splits)
@@ -113,38 +112,14 @@ def _launch(module, name, xp, out, bias, M, N, K, num_splits, head, tail, bits):
            (out, partial, nullable(bias, xp), np.int32(M), np.int32(N), np.int32(num_splits)))
 
 
-def gemm_w8a16(module, x, qweight, scales, *, group_size: int, bias=None, out=None,
-               num_splits: int | None = None, num_sms: int | None = None):
-    """out = x @ (scales[k // g, n] * qweight[n, k]).T (+ bias). qweight: int8 [N, K].
-    num_splits: K slices (default wq_num_splits; clamped to the k-tiles)."""
+def _gemm_wq(bits, module, x, qweight, scales, zeros, n, group_size, bias, out, num_splits,
+             num_sms):
     xp = array_module(x)
-    require(qweight.ndim == 2 and qweight.dtype == np.int8,
-            lambda: f"qweight must be int8 [N, K], got {qweight.shape} {qweight.dtype}")
-    N = qweight.shape[0]
-    suffix, M, K = _check_common(x, scales, bias, N, group_size)
-    require(qweight.shape[1] == K, lambda: f"x {x.shape} and qweight {qweight.shape} disagree "
-                                           "on K")
-    require_contiguous("qweight", qweight)
-    if data_ptr(qweight) % 16:
-        raise UnsupportedKernelShape("qweight must start on a 16-byte boundary")
-    out = _out(xp, out, M, N, x.dtype)
-    if M and N:
-        splits = num_splits or wq_num_splits(M, N, K, num_sms or device_num_sms(xp))
-        _launch(module, f"gemm_w8a16_{suffix}", xp, out, bias, M, N, K, splits,
-                (x, qweight, scales), (np.int32(group_size),), bits=8)
-    return out
-
-
-def gemm_w4a16(module, x, qweight, scales, zeros, *, n: int, group_size: int, bias=None,
-               out=None, num_splits: int | None = None, num_sms: int | None = None):
-    """out = x @ (s[k // g, j] * (q[j, k] - z[k // g, j])).T (+ bias), j < n: the weight's n
-    output rows. qweight: uint32 [K / 32, ceil(n / 32), 32, 4] from wq_pack.pack_w4; scales and
-    zeros from wq_pack.pack_w4_groups. num_splits as in gemm_w8a16."""
-    xp = array_module(x)
-    require(qweight.ndim == 4 and qweight.shape[2:] == (W4_LANES, W4_WORDS)
+    words = LANE_WORDS[bits]
+    require(qweight.ndim == 4 and qweight.shape[2:] == (W4_LANES, words)
             and qweight.dtype == np.uint32,
-            lambda: f"qweight must be uint32 [K / 32, Ng, {W4_LANES}, {W4_WORDS}] (wq_pack."
-                    f"pack_w4), got {qweight.shape} {qweight.dtype}")
+            lambda: f"qweight must be uint32 [K / 32, Ng, {W4_LANES}, {words}] (wq_pack."
+                    f"pack_w{bits}), got {qweight.shape} {qweight.dtype}")
     N = int(n)
     require(N > 0 and qweight.shape[1] == num_column_groups(N),
             lambda: f"qweight {qweight.shape} holds {qweight.shape[1]} groups of 32 rows, not "
@@ -153,23 +128,43 @@ def gemm_w4a16(module, x, qweight, scales, zeros, *, n: int, group_size: int, bi
     suffix, M, K = _check_common(x, scales, bias, N, group_size, scale_cols=padded)
     require(qweight.shape[0] * W4_TILE_K == K,
             lambda: f"x {x.shape} and qweight {qweight.shape} disagree on K")
-    require(zeros.shape == scales.shape and zeros.dtype == np.uint8,
-            lambda: f"zeros must be {scales.shape} uint8, got {zeros.shape} {zeros.dtype}")
     require_contiguous("qweight", qweight)
-    require_contiguous("zeros", zeros)
     if qweight.size >= 1 << 32:   # the decode kernel's 32-bit word offsets
         raise UnsupportedKernelShape(f"qweight of {qweight.size} words: at most 2^32")
-    if data_ptr(qweight) % 16 or data_ptr(scales) % 8 or data_ptr(zeros) % 4:
-        raise UnsupportedKernelShape("qweight / scales / zeros must start on 16 / 8 / 4-byte "
-                                     "boundaries")
+    if data_ptr(qweight) % 16 or data_ptr(scales) % 8:
+        raise UnsupportedKernelShape("qweight / scales must start on 16 / 8-byte boundaries")
+    if bits == 4:
+        require(zeros.shape == scales.shape and zeros.dtype == np.uint8,
+                lambda: f"zeros must be {scales.shape} uint8, got {zeros.shape} {zeros.dtype}")
+        require_contiguous("zeros", zeros)
+        if data_ptr(zeros) % 4:
+            raise UnsupportedKernelShape("zeros must start on a 4-byte boundary")
     out = _out(xp, out, M, N, x.dtype)
     if M:
-        tile_n = wq_tile_n(M, 4)
-        splits = num_splits or wq_num_splits(M, N, K, num_sms or device_num_sms(xp), tile_n)
-        _launch(module, f"gemm_w4a16_{suffix}", xp, out, bias, M, N, K, splits,
-                (x, qweight, scales, zeros), (np.int32(group_size),), bits=4)
+        splits = num_splits or wq_num_splits(M, N, K, num_sms or device_num_sms(xp))
+        _launch(module, f"gemm_w{bits}a16_{suffix}", xp, out, bias, M, N, K, splits,
+                (x, qweight, scales, nullable(zeros, xp)), (np.int32(group_size),))
     return out
 
 
-__all__ = ["GROUP_SIZES", "WQ_TILE_K", "gemm_w4a16", "gemm_w8a16", "wq_num_splits", "wq_tile_m",
-           "wq_tile_n"]
+def gemm_w8a16(module, x, qweight, scales, *, n: int, group_size: int, bias=None, out=None,
+               num_splits: int | None = None, num_sms: int | None = None):
+    """out = x @ (s[k // g, j] * q[j, k]).T (+ bias), j < n: the weight's n output rows.
+    qweight: uint32 [K / 32, ceil(n / 32), 32, 8] from wq_pack.pack_w8; scales from
+    wq_pack.pack_groups. num_splits: K slices (default wq_num_splits; clamped to the
+    k-tiles)."""
+    return _gemm_wq(8, module, x, qweight, scales, None, n, group_size, bias, out, num_splits,
+                    num_sms)
+
+
+def gemm_w4a16(module, x, qweight, scales, zeros, *, n: int, group_size: int, bias=None,
+               out=None, num_splits: int | None = None, num_sms: int | None = None):
+    """out = x @ (s[k // g, j] * (q[j, k] - z[k // g, j])).T (+ bias), j < n. qweight: uint32
+    [K / 32, ceil(n / 32), 32, 4] from wq_pack.pack_w4; scales and zeros from
+    wq_pack.pack_groups. num_splits as in gemm_w8a16."""
+    return _gemm_wq(4, module, x, qweight, scales, zeros, n, group_size, bias, out, num_splits,
+                    num_sms)
+
+
+__all__ = ["GROUP_SIZES", "WQ_DECODE_TILE_N", "WQ_TILE_K", "gemm_w4a16", "gemm_w8a16",
+           "wq_num_splits", "wq_tile_m", "wq_tile_n"]

@@ -26,7 +26,7 @@ from pagedrun.runtime.backends import make_backend
 from pagedrun.runtime.backends.numpy_backend import NumpyBackend
 from pagedrun.runtime.backends.sim_backend import SimBackend
 from pagedrun.runtime.backends.weight_only import WeightOnlyMatrix
-from pagedrun.runtime.kernels.wq_pack import unpack_w4_groups
+from pagedrun.runtime.kernels.wq_pack import unpack_groups, unpack_w8
 from pagedrun.runtime.engine import LLMEngine
 from pagedrun.runtime.engine_config import EngineConfig, EngineConfigError
 from pagedrun.runtime.gguf_quantized import QuantizedMatrix
@@ -91,7 +91,7 @@ def test_linear_matches_dequantized(dtype):
     # The reference over the scales as the kernel holds them (exact in float16, rounded once
     # to nearest in bfloat16, in the kernel's column order); the weights placed once and
     # counted.
-    scales = unpack_w4_groups(backend.to_host(packed.scales), 64)
+    scales = unpack_groups(backend.to_host(packed.scales), 64)
     s16 = Int4Matrix(matrix.ggml_type, matrix.shape, matrix.raw).parts()[1].astype(np.float32).T
     if dtype == "float16":
         np.testing.assert_array_equal(scales, s16)
@@ -246,7 +246,7 @@ def test_int8_linear_matches_codec(dtype):
     packed = backend.linear_weight(np.ascontiguousarray(w.T).T)  # llama.py's transposed view
     assert isinstance(packed, WeightOnlyMatrix) and packed.bits == 8 and packed.shape == (72, 192)
     q, _ = int8_codec(w)
-    np.testing.assert_array_equal(backend.to_host(packed.qweight.astype(np.float32)), q)
+    np.testing.assert_array_equal(unpack_w8(np.asarray(packed.qweight), 72), q)  # numpy on sim
     reference_w = int8_dequantized(backend, w)
     bias = rng.standard_normal(72).astype(np.float32)
     for m in (1, 20):

@@ -22,6 +22,6 @@ def test_bench_gemm_runs_on_the_harness(capsys, monkeypatch):
     assert len(rows) == len(bench.SIM_LAYERS) * (len(bench.SIM_PREFILL_M) +
                                                  len(bench.SIM_DECODE_M)) + wq_rows
     assert sum("skinny" in line for line in rows) == len(bench.SIM_LAYERS) * len(bench.SIM_DECODE_M)
-    # M = 1 runs W4's 8-token register kernel, M = 9 its 16-token one
-    assert sum("gemm_w4a16_bf16_m8" in line for line in rows) == len(bench.SIM_LAYERS)
-    assert sum("gemm_w4a16_bf16_m16" in line for line in rows) == len(bench.SIM_LAYERS)
+    # M = 1 runs the 8-token register-only decode kernel, M = 9 the 16-token one
+    for kernel in ("w4a16_bf16_m8", "w4a16_bf16_m16", "w8a16_bf16_m8", "w8a16_bf16_m16"):
+        assert sum(f"gemm_{kernel} " in line for line in rows) == len(bench.SIM_LAYERS), kernel

@@ -1,24 +1,23 @@
 """cuda/gemm_wq.cu (through runtime/kernels/gemm_wq.py and wq_pack.py) against a float64
 reference: dequantize q / s / z in float64, matmul with the same rounded activations, add the
-bias. Awkward M (1, 3: W8's 16-row decode tile and W4's 8-token decode kernel, partial; 12: both
-16-row decode kernels; 17, 64: the 64-row tile), N (8, 24,
+bias. Awkward M (1, 3: the 8-token register-only decode kernel, partial; 12: the 16-token one;
+17, 64: the 64-row tile), N (8, 24,
 200: partial 64-column tiles), K (64, 192, 576; multiples of the 32-k tile), every group size and
-per-channel, bias or not, f16 and bf16, W8A16 and W4A16 (the register-only decode kernel at
-M <= 16: N = 200 leaves a partial column group and an idle warp), split-K as planned and
-forced; the packers' round trips; wrong W4 packings (nibble order, no fragment shuffle) that
-the comparison must reject; shapes the kernels refuse."""
+per-channel, bias or not, f16 and bf16, W8A16 and W4A16 (N = 200 leaves the decode kernel a
+partial column group and an idle warp), split-K as planned and forced; the packers' round
+trips; wrong packings (W4 nibble order, no fragment shuffle) that the comparison must reject;
+shapes the kernels refuse."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from paged_kernel_inputs import BACKEND, as_kernel_dtype, result_f32, to_device
-from pagedrun.runtime.kernels.gemm_wq import (W4_DECODE_TILE_N, gemm_w4a16, gemm_w8a16,
-                                              wq_num_splits)
+from pagedrun.runtime.kernels.gemm_wq import gemm_w4a16, gemm_w8a16, wq_num_splits
 from pagedrun.runtime.kernels.kernel_args import UnsupportedKernelShape
 from pagedrun.runtime.kernels.loader import load_module
-from pagedrun.runtime.kernels.wq_pack import (NIBBLE_OF_ELEMENT, pack_w4, pack_w4_groups,
-                                              pack_w8, unpack_w4, unpack_w4_groups)
+from pagedrun.runtime.kernels.wq_pack import (NIBBLE_OF_ELEMENT, pack_groups, pack_w4, pack_w8,
+                                              unpack_groups, unpack_w4, unpack_w8)
 
 # Unit roundoff of T (half an ulp, relative): the kernel rounds each dequantized weight to T
 # (the mma operand type) and the output once to T.
@@ -62,7 +61,7 @@ def _quantized(rng, bits, N, K, g):
     return q, s, z
 
 
-def _run(rng, bits, dt, M, N, K, g, with_bias, pack4=pack_w4, num_splits=None):
+def _run(rng, bits, dt, M, N, K, g, with_bias, pack=None, num_splits=None):
     x, x_ref = as_kernel_dtype(rng.standard_normal((M, K)), dt)
     q, s_raw, z = _quantized(rng, bits, N, K, g)
     s, s_ref = as_kernel_dtype(s_raw, dt)
@@ -74,13 +73,13 @@ def _run(rng, bits, dt, M, N, K, g, with_bias, pack4=pack_w4, num_splits=None):
         bias, bias_ref = as_kernel_dtype(rng.standard_normal(N), dt)
         expected += bias_ref
     b = None if bias is None else to_device(bias)
+    scales = to_device(pack_groups(s))
     if bits == 8:
-        out = gemm_w8a16(module(), to_device(x), to_device(pack_w8(q)), to_device(s),
+        out = gemm_w8a16(module(), to_device(x), to_device((pack or pack_w8)(q)), scales, n=N,
                          group_size=g, bias=b, num_splits=num_splits, num_sms=SIM_NUM_SMS)
     else:
-        out = gemm_w4a16(module(), to_device(x), to_device(pack4(q)),
-                         to_device(pack_w4_groups(s)),
-                         to_device(pack_w4_groups(z.astype(np.uint8))), n=N, group_size=g,
+        out = gemm_w4a16(module(), to_device(x), to_device((pack or pack_w4)(q)), scales,
+                         to_device(pack_groups(z.astype(np.uint8))), n=N, group_size=g,
                          bias=b, num_splits=num_splits, num_sms=SIM_NUM_SMS)
     assert out.shape == (M, N) and out.dtype == x.dtype
     return result_f32(out, dt).astype(np.float64), expected, _bound(dt, x_ref, w_ref, expected)
@@ -113,12 +112,10 @@ def test_gemm_wq_forced_splits(rng, bits, M, splits):
 
 
 def test_split_plan():
-    assert wq_num_splits(1, 4096, 4096, 132) == 17         # 64 column tiles x 17 >= 8 x 132
-    # the W4 decode kernel's 128-column CTAs: 32 x 33 >= 8 x 132
-    assert wq_num_splits(1, 4096, 4096, 132, W4_DECODE_TILE_N) == 33
+    assert wq_num_splits(1, 4096, 4096, 132) == 33         # 128-column CTAs: 32 x 33 >= 8 x 132
     assert wq_num_splits(1, 8, 64, 132) == 2               # capped at the k-tiles
     assert wq_num_splits(17, 8, 4096, 132) == 1            # prefill tile: never split
-    assert wq_num_splits(16, 1 << 17, 4096, 132) == 1      # 2048 column tiles: full
+    assert wq_num_splits(16, 1 << 18, 4096, 132) == 1      # 2048 column tiles: full
 
 
 def _naive_pack_w4(q):
@@ -139,12 +136,22 @@ def _row_major_w4(q):
     return np.ascontiguousarray(plain.reshape(packed.shape))
 
 
+def _row_major_w8(q):
+    """W8's bytes without the fragment shuffle (rows in plain order): NOT the kernel's layout."""
+    packed = pack_w8(q)
+    kt, ng = packed.shape[:2]
+    plain = packed.reshape(kt, ng, 8, 4, 4, 2).transpose(0, 1, 4, 2, 3, 5)   # [kt, ng, j, r, c, h]
+    return np.ascontiguousarray(plain.reshape(packed.shape))
+
+
 @pytest.mark.parametrize("M", (3, 17))
-@pytest.mark.parametrize("pack4", (_naive_pack_w4, _row_major_w4), ids=("nibbles", "rows"))
-def test_w4_wrong_packing_is_rejected(rng, M, pack4):
+@pytest.mark.parametrize("bits,pack", [(4, _naive_pack_w4), (4, _row_major_w4),
+                                       (8, _row_major_w8)], ids=("w4-nibbles", "w4-rows",
+                                                                 "w8-rows"))
+def test_wrong_packing_is_rejected(rng, M, bits, pack):
     """The comparison can fail: a plain nibble order, or rows in plain order instead of the
     fragment shuffle, must not pass -- on the decode kernel (M = 3) and the 64-row tile."""
-    actual, expected, bound = _run(rng, 4, "f16", M, 72, 192, 64, True, pack4=pack4)
+    actual, expected, bound = _run(rng, bits, "f16", M, 72, 192, 64, True, pack=pack)
     assert np.mean(np.abs(actual - expected) > bound) > 0.5
 
 
@@ -162,10 +169,17 @@ def test_pack_w4_round_trip_and_layout(rng):
     assert pack_w4(one)[1, 0, 1 * 4 + 1, 1] == 7 << (4 * 6)   # nibble (5 >> 1) + 4 = 6
     assert np.count_nonzero(pack_w4(one)) == 1
     s = rng.standard_normal((3, 40)).astype(np.float16)
-    groups = pack_w4_groups(s)
-    assert groups.shape == (3, 64) and np.array_equal(unpack_w4_groups(groups, 40), s)
+    groups = pack_groups(s)
+    assert groups.shape == (3, 64) and np.array_equal(unpack_groups(groups, 40), s)
     assert groups[2, 4 * 3 + 2] == s[2, 8 * 2 + 3]             # column 8j + r at 4r + j
-    assert not unpack_w4_groups(groups, 64)[:, 40:].any()     # padded columns are zero
+    assert not unpack_groups(groups, 64)[:, 40:].any()        # padded columns are zero
+    q8 = rng.integers(-128, 128, size=(40, 96))
+    packed8 = pack_w8(q8)
+    assert packed8.shape == (3, 2, 32, 8) and np.array_equal(unpack_w8(packed8, 40), q8)
+    one = np.zeros((10, 64), dtype=np.int64)
+    one[9, 32 + 13] = -3  # row 9 (j 1, r 1); k 45: tile 1, c 1, element 5 = word 2j + 1, byte 1
+    assert pack_w8(one)[1, 0, 1 * 4 + 1, 3] == (256 - 3) << 8
+    assert np.count_nonzero(pack_w8(one)) == 1
     with pytest.raises(ValueError):
         pack_w4(np.full((2, 32), 16))
 
@@ -173,14 +187,14 @@ def test_pack_w4_round_trip_and_layout(rng):
 @pytest.mark.parametrize("K,g", [(48, 16), (96, 64), (100, 100), (64, 48)])
 def test_refuses_unsupported_shapes(K, g):
     x = np.zeros((2, K), dtype=np.float16)
-    q = np.zeros((8, K), dtype=np.int8)
-    s = np.zeros((max(K // g, 1), 8), dtype=np.float16)
+    q = np.zeros((max(K // 32, 1), 1, 32, 8), dtype=np.uint32)   # well formed for N = 8
+    s = np.zeros((max(K // g, 1), 32), dtype=np.float16)
     with pytest.raises(UnsupportedKernelShape):
-        gemm_w8a16(module(), x, q, s, group_size=g)
+        gemm_w8a16(module(), x, q, s, n=8, group_size=g)
 
 
 def test_refuses_float32_activations():
     x = np.zeros((2, 64), dtype=np.float32)
     with pytest.raises(UnsupportedKernelShape):
-        gemm_w8a16(module(), x, np.zeros((8, 64), np.int8), np.zeros((2, 8), np.float32),
-                   group_size=32)
+        gemm_w8a16(module(), x, pack_w8(np.zeros((8, 64), np.int8)),
+                   np.zeros((2, 32), np.float32), n=8, group_size=32)
