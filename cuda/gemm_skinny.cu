@@ -23,7 +23,10 @@
 // warp owns ROWS_PER_WARP weight rows, each lane loads 16 contiguous bytes of each (coalesced
 // 512-byte row segments per warp), and accumulates M_TILE x ROWS_PER_WARP dot products in
 // registers (a read once from shared memory per m and reused across the warp's rows). The warp
-// then sums lanes with shuffles. M_TILE = 8 keeps 4 weight rows per warp (fewer, longer CTAs
+// then sums its lanes with one transposed shuffle reduction over the rows present (rows padded
+// to a power of two: ROWS_PER_WARP x 8 sums take 31 shuffles, not 5 each; bit-identical to a
+// butterfly per sum, see warp_transpose_sum), and each sum is written by the lane that ends
+// with it. M_TILE = 8 keeps 4 weight rows per warp (fewer, longer CTAs
 // for batch-1 decode); M_TILE = 64 takes one row per warp to stay within the register budget.
 // From M = 9 that is one weight row per warp and one synchronous 16-byte load per lane per
 // tile: too few bytes in flight, hence the tensor-core path.
@@ -133,6 +136,41 @@ template <> __device__ __forceinline__ void unpack<__half>(const uint4& v, float
     }
 }
 
+__host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
+__host__ __device__ constexpr int ilog2(int v) { return v <= 1 ? 0 : 1 + ilog2(v / 2); }
+
+// The sums over the warp's 32 lanes of N per-lane values (N a power of two <= 32), transposed:
+// at each xor step a lane keeps half of its values, sends the other half and adds what its
+// partner sent for the half it kept, so N values take N - 1 + 5 - log2 N shuffles instead of
+// 5 N. Lane l ends with the sum of value l >> (5 - log2 N). Each sum is the same tree of the
+// same additions as a butterfly (v += shfl_xor(v, o), o = 16 .. 1) on that value alone --
+// "own + partner's" at every level, and IEEE addition commutes -- so the results are
+// bit-identical to it whatever N is.
+// One xor step of warp_transpose_sum (offset 16 >> STEP), then the next: recursion on a
+// template parameter so every index is a constant (a runtime one puts v in local memory).
+template <int N, int STEP>
+__device__ __forceinline__ void transpose_sum_step(float (&v)[N], int lane) {
+    constexpr int kOffset = 16 >> STEP;
+    constexpr int kHalf = (N >> STEP) / 2;
+    if constexpr (kHalf >= 1) {
+        const bool upper = (lane & kOffset) != 0;
+#pragma unroll
+        for (int i = 0; i < kHalf; ++i) {
+            const float send = upper ? v[i] : v[i + kHalf];
+            const float keep = upper ? v[i + kHalf] : v[i];
+            v[i] = keep + __shfl_xor_sync(kFullMask, send, kOffset);
+        }
+    } else {
+        v[0] += __shfl_xor_sync(kFullMask, v[0], kOffset);
+    }
+    if constexpr (STEP < 4) transpose_sum_step<N, STEP + 1>(v, lane);
+}
+template <int N>
+__device__ __forceinline__ float warp_transpose_sum(float (&v)[N], int lane) {
+    transpose_sum_step<N, 0>(v, lane);
+    return v[0];
+}
+
 template <typename T, typename OutT>
 __device__ __forceinline__ void finish(OutT* out, const T* bias, const OutT* residual, int m,
                                        int n, int N, float v) {
@@ -140,6 +178,35 @@ __device__ __forceinline__ void finish(OutT* out, const T* bias, const OutT* res
     const long long idx = static_cast<long long>(m) * N + n;
     if (residual != nullptr) v += to_f32(residual[idx]);
     out[idx] = from_f32<OutT>(v);
+}
+
+// The epilogue of the CUDA-core path for MP activation rows (a power of two >= rows): the
+// R x MP sums acc[r][m] (slot r * MP + m), reduced over the lanes 32 slots at a time by
+// warp_transpose_sum, each written by the lane that ends with it.
+template <typename T, typename OutT, int M_TILE, int R, int MP>
+__device__ __forceinline__ void store_sums(const float (&acc)[R][M_TILE], OutT* out,
+                                           float* partial, const T* bias, const OutT* residual,
+                                           int M, int N, int m0, int rows, int n_first,
+                                           int lane) {
+    constexpr int kSlots = R * MP;
+    constexpr int kChunk = cmin(kSlots, 32);
+    constexpr int kShift = 5 - ilog2(kChunk);
+#pragma unroll
+    for (int c = 0; c < kSlots / kChunk; ++c) {
+        float v[kChunk];
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) v[i] = acc[(c * kChunk + i) / MP][(c * kChunk + i) % MP];
+        const float sum = warp_transpose_sum<kChunk>(v, lane);
+        if (lane & ((1 << kShift) - 1)) continue;
+        const int slot = c * kChunk + (lane >> kShift);
+        const int m = slot % MP, n = n_first + slot / MP;
+        if (m >= rows || n >= N) continue;
+        if (gridDim.z == 1) {
+            finish<T, OutT>(out, bias, residual, m0 + m, n, N, sum);
+        } else {
+            partial[(static_cast<long long>(blockIdx.z) * M + m0 + m) * N + n] = sum;
+        }
+    }
 }
 
 template <typename T, typename OutT, int M_TILE, int ROWS_PER_WARP>
@@ -195,23 +262,29 @@ __device__ __forceinline__ void skinny(OutT* out, float* partial, const T* __res
         }
     }
 
-#pragma unroll
-    for (int r = 0; r < ROWS_PER_WARP; ++r) {
-        const int n = n_first + r;
-#pragma unroll
-        for (int m = 0; m < M_TILE; ++m) {
-            if (m >= rows) break;  // uniform over the warp
-            float v = acc[r][m];
-#pragma unroll
-            for (int offset = 16; offset > 0; offset >>= 1)
-                v += __shfl_xor_sync(kFullMask, v, offset);
-            if (lane != 0 || n >= N) continue;
-            if (gridDim.z == 1) {
-                finish<T, OutT>(out, bias, residual, m0 + m, n, N, v);
-            } else {
-                partial[(static_cast<long long>(blockIdx.z) * M + m0 + m) * N + n] = v;
-            }
-        }
+    // Sum each (row, m) over the lanes: one transposed reduction for the rows present,
+    // padded to a power of two (uniform over the CTA: rows is).
+    if (rows == 1) {
+        store_sums<T, OutT, M_TILE, ROWS_PER_WARP, 1>(acc, out, partial, bias, residual, M, N,
+                                                      m0, rows, n_first, lane);
+    } else if (rows <= 2 || M_TILE < 4) {
+        store_sums<T, OutT, M_TILE, ROWS_PER_WARP, cmin(2, M_TILE)>(
+            acc, out, partial, bias, residual, M, N, m0, rows, n_first, lane);
+    } else if (rows <= 4 || M_TILE < 8) {
+        store_sums<T, OutT, M_TILE, ROWS_PER_WARP, cmin(4, M_TILE)>(
+            acc, out, partial, bias, residual, M, N, m0, rows, n_first, lane);
+    } else if (rows <= 8 || M_TILE < 16) {
+        store_sums<T, OutT, M_TILE, ROWS_PER_WARP, cmin(8, M_TILE)>(
+            acc, out, partial, bias, residual, M, N, m0, rows, n_first, lane);
+    } else if (rows <= 16 || M_TILE < 32) {
+        store_sums<T, OutT, M_TILE, ROWS_PER_WARP, cmin(16, M_TILE)>(
+            acc, out, partial, bias, residual, M, N, m0, rows, n_first, lane);
+    } else if (rows <= 32 || M_TILE < 64) {
+        store_sums<T, OutT, M_TILE, ROWS_PER_WARP, cmin(32, M_TILE)>(
+            acc, out, partial, bias, residual, M, N, m0, rows, n_first, lane);
+    } else {
+        store_sums<T, OutT, M_TILE, ROWS_PER_WARP, M_TILE>(acc, out, partial, bias, residual, M,
+                                                           N, m0, rows, n_first, lane);
     }
 }
 
