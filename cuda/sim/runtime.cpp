@@ -146,6 +146,7 @@ struct Launch {
     std::vector<Warp> warps;
     Fiber* cur = nullptr;
     void* sched_sp = nullptr;
+    unsigned sweep_last = 0;  // index order: the last fiber this sweep ran (see hand_off)
     bool failed = false;
     std::string error;
     // Shuffled schedules only (g_schedule_seed != 0; see "Schedules" below).
@@ -372,6 +373,7 @@ void init_fiber_stack(Fiber& f) {
 void run_fiber(Fiber& f) {
     Launch& L = *g_L;
     L.cur = &f;
+    L.sweep_last = f.ctx.linear;
     g_thread = &f.ctx;
 #if defined(PAGEDRUN_SIM_ASAN)
     __sanitizer_start_switch_fiber(&L.sched_fake, f.stack_lo, kStackBytes);
@@ -386,10 +388,41 @@ void run_fiber(Fiber& f) {
     L.cur = nullptr;
 }
 
+#if !defined(PAGEDRUN_SIM_ASAN) && !defined(PAGEDRUN_SIM_TSAN)
+bool poll_waiter(Fiber& f);
+
+// Index order, plain builds: a yielding fiber switches straight to the fiber the scheduler
+// would run next -- the next runnable one after it in this sweep -- instead of through the
+// scheduler: one context switch per rendezvous and thread instead of two (the harness spends
+// most of its time switching). The order is exactly the scheduler's: it would visit the same
+// fibers in the same states, nothing running in between. At the end of the sweep (nothing
+// runnable after this fiber) the fiber returns to the scheduler, which recounts and starts
+// the next sweep from L.sweep_last. Sanitizer builds keep the scheduler round trip: their
+// fiber annotations track one scheduler stack.
+bool hand_off(Fiber& f) {
+    Launch& L = *g_L;
+    if (L.shuffled || L.failed) return false;
+    for (unsigned j = f.ctx.linear + 1; j < L.nthreads; ++j) {
+        Fiber& o = L.fibers[j];
+        if (o.state == State::WaitCond && poll_waiter(o)) o.state = State::Runnable;
+        if (o.state != State::Runnable) continue;
+        L.cur = &o;
+        L.sweep_last = j;
+        g_thread = &o.ctx;
+        pagedrun_fiber_switch(&f.sp, o.sp);  // f resumes here (by the scheduler or a fiber)
+        return true;
+    }
+    return false;
+}
+#endif
+
 // Fiber -> scheduler. `final`: the fiber will never be resumed.
 void yield_to_scheduler(bool final) {
     Launch& L = *g_L;
     Fiber& f = *L.cur;
+#if !defined(PAGEDRUN_SIM_ASAN) && !defined(PAGEDRUN_SIM_TSAN)
+    if (hand_off(f)) return;
+#endif
 #if defined(PAGEDRUN_SIM_ASAN)
     __sanitizer_start_switch_fiber(final ? nullptr : &f.asan_fake, L.sched_stack_bottom,
                                    L.sched_stack_size);
@@ -549,20 +582,23 @@ void run_block_index_order() {
     unsigned done = 0;
     while (done < L.nthreads) {
         bool progress = false;
-        done = 0;
         for (unsigned i = 0; i < L.nthreads; ++i) {
             Fiber& f = L.fibers[i];
             if (f.state == State::WaitCond && poll_waiter(f)) f.state = State::Runnable;
             if (f.state == State::Runnable) {
-                run_fiber(f);
+                run_fiber(f);  // plain builds: runs on through the sweep (hand_off)
                 progress = true;
                 if (L.failed) {
                     acquire_all_fibers();
                     return;
                 }
+                i = L.sweep_last;  // every fiber up to it had its turn in this sweep
             }
-            if (f.state == State::Done) ++done;
         }
+        // A fiber finishes only during its turn and has one turn per sweep: counting after
+        // the sweep counts what the sweep's visits would have.
+        done = 0;
+        for (const auto& f : L.fibers) done += f.state == State::Done;
         if (done < L.nthreads && !progress) {
             acquire_all_fibers();
             L.failed = true;

@@ -266,3 +266,74 @@ def test_random_schedule_exposes_the_race(smoke, schedule_seed):
 def test_race_free_kernels_agree_under_random_schedules(smoke, rng, schedule_seed, seed):
     schedule_seed(seed)
     test_block_reverse_through_shared_memory(smoke, rng, 989, 256)
+
+
+def _index_order_model(threads: int) -> list[int]:
+    """The log schedule_order writes under index order, from the documented rule alone
+    (cuda/sim/runtime.cpp, "Schedules"): rounds over the threads in index order, each runnable
+    thread running until it parks at a rendezvous or exits; the thread that completes a
+    rendezvous wakes the others and runs on. Each thread's program, as in smoke.cu: log 0,
+    barrier (all threads), log 1, shuffle (its warp), log 2, __syncwarp (even lanes; odd lanes
+    skip), log 3, exit."""
+    def program(t):
+        ops = [("log", t), ("sync", "block"), ("log", 1000 + t), ("sync", ("warp", t // 32)),
+               ("log", 2000 + t)]
+        if t % 2 == 0:
+            ops.append(("sync", ("even", t // 32)))
+        return ops + [("log", 3000 + t)]
+
+    def members(key):
+        if key == "block":
+            return set(range(threads))
+        kind, warp = key
+        lanes = range(warp * 32, warp * 32 + 32)
+        return {t for t in lanes if kind == "warp" or t % 2 == 0}
+
+    progs = [program(t) for t in range(threads)]
+    pc = [0] * threads
+    waiting: dict = {}             # rendezvous key -> threads parked there
+    runnable = [True] * threads
+    log = []
+
+    def run(t):
+        while pc[t] < len(progs[t]):
+            op, arg = progs[t][pc[t]]
+            pc[t] += 1
+            if op == "log":
+                log.append(arg)
+                continue
+            parked = waiting.setdefault(arg, set())
+            parked.add(t)
+            if parked == members(arg):       # complete: wake the others, run on
+                del waiting[arg]
+                for o in parked:
+                    runnable[o] = True
+                continue
+            runnable[t] = False
+            return
+        runnable[t] = False                  # exited
+
+    while any(pc[t] < len(progs[t]) for t in range(threads)):
+        progressed = False
+        for t in range(threads):
+            if runnable[t]:
+                run(t)
+                progressed = True
+        assert progressed, "the model deadlocked"
+    return log
+
+
+@racy  # the log counter is shared without atomics on purpose: the harness runs one thread at a time
+@pytest.mark.parametrize("threads", (32, 96))
+def test_index_order_runs_threads_in_the_documented_order(smoke, schedule_seed, threads):
+    """Pins the index-order schedule (and the hand-off between parked and next threads of
+    plain builds, which must not change it) to a model of its documented rule."""
+    schedule_seed(0)
+    expected = _index_order_model(threads)
+    log = np.full(len(expected), -1, np.int32)
+    count = np.zeros(1, np.int32)
+    smoke.get_function("schedule_order")((1,), (threads,), (log, count))
+    assert count[0] == len(expected)
+    np.testing.assert_array_equal(log, expected)
+    assert len(set(expected[:threads])) == threads   # the model is not trivially sorted
+    assert expected[threads] == 1000 + threads - 1   # the barrier's last arrival runs on

@@ -130,3 +130,20 @@ extern "C" __global__ void racy_neighbour_read(int* data, int* out) {
 extern "C" __global__ void block_order(int* counter, int* order) {
     if (threadIdx.x == 0) order[atomicAdd(counter, 1)] = blockIdx.x;
 }
+
+// Logs which thread passes which point, in the order the harness runs them: each thread
+// appends 1000 * point + threadIdx.x to `log` through the counter `count[0]` (safe without
+// atomics only because the harness runs one thread at a time). Points: 0 at entry, 1 after a
+// __syncthreads, 2 after a full-warp shuffle, 3 after a __syncwarp of the even lanes (odd lanes
+// skip it), then the exit. log: [4 * blockDim.x] i32; count: [1] i32, zero. blockDim.x a
+// multiple of 32.
+extern "C" __global__ void schedule_order(int* log, int* count) {
+    const int t = threadIdx.x;
+    log[count[0]++] = t;
+    __syncthreads();
+    log[count[0]++] = 1000 + t;
+    const int v = __shfl_xor_sync(0xffffffffu, t, 1);
+    log[count[0]++] = 2000 + t + 0 * v;
+    if (t % 2 == 0) __syncwarp(0x55555555u);
+    log[count[0]++] = 3000 + t;
+}
