@@ -209,6 +209,25 @@ __device__ __forceinline__ void store_sums(const float (&acc)[R][M_TILE], OutT* 
     }
 }
 
+// store_sums for the smallest power of two MP >= rows (MP <= M_TILE): a compile-time MP per
+// branch, so every index into acc stays a constant.
+template <typename T, typename OutT, int M_TILE, int R, int MP = 1>
+__device__ __forceinline__ void store_sums_padded(const float (&acc)[R][M_TILE], OutT* out,
+                                                  float* partial, const T* bias,
+                                                  const OutT* residual, int M, int N, int m0,
+                                                  int rows, int n_first, int lane) {
+    if constexpr (MP >= M_TILE) {
+        store_sums<T, OutT, M_TILE, R, M_TILE>(acc, out, partial, bias, residual, M, N, m0, rows,
+                                               n_first, lane);
+    } else if (rows <= MP) {
+        store_sums<T, OutT, M_TILE, R, MP>(acc, out, partial, bias, residual, M, N, m0, rows,
+                                           n_first, lane);
+    } else {
+        store_sums_padded<T, OutT, M_TILE, R, 2 * MP>(acc, out, partial, bias, residual, M, N,
+                                                      m0, rows, n_first, lane);
+    }
+}
+
 template <typename T, typename OutT, int M_TILE, int ROWS_PER_WARP>
 __device__ __forceinline__ void skinny(OutT* out, float* partial, const T* __restrict__ a,
                                        const T* __restrict__ w, const T* __restrict__ bias,
@@ -264,28 +283,8 @@ __device__ __forceinline__ void skinny(OutT* out, float* partial, const T* __res
 
     // Sum each (row, m) over the lanes: one transposed reduction for the rows present,
     // padded to a power of two (uniform over the CTA: rows is).
-    if (rows == 1) {
-        store_sums<T, OutT, M_TILE, ROWS_PER_WARP, 1>(acc, out, partial, bias, residual, M, N,
+    store_sums_padded<T, OutT, M_TILE, ROWS_PER_WARP>(acc, out, partial, bias, residual, M, N,
                                                       m0, rows, n_first, lane);
-    } else if (rows <= 2 || M_TILE < 4) {
-        store_sums<T, OutT, M_TILE, ROWS_PER_WARP, cmin(2, M_TILE)>(
-            acc, out, partial, bias, residual, M, N, m0, rows, n_first, lane);
-    } else if (rows <= 4 || M_TILE < 8) {
-        store_sums<T, OutT, M_TILE, ROWS_PER_WARP, cmin(4, M_TILE)>(
-            acc, out, partial, bias, residual, M, N, m0, rows, n_first, lane);
-    } else if (rows <= 8 || M_TILE < 16) {
-        store_sums<T, OutT, M_TILE, ROWS_PER_WARP, cmin(8, M_TILE)>(
-            acc, out, partial, bias, residual, M, N, m0, rows, n_first, lane);
-    } else if (rows <= 16 || M_TILE < 32) {
-        store_sums<T, OutT, M_TILE, ROWS_PER_WARP, cmin(16, M_TILE)>(
-            acc, out, partial, bias, residual, M, N, m0, rows, n_first, lane);
-    } else if (rows <= 32 || M_TILE < 64) {
-        store_sums<T, OutT, M_TILE, ROWS_PER_WARP, cmin(32, M_TILE)>(
-            acc, out, partial, bias, residual, M, N, m0, rows, n_first, lane);
-    } else {
-        store_sums<T, OutT, M_TILE, ROWS_PER_WARP, M_TILE>(acc, out, partial, bias, residual, M,
-                                                           N, m0, rows, n_first, lane);
-    }
 }
 
 template <typename T, typename OutT>

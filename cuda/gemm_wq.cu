@@ -109,34 +109,21 @@ __device__ __forceinline__ int kmajor_offset(int row, int chunk) {
     return row * kBK + ((chunk ^ ((row >> 1) & 3)) * kChunkElems);
 }
 
-// 16 bytes as 4 words, byte-wise under the harness (no type punning there), one load on GPU.
-__device__ __forceinline__ uint4 load16(const void* p) {
+// One vector load of V (uint4 / uint2 / uint32_t: 16 / 8 / 4 bytes, aligned by the caller) on
+// the GPU; byte-wise under the harness (no type punning there).
+template <typename V>
+__device__ __forceinline__ V load_vec(const void* p) {
 #if defined(PAGEDRUN_SIM)
-    uint4 v;
-    memcpy(&v, p, 16);
+    V v;
+    memcpy(&v, p, sizeof(V));
     return v;
 #else
-    return *reinterpret_cast<const uint4*>(p);
+    return *reinterpret_cast<const V*>(p);
 #endif
 }
-__device__ __forceinline__ uint2 load8(const void* p) {
-#if defined(PAGEDRUN_SIM)
-    uint2 v;
-    memcpy(&v, p, 8);
-    return v;
-#else
-    return *reinterpret_cast<const uint2*>(p);
-#endif
-}
-__device__ __forceinline__ uint32_t load4(const void* p) {
-#if defined(PAGEDRUN_SIM)
-    uint32_t v;
-    memcpy(&v, p, 4);
-    return v;
-#else
-    return *reinterpret_cast<const uint32_t*>(p);
-#endif
-}
+__device__ __forceinline__ uint4 load16(const void* p) { return load_vec<uint4>(p); }
+__device__ __forceinline__ uint2 load8(const void* p) { return load_vec<uint2>(p); }
+__device__ __forceinline__ uint32_t load4(const void* p) { return load_vec<uint32_t>(p); }
 // The bits of a 16-bit scale, in the low half of a word.
 __device__ __forceinline__ uint32_t scale_bits(__half v) { return __half_as_ushort(v); }
 __device__ __forceinline__ uint32_t scale_bits(__nv_bfloat16 v) {
@@ -308,13 +295,14 @@ __device__ __forceinline__ int w4_group(int kt, int group_shift) {
     return group_shift < 0 ? 0 : kt >> group_shift;
 }
 
-// Dequantized 4-bit weight tile [64][32] from the pre-shuffled layout: the CTA's 64 columns are
-// column groups n0 / 32 and n0 / 32 + 1; thread t reads 8 bytes of group t / 64 as the decode
-// kernel's lane (t % 64) / 2 would (words 2 (t % 2) and + 1: two n8 tiles), dequantizes them
-// and stores each word's 8 k as one 16-byte chunk: row 32 (t / 64) + 8j + lane / 4, chunk
-// lane % 4. Consecutive threads read consecutive 8 bytes (a 512-byte run per group).
-template <typename T>
-__device__ __forceinline__ void load_w4_tile(T* s_w, const uint32_t* q, const T* scales,
+// The dequantized weight tile [64][32] of k-tile kt from the pre-shuffled layouts: the CTA's 64
+// columns are column groups n0 / 32 and n0 / 32 + 1; thread t reads group t / 64 as the
+// decode kernel's lane (t % 64) / 2 would, the half of it that holds n8 tiles 2 (t % 2) and
+// + 1 (W4: words 2 (t % 2), + 1, 8 bytes; W8: words 4 (t % 2) .. + 3, 16 bytes), dequantizes
+// them and stores each tile's 8 k as one 16-byte chunk: row 32 (t / 64) + 8j + lane / 4,
+// chunk lane % 4. Consecutive threads read consecutive bytes (one run per group).
+template <typename T, bool W4>
+__device__ __forceinline__ void load_wq_tile(T* s_w, const uint32_t* q, const T* scales,
                                              const uint8_t* zeros, int n0, int kt,
                                              int num_groups, int group) {
     const int gi = threadIdx.x / 64;
@@ -323,43 +311,22 @@ __device__ __forceinline__ void load_w4_tile(T* s_w, const uint32_t* q, const T*
     const int ng = n0 / kW4GroupN + gi;
     uint32_t w[2][4] = {{0u, 0u, 0u, 0u}, {0u, 0u, 0u, 0u}};
     if (ng < num_groups) {
-        const uint2 v = load8(q + (static_cast<long long>(kt) * num_groups + ng) * kW4GroupWords +
-                              lane * 4 + 2 * jp);
+        const long long tile = static_cast<long long>(kt) * num_groups + ng;
         const long long gidx =
             (static_cast<long long>(group) * num_groups + ng) * kW4GroupN + (lane / 4) * 4 + 2 * jp;
+        if constexpr (W4) {
+            const uint2 v = load8(q + tile * kW4GroupWords + lane * 4 + 2 * jp);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const auto s2 = Magic<T>::splat(to_f32(scales[gidx + h]));
-            const auto base_z2 = base_plus_zero2<T>(zeros[gidx + h]);
-            const uint32_t word = h == 0 ? v.x : v.y;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) w[h][i] = dequant_pair<T>(word >> (4 * i), s2, base_z2);
+            for (int h = 0; h < 2; ++h) {
+                const auto s2 = Magic<T>::splat(to_f32(scales[gidx + h]));
+                const auto base_z2 = base_plus_zero2<T>(zeros[gidx + h]);
+                dequant_word<T>(w[h], h == 0 ? v.x : v.y, s2, base_z2);
+            }
+        } else {
+            const uint4 v = load16(q + tile * kW8GroupWords + lane * 8 + 4 * jp);
+            dequant_w8<T>(w[0], v.x, v.y, scale_bits(scales[gidx]));
+            dequant_w8<T>(w[1], v.z, v.w, scale_bits(scales[gidx + 1]));
         }
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-        store_chunk(s_w + kmajor_offset(gi * kW4GroupN + (2 * jp + h) * 8 + lane / 4, lane % 4),
-                    w[h][0], w[h][1], w[h][2], w[h][3]);
-}
-
-// Dequantized int8 weight tile [64][32] from the pre-shuffled W8 layout: as load_w4_tile,
-// thread t reads 16 bytes of group t / 64 as lane (t % 64) / 2 -- words 4 (t % 2) .. + 3, the
-// n8 tiles 2 (t % 2) and + 1 -- and stores each tile's 8 k as one 16-byte chunk.
-template <typename T>
-__device__ __forceinline__ void load_w8_tile(T* s_w, const uint32_t* q, const T* scales, int n0,
-                                             int kt, int num_groups, int group) {
-    const int gi = threadIdx.x / 64;
-    const int lane = (threadIdx.x % 64) / 2;
-    const int jp = threadIdx.x % 2;
-    const int ng = n0 / kW4GroupN + gi;
-    uint32_t w[2][4] = {{0u, 0u, 0u, 0u}, {0u, 0u, 0u, 0u}};
-    if (ng < num_groups) {
-        const uint4 v = load16(q + (static_cast<long long>(kt) * num_groups + ng) *
-                                       kW8GroupWords + lane * 8 + 4 * jp);
-        const long long gidx =
-            (static_cast<long long>(group) * num_groups + ng) * kW4GroupN + (lane / 4) * 4 + 2 * jp;
-        dequant_w8<T>(w[0], v.x, v.y, scale_bits(scales[gidx]));
-        dequant_w8<T>(w[1], v.z, v.w, scale_bits(scales[gidx + 1]));
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h)
@@ -398,10 +365,7 @@ __device__ __forceinline__ void gemm_wq(T* out, const T* __restrict__ x, const u
         load_x_tile<T, kBM>(s_x, x, m0, k0, M, K);
         const int num_groups = (N + kW4GroupN - 1) / kW4GroupN;
         const int group = w4_group(kt, w4_group_shift(group_size, K));
-        if constexpr (W4)
-            load_w4_tile<T>(s_w, q, scales, zeros, n0, kt, num_groups, group);
-        else
-            load_w8_tile<T>(s_w, q, scales, n0, kt, num_groups, group);
+        load_wq_tile<T, W4>(s_w, q, scales, zeros, n0, kt, num_groups, group);
         __syncthreads();
 #pragma unroll
         for (int kk = 0; kk < kBK / 16; ++kk) {
