@@ -164,7 +164,6 @@ template <> struct Magic<__half> {
     static constexpr bool kIsHalf = true;
     static constexpr uint32_t kBits = 0x64006400u;
     static constexpr uint32_t kHighBytes = 0x64646464u;  // kBits' high byte, in every byte
-    static constexpr float kBase = 1024.f;
     static __device__ __forceinline__ T2 from_bits(uint32_t b) {
 #if defined(PAGEDRUN_SIM)
         return __halves2half2(__ushort_as_half(static_cast<unsigned short>(b & 0xffffu)),
@@ -181,14 +180,12 @@ template <> struct Magic<__half> {
         return *reinterpret_cast<const uint32_t*>(&v);
 #endif
     }
-    static __device__ __forceinline__ T2 splat(float v) { return __float2half2_rn(v); }
 };
 template <> struct Magic<__nv_bfloat16> {
     using T2 = __nv_bfloat162;
     static constexpr bool kIsHalf = false;
     static constexpr uint32_t kBits = 0x43004300u;
     static constexpr uint32_t kHighBytes = 0x43434343u;
-    static constexpr float kBase = 128.f;
     static __device__ __forceinline__ T2 from_bits(uint32_t b) {
 #if defined(PAGEDRUN_SIM)
         return __halves2bfloat162(
@@ -206,7 +203,6 @@ template <> struct Magic<__nv_bfloat16> {
         return *reinterpret_cast<const uint32_t*>(&v);
 #endif
     }
-    static __device__ __forceinline__ T2 splat(float v) { return __float2bfloat162_rn(v); }
 };
 
 // (a & mask) | bits in one LOP3 (the compiler otherwise emits two: one immediate each).
@@ -225,12 +221,6 @@ __device__ __forceinline__ uint32_t dequant_pair(uint32_t word, typename Magic<T
                                                  typename Magic<T>::T2 base_z2) {
     const auto v = Magic<T>::from_bits(and_or(word, 0x000f000fu, Magic<T>::kBits));
     return Magic<T>::to_bits(__hmul2(__hsub2(v, base_z2), s2));
-}
-
-// The T pair {base + z, base + z} of a zero point z (0..15), by the same bit trick.
-template <typename T>
-__device__ __forceinline__ typename Magic<T>::T2 base_plus_zero2(uint32_t z) {
-    return Magic<T>::from_bits(((Magic<T>::kBits & 0xffffu) | z) * 0x00010001u);
 }
 
 // One PRMT each: both lanes scale j of the 4 T scales in `sc` (2 per word), and both lanes
@@ -318,8 +308,9 @@ __device__ __forceinline__ void load_wq_tile(T* s_w, const uint32_t* q, const T*
             const uint2 v = load8(q + tile * kW4GroupWords + lane * 4 + 2 * jp);
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const auto s2 = Magic<T>::splat(to_f32(scales[gidx + h]));
-                const auto base_z2 = base_plus_zero2<T>(zeros[gidx + h]);
+                const auto s2 = Magic<T>::from_bits(
+                    __byte_perm(scale_bits(scales[gidx + h]), 0u, 0x1010u));
+                const auto base_z2 = base_zero_pair<T>(zeros[gidx + h], 0);
                 dequant_word<T>(w[h], h == 0 ? v.x : v.y, s2, base_z2);
             }
         } else {

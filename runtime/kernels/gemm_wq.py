@@ -55,7 +55,7 @@ def wq_num_splits(M: int, N: int, K: int, num_sms: int) -> int:
     return max(1, min(k_tiles, want))
 
 
-def _check_common(x, scales, bias, N: int, group_size: int, scale_cols: int | None = None):
+def _check_common(x, scales, bias, N: int, group_size: int, scale_cols: int):
     suffix = dtype_suffix(x)
     if suffix not in ("f16", "bf16"):
         raise UnsupportedKernelShape(f"weight-only GEMM takes float16 / bf16 activations, got "
@@ -70,10 +70,9 @@ def _check_common(x, scales, bias, N: int, group_size: int, scale_cols: int | No
     require_contiguous("x", x)
     if data_ptr(x) % 16:
         raise UnsupportedKernelShape("x must start on a 16-byte boundary (16-byte loads)")
-    cols = N if scale_cols is None else scale_cols
-    require(scales.shape == (K // group_size, cols) and scales.dtype == x.dtype,
-            lambda: f"scales must be [{K // group_size}, {cols}] {x.dtype}, got {scales.shape} "
-                    f"{scales.dtype}")
+    require(scales.shape == (K // group_size, scale_cols) and scales.dtype == x.dtype,
+            lambda: f"scales must be [{K // group_size}, {scale_cols}] {x.dtype}, got "
+                    f"{scales.shape} {scales.dtype}")
     require_contiguous("scales", scales)
     if bias is not None:
         require(bias.shape == (N,) and bias.dtype == x.dtype,
