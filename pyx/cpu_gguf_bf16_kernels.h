@@ -75,7 +75,7 @@ static inline int gguf_bf16_available() { return 0; }
 // ask this, so they choose alike and stay bit-identical.
 static inline int gguf_activations_for_rows(int path, int activations, int M) {
     if (activations != GGUF_ACT_AUTO) return activations;
-    return path == 1 && M >= GGUF_BF16_MIN_ROWS && gguf_bf16_available() ? GGUF_ACT_BF16
+    return path == GGUF_PATH_VNNI && M >= GGUF_BF16_MIN_ROWS && gguf_bf16_available() ? GGUF_ACT_BF16
                                                                          : GGUF_ACT_Q8X2;
 }
 
@@ -281,7 +281,8 @@ static inline void gguf_tiles_bf16_type(const GgufJob& g, const uint16_t* xb, in
                                         int tile_begin, int tile_end, const float* bias,
                                         float* y, long ldy) {
 #if PAGEDRUN_X86
-    if (g.path >= 1 && gguf_bf16_available()) {
+    // The AVX-512 kernel on the AVX-512 paths only: a path capped at avx2 stays below it.
+    if (g.path != GGUF_PATH_PORTABLE && g.path != GGUF_PATH_AVX2 && gguf_bf16_available()) {
         gguf_tiles_bf16_t<TYPE>(g, xb, N, tile_begin, tile_end, bias, y, ldy);
         return;
     }

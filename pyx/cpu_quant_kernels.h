@@ -113,6 +113,11 @@ namespace pagedrun_gemm {
 enum GgufType { GGUF_Q4_0 = 0, GGUF_Q4_1 = 1, GGUF_Q8_0 = 2, GGUF_Q4_K = 3, GGUF_Q6_K = 4,
                GGUF_I4Z = 5, GGUF_Q5_K = 6 };  // I4Z: not a GGML type (AWQ / GPTQ int4, see
                                                 // above); Q5_0 is repacked as Q8_0 bytes
+// GgufJob.path: the kernels a call runs (cpu_gemm's GGUF_PATHS names them). The AMX paths
+// run the VNNI kernel below GGUF_AMX_MIN_ROWS rows, so every code >= GGUF_PATH_VNNI but AVX2
+// needs AVX512-VNNI.
+enum GgufPath { GGUF_PATH_PORTABLE = 0, GGUF_PATH_VNNI = 1, GGUF_PATH_AMX = 2,
+                GGUF_PATH_AMX_EMULATED = 3, GGUF_PATH_AVX2 = 4 };
 constexpr int GGUF_TILE_N = 16;  // outputs per tile (one zmm of int32 / float32 lanes)
 constexpr int GGUF_QK = 32;      // weights per GGUF block
 constexpr int GGUF_XCORR_SPLIT16 = -1;  // gguf_offset(Q6_K): xcorr packs the two 16-sums
@@ -148,7 +153,7 @@ static inline int gguf_block_bytes_of(int type) { return (int)gguf_block_bytes(t
 // threads; a TileJob points at it and names the tile range).
 struct GgufJob {
     int type;  // GgufType
-    int path;  // 0 portable, 1 avx512vnni, 2 amx (AMX-INT8), 3 amx-emulated (tests)
+    int path;  // GgufPath
     const uint8_t* wq;
     int nb;  // blocks per row, K / 32
     int M;
@@ -911,6 +916,12 @@ static inline int cpu_has_avx512vnni() { return 0; }
 static inline int gguf_amx_int8_available() { return 0; }
 #endif
 
+}  // namespace pagedrun_gemm
+
+#include "cpu_quant_avx2_kernels.h"  // the "avx2" path (GgufJob.path GGUF_PATH_AVX2)
+
+namespace pagedrun_gemm {
+
 // ------------------------------------------------------------------------- dispatch
 // x [M, K] float32 (strides in elements) -> the quantized activations (layout above): M rows,
 // or with residual 2M (the second pass in rows [M, 2M)).
@@ -918,7 +929,11 @@ static inline void gguf_quantize_rows(int path, const float* x, long stride_m, l
                                       int M, int K, int offset, int residual, int8_t* xq,
                                       float* xd, float* xs, int32_t* xcorr) {
 #if PAGEDRUN_X86
-    if (path >= 1 && stride_k == 1) {  // the AMX paths' CPUs have VNNI (checked)
+    if (path == GGUF_PATH_AVX2 && stride_k == 1) {
+        gguf_quantize_rows_avx2(x, stride_m, M, K, offset, residual, xq, xd, xs, xcorr);
+        return;
+    }
+    if (path >= GGUF_PATH_VNNI && stride_k == 1) {  // the AMX paths' CPUs have VNNI (checked)
         gguf_quantize_rows_vnni(x, stride_m, M, K, offset, residual, xq, xd, xs, xcorr);
         return;
     }
@@ -930,8 +945,19 @@ static inline void gguf_quantize_rows(int path, const float* x, long stride_m, l
 static inline void gguf_tiles(const GgufJob& g, int N, int tile_begin, int tile_end,
                               const float* bias, float* y, long ldy) {
 #if PAGEDRUN_X86
-    if ((g.path == 2 || g.path == 3) && g.M >= GGUF_AMX_MIN_ROWS) {
-        if (g.path == 2) {
+    if (g.path == GGUF_PATH_AVX2) {
+        switch (g.type) {
+            case GGUF_Q4_0: gguf_tiles_avx2_t<GGUF_Q4_0>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+            case GGUF_Q4_1: gguf_tiles_avx2_t<GGUF_Q4_1>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+            case GGUF_Q4_K: gguf_tiles_avx2_t<GGUF_Q4_K>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+            case GGUF_Q6_K: gguf_tiles_avx2_t<GGUF_Q6_K>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+            case GGUF_I4Z: gguf_tiles_avx2_t<GGUF_I4Z>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+            case GGUF_Q5_K: gguf_tiles_avx2_t<GGUF_Q5_K>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+            default: gguf_tiles_avx2_t<GGUF_Q8_0>(g, N, tile_begin, tile_end, bias, y, ldy); return;
+        }
+    }
+    if ((g.path == GGUF_PATH_AMX || g.path == GGUF_PATH_AMX_EMULATED) && g.M >= GGUF_AMX_MIN_ROWS) {
+        if (g.path == GGUF_PATH_AMX) {
             switch (g.type) {
                 case GGUF_Q4_0: gguf_tiles_amx_t<GGUF_Q4_0, false>(g, N, tile_begin, tile_end, bias, y, ldy); return;
                 case GGUF_Q4_1: gguf_tiles_amx_t<GGUF_Q4_1, false>(g, N, tile_begin, tile_end, bias, y, ldy); return;
@@ -952,7 +978,7 @@ static inline void gguf_tiles(const GgufJob& g, int N, int tile_begin, int tile_
             default: gguf_tiles_amx_t<GGUF_Q8_0, true>(g, N, tile_begin, tile_end, bias, y, ldy); return;
         }
     }
-    if (g.path >= 1) {  // avx512vnni, and the AMX paths below GGUF_AMX_MIN_ROWS rows
+    if (g.path >= GGUF_PATH_VNNI) {  // avx512vnni, and the AMX paths below GGUF_AMX_MIN_ROWS rows
         switch (g.type) {
             case GGUF_Q4_0: gguf_tiles_vnni_t<GGUF_Q4_0>(g, N, tile_begin, tile_end, bias, y, ldy); return;
             case GGUF_Q4_1: gguf_tiles_vnni_t<GGUF_Q4_1>(g, N, tile_begin, tile_end, bias, y, ldy); return;
