@@ -25,8 +25,10 @@ last dimension (they are written or read in place). Activation strides are used 
 dimension is not contiguous is copied. (pyx/ may not import runtime/, so numpy_ops' checks are
 restated here; tests/pyx/test_cpu_ops.py holds the two to the same errors.)
 
-Paths: "avx512" (AVX512F, chosen at run time) and "portable" (scalar C++, any CPU); "auto"
-picks the first the CPU runs. Tests force each through every op's `path=`.
+Paths: "avx512" (AVX512F), "avx2" (AVX2 + FMA) and "portable" (scalar C++, any CPU), the SIMD
+ones chosen at run time; "auto" picks the fastest the CPU runs, unless set_isa_cap limits it
+(auto_path() names the pick). Tests force each through every op's `path=`; forcing a path the
+CPU lacks raises RuntimeError.
 """
 import numpy as np
 
@@ -41,7 +43,11 @@ cdef extern from "cpu_ops_kernels.h" namespace "pagedrun_ops" nogil:
     const int ERR_CONTEXT_LEN
     const int ERR_CAPACITY
     const int ERR_BLOCK_ID
+    const int PATH_PORTABLE
+    const int PATH_AVX512
+    const int PATH_AVX2
     int cpu_has_avx512f()
+    int cpu_has_ops_avx2()
     int check_rotary_indices(const int32_t* positions, const int32_t* slots, int T,
                              int max_position, long num_slots, long* value)
     int check_decode_tables(const int32_t* block_tables, long ldb, int max_blocks,
@@ -72,9 +78,13 @@ ctypedef fused cache_t:
     uint16_t
     uint8_t
 
-PATHS = ("portable", "avx512")
-_PATH_CODE = {"portable": 0, "avx512": 1}
+PATHS = ("portable", "avx2", "avx512")
+_PATH_CODE = {"portable": PATH_PORTABLE, "avx2": PATH_AVX2, "avx512": PATH_AVX512}
+_PATH_NAME = {code: name for name, code in _PATH_CODE.items()}
 cdef int _HAS_AVX512 = cpu_has_avx512f()
+cdef int _HAS_AVX2 = cpu_has_ops_avx2()
+# set_isa_cap's names: "amx" (the GEMM's top ISA) caps nothing here, these ops have no AMX path.
+ISA_CAPS = ("auto", "amx", "avx512", "avx2", "portable")
 _INT32_MIN, _INT32_MAX = np.iinfo(np.int32).min, np.iinfo(np.int32).max
 _F32 = np.dtype(np.float32)
 _F16 = np.dtype(np.float16)
@@ -93,19 +103,56 @@ def has_avx512f():
     return bool(_HAS_AVX512)
 
 
+def has_avx2():
+    """True when this CPU runs the AVX2 path (AVX2 and FMA)."""
+    return bool(_HAS_AVX2)
+
+
 def available_paths():
     """The paths this CPU runs, fastest first."""
-    return ("avx512", "portable") if _HAS_AVX512 else ("portable",)
+    return tuple(p for p, ok in (("avx512", _HAS_AVX512), ("avx2", _HAS_AVX2),
+                                 ("portable", True)) if ok)
+
+
+cdef str _isa_cap = "auto"
+# The code "auto" resolves to, kept current by set_isa_cap: _resolve_path runs on every call.
+cdef int _auto_code = _PATH_CODE[available_paths()[0]]
+
+
+def set_isa_cap(name):
+    """Limit what "auto" picks (a forced path= is unaffected): "auto", "amx" or "avx512" -> the
+    fastest path this CPU runs; "avx2" -> avx2 where the CPU has it, else portable; "portable"
+    -> portable. Returns the previous cap (to restore it)."""
+    global _isa_cap, _auto_code
+    if name not in ISA_CAPS:
+        raise ValueError(f"isa cap must be one of {ISA_CAPS}, got {name!r}")
+    allowed = {"portable": ("portable",), "avx2": ("avx2", "portable")}.get(name, PATHS)
+    previous = _isa_cap
+    _auto_code = _PATH_CODE[next(p for p in available_paths() if p in allowed)]
+    _isa_cap = name
+    return previous
+
+
+def auto_path():
+    """The path "auto" resolves to now (the fastest the CPU runs, within set_isa_cap's cap)."""
+    return _PATH_NAME[_auto_code]
 
 
 cdef int _resolve_path(path) except -1:
     if path == "auto":
-        return 1 if _HAS_AVX512 else 0
-    if path not in _PATH_CODE:
+        return _auto_code
+    code = _PATH_CODE.get(path)
+    if code is None:
         raise ValueError(f"path must be 'auto' or one of {PATHS}, got {path!r}")
-    if path == "avx512" and not _HAS_AVX512:
-        raise RuntimeError("this CPU cannot run the avx512 path")
-    return _PATH_CODE[path]
+    if (code == PATH_AVX512 and not _HAS_AVX512) or (code == PATH_AVX2 and not _HAS_AVX2):
+        raise RuntimeError(f"this CPU cannot run the {path} path")
+    return code
+
+
+def path_code(path="auto"):
+    """The kernels' int path code (PATH_* in cpu_ops_kernels.h) of "auto" (within the cap) or a
+    forced path, checked as every op checks it: for C++ callers such as cpu_decode_step."""
+    return _resolve_path(path)
 
 
 cdef _activation(x):

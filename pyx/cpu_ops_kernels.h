@@ -55,13 +55,23 @@
 //       accumulators in zmm registers for the run (up to 8 / 6 / 3 heads per pass); the next
 //       run's rows prefetched into L2. Other D (masked tails) and the portable path: per
 //       (sequence, kv head), accumulators in a scratch row.
+//       AVX2 for D = 32, 64, 128 (decode_seq_avx2): the same runs in the same order, but 16 ymm
+//       cannot hold a group's accumulators (D = 64 alone is 8 of them), so each phase of a run
+//       keeps its own working set in registers: the scores 8 tokens x 1 head at a time (8 FMA
+//       chains, one hadd tree for the 8 sums), p.v a column block at a time for up to 8 heads
+//       (every v vector loaded once for them all, accumulators to L1 once per run). bf16 / fp8
+//       rows are widened once per run and kv head into a float buffer. Other D: scalar.
 //
-// Paths: AVX512F (per-function target attributes, chosen at run time, so the module builds for
-// any x86-64) and a portable scalar one. exp: the AVX512 path uses exp_avx512 (Cephes' expf
+// Paths: AVX512F, AVX2 + FMA (Zen 1-3, Intel client parts: most x86-64 CPUs without AVX512)
+// and a portable scalar one; the SIMD ones through per-function target attributes, chosen at
+// run time (PATH_*, cpu_has_avx512f / cpu_has_ops_avx2), so the module builds for any x86-64.
+// Both SIMD paths compute the same formulas, FMA and exp alike. exp: exp_avx512 (Cephes' expf
 // range reduction and degree-6 polynomial, scaled with vscalefps; relative error < 2e-7 over
-// the float range, NaN kept); the portable path calls expf. Summation orders differ from
-// numpy's (16-lane partial sums, FMA): results agree to float32 rounding, not bit for bit.
-// Single-threaded.
+// the float range, NaN kept) and exp_avx2 (the same, 2^n applied as two exact power-of-two
+// factors for want of vscalefps); the portable path calls expf. Summation orders differ from
+// numpy's (8- or 16-lane partial sums, FMA): results agree to float32 rounding, not bit for
+// bit. Cache stores are bit for bit on every path. Decode attention splits a large batch over
+// two threads (paged_decode_attention); everything else is single-threaded.
 //
 // Measured (benchmarks/host/bench_cpu_ops.py: default model's shapes, one layer's non-GEMM
 // calls, median us, numpy_ops -> AVX512 path; one core of a noisy 2-core Zen 4 VM, 2026-12-02):
@@ -79,6 +89,7 @@
 
 #include <algorithm>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -92,6 +103,7 @@ namespace pagedrun_ops {
 
 constexpr int PATH_PORTABLE = 0;
 constexpr int PATH_AVX512 = 1;
+constexpr int PATH_AVX2 = 2;  // AVX2 + FMA
 constexpr int ACT_SILU = 0;
 constexpr int ACT_GELU_TANH = 1;
 // numpy_ops' GELU constants: sqrt(2 / pi) and the cubic coefficient.
@@ -102,6 +114,17 @@ static inline int cpu_has_avx512f() {
 #if PAGEDRUN_OPS_X86
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f");
+#else
+    return 0;
+#endif
+}
+
+// The AVX2 path's requirement: AVX2 and FMA (every CPU with one has the other in practice, but
+// both are checked: the path's functions are compiled for both).
+static inline int cpu_has_ops_avx2() {
+#if PAGEDRUN_OPS_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #else
     return 0;
 #endif
@@ -524,12 +547,309 @@ PAGEDRUN_AVX512_TARGET static inline void rotate_head_avx512(const float* x, con
 }
 #endif
 
+// ------------------------------------------------------------------------- AVX2 + FMA path
+// For x86-64 CPUs without AVX512F (Zen 1-3, Intel client parts): 8 lanes, 16 ymm registers, no
+// mask registers. Partial vectors of float rows use vmaskmovps (masked-off lanes never fault);
+// partial bf16 / fp8 rows go element by element through kv_store. The target attribute is
+// per function (chosen at run time), so nothing here needs -mavx2; helpers are static inline
+// functions of the same target, which GCC inlines (a lambda would not inherit the target).
+#if PAGEDRUN_OPS_X86
+#define PAGEDRUN_OPS_AVX2_TARGET __attribute__((target("avx2,fma")))
+// The hot helpers: GCC's -O2 heuristics left exp_avx2 and dot8_avx2 out of line, spilling every
+// live ymm around each call (the SysV ABI preserves none), so they are forced inline.
+#define PAGEDRUN_OPS_AVX2_INLINE __attribute__((target("avx2,fma"), always_inline))
+
+// Lanes [0, n) set, n <= 8 (vmaskmovps reads each lane's top bit).
+PAGEDRUN_OPS_AVX2_INLINE static inline __m256i tail_mask8(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+PAGEDRUN_OPS_AVX2_INLINE static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+PAGEDRUN_OPS_AVX2_INLINE static inline float hmax8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// 8 cache elements as float32, exactly as kv_load: a float load; bf16 bits zero-extended and
+// shifted into the high half; fp8 e4m3 with kv_load16's integer steps (normal: em << 20
+// rebiased by 120 << 23; subnormal em < 8: em * 2^-9; em 0x7F: NaN; sign to bit 31) -- about a
+// dozen single-uop ops, no slower than an 8-lane table gather on Zen 3 and no table in cache.
+PAGEDRUN_OPS_AVX2_INLINE static inline __m256 kv_load8(const float* p) {
+    return _mm256_loadu_ps(p);
+}
+PAGEDRUN_OPS_AVX2_INLINE static inline __m256 kv_load8(const uint16_t* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+PAGEDRUN_OPS_AVX2_INLINE static inline __m256 kv_load8(const uint8_t* p) {
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i em = _mm256_and_si256(c, _mm256_set1_epi32(0x7F));
+    const __m256 normal = _mm256_castsi256_ps(
+        _mm256_add_epi32(_mm256_slli_epi32(em, 20), _mm256_set1_epi32(120 << 23)));
+    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(em), _mm256_set1_ps(1.0f / 512.0f));
+    __m256 v = _mm256_blendv_ps(
+        normal, sub, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), em)));
+    v = _mm256_blendv_ps(
+        v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)),
+        _mm256_castsi256_ps(_mm256_cmpeq_epi32(em, _mm256_set1_epi32(0x7F))));
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
+    return _mm256_or_ps(v, _mm256_castsi256_ps(sign));
+}
+
+// dst[0, n) = src[0, n) as cache elements, 8 at a time: a copy (masked tail); kv_f32_to_bf16
+// (integer RNE, NaN lanes blended in) or kv_f32_to_fp8 (variable shifts for the subnormal
+// lanes) narrowed with packus (every lane is already in [0, 0xFFFF] / [0, 0xFF], so the
+// saturation never bites), a tail of n % 8 through kv_store. Bit for bit the scalar stores.
+PAGEDRUN_OPS_AVX2_TARGET static inline void kv_store_row_avx2(const float* src, int n,
+                                                              float* dst) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_loadu_ps(src + i));
+    if (i < n) {
+        const __m256i m = tail_mask8(n - i);
+        _mm256_maskstore_ps(dst + i, m, _mm256_maskload_ps(src + i, m));
+    }
+}
+PAGEDRUN_OPS_AVX2_TARGET static inline void kv_store_row_avx2(const float* src, int n,
+                                                              uint16_t* dst) {
+    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF);
+    const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
+    const __m256i quiet = _mm256_set1_epi32(0x40);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256i bits = _mm256_castps_si256(_mm256_loadu_ps(src + i));
+        const __m256i upper = _mm256_srli_epi32(bits, 16);
+        const __m256i rounded = _mm256_srli_epi32(
+            _mm256_add_epi32(_mm256_add_epi32(bits, bias), _mm256_and_si256(upper, one)), 16);
+        // |bits| and inf are both non-negative as int32: a signed compare is the unsigned one.
+        const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, abs_mask), inf);
+        const __m256i out = _mm256_blendv_epi8(rounded, _mm256_or_si256(upper, quiet), nan);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                         _mm_packus_epi32(_mm256_castsi256_si128(out),
+                                          _mm256_extracti128_si256(out, 1)));
+    }
+    for (; i < n; ++i) kv_store(dst + i, src[i]);
+}
+PAGEDRUN_OPS_AVX2_TARGET static inline void kv_store_row_avx2(const float* src, int n,
+                                                              uint8_t* dst) {
+    const __m256i one = _mm256_set1_epi32(1), abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256i bits = _mm256_castps_si256(_mm256_loadu_ps(src + i));
+        const __m256i a = _mm256_and_si256(bits, abs_mask);  // non-negative: signed compares
+        const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24),
+                                              _mm256_set1_epi32(0x80));
+        // normal: RNE to 3 mantissa bits, rebias, saturate at 0x7E
+        __m256i normal = _mm256_add_epi32(_mm256_add_epi32(a, _mm256_set1_epi32(0x7FFFF)),
+                                          _mm256_and_si256(_mm256_srli_epi32(a, 20), one));
+        normal = _mm256_sub_epi32(_mm256_srli_epi32(normal, 20), _mm256_set1_epi32(120 << 3));
+        normal = _mm256_min_epi32(normal, _mm256_set1_epi32(0x7E));
+        // subnormal: the significand >> min(141 - exponent, 25), RNE (for normal lanes the
+        // shift is out of range, vpsllvd / vpsrlvd give 0, and the blend drops them)
+        const __m256i shift = _mm256_min_epi32(
+            _mm256_sub_epi32(_mm256_set1_epi32(141), _mm256_srli_epi32(a, 23)),
+            _mm256_set1_epi32(25));
+        const __m256i s = _mm256_or_si256(_mm256_and_si256(a, _mm256_set1_epi32(0x7FFFFF)),
+                                          _mm256_set1_epi32(0x800000));
+        const __m256i half = _mm256_sub_epi32(
+            _mm256_sllv_epi32(one, _mm256_sub_epi32(shift, one)), one);
+        const __m256i sub = _mm256_srlv_epi32(
+            _mm256_add_epi32(_mm256_add_epi32(s, half),
+                             _mm256_and_si256(_mm256_srlv_epi32(s, shift), one)),
+            shift);
+        __m256i code = _mm256_blendv_epi8(
+            sub, normal, _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x3C800000 - 1)));
+        code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7F),
+                                  _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000)));
+        code = _mm256_or_si256(code, sign);
+        const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(code),
+                                           _mm256_extracti128_si256(code, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + i), _mm_packus_epi16(w, w));
+    }
+    for (; i < n; ++i) kv_store(dst + i, src[i]);
+}
+
+// e^x with exp_avx512's contract: the same clamp, Cephes range reduction and degree-6
+// polynomial (relative error < 2e-7, NaN kept, e^-104 -> 0, e^89 -> inf). AVX2 has no
+// vscalefps: 2^n is applied as two factors 2^(n >> 1) and 2^(n - (n >> 1)), each built by
+// putting its biased exponent into the float bits. n is in [-150, 128] after the clamp, so each
+// factor's exponent is in [-75, 64] (a normal float): p * 2^n1 is exact and the second product
+// rounds once, overflowing to inf or rounding into subnormals / 0 exactly as vscalefps does. A
+// NaN x converts to an integer garbage n, but p is NaN already and NaN * anything stays NaN.
+PAGEDRUN_OPS_AVX2_INLINE static inline __m256 exp_avx2(__m256 x) {
+    x = _mm256_min_ps(_mm256_set1_ps(89.0f), _mm256_max_ps(_mm256_set1_ps(-104.0f), x));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i ni = _mm256_cvtps_epi32(n);
+    const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+    const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
+}
+
+// The sum of squares of n floats: four 8-lane partial sums (four FMA chains in flight).
+PAGEDRUN_OPS_AVX2_TARGET static inline float sum_sq_avx2(const float* x, int n) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int i = 0;
+    for (; i + 32 <= n; i += 32) {
+        const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+        const __m256 v2 = _mm256_loadu_ps(x + i + 16), v3 = _mm256_loadu_ps(x + i + 24);
+        a0 = _mm256_fmadd_ps(v0, v0, a0);
+        a1 = _mm256_fmadd_ps(v1, v1, a1);
+        a2 = _mm256_fmadd_ps(v2, v2, a2);
+        a3 = _mm256_fmadd_ps(v3, v3, a3);
+    }
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        a0 = _mm256_fmadd_ps(v, v, a0);
+    }
+    if (i < n) {
+        const __m256 v = _mm256_maskload_ps(x + i, tail_mask8(n - i));
+        a1 = _mm256_fmadd_ps(v, v, a1);
+    }
+    return hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+}
+
+// o = x * inv * w over n floats.
+PAGEDRUN_OPS_AVX2_TARGET static inline void scale_row_avx2(const float* x, float inv,
+                                                           const float* w, int n, float* o) {
+    const __m256 s = _mm256_set1_ps(inv);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i), s);
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(v, _mm256_loadu_ps(w + i)));
+    }
+    if (i < n) {
+        const __m256i m = tail_mask8(n - i);
+        const __m256 v = _mm256_mul_ps(_mm256_maskload_ps(x + i, m), s);
+        _mm256_maskstore_ps(o + i, m, _mm256_mul_ps(v, _mm256_maskload_ps(w + i, m)));
+    }
+}
+
+PAGEDRUN_OPS_AVX2_TARGET static void rms_norm_avx2(const float* x, long ldx, const float* w,
+                                                   int rows, int hidden, float eps, float* out,
+                                                   long ldo) {
+    for (int r = 0; r < rows; ++r) {
+        const float* xr = x + r * ldx;
+        scale_row_avx2(xr, row_inv_rms(sum_sq_avx2(xr, hidden), hidden, eps), w, hidden,
+                       out + r * ldo);
+    }
+}
+
+PAGEDRUN_OPS_AVX2_TARGET static void fused_add_rms_norm_avx2(const float* x, long ldx,
+                                                             const float* res, long ldr,
+                                                             const float* w, int rows, int hidden,
+                                                             float eps, float* out, long ldo,
+                                                             float* new_res, long ldn) {
+    for (int r = 0; r < rows; ++r) {
+        const float* xr = x + r * ldx;
+        const float* rr = res + r * ldr;
+        float* nr = new_res + r * ldn;
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+        int i = 0;
+        for (; i + 16 <= hidden; i += 16) {
+            const __m256 h0 = _mm256_add_ps(_mm256_loadu_ps(xr + i), _mm256_loadu_ps(rr + i));
+            const __m256 h1 = _mm256_add_ps(_mm256_loadu_ps(xr + i + 8),
+                                            _mm256_loadu_ps(rr + i + 8));
+            _mm256_storeu_ps(nr + i, h0);
+            _mm256_storeu_ps(nr + i + 8, h1);
+            acc0 = _mm256_fmadd_ps(h0, h0, acc0);
+            acc1 = _mm256_fmadd_ps(h1, h1, acc1);
+        }
+        for (; i < hidden; i += 8) {
+            const __m256i m = tail_mask8(hidden - i);
+            const __m256 h = _mm256_add_ps(_mm256_maskload_ps(xr + i, m),
+                                           _mm256_maskload_ps(rr + i, m));
+            _mm256_maskstore_ps(nr + i, m, h);
+            acc0 = _mm256_fmadd_ps(h, h, acc0);
+        }
+        scale_row_avx2(nr, row_inv_rms(hsum8(_mm256_add_ps(acc0, acc1)), hidden, eps), w,
+                       hidden, out + r * ldo);
+    }
+}
+
+// act_and_mul_avx512's formulas, 8 lanes; a masked tail (masked-off lanes load 0: exp(0)).
+PAGEDRUN_OPS_AVX2_INLINE static inline __m256 act_avx2(int kind, __m256 x) {
+    __m256 arg;  // the exponent of the sigmoid's denominator
+    if (kind == ACT_SILU) {
+        arg = _mm256_sub_ps(_mm256_setzero_ps(), x);
+    } else {
+        const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+        arg = _mm256_mul_ps(_mm256_set1_ps(-2.0f * GELU_C0),
+                            _mm256_fmadd_ps(_mm256_set1_ps(GELU_C1), x3, x));
+    }
+    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp_avx2(arg)));
+}
+
+PAGEDRUN_OPS_AVX2_TARGET static void act_and_mul_avx2(int kind, const float* gate_up, long ldg,
+                                                      int rows, int inter, float* out,
+                                                      long ldo) {
+    for (int r = 0; r < rows; ++r) {
+        const float* g = gate_up + r * ldg;
+        const float* u = g + inter;
+        float* o = out + r * ldo;
+        int i = 0;
+        for (; i + 8 <= inter; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(act_avx2(kind, _mm256_loadu_ps(g + i)),
+                                                  _mm256_loadu_ps(u + i)));
+        if (i < inter) {
+            const __m256i m = tail_mask8(inter - i);
+            const __m256 act = act_avx2(kind, _mm256_maskload_ps(g + i, m));
+            _mm256_maskstore_ps(o + i, m, _mm256_mul_ps(act, _mm256_maskload_ps(u + i, m)));
+        }
+    }
+}
+
+// One head 8 pairs at a time (rotate_head_scalar's formulas); a masked tail for half % 8.
+PAGEDRUN_OPS_AVX2_INLINE static inline void rotate_pairs_avx2(__m256 lo, __m256 hi, __m256 c,
+                                                              __m256 s, __m256* o_lo,
+                                                              __m256* o_hi) {
+    *o_lo = _mm256_sub_ps(_mm256_mul_ps(lo, c), _mm256_mul_ps(hi, s));
+    *o_hi = _mm256_add_ps(_mm256_mul_ps(hi, c), _mm256_mul_ps(lo, s));
+}
+PAGEDRUN_OPS_AVX2_TARGET static inline void rotate_head_avx2(const float* x, const float* cos_row,
+                                                             const float* sin_row, int half,
+                                                             float* out) {
+    __m256 o_lo, o_hi;
+    int i = 0;
+    for (; i + 8 <= half; i += 8) {
+        rotate_pairs_avx2(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + half + i),
+                          _mm256_loadu_ps(cos_row + i), _mm256_loadu_ps(sin_row + i), &o_lo,
+                          &o_hi);
+        _mm256_storeu_ps(out + i, o_lo);
+        _mm256_storeu_ps(out + half + i, o_hi);
+    }
+    if (i < half) {
+        const __m256i m = tail_mask8(half - i);
+        rotate_pairs_avx2(_mm256_maskload_ps(x + i, m), _mm256_maskload_ps(x + half + i, m),
+                          _mm256_maskload_ps(cos_row + i, m), _mm256_maskload_ps(sin_row + i, m),
+                          &o_lo, &o_hi);
+        _mm256_maskstore_ps(out + i, m, o_lo);
+        _mm256_maskstore_ps(out + half + i, m, o_hi);
+    }
+}
+#endif
+
 // ------------------------------------------------------------------------- dispatch: norms, MLP
 
 static inline void rms_norm_rows(int path, const float* x, long ldx, const float* w, int rows,
                                  int hidden, float eps, float* out, long ldo) {
 #if PAGEDRUN_OPS_X86
     if (path == PATH_AVX512) return rms_norm_avx512(x, ldx, w, rows, hidden, eps, out, ldo);
+    if (path == PATH_AVX2) return rms_norm_avx2(x, ldx, w, rows, hidden, eps, out, ldo);
 #endif
     rms_norm_scalar(x, ldx, w, rows, hidden, eps, out, ldo);
 }
@@ -542,6 +862,9 @@ static inline void fused_add_rms_norm_rows(int path, const float* x, long ldx, c
     if (path == PATH_AVX512)
         return fused_add_rms_norm_avx512(x, ldx, res, ldr, w, rows, hidden, eps, out, ldo,
                                          new_res, ldn);
+    if (path == PATH_AVX2)
+        return fused_add_rms_norm_avx2(x, ldx, res, ldr, w, rows, hidden, eps, out, ldo, new_res,
+                                       ldn);
 #endif
     fused_add_rms_norm_scalar(x, ldx, res, ldr, w, rows, hidden, eps, out, ldo, new_res, ldn);
 }
@@ -550,6 +873,7 @@ static inline void act_and_mul_rows(int path, int kind, const float* gate_up, lo
                                     int inter, float* out, long ldo) {
 #if PAGEDRUN_OPS_X86
     if (path == PATH_AVX512) return act_and_mul_avx512(kind, gate_up, ldg, rows, inter, out, ldo);
+    if (path == PATH_AVX2) return act_and_mul_avx2(kind, gate_up, ldg, rows, inter, out, ldo);
 #endif
     act_and_mul_scalar(kind, gate_up, ldg, rows, inter, out, ldo);
 }
@@ -561,6 +885,7 @@ template <typename C>
 static inline void kv_store_row(int path, const float* src, int n, C* dst) {
 #if PAGEDRUN_OPS_X86
     if (path == PATH_AVX512) return kv_store_row_avx512(src, n, dst);
+    if (path == PATH_AVX2) return kv_store_row_avx2(src, n, dst);
 #endif
     for (int i = 0; i < n; ++i) kv_store(dst + i, src[i]);
 }
@@ -585,6 +910,10 @@ static inline void rotary_cache_write(int path, const float* q, long sq0, long s
 #if PAGEDRUN_OPS_X86
             if (path == PATH_AVX512) {
                 rotate_head_avx512(src, cos_row, sin_row, half, dst);
+                continue;
+            }
+            if (path == PATH_AVX2) {
+                rotate_head_avx2(src, cos_row, sin_row, half, dst);
                 continue;
             }
 #endif
@@ -861,6 +1190,225 @@ PAGEDRUN_AVX512_TARGET static void decode_seq_avx512(const float* q, long sq1,
 }
 #endif
 
+#if PAGEDRUN_OPS_X86
+// ------------------------------------------------------------------------- decode, AVX2
+// The AVX512 kernel's algorithm for D = 32, 64, 128 in 8-lane vectors, rearranged for 16 ymm
+// registers: a 64-wide accumulator row is already 8 of them, so the group's accumulators [G][D]
+// cannot all stay in registers for a run as they do in zmm. Instead each phase of a run keeps
+// what it needs in registers:
+//   scores: one query head, 8 tokens at a time -- 8 dot-product chains (one per token) with q
+//       loaded once per column and the k rows read from L1 as FMA memory operands, then the 8
+//       dot products reduced together by a hadd tree (9 shuffles and adds, not 8 separate
+//       horizontal sums);
+//   p.v: column block by column block -- the G heads' accumulators for CB columns in registers
+//       across all the run's tokens, each v vector loaded once for all G heads, so every v
+//       element is still read once per kv head and the accumulators go to memory (L1) once
+//       per run, not once per token.
+// A bf16 or fp8 cache is widened once per run and kv head into a float buffer (16 rows), which
+// the group's heads then read as float32; a float cache is read in place.
+
+// Scores of query head q against the 8 tokens t0 .. t0 + 7 of a run of n: rows
+// K + t * ks, D = 8 NC. Tokens past n read row n - 1 instead (finite values in the run: the
+// caller drops those lanes), so nothing outside the run is touched.
+template <int NC>
+PAGEDRUN_OPS_AVX2_INLINE static inline __m256 dot8_avx2(const float* q, const float* K, long ks,
+                                                        int t0, int n) {
+    const float* r[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) r[i] = K + (long)std::min(t0 + i, n - 1) * ks;
+    __m256 d[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) d[i] = _mm256_setzero_ps();
+#pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) {
+        const __m256 qc = _mm256_loadu_ps(q + 8 * c);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) d[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(r[i] + 8 * c), d[i]);
+    }
+    // hadd tree: h0123's lane half k holds the half-k partial sums of d0..d3; the two halves'
+    // sum is the 8 dot products in token order.
+    const __m256 h01 = _mm256_hadd_ps(d[0], d[1]), h23 = _mm256_hadd_ps(d[2], d[3]);
+    const __m256 h45 = _mm256_hadd_ps(d[4], d[5]), h67 = _mm256_hadd_ps(d[6], d[7]);
+    const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
+                         _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+
+// Columns per p.v block for G heads: G x CB accumulators, G broadcast weights and the v vector
+// within 16 ymm, and G x CB >= 6 independent FMA chains where that fits (Zen 3: 2 FMA pipes x
+// 4-cycle latency want 8).
+template <int G, int NC>
+constexpr int avx2_col_block() {
+    const int cb = G == 1 ? 8 : G == 2 ? 4 : G <= 4 ? 2 : 1;
+    return cb < NC ? cb : NC;
+}
+
+// One run of n <= 16 tokens (inside one cache block) for G query heads of one kv head, D =
+// 8 NC, k rows at K + t * ks and v rows at V + t * vs (float32). decode_run_avx512's steps:
+// the run's scores, a new running max per head, accumulator and sum rescaled by
+// exp(old - new), then p = exp(score - new max) times the run's v rows.
+template <int NC, int G>
+PAGEDRUN_OPS_AVX2_TARGET static inline void decode_run_avx2(const float* q, long sq1,
+                                                            const float* K, long ks,
+                                                            const float* V, long vs, int n,
+                                                            float scale, float* acc_mem,
+                                                            float* m, float* l) {
+    constexpr int D = 8 * NC;
+    constexpr int CB = avx2_col_block<G, NC>();
+    alignas(32) float p[G][16];
+    float correction[G];
+    const __m256 vscale = _mm256_set1_ps(scale), neg_inf = _mm256_set1_ps(-INFINITY);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 valid0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
+    const __m256 valid1 =
+        _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8), lane));
+#pragma GCC unroll 8
+    for (int j = 0; j < G; ++j) {
+        const float* qj = q + j * sq1;
+        const __m256 s0 = _mm256_mul_ps(dot8_avx2<NC>(qj, K, ks, 0, n), vscale);
+        __m256 s1 = s0, vmax = _mm256_blendv_ps(neg_inf, s0, valid0);
+        if (n > 8) {
+            s1 = _mm256_mul_ps(dot8_avx2<NC>(qj, K, ks, 8, n), vscale);
+            vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(neg_inf, s1, valid1));
+        }
+        const float run_max = hmax8(vmax);
+        const float m_new = run_max > m[j] ? run_max : m[j];
+        correction[j] = m[j] == -INFINITY ? 0.0f : expf(m[j] - m_new);
+        m[j] = m_new;
+        const __m256 vm = _mm256_set1_ps(m_new);
+        __m256 psum = _mm256_and_ps(exp_avx2(_mm256_sub_ps(s0, vm)), valid0);
+        _mm256_store_ps(p[j], psum);
+        if (n > 8) {
+            const __m256 p1 = _mm256_and_ps(exp_avx2(_mm256_sub_ps(s1, vm)), valid1);
+            _mm256_store_ps(p[j] + 8, p1);
+            psum = _mm256_add_ps(psum, p1);
+        }
+        l[j] = l[j] * correction[j] + hsum8(psum);
+    }
+    for (int c0 = 0; c0 < NC; c0 += CB) {
+        __m256 a[G][CB];
+#pragma GCC unroll 8
+        for (int j = 0; j < G; ++j) {
+            const __m256 cj = _mm256_set1_ps(correction[j]);
+#pragma GCC unroll 8
+            for (int cb = 0; cb < CB; ++cb)
+                a[j][cb] = _mm256_mul_ps(_mm256_loadu_ps(acc_mem + j * D + 8 * (c0 + cb)), cj);
+        }
+        for (int t = 0; t < n; ++t) {
+            const float* vt = V + t * vs + 8 * c0;
+            __m256 pt[G];
+#pragma GCC unroll 8
+            for (int j = 0; j < G; ++j) pt[j] = _mm256_broadcast_ss(&p[j][t]);
+#pragma GCC unroll 8
+            for (int cb = 0; cb < CB; ++cb) {
+                const __m256 vv = _mm256_loadu_ps(vt + 8 * cb);
+#pragma GCC unroll 8
+                for (int j = 0; j < G; ++j) a[j][cb] = _mm256_fmadd_ps(pt[j], vv, a[j][cb]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < G; ++j)
+#pragma GCC unroll 8
+            for (int cb = 0; cb < CB; ++cb)
+                _mm256_storeu_ps(acc_mem + j * D + 8 * (c0 + cb), a[j][cb]);
+    }
+}
+
+// n rows of a bf16 / fp8 cache (stride in elements) widened into buf [n][8 NC] (exact).
+template <int NC, typename C>
+PAGEDRUN_OPS_AVX2_INLINE static inline void widen_rows_avx2(const C* rows, long stride, int n,
+                                                            float* buf) {
+    for (int t = 0; t < n; ++t)
+#pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c)
+            _mm256_store_ps(buf + t * 8 * NC + 8 * c, kv_load8(rows + t * stride + 8 * c));
+}
+
+// Query heads per pass of decode_run_avx2: its registers do not limit G (see above), but more
+// heads per pass mean fewer passes over a run's rows; 8 covers the common groups in one pass.
+constexpr int AVX2_HEADS_PER_RUN = 8;
+
+// One sequence, D = 8 NC: decode_seq_avx512's order (runs of up to 16 tokens in context order,
+// every kv head within a run, the next run prefetched into L2). state: acc [H][D], m [H], l [H].
+template <int NC, typename C>
+PAGEDRUN_OPS_AVX2_TARGET static void decode_seq_avx2(const float* q, long sq1,
+                                                     const C* k_cache, const C* v_cache,
+                                                     long sc0, long sc1, long sc2,
+                                                     int block_size, const int32_t* table,
+                                                     long first, long context_len, int H,
+                                                     int KV, float scale, float* acc,
+                                                     float* m, float* l, float* out) {
+    constexpr int D = 8 * NC;
+    constexpr bool WIDEN = !std::is_same<C, float>::value;
+    alignas(32) float kbuf[WIDEN ? 16 * D : 1], vbuf[WIDEN ? 16 * D : 1];
+    const int group = H / KV;
+    std::fill(acc, acc + (long)H * D, 0.0f);
+    std::fill(m, m + H, -INFINITY);
+    std::fill(l, l + H, 0.0f);
+    for (long t0 = first; t0 < context_len;) {
+        const long b = t0 / block_size;
+        const int n = (int)std::min(16L, std::min(context_len, (b + 1) * block_size) - t0);
+        const long row = (long)table[b] * sc0 + (t0 - b * block_size) * sc1;
+        const long t_pf = t0 + PREFETCH_TOKENS;  // see PREFETCH_TOKENS
+        if (t_pf < context_len) {
+            const long b_pf = t_pf / block_size;
+            const long n_pf = std::min(16L, std::min(context_len, (b_pf + 1) * block_size) - t_pf);
+            const long row_pf = (long)table[b_pf] * sc0 + (t_pf - b_pf * block_size) * sc1;
+            const long span = (n_pf - 1) * sc1 + (KV - 1) * sc2 + D;  // cache elements
+            for (long f = 0; f < span; f += 64 / (long)sizeof(C)) {  // one line apart
+                _mm_prefetch(reinterpret_cast<const char*>(k_cache + row_pf + f), _MM_HINT_T2);
+                _mm_prefetch(reinterpret_cast<const char*>(v_cache + row_pf + f), _MM_HINT_T2);
+            }
+        }
+        for (int kvh = 0; kvh < KV; ++kvh) {
+            const C* k_rows = k_cache + row + kvh * sc2;
+            const C* v_rows = v_cache + row + kvh * sc2;
+            const float* K;
+            const float* V;
+            long stride;
+            if constexpr (WIDEN) {
+                widen_rows_avx2<NC>(k_rows, sc1, n, kbuf);
+                widen_rows_avx2<NC>(v_rows, sc1, n, vbuf);
+                K = kbuf;
+                V = vbuf;
+                stride = D;
+            } else {
+                K = k_rows;
+                V = v_rows;
+                stride = sc1;
+            }
+            for (int j0 = 0; j0 < group; j0 += AVX2_HEADS_PER_RUN) {
+                const int h = kvh * group + j0;
+                const float* qh = q + h * sq1;
+                float* ah = acc + (long)h * D;
+#define PAGEDRUN_HEADS_CASE(G_)                                                              \
+    case G_:                                                                                 \
+        decode_run_avx2<NC, G_>(qh, sq1, K, stride, V, stride, n, scale, ah, m + h, l + h);  \
+        break;
+                switch (std::min(AVX2_HEADS_PER_RUN, group - j0)) {
+                    PAGEDRUN_HEADS_CASE(1)
+                    PAGEDRUN_HEADS_CASE(2)
+                    PAGEDRUN_HEADS_CASE(3)
+                    PAGEDRUN_HEADS_CASE(4)
+                    PAGEDRUN_HEADS_CASE(5)
+                    PAGEDRUN_HEADS_CASE(6)
+                    PAGEDRUN_HEADS_CASE(7)
+                    PAGEDRUN_HEADS_CASE(8)
+                    default: break;
+                }
+#undef PAGEDRUN_HEADS_CASE
+            }
+        }
+        t0 += n;
+    }
+    // An empty window (sliding_window <= 0): 0 / 0 = NaN, as numpy's softmax.
+    for (int h = 0; h < H; ++h) {
+        const float inv = first < context_len ? 1.0f / l[h] : NAN;
+        for (int d = 0; d < D; ++d) out[(long)h * D + d] = acc[(long)h * D + d] * inv;
+    }
+}
+#endif
+
 // Sequences [s_begin, s_end) of paged_decode_attention (below), on the calling thread.
 template <typename C>
 static inline void decode_seq_range(int path, const float* q, long sq0, long sq1,
@@ -906,7 +1454,26 @@ static inline void decode_seq_range(int path, const float* q, long sq0, long sq1
                                         os);
             continue;
         }
+        if (path == PATH_AVX2 && (D == 32 || D == 64 || D == 128)) {
+            const float* qs = q + s * sq0;
+            float* os = out + (long)s * H * D;
+            float* m = acc_all.data() + (long)H * D;
+            float* l = m + H;
+            if (D == 32)
+                decode_seq_avx2<4, C>(qs, sq1, k_cache, v_cache, sc0, sc1, sc2, block_size, table,
+                                      first, context_len, H, KV, scale, acc_all.data(), m, l, os);
+            else if (D == 64)
+                decode_seq_avx2<8, C>(qs, sq1, k_cache, v_cache, sc0, sc1, sc2, block_size, table,
+                                      first, context_len, H, KV, scale, acc_all.data(), m, l, os);
+            else
+                decode_seq_avx2<16, C>(qs, sq1, k_cache, v_cache, sc0, sc1, sc2, block_size,
+                                       table, first, context_len, H, KV, scale, acc_all.data(),
+                                       m, l, os);
+            continue;
+        }
 #endif
+        // Other D: per (sequence, kv head), AVX512 blocks with masked tails or scalar ones (the
+        // AVX2 path too: head sizes other than 32 / 64 / 128 are rare on the cpu backends).
         for (int kvh = 0; kvh < KV; ++kvh) {
             g.q = q + s * sq0 + (long)kvh * group * sq1;
             std::fill(g.acc, g.acc + (long)group * D, 0.0f);

@@ -1,11 +1,14 @@
 """pagedrun.pyx.cpu_ops (the bf16 cpu backend's norms, activations, rotary + cache write and
 decode attention in C++) against runtime/backends/numpy_ops.py, the float32 reference, on every
-path this CPU runs (AVX512F and the portable one, forced): fresh random inputs at awkward sizes,
+path this CPU runs (AVX512F, AVX2 + FMA and the portable one, forced): fresh random inputs at
+awkward sizes (tails shorter than one 8- or 16-lane vector, head sizes without a
+register-resident decode kernel, more query heads per kv head than one decode pass takes),
 strided q/k/v views of a fused qkv row, random non-contiguous block tables, partial last
 blocks, unused cache slots poisoned with NaN, sliding windows; and the same ValueErrors. The
-cache ops run on float32 caches and on bf16 ones (uint16 bits, kv_cache_dtype "bfloat16"): a
-bf16 write is to_bf16_bits of what the op computed, bit for bit, and a bf16 read is exact, so
-decode attention over a bf16 cache equals (bit for bit) the same op over its float32 widening.
+cache ops run on float32 caches, bf16 ones (uint16 bits, kv_cache_dtype "bfloat16") and fp8
+ones (uint8 e4m3 bits, kv_cache_dtype "fp8"): a write is to_bf16_bits / to_fp8_e4m3_bits of
+what the op computed, bit for bit, and a read is exact, so decode attention over a bf16 or fp8
+cache equals (bit for bit) the same op over its float32 widening. "auto" follows set_isa_cap.
 
 Tolerance (one for every op, float32 both sides): |got - ref| <= RTOL * |ref| + ATOL * magnitude,
 magnitude = the largest |value| of the reference output. The two sides differ only in float32
@@ -25,8 +28,9 @@ from pagedrun.runtime.backends import numpy_ops
 from pagedrun.runtime.backends.cpu_bf16_backend import CpuBf16Backend
 from pagedrun.runtime.weights import from_bf16_bits, to_bf16_bits
 
-PATHS = list(cpu_ops.available_paths())  # avx512 (where the CPU has it) and portable
-KV_DTYPES = ["float32", "bfloat16"]  # the cache element: float32, or bf16 bits in uint16
+PATHS = list(cpu_ops.available_paths())  # avx512, avx2 (where the CPU has them) and portable
+# The cache element: float32, bf16 bits in uint16, fp8 e4m3 bits in uint8.
+KV_DTYPES = ["float32", "bfloat16", "fp8"]
 RTOL = 1e-5
 ATOL = 1e-5  # times the reference output's largest magnitude
 EPS = 1e-5
@@ -57,7 +61,7 @@ def strided_rows(rng, rows, width):
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("rows", [1, 17, 111])
-@pytest.mark.parametrize("hidden", [576, 100])
+@pytest.mark.parametrize("hidden", [576, 100, 7])  # 100, 7: 4 / 7 lanes past the last vector
 def test_norms_match_numpy(rng, path, rows, hidden):
     x = strided_rows(rng, rows, hidden) * 3
     residual = rng.standard_normal((rows, hidden)).astype(np.float32)
@@ -90,7 +94,7 @@ def test_norm_shapes_dtypes_and_errors(rng):
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("rows", [1, 17, 111])
-@pytest.mark.parametrize("inter", [1536, 37])
+@pytest.mark.parametrize("inter", [1536, 37, 5])
 def test_act_and_mul_match_numpy(rng, path, rows, inter):
     gate_up = strided_rows(rng, rows, 2 * inter) * 4
     gate_up[0, :4] = [-200.0, 200.0, -90.0, 90.0]  # exp over/underflow: the limits 0 and g
@@ -99,6 +103,32 @@ def test_act_and_mul_match_numpy(rng, path, rows, inter):
         with np.errstate(over="ignore"):
             expected = ref(gate_up)
         assert_close(ours(gate_up, path=path), expected)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_act_and_mul_special_values(path):
+    """exp's contract through both activations: NaN stays NaN, infinities and huge values reach
+    the limits (e^-inf and anything under e^-104 -> 0, anything over e^89 -> inf), values near
+    the float32 range's ends and subnormals stay accurate -- the same results as numpy's."""
+    gate = np.array([np.nan, np.inf, -np.inf, 1e20, -1e20, 200.0, -200.0, 104.0, -104.0, 88.7,
+                     -88.7, 87.0, -87.0, 30.0, -30.0, 1e-30, -1e-30, 1e-45, 0.0, -0.0, 0.5,
+                     -0.5, 3.0, -3.0], np.float32)
+    up = np.linspace(0.5, 2.0, gate.size, dtype=np.float32)
+    gate_up = np.concatenate([gate, up])[None, :]
+    for ours, ref in ((cpu_ops.silu_and_mul, numpy_ops.silu_and_mul),
+                      (cpu_ops.gelu_tanh_and_mul, numpy_ops.gelu_tanh_and_mul)):
+        with np.errstate(over="ignore", invalid="ignore"):
+            expected = ref(gate_up)
+        got = ours(gate_up, path=path)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+        finite = np.isfinite(expected)
+        np.testing.assert_array_equal(got[~finite & ~np.isnan(expected)],
+                                      expected[~finite & ~np.isnan(expected)])  # +-inf
+        # Elementwise: each value against its own scale |g * up| (act(g) <= |g|), as one
+        # largest magnitude (1e20 here) would swamp the small ones.
+        scale = np.abs(gate.astype(np.float64) * up)[None, :][finite]
+        err = np.abs(got[finite].astype(np.float64) - expected[finite])
+        assert np.all(err <= RTOL * np.abs(expected[finite].astype(np.float64)) + ATOL * scale)
 
 
 def test_act_and_mul_errors():
@@ -124,13 +154,22 @@ def qkv_views(rng, num_tokens, num_heads, num_kv_heads, head_dim):
     return q, k, v
 
 
+def stored(values, kv):
+    """float32 values as a cache of dtype kv holds them (to_bf16_bits / to_fp8_e4m3_bits)."""
+    if kv == "bfloat16":
+        return to_bf16_bits(values)
+    return numpy_ops.to_fp8_e4m3_bits(values) if kv == "fp8" else np.asarray(values)
+
+
 def nan_cache(num_blocks, block_size, num_kv_heads, head_dim, kv="float32"):
-    cache = np.full((num_blocks, block_size, num_kv_heads, head_dim), np.nan, np.float32)
-    return to_bf16_bits(cache) if kv == "bfloat16" else cache
+    return stored(np.full((num_blocks, block_size, num_kv_heads, head_dim), np.nan, np.float32),
+                  kv)
 
 
 def widened(cache):
-    """A cache's values as float32 (bf16 bits widened exactly)."""
+    """A cache's values as float32 (bf16 / fp8 bits widened exactly)."""
+    if cache.dtype == np.uint8:
+        return numpy_ops.from_fp8_e4m3_bits(cache)
     return from_bf16_bits(cache) if cache.dtype == np.uint16 else cache
 
 
@@ -138,7 +177,8 @@ def widened(cache):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("num_tokens", [1, 17, 111])
 @pytest.mark.parametrize("head_dim,num_kv_heads,group,block_size",
-                         [(64, 3, 3, 16), (128, 2, 4, 32), (64, 4, 1, 32), (80, 1, 3, 16)])
+                         [(64, 3, 3, 16), (128, 2, 4, 32), (64, 4, 1, 32), (80, 1, 3, 16),
+                          (32, 1, 8, 16), (36, 2, 2, 16)])  # 36: 2- and 4-lane tails
 def test_rotary_cache_write_matches_numpy(rng, path, num_tokens, head_dim, num_kv_heads, group,
                                           block_size, kv):
     num_heads = num_kv_heads * group
@@ -159,15 +199,14 @@ def test_rotary_cache_write_matches_numpy(rng, path, num_tokens, head_dim, num_k
         q, k, v, positions, cos_sin, ref_k_cache, ref_v_cache, slots)
     assert_close(q_rot, ref_q)
     assert_close(k_rot, ref_k)
-    # Written slots hold k_rot and v exactly as the op returned them (bf16: to_bf16_bits of
-    # them, bit for bit); the rest stays NaN.
-    store = to_bf16_bits if kv == "bfloat16" else np.asarray
+    # Written slots hold k_rot and v exactly as the op returned them (bf16 / fp8: to_bf16_bits /
+    # to_fp8_e4m3_bits of them, bit for bit); the rest stays NaN.
     assert k_cache.dtype == v_cache.dtype == ref_k_cache.dtype
     np.testing.assert_array_equal(np.isnan(widened(k_cache)), np.isnan(widened(ref_k_cache)))
     np.testing.assert_array_equal(v_cache, ref_v_cache)  # a copy / one rounding: bit for bit
     valid = slots >= 0
     written = k_cache.reshape(-1, num_kv_heads, head_dim)[slots[valid]]
-    np.testing.assert_array_equal(written, store(k_rot[valid]))
+    np.testing.assert_array_equal(written, stored(k_rot[valid], kv))
 
 
 ROTARY_ERRORS = {
@@ -208,7 +247,7 @@ def paged_context(rng, context_lens, block_size, num_kv_heads, head_dim, max_blo
                   kv="float32"):
     """K/V caches with each sequence's blocks at random, non-contiguous ids; every slot no
     sequence owns (padding table entries, the tail of partial last blocks) is NaN. kv
-    "bfloat16": the same caches rounded to bf16 bits."""
+    "bfloat16" / "fp8": the same caches rounded to bf16 / fp8 e4m3 bits."""
     blocks_needed = [-(-n // block_size) for n in context_lens]
     num_blocks = sum(blocks_needed) + 5
     k_cache = nan_cache(num_blocks, block_size, num_kv_heads, head_dim)
@@ -226,9 +265,7 @@ def paged_context(rng, context_lens, block_size, num_kv_heads, head_dim, max_blo
                 (num_kv_heads, head_dim))
             v_cache[ids[t // block_size], t % block_size] = rng.standard_normal(
                 (num_kv_heads, head_dim))
-    if kv == "bfloat16":
-        k_cache, v_cache = to_bf16_bits(k_cache), to_bf16_bits(v_cache)
-    return k_cache, v_cache, tables
+    return stored(k_cache, kv), stored(v_cache, kv), tables
 
 
 ATTENTION_CASES = [  # head_dim, num_kv_heads, group, block_size, context_lens
@@ -238,6 +275,9 @@ ATTENTION_CASES = [  # head_dim, num_kv_heads, group, block_size, context_lens
     (32, 1, 8, 16, [47, 16]),
     (128, 1, 7, 16, [70]),                    # group 7: passes of 3 + 3 + 1 heads
     (80, 2, 3, 16, [19, 1, 50]),              # no register-resident instantiation: masked path
+    (36, 2, 2, 16, [23, 1, 40]),              # 36: not a multiple of 8 lanes either
+    (32, 1, 10, 16, [47, 16, 3]),             # group 10: passes of 8 + 2 heads
+    (128, 2, 2, 8, [9, 23, 8]),               # blocks of 8: every run 8 tokens or fewer
     # 7,806 positions x 9 heads x 64 x 2 = 9.0 M multiply-adds: past DECODE_SPLIT_MIN_MACS
     # (cpu_ops_kernels.h), so the sequences split over two threads (not with a short window).
     (64, 3, 3, 16, [700, 1, 650, 900, 45, 800, 333, 17, 1000, 760, 600, 1500, 500]),
@@ -264,7 +304,7 @@ def test_decode_attention_matches_numpy(rng, path, case, sliding_window, kv):
                                            sliding_window)
     assert not np.isnan(got).any()
     assert_close(got, ref)
-    if kv == "bfloat16":  # reads widen exactly: the float32 cache of the same values, bit for bit
+    if kv != "float32":  # reads widen exactly: the float32 cache of the same values, bit for bit
         np.testing.assert_array_equal(got, cpu_ops.paged_decode_attention(
             q, widened(k_cache), widened(v_cache), tables, lens, scale, sliding_window,
             path=path))
@@ -329,7 +369,7 @@ def test_caches_must_be_float32_or_bf16(rng):
 # --------------------------------------------------------------------------------- bf16 KV cache
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("head_dim", [64, 80])  # 80: a masked 16-lane tail
+@pytest.mark.parametrize("head_dim", [64, 80, 36])  # 80, 36: a 16-lane tail, a 4-element tail
 def test_bf16_cache_write_rounds_like_to_bf16_bits(rng, path, head_dim):
     """v goes into the cache as written: random float32 bit patterns (NaNs with payloads,
     infinities, subnormals, both zeros) plus the hard cases -- ties to even both ways, a NaN
@@ -385,6 +425,40 @@ def test_numpy_ops_on_bf16_caches(rng):
     np.testing.assert_array_equal(host[2], k_cache[src])
     with pytest.raises(ValueError, match="dtypes differ"):
         numpy_ops.swap_blocks([k_cache], [host.astype(np.float32)], np.array([[src, 2]]))
+
+
+# --------------------------------------------------------------------------------- paths
+
+def test_paths_and_isa_cap(rng):
+    """available_paths lists what the CPU runs, fastest first; a path the CPU lacks is refused;
+    set_isa_cap limits what "auto" picks (auto_path names it, and "auto" computes exactly what
+    that forced path does) and leaves forced paths alone."""
+    assert PATHS[-1] == "portable" and set(PATHS) <= set(cpu_ops.PATHS)
+    assert ("avx2" in PATHS) == cpu_ops.has_avx2()
+    assert ("avx512" in PATHS) == cpu_ops.has_avx512f()
+    assert PATHS == [p for p in ("avx512", "avx2", "portable") if p in PATHS]
+    for missing in set(cpu_ops.PATHS) - set(PATHS):
+        with pytest.raises(RuntimeError, match=missing):
+            cpu_ops.silu_and_mul(np.zeros((1, 16), np.float32), path=missing)
+    gate_up = strided_rows(rng, 3, 2 * 37) * 4
+    forced = {p: cpu_ops.silu_and_mul(gate_up, path=p) for p in PATHS}
+    expected = {"auto": PATHS[0], "amx": PATHS[0], "avx512": PATHS[0],
+                "avx2": "avx2" if "avx2" in PATHS else "portable", "portable": "portable"}
+    previous = cpu_ops.set_isa_cap("auto")
+    try:
+        for cap, path in expected.items():
+            assert cpu_ops.set_isa_cap(cap) in expected
+            assert cpu_ops.auto_path() == path
+            assert cpu_ops.path_code() == cpu_ops.path_code(path)
+            np.testing.assert_array_equal(cpu_ops.silu_and_mul(gate_up), forced[path])
+            for p in PATHS:  # forced paths ignore the cap
+                np.testing.assert_array_equal(cpu_ops.silu_and_mul(gate_up, path=p), forced[p])
+        with pytest.raises(ValueError, match="isa cap"):
+            cpu_ops.set_isa_cap("avx9")
+        assert cpu_ops.auto_path() == "portable"  # a refused cap changes nothing
+    finally:
+        cpu_ops.set_isa_cap(previous)
+    assert cpu_ops.auto_path() == expected[previous]
 
 
 # --------------------------------------------------------------------------------- wiring
