@@ -47,9 +47,13 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--blas-threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats (medians)")
     parser.add_argument("--dtype", default="float32",
-                        help="concurrency: comma list of float32, bfloat16, int8, gguf; or both")
+                        help="concurrency: comma list of float32, bfloat16, int8, gguf, default "
+                             "(no flags); or both")
     parser.add_argument("--gemm-threads", type=int, default=None,
                         help="concurrency, bfloat16: threads of one GEMM (default: the backend's)")
+    parser.add_argument("--cpu-isa", default="auto",
+                        help="cap the compiled cpu kernels (EngineConfig.cpu_isa: auto, amx, "
+                             "avx512, avx2, portable); the JSON names the paths that ran")
     parser.add_argument("--levels", default="1,8,32", help="concurrency: concurrent requests")
     parser.add_argument("--prompt-tokens", type=int, default=32, help="concurrency: prompt length")
     parser.add_argument("--new-tokens", type=int, default=24, help="concurrency: tokens generated")
@@ -84,6 +88,8 @@ def _llm(**kw):
     from pagedrun import LLM
 
     kw.setdefault("device", "cpu")
+    if ARGS is not None:
+        kw.setdefault("cpu_isa", ARGS.cpu_isa)
     return LLM(**kw)
 
 
@@ -282,7 +288,9 @@ def read_bandwidth(threads: int, nbytes: int = 512 << 20) -> float:
 CONC_ARMS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
              "int8": {"dtype": "bfloat16", "quantization": "int8"},
              # The default model's own Q4_1 / Q8_0 GGUF blocks (issue 16).
-             "gguf": {"quantization": "gguf"}}
+             "gguf": {"quantization": "gguf"},
+             # No flags at all: what `paged-run serve` runs (dtype auto: the file's own blocks).
+             "default": {}}
 
 
 def concurrency_arms(text: str) -> tuple[str, ...]:
@@ -360,7 +368,12 @@ def main() -> int:
             args.gemm_threads, args.prompt_tokens, args.new_tokens),
     }
     names = list(benches) if args.bench == "all" else [args.bench]
-    results = {"blas_threads": args.blas_threads, "load_average_at_start": os.getloadavg()[0]}
+    from pagedrun.runtime import cpu_isa
+
+    cpu_isa.apply(args.cpu_isa)
+    results = {"blas_threads": args.blas_threads, "load_average_at_start": os.getloadavg()[0],
+               "cpu_kernels": cpu_isa.describe(args.cpu_isa)}
+    print(results["cpu_kernels"], flush=True)
     for name in names:
         start = time.perf_counter()
         results[name] = benches[name]()

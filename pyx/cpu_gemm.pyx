@@ -58,6 +58,7 @@ cdef extern from "cpu_gemm_kernels.h" namespace "pagedrun_gemm" nogil:
         const int32_t* xcorr
         const uint16_t* xb
     int cpu_has_avx512vnni()
+    int cpu_has_gguf_avx2()
     int gguf_bf16_available()
     int gguf_activations_for_rows(int path, int activations, int M)
     const int GGUF_BF16_MIN_ROWS
@@ -151,6 +152,43 @@ _AVAILABLE = available_paths()
 # Resolved once: a decode step calls the GEMM ~120 times, the lookup is on every call.
 _RESOLVED = {p: _PATH_CODE[p] for p in _AVAILABLE}
 _RESOLVED["auto"] = _PATH_CODE[_AVAILABLE[0]]
+
+
+# The ISA levels "auto" may be capped at (set_isa_cap; runtime/cpu_isa.py owns the names): the
+# paths of each GEMM a level allows, fastest first.
+ISA_CAPS = ("auto", "amx", "avx512", "avx2", "portable")
+_CAP_ALLOWS = {"auto": None, "amx": None,
+               "avx512": ("avx512bf16", "avx512vnni", "avx2", "portable"),
+               "avx2": ("avx2", "portable"), "portable": ("portable",)}
+_isa_cap = "auto"
+
+
+def set_isa_cap(name):
+    """Cap what path="auto" resolves to, for the bf16 / int8 GEMMs and the GGUF GEMM, at an ISA
+    level (ISA_CAPS; "auto" and "amx": no cap): the fastest path the CPU runs that the level
+    allows. Explicitly named paths are unaffected. Process-wide, like oneDNN's max CPU ISA:
+    tests and benchmarks run the AVX2 path on an AVX-512 box with it."""
+    global _isa_cap
+    if name not in ISA_CAPS:
+        raise ValueError(f"isa cap must be one of {ISA_CAPS}, got {name!r}")
+    allows = _CAP_ALLOWS[name]
+    _isa_cap = name
+    _RESOLVED["auto"] = _PATH_CODE[next(p for p in _AVAILABLE if allows is None or p in allows)]
+    gguf = available_gguf_paths()
+    _GGUF_RESOLVED["auto"] = _GGUF_PATH_CODE[next(p for p in gguf
+                                                  if allows is None or p in allows)]
+
+
+def isa_cap():
+    """The cap set_isa_cap set ("auto": none)."""
+    return _isa_cap
+
+
+def auto_paths():
+    """(GEMM path, GGUF GEMM path) that path="auto" runs now, as names."""
+    gemm = next(p for p, c in _PATH_CODE.items() if c == _RESOLVED["auto"])
+    gguf = next(p for p, c in _GGUF_PATH_CODE.items() if c == _GGUF_RESOLVED["auto"])
+    return gemm, gguf
 
 
 def _resolve_path(path):
@@ -430,7 +468,7 @@ GGUF_NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q5_K", "Q3
 # k 2i + 1 high), then k / g fp16 s, then k / g bytes z.
 INT4_TYPE = "I4Z"
 INT4_GROUPS = (32, 64, 128)
-GGUF_PATHS = ("portable", "avx512vnni", "amx")
+GGUF_PATHS = ("portable", "avx2", "avx512vnni", "amx")
 # The "amx" kernel with its tile instructions done in scalar C++ (pyx/cpu_quant_kernels.h):
 # never chosen by "auto", there so tests check the AMX kernel's layout and epilogue on any
 # AVX512-VNNI CPU. Slow.
@@ -468,8 +506,9 @@ _GGUF_TYPE_CODE = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q6_K": 4, "I4Z":
 _GGUF_FILE_BLOCK = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210, "Q5_0": 22,
                     "Q5_K": 176, "Q3_K": 110}
 _GGUF_K_TYPES = ("Q4_K", "Q6_K", "Q5_K", "Q3_K")
-_GGUF_PATH_CODE = {"portable": 0, "avx512vnni": 1, "amx": 2, GGUF_AMX_EMULATED: 3}
+_GGUF_PATH_CODE = {"portable": 0, "avx512vnni": 1, "amx": 2, GGUF_AMX_EMULATED: 3, "avx2": 4}
 cdef int _HAS_VNNI = cpu_has_avx512vnni()
+cdef int _HAS_GGUF_AVX2 = cpu_has_gguf_avx2()
 cdef int _HAS_AMX_INT8 = gguf_amx_int8_available()  # CPUID and the kernel's permission
 
 
@@ -503,7 +542,7 @@ def available_gguf_paths():
     """The GGUF GEMM paths this CPU runs, fastest first ("amx": TDPBSUD from 8 kernel rows,
     the vpdpbusd kernel below)."""
     return tuple(p for p, ok in (("amx", _HAS_AMX_INT8), ("avx512vnni", _HAS_VNNI),
-                                 ("portable", True)) if ok)
+                                 ("avx2", _HAS_GGUF_AVX2), ("portable", True)) if ok)
 
 
 _GGUF_RESOLVED = {p: _GGUF_PATH_CODE[p] for p in available_gguf_paths()}

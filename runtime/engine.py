@@ -174,7 +174,8 @@ class LLMEngine:
         # The one place that picks ops.
         self.backend = make_backend(config.device, config.dtype,
                                     quantization=self.quantization,
-                                    kv_cache_dtype=config.kv_cache_dtype)
+                                    kv_cache_dtype=config.kv_cache_dtype,
+                                    cpu_isa=config.cpu_isa)
         self.device = self.backend.name
         self.backend.check_model(model_config, config.block_size)  # not mid-step
         self.block_size = config.block_size

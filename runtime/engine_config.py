@@ -40,6 +40,9 @@ QUANTIZATIONS = ("none", "int8", "gguf", "awq", "gptq")
 # not yet on sim / cuda. A combination a backend cannot hold is refused by make_backend
 # (runtime/backends/factory.py).
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8", "fp8_e4m3")
+# The compiled cpu kernels' instruction-set cap (EngineConfig.cpu_isa; runtime/cpu_isa.py says
+# what each level runs), highest first: "auto" caps nothing.
+CPU_ISAS = ("auto", "amx", "avx512", "avx2", "portable")
 # vLLM's logprobs_mode: raw = from the model's logits before any processing; processed = after
 # bias, masks, penalties, temperature and the top-k / top-p / min-p filters (what is sampled).
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -56,6 +59,9 @@ class EngineConfig:
     dtype: str = "auto"  # "float32", "bfloat16", "float16"; auto: float32 on cpu, bf16 on cuda
     quantization: str | None = None  # QUANTIZATIONS; None: "none"
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
+    # The cpu kernels' instruction-set cap (runtime/cpu_isa.py: "auto", "amx", "avx512", "avx2",
+    # "portable"); "auto": the fastest the CPU runs. Process-wide; cpu backends only.
+    cpu_isa: str = "auto"
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's max_position_embeddings (capped)
     max_num_seqs: int = 256
@@ -129,6 +135,8 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise EngineConfigError(
                 f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.cpu_isa not in CPU_ISAS:
+            raise EngineConfigError(f"cpu_isa: must be one of {CPU_ISAS}, got {self.cpu_isa!r}")
         if self.max_logprobs < -1:
             raise EngineConfigError(f"max_logprobs: must be >= -1, got {self.max_logprobs}")
         if self.preemption_mode not in PREEMPTION_MODES:

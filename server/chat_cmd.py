@@ -51,6 +51,7 @@ def in_process_engine_config(args):
 
     return EngineConfig(model=args.model, device=args.device, max_model_len=args.max_model_len,
                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                        cpu_isa=args.cpu_isa,
                         enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
                         async_scheduling=args.async_scheduling,
                         speculative_config=args.speculative_config)

@@ -55,8 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="where the model runs: cuda when CuPy sees a GPU (auto), the "
                           "numpy backend (cpu), or the CUDA kernels on CPU threads (sim)")
     generate.add_argument("--dtype", choices=DTYPES, default=engine.dtype,
-                          help="compute dtype (auto: float32 on cpu, bfloat16 on cuda; "
-                          "bfloat16 on cpu: bf16 weights on the compiled GEMM)")
+                          help="compute dtype (auto: on cpu the checkpoint's own precision "
+                          "-- a .gguf's blocks, the default model's Q4_1 included -- float32 "
+                          "for other checkpoints; bfloat16 on cuda. bfloat16 on cpu: bf16 "
+                          "weights on the compiled GEMM; float32: the numpy reference)")
     # The one definition of these flags, shared with serve and chat (light: argparse only).
     from pagedrun.server.serve_cmd import (add_quantization_option,
                                            add_speculative_config_option, add_step_options)
@@ -187,6 +189,7 @@ def generate_engine_config(args: argparse.Namespace, model: str) -> Any:
 
     return EngineConfig(model=model, device=args.device, dtype=args.dtype,
                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                        cpu_isa=args.cpu_isa,
                         enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
                         async_scheduling=args.async_scheduling,
                         max_num_seqs=1,
@@ -208,9 +211,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from pagedrun.runtime.engine import LLMEngine
     from pagedrun.runtime.sampling_params import SamplingParams
 
-    from pagedrun.runtime.model_loader import resolve_model_dir
-
-    engine = LLMEngine(generate_engine_config(args, str(resolve_model_dir(args.model))))
+    # The model as named (None: the default model), so that dtype auto on cpu serves a .gguf's
+    # own blocks (model_loader.resolve_quantization) rather than its converted float copy.
+    engine = LLMEngine(generate_engine_config(args, args.model))
     # The engine tokenizes: the prompt as text, or (chat models) as a user message through the
     # chat template; it stops at the model's and the tokenizer's EOS unless --ignore-eos.
     tokenizer = engine.tokenizer

@@ -58,7 +58,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     eng = p.add_argument_group("engine (vLLM names)")
     eng.add_argument("--device", default=engine.device, choices=DEVICES)
     eng.add_argument("--dtype", default=engine.dtype, choices=DTYPES,
-                     help="auto: float32 on cpu, bfloat16 on cuda")
+                     help="auto: on cpu the checkpoint's own precision (a .gguf's blocks, "
+                          "the default model's Q4_1 included; float32 for other checkpoints), "
+                          "bfloat16 on cuda; float32: the numpy reference")
     add_quantization_option(eng)
     add_step_options(eng)
     eng.add_argument("--tensor-parallel-size", type=int, default=engine.tensor_parallel_size)
@@ -183,8 +185,9 @@ def speculative_config_arg(text: str):
 
 
 def add_quantization_option(group) -> None:
-    """--quantization and --kv-cache-dtype, shared by serve, generate and chat --in-process."""
-    from pagedrun.runtime.engine_config import KV_CACHE_DTYPES, QUANTIZATIONS
+    """--quantization, --cpu-isa and --kv-cache-dtype, shared by serve, generate and chat
+    --in-process."""
+    from pagedrun.runtime.engine_config import CPU_ISAS, KV_CACHE_DTYPES, QUANTIZATIONS
 
     group.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                        help="weight quantization (vLLM's name): gguf = a .gguf model's GEMM "
@@ -195,6 +198,10 @@ def add_quantization_option(group) -> None:
                             "default for such a checkpoint); int8 = "
                             "weight-only int8 with per-channel group scales, made at load; "
                             "none = the dtype's weights (a .gguf dequantized). cpu backend only")
+    group.add_argument("--cpu-isa", default="auto", choices=CPU_ISAS,
+                       help="cap the cpu kernels' instruction set (auto = the fastest this CPU "
+                            "runs; avx2 runs what an AVX2-only CPU gets, on any CPU; portable = "
+                            "the plain C++ reference). The start-up log names the paths chosen")
     group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                        help="KV cache element type (vLLM's name): auto = bfloat16 on cpu with "
                             "--dtype bfloat16 or --quantization int8 (half the KV bytes), "
@@ -240,7 +247,8 @@ def engine_config_from_args(args):
     return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-        enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
+        cpu_isa=args.cpu_isa, enforce_eager=args.enforce_eager,
+        cuda_graph_sizes=args.cuda_graph_sizes,
         async_scheduling=args.async_scheduling, block_size=args.block_size,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

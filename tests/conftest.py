@@ -48,11 +48,23 @@ def pytest_addoption(parser) -> None:
     # threads in index order; a seed, or "random" (one drawn and printed), shuffles them so a
     # race whose outcome index order fixes shows up. Without the option the kernel and harness
     # tests draw a fresh random schedule per test (tests/sim_schedule.py), the rest index order.
+    # runtime/cpu_isa.py: the compiled cpu kernels' "auto" capped at this level for the whole
+    # run, every engine a test builds included (CI re-runs the cpu kernel and engine tests with
+    # --cpu-isa avx2, so an AVX-512 box runs what an AVX2-only CPU gets).
+    parser.addoption("--cpu-isa", default="auto", metavar="LEVEL",
+                     help="cap the cpu kernels' instruction set: auto, amx, avx512, avx2, "
+                          "portable")
     parser.addoption("--sim-schedule-seed", default="0", metavar="SEED",
                      help="CPU harness block/thread order: 0 (index order), an int, or random")
 
 
 def pytest_configure(config) -> None:
+    isa = config.getoption("--cpu-isa")
+    if isa != "auto":
+        from pagedrun.runtime import cpu_isa
+
+        cpu_isa.set_ceiling(isa)
+        sys.stderr.write(cpu_isa.describe() + "\n")
     value = config.getoption("--sim-schedule-seed")
     seed = int.from_bytes(os.urandom(8), "little") if value == "random" \
         else int(value)

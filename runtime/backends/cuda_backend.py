@@ -19,6 +19,7 @@ import logging
 
 from pagedrun.runtime.errors import PagedRunError
 
+from .cuda_probe import cuda_available
 from .graph_capture import cuda_graph_capture
 from .sim_backend import KernelBackend
 
@@ -26,18 +27,6 @@ log = logging.getLogger("pagedrun.cuda")
 # Largest decode batch captured by default (vLLM's default capture cap is 512 too): past it a
 # step's launches are a small part of its time.
 MAX_GRAPH_BATCH = 512
-
-
-def cuda_available() -> bool:
-    """True when CuPy imports and sees at least one GPU."""
-    try:
-        import cupy
-    except ImportError:
-        return False
-    try:
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # noqa: BLE001 -- no driver / no device: CuPy raises its runtime error
-        return False
 
 
 class CudaNotAvailableError(RuntimeError):

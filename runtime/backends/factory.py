@@ -8,6 +8,7 @@ import logging
 
 from pagedrun.runtime.engine_config import (
     DEVICES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfigError)
+from pagedrun.runtime import cpu_isa as cpu_isa_module
 from pagedrun.runtime.errors import DeviceNotAvailableError
 
 from .base import AUTO_DTYPE, DTYPE_NAMES, Backend
@@ -30,7 +31,7 @@ def resolve_device(device: str) -> str:
         return device
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
-    from .cuda_backend import cuda_available
+    from .cuda_probe import cuda_available
 
     if cuda_available():
         return "cuda"
@@ -55,17 +56,30 @@ FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
 
 def make_backend(device: str, dtype: str = "auto", *, device_id: int = 0,
-                 quantization: str | None = None, kv_cache_dtype: str = "auto") -> Backend:
+                 quantization: str | None = None, kv_cache_dtype: str = "auto",
+                 cpu_isa: str = "auto") -> Backend:
     """The backend of a device ("auto" is resolved first); device_id: the GPU of a cuda rank;
     quantization: EngineConfig.quantization (None or "none": the dtype's weights);
     kv_cache_dtype: EngineConfig.kv_cache_dtype -- "auto": bfloat16 on the cpu bf16 / int8
     backends, float32 on the float32 cpu backend, the activation dtype on sim / cuda; "fp8" /
     "fp8_e4m3" (uint8 e4m3 bits, scale 1.0) on every backend; a combination a backend cannot
-    hold raises EngineConfigError."""
+    hold raises EngineConfigError. cpu_isa: EngineConfig.cpu_isa, the compiled cpu kernels'
+    instruction-set cap (runtime/cpu_isa.py), applied and logged for a cpu backend."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise EngineConfigError(
             f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
     device = resolve_device(device)
+    backend = _make(device, dtype, device_id, quantization, kv_cache_dtype, cpu_isa)
+    if device == "cpu" and backend.dtype_name != "float32":  # the compiled kernels serve it
+        log.info("%s", cpu_isa_module.describe(cpu_isa))
+    # (the float32 cpu backend is numpy's: no compiled kernel to cap)
+    return backend
+
+
+def _make(device: str, dtype: str, device_id: int, quantization: str | None,
+          kv_cache_dtype: str, cpu_isa: str) -> Backend:
+    if device == "cpu":
+        cpu_isa_module.apply(cpu_isa)
     if quantization not in (None, "none"):
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")

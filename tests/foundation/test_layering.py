@@ -92,6 +92,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "pagedrun.runtime.model_loader",
         "pagedrun.runtime.rope",
         "pagedrun.runtime.kv_capacity",
+        "pagedrun.runtime.cpu_isa",
     )),
     # Kernel launch wrappers and the module loader (cupy RawModule or the CPU harness).
     ("kernels", ("pagedrun.runtime.kernels", "pagedrun.runtime.kernels.*")),
