@@ -363,6 +363,7 @@ class LLMEngine:
             "eos_token_ids": sorted(self.eos_token_ids),
             "device": self.device,
             "dtype": self.backend.dtype_name,
+            "quantization": self.quantization,  # "none", or the weights' form (e.g. "gguf")
             "num_virtual_engines": self.num_virtual_engines,
             "enable_lora": self.lora_config is not None,
             "lora_adapters": [{"name": r.lora_name, "id": r.lora_int_id}

@@ -27,6 +27,21 @@ DEFAULT_ALIGNMENT = 32  # the spec's, when general.alignment is absent
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
             10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+# GGML tensor types: id -> (name, weights per block, bytes per block), the ggml type traits
+# (tests/foundation/test_gguf_index.py checks this table against gguf-py's; importing gguf-py
+# for it cost ~40 ms of a cold start).
+GGML_TYPES = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40),
+    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98),
+    19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2),
+    26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56),
+    30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
+    39: ("MXFP4", 32, 17), 40: ("NVFP4", 64, 36), 41: ("Q1_0", 128, 18),
+}
 
 
 @dataclass(frozen=True)
@@ -43,8 +58,6 @@ class GgufIndex:
     view is referenced."""
 
     def __init__(self, path: str | os.PathLike) -> None:
-        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
         self.path = os.fspath(path)
         try:
             with open(self.path, "rb") as f:
@@ -73,19 +86,16 @@ class GgufIndex:
         data = np.frombuffer(buf, dtype=np.uint8)
         self.tensors: list[GgufTensor] = []
         for name, dims, type_id, offset in infos:
-            try:
-                kind = GGMLQuantizationType(type_id)
-            except ValueError:
-                raise ModelLoadError(self.path, f"unknown GGML type {type_id}",
-                                     tensor=name) from None
-            block, block_bytes = GGML_QUANT_SIZES[kind]
+            if type_id not in GGML_TYPES:
+                raise ModelLoadError(self.path, f"unknown GGML type {type_id}", tensor=name)
+            type_name, block, block_bytes = GGML_TYPES[type_id]
             count = int(np.prod(dims, dtype=np.int64)) if dims else 1
             nbytes = count // block * block_bytes
             begin = start + offset
             if count % block or begin + nbytes > len(buf):
                 raise ModelLoadError(self.path, "tensor data out of the file's bounds",
                                      tensor=name)
-            self.tensors.append(GgufTensor(name, kind.name, dims, data[begin:begin + nbytes]))
+            self.tensors.append(GgufTensor(name, type_name, dims, data[begin:begin + nbytes]))
 
     def get(self, key: str, default=None):
         value = self.fields.get(key, default)

@@ -291,7 +291,9 @@ def startup_summary(info: dict, endpoint: str, curve: bool) -> str:
     concurrency = info.get("max_concurrency_at_max_len")
     return "\n".join([
         f"paged-run serve: model {info.get('model')} on {info.get('device')} "
-        f"({info.get('dtype')})",
+        f"({info.get('dtype')}" + (f", {info['quantization']} weights"
+                                   if info.get("quantization") not in (None, "none") else "")
+        + ")",
         f"  KV cache: {info.get('num_kv_blocks')} blocks x {info.get('block_size')} tokens = "
         f"{info.get('kv_capacity_tokens')} tokens",
         f"  max_model_len {info.get('max_model_len')}: max concurrency at max length "

@@ -9,7 +9,17 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from pagedrun.runtime.errors import ModelLoadError  # noqa: E402
-from pagedrun.runtime.gguf_index import GgufIndex  # noqa: E402
+from pagedrun.runtime.gguf_index import GGML_TYPES, GgufIndex  # noqa: E402
+
+
+def test_type_table_is_ggmls():
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    for type_id, (name, block, block_bytes) in GGML_TYPES.items():
+        kind = GGMLQuantizationType(type_id)
+        assert kind.name == name and GGML_QUANT_SIZES[kind] == (block, block_bytes)
+    # (a type newer than this table is refused by name as "unknown GGML type": no kernel or
+    # converter of ours reads it either)
 
 
 def _same_as_gguf_py(path):
