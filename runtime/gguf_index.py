@@ -84,6 +84,7 @@ class GgufIndex:
         alignment = int(self.fields.get("general.alignment", DEFAULT_ALIGNMENT))
         start = -(-self._pos // alignment) * alignment
         data = np.frombuffer(buf, dtype=np.uint8)
+        self._base = data.__array_interface__["data"][0]
         self.tensors: list[GgufTensor] = []
         for name, dims, type_id, offset in infos:
             if type_id not in GGML_TYPES:
@@ -96,6 +97,21 @@ class GgufIndex:
                 raise ModelLoadError(self.path, "tensor data out of the file's bounds",
                                      tensor=name)
             self.tensors.append(GgufTensor(name, type_name, dims, data[begin:begin + nbytes]))
+
+    def drop_pages(self, tensor: GgufTensor) -> None:
+        """Let go of the tensor's resident pages (MADV_DONTNEED on the read-only map: they stay
+        in the page cache, leave this process's RSS, and fault back in if read again). For a
+        tensor the cpu backend has repacked into its own layout: its file bytes are not read
+        again (the embedding table's rows are, a few a step)."""
+        advise = getattr(self._map, "madvise", None)
+        dont_need = getattr(mmap, "MADV_DONTNEED", None)
+        if advise is None or dont_need is None:
+            return
+        start = tensor.data.__array_interface__["data"][0] - self._base
+        end = start + tensor.data.nbytes
+        start -= start % mmap.PAGESIZE
+        if end > start:
+            advise(dont_need, start, end - start)
 
     def get(self, key: str, default=None):
         value = self.fields.get(key, default)

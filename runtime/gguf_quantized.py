@@ -17,8 +17,10 @@ matrices of one type (stack() refuses mixed types; the model then dequantizes th
 """
 from __future__ import annotations
 
+import functools
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -46,6 +48,13 @@ class QuantizedMatrix:
     ggml_type: str          # the GGMLQuantizationType's name, e.g. "Q4_1"
     shape: tuple[int, int]  # (out, in)
     raw: np.ndarray         # uint8 [out, row_bytes]
+    # Drops the resident file pages this matrix was read from (GgufIndex.drop_pages), for the
+    # backend to call once it has repacked the matrix; None: nothing to drop.
+    release: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+
+    def release_pages(self) -> None:
+        if self.release is not None:
+            self.release()
 
     @property
     def nbytes(self) -> int:
@@ -70,7 +79,7 @@ class QuantizedMatrix:
     def take_rows(self, rows: np.ndarray) -> "QuantizedMatrix":
         rows = np.asarray(rows)
         return QuantizedMatrix(self.ggml_type, (int(rows.size), self.shape[1]),
-                               np.ascontiguousarray(self.raw[rows]))
+                               np.ascontiguousarray(self.raw[rows]), self.release)
 
     @staticmethod
     def stack(matrices) -> "QuantizedMatrix | None":
@@ -85,9 +94,11 @@ class QuantizedMatrix:
             return None
         if len(matrices) == 1:
             return first
+        releases = [m.release for m in matrices if m.release is not None]
         return QuantizedMatrix(first.ggml_type, (sum(m.shape[0] for m in matrices),
                                                  first.shape[1]),
-                               np.concatenate([m.raw for m in matrices], axis=0))
+                               np.concatenate([m.raw for m in matrices], axis=0),
+                               (lambda: [r() for r in releases]) if releases else None)
 
 
 def dense(matrix) -> np.ndarray:
@@ -123,7 +134,7 @@ def read_quantized_linears(gguf_path: str | os.PathLike, config) -> dict[str, Qu
         # A read-only view of the file's map (no copy: what the cpu backend does not repack,
         # the embedding table's blocks, stays file-backed pages).
         raw = tensor.data.reshape(shape[0], -1)
-        matrix = QuantizedMatrix(kind, shape, raw)
+        matrix = QuantizedMatrix(kind, shape, raw, functools.partial(index.drop_pages, tensor))
         for marker, num_heads in heads.items():
             if permuted and marker in tensor.name:
                 matrix = matrix.take_rows(unpermute_rotary_rows(np.arange(shape[0]), num_heads))
@@ -152,8 +163,8 @@ def attach_quantized(weights, quantized: dict[str, QuantizedMatrix],
 
     for index, layer in enumerate(weights.layers):
         prefix = f"model.layers.{index}."
-        for suffix, field in _LAYER_LINEARS.items():
-            setattr(layer, field, swap(getattr(layer, field), prefix + suffix))
+        for suffix, name in _LAYER_LINEARS.items():
+            setattr(layer, name, swap(getattr(layer, name), prefix + suffix))
     tied = weights.lm_head is weights.embed_tokens
     weights.lm_head = swap(weights.lm_head, "model.embed_tokens.weight" if tied
                            else "lm_head.weight")

@@ -75,6 +75,7 @@ class CpuGgufBackend(CpuBf16Backend):
                     or weight.ggml_type == cpu_gemm.INT4_TYPE):
                 packed = cpu_gemm.PackedGgufWeight(weight.raw, weight.ggml_type, weight.shape[1])
                 self._model_weight_bytes += packed.nbytes
+                weight.release_pages()  # the file's bytes of it: read once, now repacked
                 return packed
             if weight.ggml_type not in self.dequantized_types:
                 self.dequantized_types.add(weight.ggml_type)

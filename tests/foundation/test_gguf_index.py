@@ -101,3 +101,31 @@ def test_broken_files_are_refused(tmp_path):
     bad.write_bytes(b"")
     with pytest.raises(ModelLoadError, match="bad.gguf"):
         GgufIndex(bad)
+
+
+def test_dropped_pages_read_back_the_same(tmp_path):
+    """drop_pages only lets go of resident pages: the bytes read afterwards are the file's."""
+    path = tmp_path / "tiny.gguf"
+    _write(path)
+    index = GgufIndex(path)
+    before = [t.data.copy() for t in index.tensors]
+    for tensor in index.tensors:
+        index.drop_pages(tensor)
+    for tensor, want in zip(index.tensors, before):
+        np.testing.assert_array_equal(tensor.data, want)
+
+
+def test_quantized_matrices_carry_their_release(tmp_path):
+    """read_quantized_linears' matrices drop their file pages when the backend asks, and a
+    fused (stacked) or row-permuted matrix drops those of every part it was made from."""
+    from pagedrun.runtime.gguf_quantized import QuantizedMatrix
+
+    calls = []
+    parts = [QuantizedMatrix("Q4_1", (2, 32), np.zeros((2, 20), np.uint8),
+                             lambda i=i: calls.append(i)) for i in range(3)]
+    fused = QuantizedMatrix.stack(parts)
+    fused.release_pages()
+    assert calls == [0, 1, 2]
+    parts[0].take_rows(np.array([1, 0])).release_pages()
+    assert calls == [0, 1, 2, 0]
+    QuantizedMatrix("Q4_1", (2, 32), np.zeros((2, 20), np.uint8)).release_pages()  # no-op

@@ -87,6 +87,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "pagedrun.runtime.reference",
         "pagedrun.runtime.gguf_convert",
         "pagedrun.runtime.gguf_quantized",
+        "pagedrun.runtime.gguf_index",
         "pagedrun.runtime.hf_quantized",
         "pagedrun.runtime.default_model",
         "pagedrun.runtime.model_loader",
