@@ -56,7 +56,9 @@ class EngineConfigError(ValueError):
 class EngineConfig:
     model: str | None = None  # HF directory or .gguf; None: the embedded default model
     device: str = "auto"
-    dtype: str = "auto"  # "float32", "bfloat16", "float16"; auto: float32 on cpu, bf16 on cuda
+    # "float32", "bfloat16", "float16"; auto: on cpu a checkpoint's own precision (a .gguf's
+    # blocks: model_loader.resolve_quantization), else float32; bf16 on cuda
+    dtype: str = "auto"
     quantization: str | None = None  # QUANTIZATIONS; None: "none"
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
     # The cpu kernels' instruction-set cap (runtime/cpu_isa.py: "auto", "amx", "avx512", "avx2",
