@@ -36,9 +36,6 @@ static inline int cpu_has_gguf_avx2() {
            __builtin_cpu_supports("f16c");
 }
 
-// Decode streams each tile's panel once: software prefetch this far ahead of the block read.
-constexpr long GGUF_AVX2_PREFETCH_BYTES = 2048;
-
 // vpmaddubsw results an int16 accumulator may sum exactly (the header's bounds).
 template <int TYPE>
 static inline constexpr int gguf_avx2_s16_sums() {
@@ -178,7 +175,7 @@ static inline int gguf_load_i32_avx2(const int8_t* p) {
 }
 
 // MR_ rows x NH_ tile halves (h0, h0 + 1, ...) over all of K, then y (+ bias).
-template <int TYPE, int MR_, int NH_, bool PREFETCH = false>
+template <int TYPE, int MR_, int NH_>
 PAGEDRUN_GGUF_AVX2_TARGET static inline void gguf_micro_avx2(const GgufJob& g, int m0,
                                                              const uint8_t* wt, int n0, int h0,
                                                              int N, const float* bias, float* y,
@@ -202,16 +199,8 @@ PAGEDRUN_GGUF_AVX2_TARGET static inline void gguf_micro_avx2(const GgufJob& g, i
     // path's order (Q6_K: h 0, then h 1; then Q4_1 / Q4_K / Q5_K / I4Z's min term), so that at
     // most one set of dots is live. The loops over a block's pieces are not unrolled: fully
     // unrolled, GCC hoists every product ahead of its sums and spills them from the 16 ymm.
-    const uint8_t* const wend = wt + gguf_tile_bytes(TYPE, nb);
     for (int b = 0; b < nb; ++b) {
         const uint8_t* wb = wt + (long)(b / SUP) * SB + (b % SUP) * QB + 32 * h0;
-        if (PREFETCH) {  // the stream GGUF_AVX2_PREFETCH_BYTES ahead, a line per 64 bytes
-            const uint8_t* unit = wt + (long)(b / SUP) * SB + (b % SUP) * QB;
-            for (long off = 0; off < QB + (b % SUP == SUP - 1 ? SB - SUP * QB : 0); off += 64) {
-                const uint8_t* ahead = unit + off + GGUF_AVX2_PREFETCH_BYTES;
-                if (ahead < wend) _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
-            }
-        }
         __m256 ds[NH_][2], mn[NH_];
 #pragma GCC unroll 2
         for (int c = 0; c < NH_; ++c) gguf_half_scales_avx2<TYPE>(wt, b, h0 + c, ds[c], mn[c]);
@@ -369,8 +358,8 @@ PAGEDRUN_GGUF_AVX2_TARGET static void gguf_tiles_avx2_t(const GgufJob& g, int N,
         for (int t = tile_begin; t < tile_end; ++t) {
             const uint8_t* wt = g.wq + t * tile_bytes;
             const int n0 = t * GGUF_TILE_N;
-            if (M == 1) gguf_micro_avx2<TYPE, 1, 2, true>(g, 0, wt, n0, 0, N, bias, y, ldy);
-            else gguf_micro_avx2<TYPE, 2, 2, true>(g, 0, wt, n0, 0, N, bias, y, ldy);
+            if (M == 1) gguf_micro_avx2<TYPE, 1, 2>(g, 0, wt, n0, 0, N, bias, y, ldy);
+            else gguf_micro_avx2<TYPE, 2, 2>(g, 0, wt, n0, 0, N, bias, y, ldy);
         }
         return;
     }
