@@ -8,7 +8,8 @@
 // activations and adds adjacent pairs into SATURATING int16, then vpmaddwd by ones adds the
 // int16 pairs into the int32 lane (4 consecutive k of one output: the layout's 32-bit lane).
 // Exactness needs every int16 sum below 2^15. |qx| <= 127, so one vpmaddubsw lane is at most
-// 2 * 127 * umax; this many of them may be added in int16 before widening (S16_SUMS below):
+// 2 * 127 * umax; this many of them may be added in int16 before widening
+// (gguf_avx2_s16_sums below):
 //   nibbles (Q4_0, Q4_1, Q4_K, I4Z), umax 15: 2 * 127 * 15 = 3810, 8 per block (30480): the
 //     whole block (4 L x low / high) in one int16 accumulator, one vpmaddwd per block;
 //   Q5_K, umax 31: 7874, 4 (31496);  Q6_K, umax 63: 16002, 2 (32004);
@@ -19,9 +20,10 @@
 //     added again (the same integer as the other paths).
 // Micro-kernel: MR_ rows x NH_ halves of a tile (8 outputs each, one ymm of int32 / float32
 // lanes); per block the halves' 32-byte slices are loaded once and used by every row, each
-// row's 4 bytes of qx broadcast once and used by every half. Decode (M <= 3) runs both halves
-// at once (one pass over the tile's stream); from 4 rows, 4 rows x one half (4 float32 + 4
-// int16 accumulators, 2 weight and 2 activation registers: no spills in 16 ymm).
+// row's 4 bytes of qx broadcast once and used by every half. Decode (M <= 2 kernel rows: one
+// token with q8x2's residual row) runs both halves at once (one pass over the tile's stream);
+// from 3 rows, blocks of 4 rows x one half (4 float32 + 4 int16 accumulators, 2 weight and 2
+// activation registers: no spills in 16 ymm; Q6_K's two dots per row spill a few).
 #pragma once
 
 #if PAGEDRUN_X86

@@ -624,3 +624,57 @@ def test_auto_and_bf16_pools_and_decode_loop_agree(rng, ggml_type):
                     y = cpu_decode_step.gemm(x, packed, bias, threads=threads, gguf_path=path,
                                              activations=activations)
                     np.testing.assert_array_equal(y, want, err_msg=f"{m} {path} loop")
+
+
+# Blocks whose every weight has the largest code its type stores (bytes of all ones; Q8_0 also
+# -128, the largest |q|), with small positive scales: the integer dots of an all-equal
+# activation row are then the largest the kernels ever form. Layout offsets: the file block's
+# bytes after its fp16 scale(s) and 6-bit sub-scales (Q4_K / Q5_K: d, dmin, 12 scale bytes; Q6_K
+# ends with 16 int8 scales and d).
+_MAX_CODE_QUANTS = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q8_0": (2, 34), "Q5_0": (2, 22),
+                    "Q4_K": (16, 144), "Q5_K": (16, 176), "Q6_K": (0, 192)}
+
+
+def _max_code_raw(ggml_type, n, k, fill):
+    fb = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q4_K": 144, "Q5_K": 176,
+          "Q6_K": 210}[ggml_type]
+    unit = 256 if ggml_type in K_TYPES else 32
+    blocks = np.zeros((n, k // unit, fb), np.uint8)
+    start, end = _MAX_CODE_QUANTS[ggml_type]
+    blocks[:, :, start:end] = fill
+    half = np.array([0.01], np.float16).view(np.uint8)
+    if ggml_type == "Q6_K":
+        blocks[:, :, 192:208] = 1  # int8 sub-scales
+        blocks[:, :, 208:210] = half
+    else:
+        blocks[:, :, 0:2] = half  # d
+        if ggml_type in ("Q4_1", "Q4_K", "Q5_K"):
+            blocks[:, :, 2:4] = half  # m / dmin
+        if ggml_type in ("Q4_K", "Q5_K"):
+            blocks[:, :, 4:16] = 0x21  # 6-bit scales and mins: 33, and the high bits
+    return blocks.reshape(n, -1)
+
+
+@pytest.mark.parametrize("ggml_type,fill", [(t, 0xFF) for t in _MAX_CODE_QUANTS]
+                         + [("Q8_0", 0x80)])
+@pytest.mark.parametrize("activations", cpu_gemm.GGUF_ACTIVATIONS)
+def test_largest_integer_dots_are_exact(ggml_type, fill, activations):
+    """The AVX2 kernel sums vpmaddubsw's saturating int16 pairs a bounded number of times per
+    type (pyx/cpu_quant_avx2_kernels.h: 8, 4, 2 or 1); one more would overflow int16 on these
+    blocks. Every path must give the portable path's bits (its int32 sums cannot overflow) and
+    the float64 product of the dequantized weights; rows of +1 and -1 (qx all +127 / -127) at
+    M 1 (decode) and 6 (4-row blocks and a tail)."""
+    k = 512 if ggml_type in K_TYPES else 96
+    packed = cpu_gemm.PackedGgufWeight(_max_code_raw(ggml_type, 19, k, fill), ggml_type, k)
+    w = packed.dequantize().astype(np.float64)
+    for m in (1, 6):
+        x = np.where(np.arange(m)[:, None] % 2 == 0, 1.0, -1.0) * np.ones((m, k))
+        x = x.astype(np.float32)
+        want = cpu_gemm.gemm_gguf(x, packed, path="portable", threads=1, activations=activations)
+        exact = x.astype(np.float64) @ w.T
+        # qx = +-127 exactly; x ~= dx * qx with dx = 1/127 in float32: relative 2^-24 per
+        # activation, plus float32 sums of the per-block products.
+        np.testing.assert_allclose(want, exact, rtol=1e-5, atol=1e-6 * np.abs(exact).max())
+        for path in PATHS:
+            y = cpu_gemm.gemm_gguf(x, packed, path=path, threads=2, activations=activations)
+            np.testing.assert_array_equal(y, want, err_msg=f"{path} m {m}")
