@@ -50,7 +50,9 @@ class QuantizedMatrix:
     raw: np.ndarray         # uint8 [out, row_bytes]
     # Drops the resident file pages this matrix was read from (GgufIndex.drop_pages), for the
     # backend to call once it has repacked the matrix; None: nothing to drop.
-    release: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+    # (keyword-only: a subclass's own fields, Int4Matrix's input_perm, stay positional)
+    release: Callable[[], None] | None = field(default=None, repr=False, compare=False,
+                                                kw_only=True)
 
     def release_pages(self) -> None:
         if self.release is not None:
@@ -79,7 +81,7 @@ class QuantizedMatrix:
     def take_rows(self, rows: np.ndarray) -> "QuantizedMatrix":
         rows = np.asarray(rows)
         return QuantizedMatrix(self.ggml_type, (int(rows.size), self.shape[1]),
-                               np.ascontiguousarray(self.raw[rows]), self.release)
+                               np.ascontiguousarray(self.raw[rows]), release=self.release)
 
     @staticmethod
     def stack(matrices) -> "QuantizedMatrix | None":
@@ -98,7 +100,7 @@ class QuantizedMatrix:
         return QuantizedMatrix(first.ggml_type, (sum(m.shape[0] for m in matrices),
                                                  first.shape[1]),
                                np.concatenate([m.raw for m in matrices], axis=0),
-                               (lambda: [r() for r in releases]) if releases else None)
+                               release=(lambda: [r() for r in releases]) if releases else None)
 
 
 def dense(matrix) -> np.ndarray:
@@ -134,7 +136,8 @@ def read_quantized_linears(gguf_path: str | os.PathLike, config) -> dict[str, Qu
         # A read-only view of the file's map (no copy: what the cpu backend does not repack,
         # the embedding table's blocks, stays file-backed pages).
         raw = tensor.data.reshape(shape[0], -1)
-        matrix = QuantizedMatrix(kind, shape, raw, functools.partial(index.drop_pages, tensor))
+        matrix = QuantizedMatrix(kind, shape, raw,
+                                 release=functools.partial(index.drop_pages, tensor))
         for marker, num_heads in heads.items():
             if permuted and marker in tensor.name:
                 matrix = matrix.take_rows(unpermute_rotary_rows(np.arange(shape[0]), num_heads))

@@ -101,7 +101,8 @@ class Int4Matrix(QuantizedMatrix):
     def take_rows(self, rows: np.ndarray) -> "Int4Matrix":
         rows = np.asarray(rows)
         return Int4Matrix(self.ggml_type, (int(rows.size), self.shape[1]),
-                          np.ascontiguousarray(self.raw[rows]), self.input_perm)
+                          np.ascontiguousarray(self.raw[rows]), release=self.release,
+                          input_perm=self.input_perm)
 
     @classmethod
     def from_parts(cls, q, s, z) -> "Int4Matrix":

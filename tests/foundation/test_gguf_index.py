@@ -122,7 +122,7 @@ def test_quantized_matrices_carry_their_release(tmp_path):
 
     calls = []
     parts = [QuantizedMatrix("Q4_1", (2, 32), np.zeros((2, 20), np.uint8),
-                             lambda i=i: calls.append(i)) for i in range(3)]
+                             release=lambda i=i: calls.append(i)) for i in range(3)]
     fused = QuantizedMatrix.stack(parts)
     fused.release_pages()
     assert calls == [0, 1, 2]
