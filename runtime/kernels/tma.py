@@ -11,7 +11,8 @@ tests/sim/kernels/hopper_probes.cu).
       matrix alive (and unmoved) while kernels use the descriptor.
   cuda_descriptor(matrix, box_rows, box_cols, swizzle_bytes) -> np.ndarray uint64[16]
       The CUtensorMap from the driver's cuTensorMapEncodeTiled (libcuda through ctypes) for a
-      CuPy matrix; copy it to device memory and pass its pointer as the descriptor.
+      CuPy matrix (encoded into a 64-byte aligned host buffer, as the driver requires); copy
+      it to device memory and pass its pointer as the descriptor.
 
 matrix: 2-D, contiguous rows whose stride is a multiple of 16 bytes (it may exceed the row,
 as for a column slice), base 16-byte aligned, 2-byte (bf16/f16 as uint16/float16) or 4-byte
@@ -30,6 +31,10 @@ DESCRIPTOR_WORDS = 16               # 128 bytes, like CUtensorMap
 SWIZZLE_BYTES = (0, 32, 64, 128)
 MAX_BOX = 256                       # per dimension, as cuTensorMapEncodeTiled allows
 ROW_STRIDE_ALIGN = 16               # bytes; the base address too
+# cuTensorMapEncodeTiled writes the CUtensorMap into host memory that must be 64-byte aligned
+# (CUDA driver API); numpy only promises 16 for a uint64 array, so an encode could fail at
+# random, depending on where the allocator put the buffer.
+TENSOR_MAP_ALIGN = 64
 
 # CUtensorMapSwizzle / CUtensorMapDataType values from the CUDA driver API (cuda.h).
 _CU_SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}
@@ -76,6 +81,14 @@ def sim_descriptor(matrix: np.ndarray, box_rows: int, box_cols: int,
     return d
 
 
+def aligned_words(count: int, align: int = TENSOR_MAP_ALIGN) -> np.ndarray:
+    """A zeroed uint64 [count] whose first byte is `align`-byte aligned (a view into a slightly
+    larger array, which it keeps alive)."""
+    base = np.zeros(count + align // 8, np.uint64)
+    skip = (-base.ctypes.data % align) // 8
+    return base[skip:skip + count]
+
+
 def cuda_descriptor(matrix, box_rows: int, box_cols: int, swizzle_bytes: int = 0) -> np.ndarray:
     """matrix: [rows, cols] CuPy array on the current device (last axis contiguous)."""
     _check(matrix.shape, matrix.itemsize, box_rows, box_cols, swizzle_bytes)
@@ -89,7 +102,7 @@ def cuda_descriptor(matrix, box_rows: int, box_cols: int, swizzle_bytes: int = 0
     fn = libcuda.cuTensorMapEncodeTiled
     fn.restype = ctypes.c_int
     rows, cols = matrix.shape
-    out = np.zeros(DESCRIPTOR_WORDS, np.uint64)
+    out = aligned_words(DESCRIPTOR_WORDS)
     dims = (ctypes.c_uint64 * 2)(cols, rows)
     strides = (ctypes.c_uint64 * 1)(matrix.strides[0])
     box = (ctypes.c_uint32 * 2)(box_cols, box_rows)
