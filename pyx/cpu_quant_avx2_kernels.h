@@ -170,10 +170,14 @@ gguf_half_scales_avx2(const uint8_t* wt, int b, int h, __m256 (&ds)[2], __m256& 
     }
 }
 
-static inline int gguf_load_i32_avx2(const int8_t* p) {
-    int v;
-    memcpy(&v, p, 4);
-    return v;
+// int32 accumulators of MR_ rows x NH_ halves, zeroed.
+template <int MR_, int NH_>
+PAGEDRUN_GGUF_AVX2_TARGET __attribute__((always_inline)) static inline void gguf_zero_avx2(
+        __m256i (&a)[MR_][NH_]) {
+#pragma GCC unroll 8
+    for (int r = 0; r < MR_; ++r)
+#pragma GCC unroll 2
+        for (int c = 0; c < NH_; ++c) a[r][c] = _mm256_setzero_si256();
 }
 
 // MR_ rows x NH_ tile halves (h0, h0 + 1, ...) over all of K, then y (+ bias).
@@ -211,10 +215,7 @@ PAGEDRUN_GGUF_AVX2_TARGET static inline void gguf_micro_avx2(const GgufJob& g, i
             __m256i dot[MR_][NH_];
             if constexpr (!BYTES) {  // nibbles: the whole block in one int16 sum
                 __m256i s16[MR_][NH_];
-#pragma GCC unroll 8
-                for (int r = 0; r < MR_; ++r)
-#pragma GCC unroll 2
-                    for (int c = 0; c < NH_; ++c) s16[r][c] = _mm256_setzero_si256();
+                gguf_zero_avx2<MR_, NH_>(s16);
 #pragma GCC unroll 1
                 for (int L = 0; L < 4; ++L) {
                     __m256i lo[NH_], hi[NH_];
@@ -228,9 +229,9 @@ PAGEDRUN_GGUF_AVX2_TARGET static inline void gguf_micro_avx2(const GgufJob& g, i
 #pragma GCC unroll 8
                     for (int r = 0; r < MR_; ++r) {
                         const int8_t* xr = xq + (long)r * K + b * GGUF_QK;
-                        const __m256i xl = _mm256_set1_epi32(gguf_load_i32_avx2(xr + 4 * L));
+                        const __m256i xl = _mm256_set1_epi32(gguf_load_i32(xr + 4 * L));
                         const __m256i xh =
-                            _mm256_set1_epi32(gguf_load_i32_avx2(xr + 16 + 4 * L));
+                            _mm256_set1_epi32(gguf_load_i32(xr + 16 + 4 * L));
 #pragma GCC unroll 2
                         for (int c = 0; c < NH_; ++c)
                             s16[r][c] = _mm256_add_epi16(
@@ -244,17 +245,11 @@ PAGEDRUN_GGUF_AVX2_TARGET static inline void gguf_micro_avx2(const GgufJob& g, i
                     for (int c = 0; c < NH_; ++c) dot[r][c] = _mm256_madd_epi16(s16[r][c], ones16);
             } else {  // a byte a weight: this dot's groups gq of 4 k, SUMS per int16 sum
                 constexpr int GROUPS = 8 / SA, CHUNKS = GROUPS / SUMS;
-#pragma GCC unroll 8
-                for (int r = 0; r < MR_; ++r)
-#pragma GCC unroll 2
-                    for (int c = 0; c < NH_; ++c) dot[r][c] = _mm256_setzero_si256();
+                gguf_zero_avx2<MR_, NH_>(dot);
 #pragma GCC unroll 1
                 for (int ch = 0; ch < CHUNKS; ++ch) {
                     __m256i s16[MR_][NH_];
-#pragma GCC unroll 8
-                    for (int r = 0; r < MR_; ++r)
-#pragma GCC unroll 2
-                        for (int c = 0; c < NH_; ++c) s16[r][c] = _mm256_setzero_si256();
+                    gguf_zero_avx2<MR_, NH_>(s16);
 #pragma GCC unroll 1
                     for (int i = 0; i < SUMS; ++i) {
                         const int gq = a * GROUPS + ch * SUMS + i;
@@ -271,7 +266,7 @@ PAGEDRUN_GGUF_AVX2_TARGET static inline void gguf_micro_avx2(const GgufJob& g, i
 #pragma GCC unroll 8
                         for (int r = 0; r < MR_; ++r) {
                             const __m256i xv = _mm256_set1_epi32(
-                                gguf_load_i32_avx2(xq + (long)r * K + b * GGUF_QK + 4 * gq));
+                                gguf_load_i32(xq + (long)r * K + b * GGUF_QK + 4 * gq));
 #pragma GCC unroll 2
                             for (int c = 0; c < NH_; ++c)
                                 s16[r][c] = _mm256_add_epi16(
