@@ -30,9 +30,6 @@ from libc.stdlib cimport calloc, free
 
 from pagedrun.pyx import cpu_gemm, cpu_ops
 
-# cpu_ops' path names -> the kernels' PATH_* codes (the same table its wrappers use).
-_OPS_PATH_CODE = cpu_ops._PATH_CODE
-
 cdef extern from "cpu_decode_step.h" namespace "pagedrun_decode" nogil:
     const int WEIGHT_BF16
     const int WEIGHT_INT8
@@ -294,7 +291,7 @@ cdef class DecodeLoop:
     """The compiled decode layers of one model. layers: per layer a dict with input_norm,
     post_norm ([hidden] float32), qkv, qkv_bias, o, o_bias, gate_up, down (packed weights /
     biases or None), cos_sin ([max_position, head_dim] float32). gemm_path: cpu_gemm's path
-    ("auto" or one of cpu_gemm.PATHS); ops_path: cpu_ops' ("auto" or "portable"); threads:
+    ("auto" or one of cpu_gemm.PATHS); ops_path: cpu_ops' ("auto" or one of its PATHS); threads:
     the GEMM's and attention's (1 or 2), or an object whose `gemm_threads` gives them at each
     call (the backend: benchmarks change it after the model is built); max_tokens: rows the
     buffers hold at first.
@@ -330,9 +327,6 @@ cdef class DecodeLoop:
         cdef const float[:, ::1] table
         if not layers:
             raise ValueError("DecodeLoop: no layers")
-        if ops_path != "auto" and ops_path not in cpu_ops.PATHS:
-            raise ValueError(f"ops_path must be 'auto' or one of {cpu_ops.PATHS}, got "
-                             f"{ops_path!r}")
         if head_dim % 2 or num_heads % num_kv_heads:
             raise ValueError(f"DecodeLoop: heads {num_heads}/{num_kv_heads} x {head_dim}")
         c.num_layers, c.hidden, c.inter = len(layers), hidden, intermediate
@@ -340,9 +334,10 @@ cdef class DecodeLoop:
         # cpu_ops and cpu_gemm take eps and scale as doubles and compute with their float32.
         c.eps, c.scale = <float>eps, <float>scale
         c.gemm_path = cpu_gemm._resolve_path(gemm_path)
-        # The code cpu_ops' own wrappers pass for the same name ("auto" within its ISA cap),
-        # so the loop and the per-op path run the same kernels.
-        c.ops_path = _OPS_PATH_CODE[cpu_ops.auto_path() if ops_path == "auto" else ops_path]
+        # The code cpu_ops' own wrappers pass for the same name ("auto" within its ISA cap;
+        # an unknown or unavailable path refused as they refuse it), so the loop and the
+        # per-op path run the same kernels.
+        c.ops_path = cpu_ops.path_code(ops_path)
         self.threads_from = None if isinstance(threads, int) else threads
         c.threads = threads if self.threads_from is None else threads.gemm_threads
         c.min_tiles_per_thread = _MIN_TILES_PER_THREAD
