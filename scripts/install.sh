@@ -136,8 +136,10 @@ fi
   "tokenizers>=0.19" "pyzmq>=25" "msgpack>=1.0" "jinja2>=3.1" "gguf>=0.10" "tqdm>=4.66" \
   "starlette>=0.37" "uvicorn>=0.29" "prometheus-client>=0.17" "httpx>=0.27"
 # Test requirements (openai: the official SDK the HTTP gateway's tests drive it with; ray: the
-# "ray" executor backend's tests, tests/distributed/test_ray_executor.py).
-"${PIP[@]}" "pytest>=8" "pytest-xdist>=3.5" "hypothesis>=6.100" "openai>=1.40" "ray>=2.9"
+# "ray" executor backend's tests, tests/distributed/test_ray_executor.py; pytest-timeout: the
+# per-test limits of tests/gpu/run_all.sh, so CI's rehearsal passes the flags the GPU run does).
+"${PIP[@]}" "pytest>=8" "pytest-xdist>=3.5" "hypothesis>=6.100" "openai>=1.40" "ray>=2.9" \
+  "pytest-timeout>=2.1"
 # NVRTC for the compile gates (scripts/compile_gates.py): the toolkit has nvcc but no libnvrtc.
 "${PIP[@]}" "nvidia-cuda-nvrtc>=13,<14"
 # cuobjdump + nvdisasm for the static kernel report (scripts/kernel_report.py, CI tier 3).
