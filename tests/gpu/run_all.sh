@@ -230,7 +230,7 @@ LAYERS=8
 [[ "$MODE" == quick* ]] && LAYERS=1
 
 echo "run_all.sh: --device $DEVICE, $MODE, budget $BUDGET s, output in $OUT_DIR"
-run_step install 120 10 install_step
+run_step install 180 10 install_step
 run_step probe 60 5 "$PY" tests/gpu/gpu_check_probe.py --device "$DEVICE" \
   --json "$WORK/probe.json"
 run_step twins 90 20 pytest_step twins 60 "$TWINS"
