@@ -36,8 +36,8 @@
 # tests/gpu/gpu_check_layout.py checks that layout (CI and tests/gpu/test_gpu_check_layout.py).
 #
 #   bash tests/gpu/run_all.sh                        # on the device (docs/gpu_check.md)
-#   bash tests/gpu/run_all.sh --device sim           # full rehearsal on the CPU harness (~3 min
-#                                                    # on 2 cores)
+#   bash tests/gpu/run_all.sh --device sim           # full rehearsal on the CPU harness (1-2
+#                                                    # min on 2 cores)
 #   bash tests/gpu/run_all.sh --device sim --quick   # CI's rehearsal: the first test of each
 #                                                    # file, bench_model at 1 layer (~30 s)
 #   --budget S      whole-run seconds (default 480): a step gets min(its limit, what is left);
