@@ -12,13 +12,19 @@
 //   desc_a    TmaDescriptor of a [M, K] T, row-major     box 128 rows x 64 K, 128B swizzle
 //   desc_b    TmaDescriptor of b [N, K] T, row-major     box 256 rows x 64 K, 128B swizzle
 //             ("nk": the HF nn.Linear weight; K-major B is the operand wgmma reads)
+//             Both by value: `const __grid_constant__` kernel parameters (128 bytes each,
+//             64-byte aligned in the parameter space: .param .align 64 .b8 [128]).
 //   bias      [N]      T    or nullptr
 //   residual  [M, N]   OutT or nullptr (may alias out: each element is read before it is written,
 //                      by the thread that writes it)
 //   out       [M, N]   OutT, contiguous
-// The descriptors (built by runtime/kernels/gemm_hopper.py through runtime/kernels/tma.py) live
-// in global memory. TMA needs 16-byte row strides and bases: K % 8 == 0, a and b 16-byte
-// aligned. Rows and K values past the matrix arrive as zeros (TMA out-of-bounds fill), so
+// The descriptors (built on the host by runtime/kernels/gemm_hopper.py through
+// runtime/kernels/tma.py) travel in the launch's parameters, as the CUDA programming guide
+// recommends: TMA reads them through the parameter's generic address, nothing is uploaded per
+// call, and a captured CUDA graph keeps them in its kernel node. A map in global memory would
+// instead need `fence.proxy.tensormap::generic.acquire` before its first use in every launch
+// (a TMA could read a stale map) and a device buffer per call, which kept this GEMM out of graph
+// capture. TMA needs 16-byte row strides and bases: K % 8 == 0, a and b 16-byte aligned. Rows and K values past the matrix arrive as zeros (TMA out-of-bounds fill), so
 // partial tiles in M, N and K need no masking in the main loop; the epilogue masks rows and
 // columns.
 //
@@ -47,7 +53,7 @@
 // Launch: grid (gemm_hopper_grid(M, N),), block 384, dynamic smem kSmemBytes = 4 x 49,152 +
 // 1,024 = 197,632 bytes (needs max_dynamic_shared_size_bytes; runtime/kernels/gemm_hopper.py).
 // Instantiations (extern "C"): gemm_hopper_{f16,bf16}_nk_o{same, f32}. Scalars: int M, N, K.
-// Signature: (out, desc_a, desc_b, bias, residual, M, N, K).
+// Signature: (out, desc_a, desc_b, bias, residual, M, N, K); desc_a / desc_b by value.
 // Bodies exist where PAGEDRUN_HAS_HOPPER (sm_90a and the CPU harness); elsewhere they trap, so
 // the sm_80 gate compiles the file to empty kernels.
 //
@@ -112,6 +118,7 @@ __device__ __forceinline__ void tile_of(int pid, int M, int N, int& m_block, int
     n_block = (pid % per_group) / group_m;
 }
 
+// desc_a / desc_b: the addresses of the kernel's __grid_constant__ descriptor parameters.
 template <typename T, typename OutT, bool BF16>
 __device__ __forceinline__ void gemm_hopper(OutT* out, const TmaDescriptor* desc_a,
                                             const TmaDescriptor* desc_b, const T* bias,
@@ -192,16 +199,17 @@ __device__ __forceinline__ void gemm_hopper(OutT* out, const TmaDescriptor* desc
 
 #if PAGEDRUN_HAS_HOPPER
 #define PAGEDRUN_GEMM_HOPPER_BODY(T, OutT, BF16) \
-    gemm_hopper::gemm_hopper<T, OutT, BF16>(out, desc_a, desc_b, bias, residual, M, N, K);
+    gemm_hopper::gemm_hopper<T, OutT, BF16>(out, &desc_a, &desc_b, bias, residual, M, N, K);
 #else
 #define PAGEDRUN_GEMM_HOPPER_BODY(T, OutT, BF16) __trap();
 #endif
 
 #define PAGEDRUN_GEMM_HOPPER(DT, T, ODT, OutT, BF16)                                           \
     extern "C" __global__ void __launch_bounds__(gemm_hopper::kThreads, 1)                     \
-        gemm_hopper_##DT##_nk_o##ODT(OutT* out, const TmaDescriptor* desc_a,                   \
-                                     const TmaDescriptor* desc_b, const T* bias,               \
-                                     const OutT* residual, int M, int N, int K) {             \
+        gemm_hopper_##DT##_nk_o##ODT(OutT* out, const __grid_constant__ TmaDescriptor desc_a,  \
+                                     const __grid_constant__ TmaDescriptor desc_b,             \
+                                     const T* bias, const OutT* residual, int M, int N,        \
+                                     int K) {                                                  \
         PAGEDRUN_GEMM_HOPPER_BODY(T, OutT, BF16)                                               \
     }
 

@@ -25,9 +25,13 @@
 //   tma_load_2d(smem_dst, desc, coord_inner, coord_outer, bar): one thread copies the box
 //     [coord_outer.., coord_inner..] of a 2-D row-major tensor into smem_dst (row after row,
 //     swizzled as the descriptor says; out-of-bounds elements are zero) and completes the
-//     box's bytes on bar. smem_dst 128-byte aligned (1024 with a swizzle). desc: a
-//     TmaDescriptor in global memory built by pagedrun.runtime.kernels.tma (a CUtensorMap on
-//     the GPU).
+//     box's bytes on bar. smem_dst 128-byte aligned (1024 with a swizzle). desc: the address
+//     of a `const __grid_constant__ TmaDescriptor` kernel parameter built on the host by
+//     pagedrun.runtime.kernels.tma (a CUtensorMap on the GPU). Why a parameter: it is
+//     constant for the whole launch, so TMA may read it with no fence, and no per-call upload
+//     exists for a CUDA graph to lose. A map in global memory would need
+//     `fence.proxy.tensormap::generic.acquire` (CUDA programming guide, TMA) before its first
+//     use in every launch; no kernel here keeps one there.
 //   make_smem_desc(smem, swizzle, leading_byte_offset, stride_byte_offset) -> uint64_t: the
 //     wgmma shared-memory matrix descriptor of a K-major 16-bit operand starting at smem.
 //     swizzle: kSmemSwizzleNone (core matrices of 8 rows x 16 bytes; LBO = bytes between
@@ -67,7 +71,8 @@ constexpr int kSmemSwizzle32B = 3;
 #else
 
 // The tensor map (CUtensorMap: 128 opaque bytes, 64-byte aligned) built on the host by
-// pagedrun.runtime.kernels.tma.cuda_descriptor and copied to global memory.
+// pagedrun.runtime.kernels.tma.cuda_descriptor; kernels take it by value as a
+// `const __grid_constant__ TmaDescriptor` parameter (PTX: .param .align 64 .b8 [128]).
 struct __align__(64) TmaDescriptor {
     uint64_t opaque[16];
 };

@@ -44,6 +44,9 @@
 #define __forceinline__ inline
 #define __noinline__ __attribute__((noinline))
 #define __restrict__ __restrict
+// A kernel parameter the GPU keeps constant for the launch (TMA descriptors by value); the
+// harness's parameters are plain copies, so it has no meaning here.
+#define __grid_constant__
 #define __align__(n) __attribute__((aligned(n)))
 // thread_local, not a named section: GCC ignores section attributes on statics of template
 // instances. runtime.cpp finds the module's TLS segment and poisons it before each block.

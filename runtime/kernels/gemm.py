@@ -10,7 +10,8 @@ holding bf16 bits). out: [M, N] in a's dtype, or float32 (out_dtype=np.float32, 
 Arrays are numpy under the CPU harness and cupy on a GPU. The plan (runtime/kernels/gemm_plan.py)
 picks the skinny or the tensor-core kernel; shapes no kernel serves raise UnsupportedKernelShape.
 On a compute capability 9.0 GPU, with gemm_hopper.cu in the module, the shapes it serves
-(gemm_hopper.hopper_eligible: f16 / bf16, "nk", M > 64, K % 8 == 0) run on the Hopper GEMM.
+(gemm_hopper.hopper_eligible: f16 / bf16, "nk", M > 64, K % 8 == 0) run on the Hopper GEMM,
+inside CUDA graph capture too (its TMA descriptors travel in the launch's parameters).
 """
 from __future__ import annotations
 
@@ -38,13 +39,6 @@ def gemm_smem_bytes(dtype_name: str) -> int:
         return 0
     tile_m, tile_n = TC_TILE[dtype_name]
     return TC_STAGES * (tile_m + tile_n) * TC_BK * 2
-
-
-def _capturing(xp) -> bool:
-    """A CUDA graph capture is recording the current stream. The Hopper GEMM uploads its TMA
-    descriptors per call (a host copy, and memory a replay would find freed), so captured
-    forwards keep the mma.sync path."""
-    return bool(xp.cuda.get_current_stream().is_capturing())
 
 
 def _hopper_module(module) -> bool:
@@ -85,7 +79,7 @@ def gemm(module, a, b, *, b_layout: str = "nk", bias=None, residual=None, out=No
     if (plan is None and xp is not np and base_aligned
             and hopper_eligible(M, N, K, suffix, b_layout, HOPPER_ARCH)
             and _hopper_module(module)
-            and device_arch(xp) == HOPPER_ARCH and not _capturing(xp)):
+            and device_arch(xp) == HOPPER_ARCH):
         return gemm_hopper(module, a, b, bias=bias, residual=residual, out=out,
                            out_dtype=out.dtype)
     if plan is None:

@@ -8,9 +8,10 @@ a: [M, K], b: [N, K] (the "nk" HF weight layout), both contiguous, one dtype (fl
 holding bf16 bits), starting on a 16-byte boundary; bias [N] a's dtype; residual [M, N] in the
 output dtype (may be out itself); out [M, N] in a's dtype or float32 (out_dtype=np.float32).
 Arrays are numpy under the CPU harness and cupy on a GPU. TMA reads rows through descriptors
-built here (runtime/kernels/tma.py): a row stride must be a multiple of 16 bytes, so K % 8 == 0
-(K = 64, 72, 192 are eligible; 65, 100 are not). Rows and K values past the matrices arrive as
-zeros, so any M >= 1 and N >= 1 run.
+built here (runtime/kernels/tma.py) and passed by value in the launch's parameters (no device
+copy: the GEMM runs inside CUDA graph capture too): a row stride must be a multiple of 16
+bytes, so K % 8 == 0 (K = 64, 72, 192 are eligible; 65, 100 are not). Rows and K values past
+the matrices arrive as zeros, so any M >= 1 and N >= 1 run.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import numpy as np
 from .gemm_plan import SKINNY_MAX_M
 from .kernel_args import (UnsupportedKernelShape, array_module, ceil_div, check_gemm_operands,
                           data_ptr, dtype_suffix, nullable)
-from .tma import ROW_STRIDE_ALIGN, cuda_descriptor, sim_descriptor
+from .tma import ROW_STRIDE_ALIGN, cuda_descriptor, kernel_param, sim_descriptor
 
 # cuda/gemm_hopper.cu's constants (gemm_hopper::k*).
 HOPPER_THREADS = 384
@@ -54,10 +55,11 @@ def gemm_hopper_grid(M: int, N: int) -> int:
     return ceil_div(M, HOPPER_TILE_M) * ceil_div(N, HOPPER_TILE_N)
 
 
-def _descriptor(x, xp, box_rows: int):
-    if xp is np:
-        return sim_descriptor(x, box_rows, HOPPER_TILE_K, HOPPER_SWIZZLE_BYTES)
-    return xp.asarray(cuda_descriptor(x, box_rows, HOPPER_TILE_K, HOPPER_SWIZZLE_BYTES))
+def _descriptor(x, xp, box_rows: int) -> np.ndarray:
+    """The TMA descriptor of x as a by-value kernel argument (tma.kernel_param): host bytes
+    the launch copies into the kernel's parameters, nothing uploaded."""
+    build = sim_descriptor if xp is np else cuda_descriptor
+    return kernel_param(build(x, box_rows, HOPPER_TILE_K, HOPPER_SWIZZLE_BYTES))
 
 
 def gemm_hopper(module, a, b, *, bias=None, residual=None, out=None, out_dtype=None):
@@ -78,9 +80,9 @@ def gemm_hopper(module, a, b, *, bias=None, residual=None, out=None, out_dtype=N
     desc_b = _descriptor(b, xp, HOPPER_TILE_N)
     kernel = module.get_function(f"gemm_hopper_{suffix}_nk_o{dtype_suffix(out)}")
     kernel.max_dynamic_shared_size_bytes = HOPPER_SMEM_BYTES
-    # The descriptors hold a's and b's addresses (the caller keeps a and b alive). On CuPy,
-    # desc_a / desc_b may be freed on return: the pool hands their memory only to later work
-    # on the same stream, which runs after this kernel.
+    # The descriptors hold a's and b's addresses (the caller keeps a and b alive; a captured
+    # graph replays them, so its inputs stay where they were captured, as every kernel's
+    # pointers do). Their bytes go into the launch's parameter buffer.
     kernel((gemm_hopper_grid(M, N),), (HOPPER_THREADS,),
            (out, desc_a, desc_b, nullable(bias, xp), nullable(residual, xp),
             np.int32(M), np.int32(N), np.int32(K)), shared_mem=HOPPER_SMEM_BYTES)

@@ -9,7 +9,9 @@ cuda/sim/sim.cuh and docs/kernels.md), its content-hash cache, and the launch pa
 
 Arguments mirror a CuPy launch: numpy arrays stand for device pointers (C-contiguous; the
 kernel reads and writes them in place) and scalars must be numpy scalars of the parameter's
-exact dtype (np.int32 for `int`, np.float32 for `float`, ...). A wrong count or dtype raises
+exact dtype (np.int32 for `int`, np.float32 for `float`, ...). A struct parameter taken by
+value (a TMA descriptor) is a numpy void scalar or, as CuPy passes it, a size-1 numpy array of
+a record dtype of the struct's size. A wrong count or dtype raises
 TypeError before anything runs. A kernel-side error (deadlock, mask violation, misaligned
 ldmatrix, shared-memory overflow, ...) raises SimKernelError naming kernel, block and thread.
 
@@ -333,6 +335,8 @@ def _marshal(kernel: str, index: int, code: str, value):
         if not value.flags.c_contiguous:
             raise TypeError(f"{where}: array must be C-contiguous")
         return ctypes.c_void_p(value.ctypes.data)
+    if code.startswith("V") and isinstance(value, np.ndarray) and value.size == 1:
+        value = value.reshape(())[()]  # CuPy's by-value struct: a size-1 array
     if not isinstance(value, np.generic):
         raise TypeError(f"{where} expects a numpy scalar of type code {code}, got "
                         f"{type(value).__name__} (wrap it, e.g. np.int32(x))")
@@ -346,7 +350,24 @@ def _marshal(kernel: str, index: int, code: str, value):
     if not ok:
         raise TypeError(f"{where} expects type code {code}, got numpy {dt}")
     raw = value.tobytes()
+    if code.startswith("V"):
+        return _aligned_copy(raw)
     return (ctypes.c_char * len(raw)).from_buffer_copy(raw)
+
+
+# The strictest alignment a by-value struct of ours has (TmaDescriptor, like CUtensorMap: 64).
+# The launch thunk (cuda/sim/launch.cuh) reads each parameter through a pointer to its type, so
+# a struct's bytes must sit at its alignment (UBSan reports it otherwise); ctypes only
+# promises 16.
+STRUCT_PARAM_ALIGN = 64
+
+
+def _aligned_copy(raw: bytes):
+    store = np.zeros(len(raw) + STRUCT_PARAM_ALIGN, np.uint8)
+    start = -store.ctypes.data % STRUCT_PARAM_ALIGN
+    holder = (ctypes.c_char * len(raw)).from_buffer(store, start)  # keeps `store` alive
+    ctypes.memmove(holder, raw, len(raw))
+    return holder
 
 
 class SimModule:

@@ -11,8 +11,11 @@ tests/sim/kernels/hopper_probes.cu).
       matrix alive (and unmoved) while kernels use the descriptor.
   cuda_descriptor(matrix, box_rows, box_cols, swizzle_bytes) -> np.ndarray uint64[16]
       The CUtensorMap from the driver's cuTensorMapEncodeTiled (libcuda through ctypes) for a
-      CuPy matrix (encoded into a 64-byte aligned host buffer, as the driver requires); copy
-      it to device memory and pass its pointer as the descriptor.
+      CuPy matrix (encoded into a 64-byte aligned host buffer, as the driver requires).
+  kernel_param(words) -> np.ndarray, one 128-byte record
+      Either descriptor as the by-value argument of a `const __grid_constant__ TmaDescriptor`
+      kernel parameter (cuda/gemm_hopper.cu): no device copy, no fence, graph-capturable.
+      (The probe kernels take a pointer instead: copy the words to device memory there.)
 
 matrix: 2-D, contiguous rows whose stride is a multiple of 16 bytes (it may exceed the row,
 as for a column slice), base 16-byte aligned, 2-byte (bf16/f16 as uint16/float16) or 4-byte
@@ -35,6 +38,13 @@ ROW_STRIDE_ALIGN = 16               # bytes; the base address too
 # (CUDA driver API); numpy only promises 16 for a uint64 array, so an encode could fail at
 # random, depending on where the allocator put the buffer.
 TENSOR_MAP_ALIGN = 64
+
+# A descriptor passed by value: a size-1 numpy array of one 128-byte record. CuPy passes a
+# size-1 numpy array by value -- the driver copies sizeof(parameter) bytes from its data
+# (cupy/cuda/function.pyx: _pointer -> CNumpyArray; CuPy's user guide, "Custom user types") --
+# while a numpy void *scalar* goes through CScalar, whose inline buffer (64 bytes in CuPy 14)
+# cannot hold 128. The CPU harness (sim_module._marshal) takes the same array.
+DESCRIPTOR_PARAM_DTYPE = np.dtype([("opaque", np.uint64, (DESCRIPTOR_WORDS,))])
 
 # CUtensorMapSwizzle / CUtensorMapDataType values from the CUDA driver API (cuda.h).
 _CU_SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}
@@ -116,3 +126,12 @@ def cuda_descriptor(matrix, box_rows: int, box_cols: int, swizzle_bytes: int = 0
     if rc != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {rc}")
     return out
+
+
+def kernel_param(words: np.ndarray) -> np.ndarray:
+    """words: a descriptor, uint64 [16] (sim_descriptor / cuda_descriptor) -> the same bytes as
+    a [1] array of DESCRIPTOR_PARAM_DTYPE (a view: no copy)."""
+    if words.dtype != np.uint64 or words.shape != (DESCRIPTOR_WORDS,):
+        raise ValueError(f"tma: a descriptor is uint64[{DESCRIPTOR_WORDS}], got {words.dtype} "
+                         f"{words.shape}")
+    return np.ascontiguousarray(words).view(DESCRIPTOR_PARAM_DTYPE)

@@ -118,13 +118,14 @@ class _Launches:
 
 @pytest.mark.skipif(BACKEND != "sim", reason="drives gemm()'s device checks with a stand-in")
 @pytest.mark.parametrize("arch, capturing, with_hopper, expect_hopper", [
-    (90, False, True, True), (80, False, True, False), (90, True, True, False),
+    (90, False, True, True), (80, False, True, False), (90, True, True, True),
     (90, False, False, False)])
 def test_gemm_dispatches_to_hopper_only_where_it_runs(rng, monkeypatch, arch, capturing,
                                                       with_hopper, expect_hopper):
-    """gemm() takes the Hopper GEMM on compute capability 9.0, outside a graph capture, when
-    the module has it; otherwise the mma.sync kernel. A stand-in array module makes gemm()
-    see a "device" (the arrays stay numpy, so the harness still runs the kernels)."""
+    """gemm() takes the Hopper GEMM on compute capability 9.0 when the module has it, inside a
+    graph capture too (its descriptors are launch parameters, nothing is uploaded); otherwise
+    the mma.sync kernel. A stand-in array module makes gemm() see a "device" (the arrays stay
+    numpy, so the harness still runs the kernels)."""
     import types
 
     import pagedrun.runtime.kernels.gemm as gemm_module
