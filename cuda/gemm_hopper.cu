@@ -58,7 +58,10 @@
 // the sm_80 gate compiles the file to empty kernels.
 //
 // Register budget: 168 per thread at 384 threads (the launch-time allocation; setmaxnreg moves
-// registers to the consumers at run time); the gate must show 0 spill bytes.
+// registers to the consumers at run time); the gate must show 0 spill bytes. 168 is also the
+// minimum: 384 x 168 = 128 x 40 + 256 x 232, and setmaxnreg.inc waits until its registers are
+// free, so a build with fewer hangs. runtime/kernels/gemm_hopper.py (hopper_kernel) reads the
+// loaded kernel's count and refuses any other, logging it; gemm() then takes the mma.sync GEMM.
 // Measured: no GPU numbers yet; static model in docs/kernel_report.md.
 #include "common.cuh"
 #include "gemm_epilogue.cuh"

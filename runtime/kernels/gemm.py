@@ -11,7 +11,9 @@ Arrays are numpy under the CPU harness and cupy on a GPU. The plan (runtime/kern
 picks the skinny or the tensor-core kernel; shapes no kernel serves raise UnsupportedKernelShape.
 On a compute capability 9.0 GPU, with gemm_hopper.cu in the module, the shapes it serves
 (gemm_hopper.hopper_eligible: f16 / bf16, "nk", M > 64, K % 8 == 0) run on the Hopper GEMM,
-inside CUDA graph capture too (its TMA descriptors travel in the launch's parameters).
+inside CUDA graph capture too (its TMA descriptors travel in the launch's parameters), unless
+its kernel was loaded with another register count than planned (gemm_hopper.hopper_kernel logs
+it once; the mma.sync GEMM serves instead).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from .gemm_plan import (SKINNY, SKINNY_ROWS_PER_WARP, SKINNY_TC, SKINNY_TC_BK, S
                         SKINNY_WARPS, TC_BK,
                         TC_STAGES, TC_THREADS, TC_TILE, TENSOR_CORE, GemmPlan, plan_gemm,
                         tc_aligned)
-from .gemm_hopper import HOPPER_ARCH, gemm_hopper, hopper_eligible
+from .gemm_hopper import HOPPER_ARCH, gemm_hopper, hopper_eligible, hopper_kernel
 from .kernel_args import (VEC16_BYTES, array_module, ceil_div,  # noqa: F401 (VEC16_BYTES)
                           check_gemm_operands, device_arch, device_num_sms, dtype_suffix,
                           nullable, opt_in_smem, require, vec16_aligned)
@@ -39,16 +41,6 @@ def gemm_smem_bytes(dtype_name: str) -> int:
         return 0
     tile_m, tile_n = TC_TILE[dtype_name]
     return TC_STAGES * (tile_m + tile_n) * TC_BK * 2
-
-
-def _hopper_module(module) -> bool:
-    """Whether `module` has the Hopper GEMM (the cuda backend loads gemm_hopper.cu with
-    the other GEMM sources; a module without it keeps the mma.sync path)."""
-    try:
-        module.get_function("gemm_hopper_bf16_nk_obf16")
-    except (AttributeError, KeyError, RuntimeError):
-        return False
-    return True
 
 
 def _reduce_splits(module, suffix: str, out, partial, bias_arg, residual_arg):
@@ -74,12 +66,12 @@ def gemm(module, a, b, *, b_layout: str = "nk", bias=None, residual=None, out=No
     if M == 0 or N == 0:
         return out
     base_aligned = vec16_aligned(a, b)
-    # Shape first, then whether the module has the kernel, then the device (a module without
-    # gemm_hopper.cu never asks the device anything).
+    # Shape first, then the device, then the kernel (fetched and register-checked once per
+    # module: only on an sm_90 device, where the sm_90a cubin loads).
     if (plan is None and xp is not np and base_aligned
             and hopper_eligible(M, N, K, suffix, b_layout, HOPPER_ARCH)
-            and _hopper_module(module)
-            and device_arch(xp) == HOPPER_ARCH):
+            and device_arch(xp) == HOPPER_ARCH
+            and hopper_kernel(module, suffix, out_suffix) is not None):
         return gemm_hopper(module, a, b, bias=bias, residual=residual, out=out,
                            out_dtype=out.dtype)
     if plan is None:

@@ -11,7 +11,8 @@ import pytest
 
 from paged_kernel_inputs import (BACKEND, as_kernel_dtype, check_gemm, gemm_case, nan_output,
                                  to_device)
-from pagedrun.runtime.kernels.gemm_hopper import (HOPPER_MIN_M, HOPPER_SMEM_BYTES, gemm_hopper,
+from pagedrun.runtime.kernels.gemm_hopper import (HOPPER_LAUNCH_REGS, HOPPER_MIN_M,
+                                                  HOPPER_SMEM_BYTES, gemm_hopper,
                                                   gemm_hopper_grid, hopper_eligible)
 from pagedrun.runtime.kernels.kernel_args import UnsupportedKernelShape
 from pagedrun.runtime.kernels.loader import load_module
@@ -106,6 +107,8 @@ class _Launches:
         names = self.names
 
         class Recorded:
+            num_regs = HOPPER_LAUNCH_REGS  # as a GPU module's function reports it
+
             def __call__(self, *args, **kwargs):
                 names.append(name)
                 return function(*args, **kwargs)

@@ -7,10 +7,14 @@ lets it run.
   call -- so no tensormap fence is needed and the GEMM may run inside graph capture.
 * The harness hands such a struct to the kernel from a 64-byte aligned copy (its launch thunk
   reads it as a TmaDescriptor, which UBSan checks).
+* setmaxnreg's register hand-over hangs unless the launch allocates exactly the planned
+  registers: a loaded kernel reporting another num_regs is refused with a log line, and gemm()
+  takes the mma.sync GEMM.
 """
 from __future__ import annotations
 
 import ctypes
+import logging
 import subprocess
 import types
 
@@ -21,7 +25,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pagedrun.runtime.kernels import gemm_hopper, sim_module, tma
+from paged_kernel_inputs import BACKEND
+from pagedrun.runtime.kernels import gemm as gemm_module
+from pagedrun.runtime.kernels import gemm_hopper, kernel_args, sim_module, tma
 
 CUDA_SUCCESS = 0
 REPO = Path(__file__).resolve().parents[2]
@@ -42,13 +48,22 @@ class Function:
 
 
 class Launches:
-    """A module of Function stand-ins."""
+    """A module of Function stand-ins. Its Hopper GEMM reports `hopper_regs` registers (None:
+    a function without the attribute); has_hopper False: the module has none."""
 
-    def __init__(self):
-        self.calls = []
+    def __init__(self, hopper_regs=gemm_hopper.HOPPER_LAUNCH_REGS, has_hopper=True):
+        self.hopper_regs, self.has_hopper, self.calls = hopper_regs, has_hopper, []
 
     def get_function(self, name):
-        return Function(name, self.calls)
+        hopper = name.startswith("gemm_hopper_")
+        if hopper and not self.has_hopper:
+            raise AttributeError(name)
+        fn = Function(name, self.calls)
+        if not hopper:
+            fn.num_regs = 64
+        elif self.hopper_regs is not None:
+            fn.num_regs = self.hopper_regs
+        return fn
 
 
 # ---- descriptors by value, nothing uploaded ------------------------------------------------
@@ -164,3 +179,61 @@ def test_ptx_takes_the_descriptors_as_64_byte_aligned_params():
         for param in (1, 2):
             decl = f".param .align 64 .b8 {name}_param_{param}[128]"
             assert decl in proc.stdout, f"{name}: no `{decl}`"
+
+
+# ---- the register plan ------------------------------------------------------------------------
+M, N, K = 130, 256, 64
+
+
+@pytest.fixture
+def device_view(monkeypatch):
+    """gemm() sees an sm_90 "device" (numpy arrays, a stand-in array module)."""
+    device = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0))
+    fake_xp = types.SimpleNamespace(empty=np.empty, cuda=device)
+    monkeypatch.setattr(gemm_module, "array_module", lambda x: fake_xp)
+    # (*args: the cached queries' signature is not this test's business)
+    monkeypatch.setattr(kernel_args, "_cuda_arch", lambda *args: gemm_hopper.HOPPER_ARCH)
+    monkeypatch.setattr(kernel_args, "_cuda_num_sms", lambda *args: 132)
+
+
+def _launched(module):
+    a, b = np.zeros((M, K), np.uint16), np.zeros((N, K), np.uint16)
+    gemm_module.gemm(module, a, b)
+    return [name for name, _ in module.calls]
+
+
+@pytest.mark.skipif(BACKEND != "sim", reason="drives gemm()'s device checks with a stand-in")
+def test_planned_register_count_runs_the_hopper_gemm(device_view, caplog):
+    with caplog.at_level(logging.WARNING, logger="pagedrun.kernels"):
+        assert _launched(Launches()) == ["gemm_hopper_bf16_nk_obf16"]
+    assert not caplog.records
+
+
+@pytest.mark.skipif(BACKEND != "sim", reason="drives gemm()'s device checks with a stand-in")
+@pytest.mark.parametrize("num_regs", [128, 232, None])
+def test_other_register_count_falls_back_with_one_log_line(device_view, caplog, num_regs):
+    """A build whose kernel got other registers than planned (NVRTC instead of the fatbin,
+    another ptxas) would hang in setmaxnreg.inc: gemm() takes the mma.sync GEMM, and says so
+    once per module and kernel (None: a function that cannot tell)."""
+    module = Launches(hopper_regs=num_regs)
+    with caplog.at_level(logging.WARNING, logger="pagedrun.kernels"):
+        assert _launched(module) == ["gemm_bf16_nk_obf16"]
+        assert _launched(module) == ["gemm_bf16_nk_obf16"] * 2
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 1, logged
+    assert logged[0].startswith(f"gemm_hopper_bf16_nk_obf16: loaded with {num_regs} registers "
+                                f"per thread, planned {gemm_hopper.HOPPER_LAUNCH_REGS}"), logged
+
+
+@pytest.mark.skipif(BACKEND != "sim", reason="drives gemm()'s device checks with a stand-in")
+def test_module_without_the_hopper_gemm_falls_back_silently(device_view, caplog):
+    with caplog.at_level(logging.WARNING, logger="pagedrun.kernels"):
+        assert _launched(Launches(has_hopper=False)) == ["gemm_bf16_nk_obf16"]
+    assert not caplog.records
+
+
+def test_direct_call_on_a_device_refuses_a_kernel_with_other_registers():
+    xp = FakeCupy()
+    a, b = xp.empty((M, K), np.uint16), xp.empty((N, K), np.uint16)
+    with pytest.raises(kernel_args.UnsupportedKernelShape, match="registers per thread"):
+        gemm_hopper.gemm_hopper(Launches(hopper_regs=128), a, b)
