@@ -5,8 +5,14 @@
       `INFINITY` needs a definition NVRTC does not ship), for sm_80 and sm_90 -- to PTX for the
       virtual architecture (compute_80 / compute_90), since the ptxas step after it is (b)'s; and
   (b) with `nvcc -cubin -Xptxas -v` for sm_80 and sm_90 (sm_90a when the file uses Hopper-only
-      instructions), with zero spill bytes in every function and at most the registers
-      promised by the "Register budget: N" line in the file's header.
+      instructions), with zero spill bytes and a 0-byte stack frame in every function, and at
+      most the registers promised by the "Register budget: N" line in the file's header.
+      Why the stack frame too: a frame without spills is local memory all the same -- an array
+      indexed at run time (an accumulator loop the compiler did not unroll), a struct whose
+      address escapes (a by-value TMA descriptor copied before its address is taken), a
+      non-inlined call's ABI frame -- and costs what a spill costs, or breaks what the code
+      assumed (TMA must read the descriptor parameter itself). No kernel of ours has one, so
+      there is no allowlist.
 
 nvcc builds are kept by content in ~/.cache/paged-run/cubins (--cubin-cache, --no-cache), where
 scripts/kernel_report.py finds the same sm_90 / sm_90a builds instead of compiling them again.
@@ -151,7 +157,7 @@ _SMEM = re.compile(r"(\d+) bytes smem")
 
 
 def parse_ptxas(output: str) -> dict[str, FunctionStats]:
-    """ptxas -v output -> per-function registers and spill bytes."""
+    """ptxas -v output -> per-function registers, stack frame and spill bytes."""
     stats: dict[str, FunctionStats] = {}
     current_entry = current_props = None
     for line in output.splitlines():
@@ -181,6 +187,9 @@ def check_stats(stats: dict[str, FunctionStats], budget: int | None) -> list[str
         if fs.spill_stores or fs.spill_loads:
             problems.append(f"{fs.name}: spills {fs.spill_stores} bytes stores, "
                             f"{fs.spill_loads} bytes loads")
+        if fs.stack_frame:
+            problems.append(f"{fs.name}: {fs.stack_frame} bytes stack frame (local memory; "
+                            f"the gate requires 0)")
         if fs.entry and budget is not None and fs.registers is not None and fs.registers > budget:
             problems.append(f"{fs.name}: {fs.registers} registers > budget {budget}")
     return problems
