@@ -23,9 +23,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .kernel_args import (UnsupportedKernelShape, array_module, cache_suffix, ceil_div,
-                          device_num_sms, log2_exact, opt_in_smem, require, require_contiguous,
-                          require_int32)
+from .kernel_args import (VEC16_BYTES, UnsupportedKernelShape, array_module, cache_suffix,
+                          ceil_div, device_num_sms, log2_exact, opt_in_smem, require,
+                          require_aligned, require_contiguous, require_int32)
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_BLOCK_SIZES = (16, 32, 64)
@@ -222,6 +222,8 @@ def _check_attention(q, k_cache, v_cache, block_tables) -> tuple[str, int, int, 
             lambda: f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         require_contiguous(name, x)
+    require_aligned(VEC16_BYTES, "the attention kernels read q and K/V rows by 16-byte loads "
+                    "and cp.async", q=q, k_cache=k_cache, v_cache=v_cache)
     require_int32("block_tables", block_tables, 2)
     return suffix, num_heads // num_kv_heads, log2_exact(block_size, "block_size"), head_dim
 
@@ -332,6 +334,8 @@ def paged_prefill_attention(module, q, k_cache, v_cache, block_tables, query_sta
         out = xp.zeros_like(q)
     require(out.shape == q.shape and out.dtype == q.dtype, "out must match q's shape and dtype")
     require_contiguous("out", out)
+    if np.dtype(out.dtype) != np.float32:  # the tensor-core path stores __half2 / bf16 pairs
+        require_aligned(2 * out.itemsize, "the prefill kernel stores output pairs", out=out)
     if num_reqs == 0:
         return out
     if max_query_len is None:

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kernel_args import (UnsupportedKernelShape, array_module, cache_suffix, require,
-                          require_contiguous, require_int32)
+from .kernel_args import (VEC16_BYTES, UnsupportedKernelShape, array_module, cache_suffix,
+                          require, require_aligned, require_contiguous, require_int32)
 
 ROTARY_THREADS = 128
 BLOCK_COPY_THREADS = 128
-VEC16_BYTES = 16  # block_copy.cu moves 16-byte words
 
 
 def _token_stride(name: str, x) -> int:
@@ -130,6 +129,8 @@ def move_blocks(module, dst, src, block_pairs) -> None:
             lambda: f"block layouts differ: {src.shape} {src.dtype} -> {dst.shape} {dst.dtype}")
     num_vec16 = _check_pool("dst", dst)
     _check_pool("src", src)
+    # A block is whole 16-byte words (_check_pool); its inner rows need not be.
+    require_aligned(VEC16_BYTES, "copy_blocks moves 16-byte words", rows=False, dst=dst, src=src)
     require_int32("block_pairs", block_pairs, 2)
     require(block_pairs.shape[1] == 2, lambda: f"block_pairs must be [k, 2], got "
                                                f"{block_pairs.shape}")

@@ -107,6 +107,7 @@ def _act_and_mul(module, kernel: str, gate_up, out):
     out = xp.empty((num_tokens, intermediate), dtype=gate_up.dtype) if out is None else out
     require(out.shape == (num_tokens, intermediate) and out.dtype == gate_up.dtype,
             "out must be [num_tokens, intermediate] in gate_up's dtype")
+    require_contiguous("out", out)  # the kernel writes rows of `intermediate` at its pointer
     if num_tokens and intermediate:
         # 16-byte units when every row's gate and up halves start on 16-byte boundaries
         # (cuda/activation.cu); element-wise otherwise.
@@ -140,6 +141,7 @@ def embedding(module, token_ids, table, out=None):
     out = xp.empty((num_tokens, hidden), dtype=table.dtype) if out is None else out
     require(out.shape == (num_tokens, hidden) and out.dtype == table.dtype,
             "out must be [num_tokens, hidden] in the table's dtype")
+    require_contiguous("out", out)  # the kernel writes rows of `hidden` at its pointer
     if num_tokens:
         # 16-byte units when the rows allow (cuda/embedding.cu); element-wise otherwise.
         units = (hidden * table.itemsize) % VEC16_BYTES == 0 and vec16_aligned(table, out)

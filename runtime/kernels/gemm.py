@@ -27,7 +27,7 @@ from .gemm_plan import (SKINNY, SKINNY_ROWS_PER_WARP, SKINNY_TC, SKINNY_TC_BK, S
 from .gemm_hopper import HOPPER_ARCH, gemm_hopper, hopper_eligible, hopper_kernel
 from .kernel_args import (VEC16_BYTES, array_module, ceil_div,  # noqa: F401 (VEC16_BYTES)
                           check_gemm_operands, device_arch, device_num_sms, dtype_suffix,
-                          nullable, opt_in_smem, require, vec16_aligned)
+                          nullable, opt_in_smem, require, require_pair_stores, vec16_aligned)
 
 SKINNY_SMEM_BYTES_PER_ROW = 512  # one k-tile of a row: 32 lanes x 16 bytes
 # gemm_skinny_tc_*: SKINNY_TC_STAGES x (weight + activation rows) x SKINNY_TC_BK 16-bit elements
@@ -65,7 +65,10 @@ def gemm(module, a, b, *, b_layout: str = "nk", bias=None, residual=None, out=No
     require(K > 0, "K must be >= 1 (an empty reduction has no kernel)")
     if M == 0 or N == 0:
         return out
-    base_aligned = vec16_aligned(a, b)
+    base_aligned = vec16_aligned(a, b)  # else the unaligned tensor-core instantiation
+    # Every path but the skinny one stores output pairs (gemm_epilogue.cuh); a misaligned out is
+    # refused for all, as no caller makes one (it takes a view at an odd element offset).
+    require_pair_stores(out, N)
     # Shape first, then the device, then the kernel (fetched and register-checked once per
     # module: only on an sm_90 device, where the sm_90a cubin loads).
     if (plan is None and xp is not np and base_aligned

@@ -25,7 +25,7 @@ import numpy as np
 
 from .gemm_plan import SKINNY_MAX_M
 from .kernel_args import (UnsupportedKernelShape, array_module, ceil_div, check_gemm_operands,
-                          data_ptr, dtype_suffix, nullable, require)
+                          dtype_suffix, nullable, require, require_aligned, require_pair_stores)
 from .tma import ROW_STRIDE_ALIGN, cuda_descriptor, kernel_param, sim_descriptor
 
 log = logging.getLogger("pagedrun.kernels")
@@ -136,8 +136,8 @@ def gemm_hopper(module, a, b, *, bias=None, residual=None, out=None, out_dtype=N
     if (K * ELEMENT_BYTES) % ROW_STRIDE_ALIGN:
         raise UnsupportedKernelShape(f"the Hopper GEMM needs K % 8 == 0 (TMA's 16-byte row "
                                      f"strides), got K={K}")
-    if data_ptr(a) % ROW_STRIDE_ALIGN or data_ptr(b) % ROW_STRIDE_ALIGN:
-        raise UnsupportedKernelShape("the Hopper GEMM needs a and b on 16-byte boundaries (TMA)")
+    require_aligned(ROW_STRIDE_ALIGN, "the Hopper GEMM reads a and b through TMA", a=a, b=b)
+    require_pair_stores(out, N)
     if M == 0 or N == 0:
         return out
     out_suffix = dtype_suffix(out)

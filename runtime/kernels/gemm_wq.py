@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kernel_args import (UnsupportedKernelShape, array_module, ceil_div, data_ptr,
-                          device_num_sms, dtype_suffix, nullable, require, require_contiguous)
+from .kernel_args import (VEC16_BYTES, UnsupportedKernelShape, array_module, ceil_div,
+                          device_num_sms, dtype_suffix, nullable, require, require_aligned,
+                          require_contiguous, require_pair_stores)
 from .wq_pack import W4_GROUP_N, W4_LANES, W4_TILE_K, W4_WORDS, W8_WORDS, num_column_groups
 
 WQ_THREADS = 128
@@ -32,6 +33,10 @@ GROUP_SIZES = (32, 64, 128)
 # scheduler a second wave to balance uneven slices).
 WQ_TARGET_CTAS_PER_SM = 8
 LANE_WORDS = {4: W4_WORDS, 8: W8_WORDS}
+# cuda/gemm_wq.cu's narrower vector loads: a uint2 of 4 bf16 / f16 scales, a uint32_t of 4
+# zero points.
+SCALE_LOAD_BYTES = 8
+ZERO_LOAD_BYTES = 4
 
 
 def wq_tile_m(M: int) -> int:
@@ -68,8 +73,7 @@ def _check_common(x, scales, bias, N: int, group_size: int, scale_cols: int):
         raise UnsupportedKernelShape(f"group_size must be one of {GROUP_SIZES} or K ({K}) and "
                                      f"divide K, got {group_size}")
     require_contiguous("x", x)
-    if data_ptr(x) % 16:
-        raise UnsupportedKernelShape("x must start on a 16-byte boundary (16-byte loads)")
+    require_aligned(VEC16_BYTES, "the weight-only GEMM reads x in 16-byte loads", x=x)
     require(scales.shape == (K // group_size, scale_cols) and scales.dtype == x.dtype,
             lambda: f"scales must be [{K // group_size}, {scale_cols}] {x.dtype}, got "
                     f"{scales.shape} {scales.dtype}")
@@ -130,15 +134,18 @@ def _gemm_wq(bits, module, x, qweight, scales, zeros, n, group_size, bias, out, 
     require_contiguous("qweight", qweight)
     if qweight.size >= 1 << 32:   # the decode kernel's 32-bit word offsets
         raise UnsupportedKernelShape(f"qweight of {qweight.size} words: at most 2^32")
-    if data_ptr(qweight) % 16 or data_ptr(scales) % 8:
-        raise UnsupportedKernelShape("qweight / scales must start on 16 / 8-byte boundaries")
+    require_aligned(VEC16_BYTES, "the weight-only GEMM reads qweight in 16-byte loads",
+                    qweight=qweight)
+    require_aligned(SCALE_LOAD_BYTES, "the weight-only GEMM reads 4 scales per 8-byte load",
+                    scales=scales)
     if bits == 4:
         require(zeros.shape == scales.shape and zeros.dtype == np.uint8,
                 lambda: f"zeros must be {scales.shape} uint8, got {zeros.shape} {zeros.dtype}")
         require_contiguous("zeros", zeros)
-        if data_ptr(zeros) % 4:
-            raise UnsupportedKernelShape("zeros must start on a 4-byte boundary")
+        require_aligned(ZERO_LOAD_BYTES, "the W4 GEMM reads 4 zero points per 4-byte load",
+                        zeros=zeros)
     out = _out(xp, out, M, N, x.dtype)
+    require_pair_stores(out, N)
     if M:
         splits = num_splits or wq_num_splits(M, N, K, num_sms or device_num_sms(xp))
         _launch(module, f"gemm_w{bits}a16_{suffix}", xp, out, bias, M, N, K, splits,

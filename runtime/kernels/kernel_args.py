@@ -139,6 +139,32 @@ def vec16_aligned(*arrays) -> bool:
     return all(data_ptr(x) % VEC16_BYTES == 0 for x in arrays)
 
 
+def require_aligned(alignment: int, access: str, *, rows: bool = True, **arrays) -> None:
+    """Raise UnsupportedKernelShape unless every array starts on an `alignment`-byte boundary
+    and, with rows (the default), every row does too (each stride but the innermost is a
+    multiple of it). A kernel's vector access (16-byte loads, cp.async, 8-byte loads, pair
+    stores) traps on a GPU at a misaligned address, and the CPU harness cannot show it: x86
+    loads any address. So the wrappers check before launching. `access` names that access for
+    the message; an array given as None (an absent optional pointer) is skipped."""
+    for name, x in arrays.items():
+        if x is None:
+            continue
+        ptr = data_ptr(x)
+        if ptr % alignment or (rows and any(s % alignment for s in x.strides[:-1])):
+            raise UnsupportedKernelShape(
+                f"{name} (address {ptr:#x}, strides {x.strides}) is not {alignment}-byte "
+                f"aligned{' per row' if rows and not ptr % alignment else ''}: {access}")
+
+
+def require_pair_stores(out, n_cols: int) -> None:
+    """cuda/gemm_epilogue.cuh's epilogue stores two adjacent outputs at once when the row width
+    n_cols is even (float2 / __half2): out must then start on a 2-element boundary (its rows
+    do, given its start)."""
+    if n_cols % 2 == 0:
+        require_aligned(2 * out.itemsize, "the GEMM epilogue stores output pairs", rows=False,
+                        out=out)
+
+
 def nullable(x, xp):
     """An optional pointer argument: None under the harness (a NULL pointer there); on CuPy an
     explicit 8-byte 0, because CuPy passes None as 0xffffffff, not NULL (cupy/cupy#9046), and

@@ -18,8 +18,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .kernel_args import (array_module, ceil_div, dtype_suffix, require, require_contiguous,
-                          require_int32, vec16_aligned)
+from .kernel_args import (VEC16_BYTES, array_module, ceil_div, dtype_suffix, require,
+                          require_aligned, require_contiguous, require_int32)
 
 ROUTE_THREADS = 128
 ROUTE_ROWS_PER_CTA = ROUTE_THREADS // 32   # one token row per warp
@@ -143,8 +143,8 @@ def moe_experts(module, x, topk_ids, topk_weights, w_gate_up, w_down, out=None):
                 lambda: f"the tensor-core grouped GEMM needs hidden and intermediate % "
                         f"{VEC16_ELEMS} "
                 f"== 0, got {hidden} and {inter}")
-        require(vec16_aligned(x, w_gate_up, w_down),
-                "x and the expert weights must start on a 16-byte boundary")
+        require_aligned(VEC16_BYTES, "the tensor-core grouped GEMM reads them by 16-byte "
+                        "cp.async", x=x, w_gate_up=w_gate_up, w_down=w_down)
     xp = array_module(x)
     out = xp.empty((num_tokens, hidden), x.dtype) if out is None else out
     require(out.shape == (num_tokens, hidden) and out.dtype == x.dtype,

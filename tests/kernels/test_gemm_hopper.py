@@ -92,7 +92,7 @@ def test_gemm_hopper_refuses_what_tma_cannot_read(rng):
     start = (-raw.ctypes.data % 16) // 2 + 1
     shifted = raw[start:start + 8 * 64].reshape(8, 64)
     if BACKEND == "sim":
-        with pytest.raises(UnsupportedKernelShape, match="16-byte boundaries"):
+        with pytest.raises(UnsupportedKernelShape, match="16-byte aligned"):
             gemm_hopper(mod, shifted, np.zeros((16, 64), np.uint16))
 
 
