@@ -73,7 +73,7 @@ from pagedrun.runtime.tokenizer import Tokenizer  # noqa: E402
 
 BACKENDS = ("null", "recording", "recording-graphs")
 # recording-graphs: the decode graph sizes the cuda backend captures by default
-# (CudaBackend.default_graph_sizes), capped at the level's max_num_seqs.
+# (KernelBackend.default_graph_sizes on a GPU runtime), capped at the level's max_num_seqs.
 CUDA_GRAPH_SIZES = (1, 2, 4, *range(8, 513, 8))
 DEFAULT_LEVELS = "1,64,256,1024"
 SMOKE_LEVELS = (1, 8)

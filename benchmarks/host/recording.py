@@ -5,7 +5,7 @@ every kernel launch and runs none.
     ... engine steps ...
     backend.launches.take()   # -> (launches, argument bytes, {kernel: launches}) since last take
 
-The ops are KernelBackend's (runtime/backends/sim_backend.py), the code the cuda backend runs,
+The ops are KernelBackend's (runtime/backends/kernel_backend.py), the code the cuda backend runs,
 on numpy arrays standing in for device memory: every launch wrapper in runtime/kernels/ plans,
 checks and allocates as it does on a GPU, then calls `RecordingFunction`, which only counts the
 launch and the bytes of its kernel arguments as CuPy passes them (8 per array or NULL, a
@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from contextlib import contextmanager
 
 import numpy as np
 
-from pagedrun.runtime.backends.graph_capture import CapturedGraph
-from pagedrun.runtime.backends.sim_backend import KernelBackend
+from pagedrun.runtime.backends.device_runtime import LaunchModule
+from pagedrun.runtime.backends.harness_runtime import HarnessRuntime
+from pagedrun.runtime.backends.kernel_backend import KernelBackend
 from pagedrun.runtime.kernels import kernel_args
 
 # Bytes CuPy passes for an array argument: its device pointer.
@@ -106,44 +106,63 @@ class RecordingModule:
         return fn
 
 
-class RecordingBackend(KernelBackend):
-    """KernelBackend on numpy arrays with RecordingModules in place of the kernel modules."""
+class RecordingRuntime(HarnessRuntime):
+    """The harness runtime with RecordingModules in place of the kernel modules, and a graph
+    capture as the driver sees it: the region's launches are recorded once (not counted per
+    step) and each replay is one GRAPH_LAUNCH, as cudaGraphLaunch is; nothing runs either way
+    (runtime/decode_graphs.py and runtime/backends/graph_capture.py drive it as on cuda)."""
 
     name = "cuda-recording"
 
+    def __init__(self, launches: LaunchLog, fill_tokens: np.ndarray) -> None:
+        super().__init__()
+        self.launches = launches
+        self._fill_tokens = fill_tokens
+
+    def load_module(self, sources):
+        del sources
+        return LaunchModule(RecordingModule(self.launches, self._fill_tokens), self)
+
+    def launch(self, fn, grid, block, args: tuple, shared_mem: int) -> None:
+        fn(grid, block, args, shared_mem=shared_mem)
+
+    def synchronize(self) -> None:
+        pass
+
+    def begin_capture(self) -> None:
+        self.launches.capturing, self.launches.captured = True, 0
+
+    def end_capture(self) -> int:
+        self.launches.capturing = False
+        return self.launches.captured
+
+    def abort_capture(self) -> None:
+        self.launches.capturing = False
+
+    def is_capturing(self) -> bool:
+        return self.launches.capturing
+
+    def replay(self, graph) -> None:
+        self.launches.record(GRAPH_LAUNCH, ())
+
+    def graph_launches(self, graph: int) -> int:
+        return graph
+
+    def graph_bytes(self, graph, exclude=()) -> int:
+        return 0  # nothing is allocated for real
+
+
+class RecordingBackend(KernelBackend):
+    """KernelBackend over the recording runtime; `launches` is its LaunchLog."""
+
     def __init__(self, dtype_name: str, vocab_size: int, *, num_sms: int,
                  max_rows: int = 4096) -> None:
-        super().__init__(dtype_name, np)
-        self.launches = LaunchLog()
         rng = np.random.default_rng(SAMPLED_TOKENS_SEED)
         fill = rng.integers(min(FIRST_PLAIN_TOKEN_ID, vocab_size // 2), vocab_size, max_rows)
-        self._fill_tokens = fill.astype(np.int32)
+        self.launches = LaunchLog()
+        super().__init__(RecordingRuntime(self.launches, fill.astype(np.int32)), dtype_name)
         self._saved_num_sms = kernel_args.SIM_NUM_SMS
         kernel_args.SIM_NUM_SMS = num_sms  # what the wrappers plan for under numpy
-
-    def module(self, group: str):
-        if group not in self._modules:
-            self._modules[group] = RecordingModule(self.launches, self._fill_tokens)
-        return self._modules[group]
-
-    @contextmanager
-    def graph_capture(self):
-        """A CUDA graph's capture as the driver sees it: the region's launches are recorded
-        once (not counted per step) and each replay is one GRAPH_LAUNCH, as cudaGraphLaunch
-        is; nothing runs either way (runtime/decode_graphs.py drives it as on cuda)."""
-        log = self.launches
-        captured = CapturedGraph()
-        log.capturing, log.captured = True, 0
-        try:
-            yield captured
-        finally:
-            log.capturing = False
-        captured.num_launches = log.captured
-        captured._replay = lambda: log.record(GRAPH_LAUNCH, ())
-
-    def graph_memory_bytes(self, graphs, exclude=()) -> int:
-        del graphs, exclude
-        return 0  # nothing is allocated for real
 
     def close(self) -> None:
         kernel_args.SIM_NUM_SMS = self._saved_num_sms

@@ -5,8 +5,10 @@
   device string picks a backend.
 - `numpy_backend` (+ `numpy_ops`): the cpu backend and the reference every CUDA kernel is
   tested against; `cpu_bf16_backend`: bf16 weights on the compiled cpu GEMM.
-- `sim_backend` / `cuda_backend`: the cuda/*.cu kernels on numpy arrays under the CPU harness,
-  or on cupy arrays through RawModule; `kernel_sampler`: their sampler.
+- `kernel_backend`: the one backend class of the cuda/*.cu kernels, over a device runtime
+  (`device_runtime`): `harness_runtime` (numpy, the CPU harness: `sim_backend`) or
+  `cupy_runtime` (a GPU: `cuda_backend`); `graph_capture`: their capture sequence;
+  `kernel_sampler`: their sampler.
 - `step_inputs`: a step's metadata, uploaded once per step.
 """
 from .base import Backend

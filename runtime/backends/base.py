@@ -1,6 +1,6 @@
 """The backend seam: everything device-specific, as one object per device, and the factory.
 
-    backend = make_backend("auto", dtype="auto")   # factory.py: NumpyBackend | SimBackend | ...
+    backend = make_backend("auto", dtype="auto")   # factory.py: NumpyBackend | KernelBackend | ...
     runner = ModelRunner(config, weights, ops=backend, ...)
 
 Above this seam nothing knows which device runs: the engine asks its backend (never a device

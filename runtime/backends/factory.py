@@ -100,14 +100,14 @@ def _make(device: str, dtype: str, device_id: int, quantization: str | None,
                                       f"the {device} backend with dtype {resolved}")
                 kv_cache_dtype = "auto"
             if device == "sim":
-                from .sim_backend import SimBackend
+                from .sim_backend import sim_backend
 
-                return SimBackend(resolved, kv_cache_dtype=kv_cache_dtype,
-                                  quantization=quantization)
-            from .cuda_backend import CudaBackend
+                return sim_backend(resolved, kv_cache_dtype=kv_cache_dtype,
+                                   quantization=quantization)
+            from .cuda_backend import cuda_backend
 
-            return CudaBackend(resolved, device_id=device_id, kv_cache_dtype=kv_cache_dtype,
-                               quantization=quantization)
+            return cuda_backend(resolved, device_id=device_id, kv_cache_dtype=kv_cache_dtype,
+                                quantization=quantization)
         resolved = resolve_dtype(device, dtype)
         if quantization in ("gguf", "awq", "gptq"):  # int4 AWQ / GPTQ: the gguf kernels' I4Z
             from .cpu_gguf_backend import CpuGgufBackend
@@ -146,9 +146,9 @@ def _make(device: str, dtype: str, device_id: int, quantization: str | None,
                               f"the {device} backend with dtype {resolved}")
         kv_cache_dtype = "auto"
     if device == "sim":
-        from .sim_backend import SimBackend
+        from .sim_backend import sim_backend
 
-        return SimBackend(resolved, kv_cache_dtype=kv_cache_dtype)
-    from .cuda_backend import CudaBackend
+        return sim_backend(resolved, kv_cache_dtype=kv_cache_dtype)
+    from .cuda_backend import cuda_backend
 
-    return CudaBackend(resolved, device_id=device_id, kv_cache_dtype=kv_cache_dtype)
+    return cuda_backend(resolved, device_id=device_id, kv_cache_dtype=kv_cache_dtype)

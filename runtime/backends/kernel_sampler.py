@@ -25,38 +25,41 @@ class DeferredSample:
     """Sampled token ids still on the device: `device` [rows] int32 (the backend's array),
     `read()` the SamplerOutput (host ids, no logprobs).
 
-    On a GPU the ids are copied to page-locked host memory right behind the sampling kernel
-    (an asynchronous copy, then an event on the stream), so `read()` waits for that event only,
-    not for the work queued after it (the next step's forward, asynchronous scheduling): a
-    plain .get() would synchronize the whole stream."""
+    `pending` is the device runtime's download_async of them (runtime/backends/
+    device_runtime.py): on a GPU a copy to page-locked memory right behind the sampling kernel,
+    so `read()` waits for that copy only, not for the work queued after it (the next step's
+    forward, asynchronous scheduling); a plain .get() would synchronize the whole stream."""
 
-    def __init__(self, device, xp=np) -> None:
+    def __init__(self, device, pending) -> None:
         self.device = device
-        self._host, self._event = device, None
-        if xp is not np:
-            import cupyx
-
-            self._host = cupyx.empty_pinned(device.shape, dtype=np.int32)
-            device.get(out=self._host, blocking=False)
-            self._event = xp.cuda.get_current_stream().record()
+        self._pending = pending
 
     def read(self) -> SamplerOutput:
-        if self._event is not None:
-            self._event.synchronize()
-        token_ids = np.array(self._host, dtype=np.int32)
+        token_ids = np.array(self._pending.read(), dtype=np.int32)
         return SamplerOutput(token_ids, [None] * token_ids.shape[0])
+
+
+class _HostIds:
+    """download_async of host arrays (a sampler built without a runtime: numpy)."""
+
+    def __init__(self, ids) -> None:
+        self._ids = ids
+
+    def read(self):
+        return self._ids if isinstance(self._ids, np.ndarray) else self._ids.get()
 
 
 class KernelSampler:
     """runtime.sampler.Sampler with the logits processors and sampling on the kernels."""
 
     def __init__(self, module, eos_token_ids: Sequence[int] = (), seed: int = 0, xp=np,
-                 logprobs_mode: str = "raw_logprobs") -> None:
+                 logprobs_mode: str = "raw_logprobs", download_async=_HostIds) -> None:
         """module: the loaded sampling.cu module; xp: the array module the kernels run on
         (numpy: harness; cupy: GPU). Host logits are copied there; device logits are copied on
-        the device."""
+        the device. download_async: the device runtime's (deferred reads of the token ids)."""
         self.module = module
         self.xp = xp
+        self.download_async = download_async
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self.generator = np.random.Generator(np.random.PCG64(seed))
         self.logprobs_mode = check_logprobs_mode(logprobs_mode)
@@ -91,7 +94,7 @@ class KernelSampler:
                            self.eos_token_ids, lists=lists)
         tokens = sample(self.module, processed, params, self.draw_uniforms(params, generators))
         if defer_read and not want:
-            return DeferredSample(tokens, self.xp)
+            return DeferredSample(tokens, self.download_async(tokens))
         token_ids = np.asarray(tokens if self.xp is np else tokens.get(), dtype=np.int32)
         if want and not raw_mode:
             self._processed_values(values, self._host_rows(processed, want), want, params)

@@ -50,17 +50,14 @@ def array_module(x):
 
 
 @functools.lru_cache(maxsize=None)
-def _cuda_num_sms(device_id: int) -> int:
-    import cupy
-
-    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+def _cuda_num_sms(xp, device_id: int) -> int:
+    """xp: the device's array module (cupy, or a test's fake of it)."""
+    return int(xp.cuda.Device(device_id).attributes["MultiProcessorCount"])
 
 
 @functools.lru_cache(maxsize=None)
-def _cuda_arch(device_id: int) -> int:
-    import cupy
-
-    return int(cupy.cuda.Device(device_id).compute_capability)
+def _cuda_arch(xp, device_id: int) -> int:
+    return int(xp.cuda.Device(device_id).compute_capability)
 
 
 def device_arch(xp) -> int | None:
@@ -68,7 +65,7 @@ def device_arch(xp) -> int | None:
     the harness. Cached per device, as device_num_sms."""
     if xp is np:
         return None
-    return _cuda_arch(xp.cuda.Device().id)
+    return _cuda_arch(xp, xp.cuda.Device().id)
 
 
 def device_num_sms(xp) -> int:
@@ -78,7 +75,7 @@ def device_num_sms(xp) -> int:
     decode-attention wrappers ask on each launch they plan."""
     if xp is np:
         return SIM_NUM_SMS
-    return _cuda_num_sms(xp.cuda.Device().id)
+    return _cuda_num_sms(xp, xp.cuda.Device().id)
 
 
 def dtype_suffix(x) -> str:

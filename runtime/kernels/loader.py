@@ -88,17 +88,19 @@ class FatbinModules:
             module.compile(log_stream)
 
 
-def device_arch() -> int:
+def device_arch(cupy=None) -> int:
     """Compute capability of the current CuPy device, as major * 10 + minor (e.g. 90)."""
-    import cupy
+    if cupy is None:
+        import cupy
 
     return int(cupy.cuda.Device().compute_capability)
 
 
-def _load_cuda(names: list[str], options: Sequence[str], name_expressions):
-    import cupy  # only the GPU path needs it
+def _load_cuda(names: list[str], options: Sequence[str], name_expressions, cupy=None):
+    if cupy is None:
+        import cupy  # only the GPU path needs it
 
-    arch = device_arch()
+    arch = device_arch(cupy)
     choices = [prebuilt.select_module_source(n, arch, prebuilt.PREBUILT_DIR, options, CUDA_DIR)
                for n in names]
     if all(kind == "prebuilt" for kind, _ in choices):
@@ -141,11 +143,14 @@ def _arch_specific_cubin(code: str, options: Sequence[str], target: str) -> Path
 
 
 def load_module(source_names: str | Sequence[str], backend: str = "sim",
-                options: Sequence[str] = (), name_expressions: Sequence[str] | None = None):
+                options: Sequence[str] = (), name_expressions: Sequence[str] | None = None,
+                cupy=None):
+    """The module of cuda/<source_names> for `backend`; cupy: the module the cuda path loads
+    through (None: import it; tests pass their fake of CuPy)."""
     names = [source_names] if isinstance(source_names, str) else list(source_names)
     code = _translation_unit(names)
     if backend == "sim":
         return SimModule(code, options=options, name_expressions=name_expressions)
     if backend == "cuda":
-        return _load_cuda(names, options, name_expressions)
+        return _load_cuda(names, options, name_expressions, cupy)
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

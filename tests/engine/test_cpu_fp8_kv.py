@@ -347,12 +347,13 @@ def test_fp8_kv_cache_dtype_per_backend():
 
 def test_fp8_on_sim_backend():
     """sim (and cuda, which shares its code) serve fp8: uint8 pools on the _kv_fp8 kernels."""
-    from pagedrun.runtime.backends.sim_backend import SimBackend
+    from pagedrun.runtime.backends.kernel_backend import KernelBackend
 
     for dtype, act in (("float32", np.float32), ("bfloat16", np.uint16), ("float16", np.float16)):
         for kv in ("fp8", "fp8_e4m3"):
             backend = make_backend("sim", dtype, kv_cache_dtype=kv)
-            assert type(backend) is SimBackend and backend.kv_dtype == np.uint8
+            assert type(backend) is KernelBackend and backend.name == "sim"
+            assert backend.kv_dtype == np.uint8
             assert backend.act_dtype == act
     assert make_backend("sim", "bfloat16").kv_dtype == np.uint16  # "auto" is unchanged
     with pytest.raises(EngineConfigError, match="kv_cache_dtype: 'bfloat16'"):

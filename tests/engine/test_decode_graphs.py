@@ -8,6 +8,8 @@ grow, preemption (recompute and swap), prefix hits, n > 1, logprobs and aborts m
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,8 +17,8 @@ import pytest
 from engine_helpers import (ENGINE_BACKENDS, TINY_VOCAB, EngineModel, make_engine,
                             random_prompts, random_weights, run_requests, tiny_config)
 from pagedrun.runtime.backends.graph_capture import (CapturedGraph, GraphCaptureError,
-                                                     RecordingNumpy, SimGraph,
-                                                     cuda_graph_capture)
+                                                     capture_graph)
+from pagedrun.runtime.backends.harness_runtime import HarnessRuntime, RecordingNumpy, SimGraph
 from pagedrun.runtime.engine_config import EngineConfig, EngineConfigError
 from pagedrun.runtime.sampling_params import SamplingParams
 
@@ -262,7 +264,8 @@ def test_cli_graph_flags():
 
 def test_sim_graph_records_copies_and_fills():
     graph = SimGraph()
-    xp = RecordingNumpy(graph)
+    runtime = HarnessRuntime()
+    xp = RecordingNumpy(runtime, graph)
     src = np.arange(12, dtype=np.float32).reshape(3, 4)
     same = xp.ascontiguousarray(src)          # already contiguous: no copy, nothing recorded
     assert same is src
@@ -280,94 +283,83 @@ def test_sim_graph_records_copies_and_fills():
 
 def test_captured_graph_refuses_replay_before_capture_ends():
     with pytest.raises(GraphCaptureError):
-        CapturedGraph().replay()
+        CapturedGraph(HarnessRuntime()).replay()
 
 
-class _FakeGraph:
-    def __init__(self, log):
-        self.log = log
+class _LoggingRuntime:
+    """The capture primitives of a device runtime, logged (runtime/backends/device_runtime.py)."""
 
-    def upload(self, stream):
-        self.log.append("upload")
+    def __init__(self):
+        self.log: list = []
+        self.capturing = False
 
-    def launch(self, stream):
-        self.log.append(("launch", stream))
+    def is_capturing(self):
+        return self.capturing
 
-
-class _FakeStream:
-    def __init__(self, log):
-        self.log = log
+    def new_pool(self):
+        self.log.append("new pool")
+        return "pool"
 
     def synchronize(self):
         self.log.append("sync")
 
+    @contextmanager
+    def use_pool(self, pool):
+        self.log.append(("pool", pool))
+        try:
+            yield
+        finally:
+            self.log.append("pool restored")
+
     def begin_capture(self):
+        self.capturing = True
         self.log.append("begin")
 
     def end_capture(self):
+        self.capturing = False
         self.log.append("end")
-        return _FakeGraph(self.log)
+        return "graph"
+
+    def abort_capture(self):
+        self.capturing = False
+        self.log.append("abort")
+
+    def instantiate(self, graph):
+        self.log.append(("instantiate", graph))
+
+    def graph_launches(self, graph):
+        return None
+
+    def replay(self, graph):
+        self.log.append(("replay", graph))
 
 
-class _FakeCupy:
-    """cupy's surface that cuda_graph_capture uses: MemoryPool, using_allocator."""
-
-    def __init__(self, log):
-        from contextlib import contextmanager
-
-        self.log = log
-        outer = self
-
-        class Pool:
-            def malloc(self, nbytes):
-                return nbytes
-
-        @contextmanager
-        def using_allocator(allocator):
-            outer.log.append(("allocator", allocator.__self__.__class__.__name__))
-            try:
-                yield
-            finally:
-                outer.log.append("allocator restored")
-
-        self.cuda = type("cuda", (), {"MemoryPool": Pool,
-                                      "using_allocator": staticmethod(using_allocator)})
-
-
-class _FakeCudaBackend:
-    def __init__(self):
-        self.log: list = []
-        self.xp = _FakeCupy(self.log)
-        self.stream = _FakeStream(self.log)
-        self.graph_pool = None
-        self._capturing = None
-
-
-def test_cuda_capture_sequence_with_a_stand_in():
-    backend = _FakeCudaBackend()
-    with cuda_graph_capture(backend) as captured:
-        backend.log.append("body")
-        assert backend._capturing is captured
-    assert backend._capturing is None
-    pool = backend.graph_pool
-    assert backend.log == ["sync", ("allocator", "Pool"), "begin", "body", "end",
-                           "allocator restored", "upload"]
+def test_capture_sequence_over_a_runtime():
+    """graph_capture.capture_graph is the one capture sequence of every runtime: sync, the
+    private pool, begin, the body, end, the pool restored, instantiate; replay launches it."""
+    backend = SimpleNamespace(runtime=_LoggingRuntime(), graph_pool=None)
+    log = backend.runtime.log
+    with capture_graph(backend) as captured:
+        log.append("body")
+        assert backend.runtime.capturing
+    assert log == ["new pool", "sync", ("pool", "pool"), "begin", "body", "end", "pool restored",
+                   ("instantiate", "graph")]
     captured.replay()
-    assert backend.log[-1] == ("launch", backend.stream)
+    assert log[-1] == ("replay", "graph")
     # The pool is made once and shared by every later capture.
-    with cuda_graph_capture(backend):
+    with capture_graph(backend):
         pass
-    assert backend.graph_pool is pool
+    assert log.count("new pool") == 1 and backend.graph_pool == "pool"
 
 
-def test_cuda_capture_failure_ends_the_capture():
-    backend = _FakeCudaBackend()
+def test_capture_failure_aborts_the_capture():
+    backend = SimpleNamespace(runtime=_LoggingRuntime(), graph_pool=None)
     with pytest.raises(ValueError):
-        with cuda_graph_capture(backend):
-            raise ValueError("a host sync inside the region")
-    assert backend.log[-2:] == ["end", "allocator restored"]
-    assert backend._capturing is None
-    with pytest.raises(GraphCaptureError):
-        backend._capturing = object()
-        with cuda_graph_capture(backend):
+        with capture_graph(backend):
+            raise ValueError("a failure inside the region")
+    assert backend.runtime.log[-2:] == ["abort", "pool restored"]
+    assert not backend.runtime.capturing
+    backend.runtime.capturing = True
+    with pytest.raises(GraphCaptureError, match="already in progress"):
+        with capture_graph(backend):
             pass

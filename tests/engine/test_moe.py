@@ -52,7 +52,7 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 def _backend_class(name: str):
     if name == "sim":
-        from pagedrun.runtime.backends.sim_backend import SimBackend
+        from pagedrun.runtime.backends.sim_backend import sim_backend as SimBackend
         return SimBackend
     return {"cpu": NumpyBackend, "cpu-bf16": CpuBf16Backend}[name]
 

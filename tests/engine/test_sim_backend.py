@@ -226,11 +226,11 @@ def test_backend_factory_and_cuda_import_guard():
     assert probe.stdout.strip() == "False"
     if not cuda_backend.cuda_available():
         with pytest.raises(cuda_backend.CudaNotAvailableError):
-            cuda_backend.CudaBackend()
+            cuda_backend.cuda_backend()
 
 
 def test_kv_budget_arithmetic():
-    from pagedrun.runtime.backends.cuda_backend import kv_cache_budget_bytes
+    from pagedrun.runtime.backends.kernel_backend import kv_cache_budget_bytes
 
     gib = 2**30
     # 141 GiB device, 0.9 of it, 1 GiB in use before, 16 GiB weights, 3 GiB step peak.

@@ -24,7 +24,7 @@ from test_hf_int4 import reference_weights, write_checkpoint
 
 from pagedrun.runtime.backends import make_backend
 from pagedrun.runtime.backends.numpy_backend import NumpyBackend
-from pagedrun.runtime.backends.sim_backend import SimBackend
+from pagedrun.runtime.backends.sim_backend import sim_backend as SimBackend
 from pagedrun.runtime.backends.weight_only import WeightOnlyMatrix
 from pagedrun.runtime.kernels.wq_pack import unpack_groups, unpack_w8
 from pagedrun.runtime.engine import LLMEngine

@@ -139,8 +139,8 @@ def test_gemm_dispatches_to_hopper_only_where_it_runs(rng, monkeypatch, arch, ca
         empty=np.empty, cuda=types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0),
                                                    get_current_stream=lambda: stream))
     monkeypatch.setattr(gemm_module, "array_module", lambda x: fake_xp)
-    monkeypatch.setattr(kernel_args, "_cuda_arch", lambda device_id: arch)
-    monkeypatch.setattr(kernel_args, "_cuda_num_sms", lambda device_id: 4)
+    monkeypatch.setattr(kernel_args, "_cuda_arch", lambda xp, device_id: arch)
+    monkeypatch.setattr(kernel_args, "_cuda_num_sms", lambda xp, device_id: 4)
     sources = ["gemm.cu", "gemm_skinny.cu"] + (["gemm_hopper.cu"] if with_hopper else [])
     launches = _Launches(load_module(sources, backend="sim"))
     M, N, K = 70, 136, 72
