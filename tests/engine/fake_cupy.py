@@ -13,7 +13,9 @@ code becomes the SimModule of the same sources). What it refuses:
   a kernel (CuPy raises TypeError / the kernel would read a host address);
 - a kernel argument of the wrong type: a Python int / float / bool or None (CuPy would pass an
   8-byte int64 / double where the kernel reads 4 bytes, or refuse None), a numpy scalar or an
-  array of another dtype than the parameter's (the harness's signature check);
+  array of another dtype than the parameter's (the harness's signature check), an array whose
+  address is not a multiple of its element size (the vector-load alignment each wrapper needs
+  is checked by the wrappers themselves: kernel_args.require_aligned);
 - dynamic shared memory over 48 KiB without max_dynamic_shared_size_bytes set (the launch fails);
 - while a stream captures: a synchronize of it, a device-to-host copy, a host-to-device copy
   (cudaErrorStreamCaptureUnsupported), a launch or array operation issued on another stream (the
@@ -316,6 +318,10 @@ class FakeRawKernel:
                                 "8 bytes; give the numpy scalar of the parameter's type)")
             if isinstance(value, np.ndarray) and not isinstance(value, DeviceArray):
                 raise TypeError(f"{where}: a host numpy array {value.shape} {value.dtype}")
+            if isinstance(value, DeviceArray) and value.ctypes.data % value.itemsize:
+                raise FakeCudaError(f"{where}: address {value.ctypes.data:#x} is not aligned "
+                                    f"to its {value.itemsize}-byte elements "
+                                    "(cudaErrorMisalignedAddress at the first load)")
             if code == "p" and isinstance(value, np.uint64) and value == 0:
                 value = None  # CuPy's NULL is the harness's None
             marshalled.append(np.asarray(value) if isinstance(value, DeviceArray) else value)

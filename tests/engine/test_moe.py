@@ -51,9 +51,9 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def _backend_class(name: str):
-    if name == "sim":
-        from pagedrun.runtime.backends.sim_backend import sim_backend as SimBackend
-        return SimBackend
+    if name == "sim":  # the sim device's backend class (over the harness runtime)
+        from pagedrun.runtime.backends.kernel_backend import KernelBackend
+        return KernelBackend
     return {"cpu": NumpyBackend, "cpu-bf16": CpuBf16Backend}[name]
 
 

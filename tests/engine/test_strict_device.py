@@ -62,6 +62,9 @@ def test_array_module_and_launch_check_catch_host_arrays():
         fn((1, 1), (128,), (out, x, 4))
     with pytest.raises(TypeError, match="argument 0: None"):
         fn((1, 1), (128,), (None, x, np.int32(4)))
+    odd = cupy.zeros(9, np.float32).view(np.uint8)[1:33].view(np.float32).reshape(1, 8)
+    with pytest.raises(fake_cupy.FakeCudaError, match="not aligned"):
+        fn((1, 1), (128,), (out, odd, np.int32(4)))
 
 
 @pytest.mark.parametrize("dtype,extra", [

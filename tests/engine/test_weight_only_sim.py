@@ -24,7 +24,7 @@ from test_hf_int4 import reference_weights, write_checkpoint
 
 from pagedrun.runtime.backends import make_backend
 from pagedrun.runtime.backends.numpy_backend import NumpyBackend
-from pagedrun.runtime.backends.sim_backend import sim_backend as SimBackend
+from pagedrun.runtime.backends.sim_backend import sim_backend
 from pagedrun.runtime.backends.weight_only import WeightOnlyMatrix
 from pagedrun.runtime.kernels.wq_pack import unpack_groups, unpack_w8
 from pagedrun.runtime.engine import LLMEngine
@@ -81,8 +81,8 @@ def _linear_error_ratio(backend, packed, reference_w, x, bias):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_linear_matches_dequantized(dtype):
     rng = np.random.default_rng(11)
-    backend = SimBackend(dtype, quantization="gptq")
-    assert backend.keeps_quantized and not SimBackend(dtype).keeps_quantized
+    backend = sim_backend(dtype, quantization="gptq")
+    assert backend.keeps_quantized and not sim_backend(dtype).keeps_quantized
     # A fused matrix (two parts stacked along out, as q/k/v or gate/up reach linear_weight).
     matrix = QuantizedMatrix.stack([_random_int4(rng, 40, 192, 32), _random_int4(rng, 24, 192, 32)])
     packed = backend.linear_weight(matrix)
@@ -122,7 +122,7 @@ def test_float32_and_other_quantizations_refused(checkpoints):
     with pytest.raises(ValueError, match="cpu"):
         make_backend("sim", "float16", quantization="gguf")
     with pytest.raises(EngineConfigError, match="int8 on sim/cuda need dtype float16"):
-        SimBackend("float32", quantization="int8")
+        sim_backend("float32", quantization="int8")
     # "auto" on sim means float16 here (the checkpoints' fp16 scales are exact in it).
     assert make_backend("sim", "auto", quantization="gptq").dtype_name == "float16"
 
@@ -140,7 +140,7 @@ def test_prefill_logits_match_float_reference(checkpoints, method, dtype):
     _, config, weights, ref_weights = checkpoints[method]
     tokens = np.random.default_rng(7).integers(3, config.vocab_size, 37).tolist()
     want, _ = _prefill_logits(config, ref_weights, NumpyBackend(), tokens)
-    got, model = _prefill_logits(config, weights, SimBackend(dtype, quantization=method), tokens)
+    got, model = _prefill_logits(config, weights, sim_backend(dtype, quantization=method), tokens)
     for packed in (model.layers[0].qkv, model.layers[0].gate_up, model.layers[1].down):
         assert isinstance(packed, WeightOnlyMatrix)
     assert not isinstance(model.lm_head, WeightOnlyMatrix)  # the float LM head stays float
@@ -239,7 +239,7 @@ def int8_dequantized(backend, w):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_int8_linear_matches_codec(dtype):
     rng = np.random.default_rng(12)
-    backend = SimBackend(dtype, quantization="int8")
+    backend = sim_backend(dtype, quantization="int8")
     assert not backend.keeps_quantized  # int8 takes float weights
     w = (rng.standard_normal((72, 192)) / 14).astype(np.float32)
     w[3, 64:128] = 0  # an all-zero group: scale 0, q 0
@@ -266,7 +266,7 @@ def test_int8_prefill_logits_match_numpy_on_the_dequantized_weights(dtype):
     config = tiny_config(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
                          intermediate_size=192)
     weights = random_weights(config, seed=4)
-    backend = SimBackend(dtype, quantization="int8")
+    backend = sim_backend(dtype, quantization="int8")
 
     def deq(w):
         return int8_dequantized(backend, w).astype(np.float32)

@@ -11,7 +11,7 @@ import pytest
 
 from paged_kernel_inputs import as_kernel_dtype, kernel_module, result_f32, to_device, to_host
 from pagedrun.runtime.backends import numpy_ops
-from pagedrun.runtime.backends.sim_backend import sim_backend as SimBackend
+from pagedrun.runtime.backends.sim_backend import sim_backend
 from pagedrun.runtime.kernels.kernel_args import UnsupportedKernelShape
 from pagedrun.runtime.kernels.moe import (GEMM_TILE_ROWS, max_gemm_tiles, moe_experts,
                                           moe_permute, moe_route)
@@ -153,9 +153,9 @@ def test_experts(rng, dt, num_tokens, num_experts, top_k, pattern):
 
 @pytest.mark.parametrize("dtype_name,dt", [("float32", "f32"), ("bfloat16", "bf16")])
 def test_backend_ops_match_numpy(rng, dtype_name, dt):
-    """SimBackend.moe_route / moe_experts on the model's float32 host weights, against
+    """the sim backend's moe_route / moe_experts on the model's float32 host weights, against
     numpy_ops (the cpu backend) on the same rounded values."""
-    backend = SimBackend(dtype_name)
+    backend = sim_backend(dtype_name)
     num_tokens, num_experts, top_k, hidden, inter = 19, 8, 2, 64, 48
     logits = rng.standard_normal((num_tokens, num_experts)).astype(np.float32)
     ids, weights = backend.moe_route(backend.to_device(logits), top_k, True)
