@@ -19,8 +19,10 @@
 # test (every code through a long context: 22 s plain, ~80 s under a sanitizer; its f16 / bf16
 # cases keep the kernel under both). The statistical sampling tests (draw_distribution) launch
 # large grids many times; ASan skips them too (the other sampling tests keep the kernels under
-# it). Measured 2026-12-07 on a clean clone: ASan 608 s, TSan 668 s side by side before these
-# skips; the whole CI went over its 30 minutes (1853 s).
+# it). Measured 2026-12-07 on clean clones (2 cores, the background tiers 6-7 running): ASan
+# 608 s / TSan 668 s without these skips, 620 s / 690 s with them -- the passes' time is mostly
+# building every kernel module with sanitizer flags into a fresh cache, not these tests; the
+# whole CI took 1853 s and 1734 s, its spread mostly tier 3 (265 s vs 112 s).
 # The two passes run side by side (each is one single-threaded process; on CI's 2 cores the
 # second core is otherwise idle once the background tiers end): measured ASan 5 min and TSan
 # 6-7 min alone on 2 shared cores (2026-12-03). Each pass's output is printed when it ends.
