@@ -85,6 +85,19 @@ class PendingHost(Protocol):
     def read(self): ...  # the host numpy copy, once the device-to-host copy has landed
 
 
+class HostReady:
+    """download_async of an array that is already host memory (the harness; a sampler built
+    without a runtime): read() is the array itself."""
+
+    __slots__ = ("_x",)
+
+    def __init__(self, x) -> None:
+        self._x = x
+
+    def read(self):
+        return self._x
+
+
 class DeviceRuntime(Protocol):
     name: str
     communicator: str

@@ -26,7 +26,7 @@ import numpy as np
 
 from pagedrun.runtime.kernels.loader import load_module
 
-from .device_runtime import LaunchModule
+from .device_runtime import HostReady, LaunchModule
 from .graph_capture import GraphCaptureError
 
 
@@ -214,7 +214,7 @@ class HarnessRuntime:
         return x  # not refused while capturing: a host step's operand is a numpy array too
 
     def download_async(self, x):
-        return _Ready(x)
+        return HostReady(x)
 
     def synchronize(self) -> None:
         self._refuse_in_capture("a host synchronize")
@@ -287,14 +287,3 @@ class HarnessRuntime:
             self._graph.record_host_call(fn, args, out)
         return out
 
-
-class _Ready:
-    """download_async's result on the harness: the array is already host memory."""
-
-    __slots__ = ("_x",)
-
-    def __init__(self, x) -> None:
-        self._x = x
-
-    def read(self) -> np.ndarray:
-        return self._x

@@ -20,6 +20,8 @@ from pagedrun.runtime.sampler import (SamplerOutput, check_logprobs_mode, check_
                                       draw_uniforms, filter_rows, gather_logprobs, is_identity,
                                       logprob_rows, raw_values)
 
+from .device_runtime import HostReady
+
 
 class DeferredSample:
     """Sampled token ids still on the device: `device` [rows] int32 (the backend's array),
@@ -39,21 +41,11 @@ class DeferredSample:
         return SamplerOutput(token_ids, [None] * token_ids.shape[0])
 
 
-class _HostIds:
-    """download_async of host arrays (a sampler built without a runtime: numpy)."""
-
-    def __init__(self, ids) -> None:
-        self._ids = ids
-
-    def read(self):
-        return self._ids if isinstance(self._ids, np.ndarray) else self._ids.get()
-
-
 class KernelSampler:
     """runtime.sampler.Sampler with the logits processors and sampling on the kernels."""
 
     def __init__(self, module, eos_token_ids: Sequence[int] = (), seed: int = 0, xp=np,
-                 logprobs_mode: str = "raw_logprobs", download_async=_HostIds) -> None:
+                 logprobs_mode: str = "raw_logprobs", download_async=HostReady) -> None:
         """module: the loaded sampling.cu module; xp: the array module the kernels run on
         (numpy: harness; cupy: GPU). Host logits are copied there; device logits are copied on
         the device. download_async: the device runtime's (deferred reads of the token ids)."""
