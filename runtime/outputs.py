@@ -128,6 +128,9 @@ class RequestOutput:
     first_token_time: float | None = None
     finished_time: float | None = None
     error: str | None = None  # set with finish_reason "error"
+    # The prompt's text (vLLM's RequestOutput.prompt), filled by the offline LLM: the text
+    # prompt, a chat's rendered template; None for token ids (and in the engine's own outputs).
+    prompt: str | None = None
 
     @property
     def queue_time(self) -> float | None:

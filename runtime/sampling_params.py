@@ -5,10 +5,14 @@ Validation lives here so the engine, the offline API and the server reject bad v
 same message. Checks that need the model (token ids against the vocabulary, logprobs against
 the engine's `max_logprobs`, bad words against the tokenizer) happen at admission
 (`LLMEngine.add_request`). Every wire field is plain data (msgpack-friendly) so the protocol can
-carry it; `_bad_words_token_ids` is the engine's (set at admission, never on the wire).
+carry it; `_bad_words_token_ids` is the engine's (set at admission, never on the wire). vLLM's
+remaining commonly used fields are taken by the offline API but are not wire fields
+(OFFLINE_ONLY_FIELDS): plugin data and a copy hint, and four that the engine cannot honour
+beyond their default (NOT_HONOURED), refused with the reason rather than ignored.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -29,6 +33,26 @@ MAX_N = 16384
 # divides positive logits past float32's range (inf), and the distribution degenerates to "the
 # seen tokens share everything"; 0.01 already multiplies a seen token's logit by 100.
 MIN_REPETITION_PENALTY = 0.01
+
+
+# vLLM fields the offline API takes that the wire (docs/protocol.md) does not carry: each is
+# either plugin data with no effect (extra_args), a copy hint (skip_clone), or accepted only at
+# its default, so the server loses nothing by refusing them as unknown keys.
+OFFLINE_ONLY_FIELDS = frozenset({"extra_args", "skip_clone", "detokenize", "flat_logprobs",
+                                 "logits_processors", "structured_outputs"})
+
+# Why the engine cannot honour anything but the default of these vLLM fields.
+NOT_HONOURED = {
+    "detokenize": (True, "only True is supported: the engine always detokenizes (output text, "
+                         "stop strings, logprobs' decoded tokens)"),
+    "flat_logprobs": (False, "only False is supported: logprobs come as vLLM's list of "
+                             "{token_id: Logprob} per position"),
+    "logits_processors": (None, "per-request logits processors are not supported (vLLM v1 "
+                                "refuses them too); use logit_bias, allowed_token_ids or "
+                                "bad_words"),
+    "structured_outputs": (None, "structured outputs (JSON schema, regex, choice, grammar) are "
+                                 "not supported by this engine"),
+}
 
 
 class SamplingParamsError(ValueError):
@@ -77,6 +101,17 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens; -1: max_model_len
     # The engine's default is DELTA, not vLLM's CUMULATIVE (docs/engine_api.md says why).
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
+    # vLLM's names the offline API takes but that are not wire fields (OFFLINE_ONLY_FIELDS).
+    # extra_args: data for sampling plugins; vLLM's own samplers never read it, nor do ours.
+    extra_args: dict | None = None
+    # skip_clone: vLLM's promise that the object serves one request only, so it need not be
+    # copied; the engine copies it anyway (a few fields), so any bool is accepted.
+    skip_clone: bool = field(default=False, repr=False)
+    # Accepted at their default only: the engine cannot do anything else (validate() says why).
+    detokenize: bool = field(default=True, repr=False)
+    flat_logprobs: bool = field(default=False, repr=False)
+    logits_processors: list | None = field(default=None, repr=False)
+    structured_outputs: object | None = field(default=None, repr=False)
     # Token ids of each bad word (with and without a leading space), set by the engine at
     # admission from the tokenizer (vLLM's update_from_tokenizer); not a wire field.
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False,
@@ -100,6 +135,8 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.logits_processors, (list, tuple)) and not self.logits_processors:
+            self.logits_processors = None  # vLLM refuses only a non-empty list
         if self.seed == -1 and not isinstance(self.seed, bool):
             self.seed = None
         for name in ("logprobs", "prompt_logprobs"):
@@ -194,13 +231,24 @@ class SamplingParams:
              "truncate_prompt_tokens", "must be an integer >= 1 or -1")
         need(isinstance(self.output_kind, RequestOutputKind), "output_kind",
              "must be a RequestOutputKind (0 cumulative, 1 delta, 2 final_only)")
+        need(self.extra_args is None or (isinstance(self.extra_args, dict) and all(
+            isinstance(k, str) for k in self.extra_args)), "extra_args",
+             "must be None or a dict with string keys")
+        need(isinstance(self.skip_clone, bool), "skip_clone", "must be a boolean")
+        for name, (default, why) in NOT_HONOURED.items():
+            need(getattr(self, name) is default, name, why)  # True, False, None: singletons
         if self.greedy:
             need(self.n == 1, "n", "must be 1 when using greedy sampling")
 
+    def clone(self) -> "SamplingParams":
+        """A deep copy (vLLM's SamplingParams.clone)."""
+        return copy.deepcopy(self)
+
     def to_dict(self) -> dict:
-        """The wire fields (no engine-private ones); output_kind as its int value."""
+        """The wire fields (no engine-private or offline-only ones); output_kind as its int
+        value."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if not f.name.startswith("_")}
+               if not f.name.startswith("_") and f.name not in OFFLINE_ONLY_FIELDS}
         out["stop"] = list(self.stop)
         out["stop_token_ids"] = list(self.stop_token_ids)
         out["bad_words"] = list(self.bad_words)
@@ -215,7 +263,8 @@ class SamplingParams:
     def from_dict(cls, data: dict) -> "SamplingParams":
         """Build from a wire/JSON dict; unknown keys are an error that names them. logit_bias
         keys may be strings of integers (JSON objects have only string keys)."""
-        known = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+        known = {f.name for f in dataclasses.fields(cls)
+                 if not f.name.startswith("_") and f.name not in OFFLINE_ONLY_FIELDS}
         unknown = sorted(str(k) for k in set(data) - known)
         if unknown:
             raise SamplingParamsError(f"unknown sampling parameter(s): {', '.join(unknown)}")
