@@ -56,6 +56,8 @@ FOREIGN_FILE_NAMES = {
     "math_constants.h": "the CUDA toolkit's header",
     "x.cu": "the docs' name for any kernel file",
 }
+# Flags the docs give to other programs than ours, each with that program.
+FOREIGN_FLAGS = {"--head": "ray start", "--address": "ray start"}
 SCRIPT_PARSER_TIMEOUT_S = 120
 
 _NOT_PATH_START = r"(?<![\w/.$~-])"
@@ -380,6 +382,26 @@ def check_paths(claims: list[Claim], repo: Path = REPO) -> list[str]:
     return problems
 
 
+def check_prose_flags(docs: dict[str, str], repo: Path = REPO) -> list[str]:
+    """A flag written anywhere in the prose ("`paged-run http` takes `--engine`") must be an
+    option of some `paged-run` command or appear in the source of one of our scripts or test
+    options: a looser net than check_commands, for flags named away from their command."""
+    info = paged_run_info()
+    known = set(info.options).union(*(sub.options for sub in info.subcommands.values()))
+    listed = subprocess.run(["git", "ls-files", "*.py", "*.sh", "*.txt", ".ci/run"], cwd=repo,
+                            capture_output=True, text=True).stdout.split()
+    sources = "\n".join((repo / f).read_text(errors="replace") for f in listed
+                        if (repo / f).is_file())
+    problems = []
+    for doc, text in docs.items():
+        for number, line in enumerate(text.splitlines(), 1):
+            for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", line):
+                if flag not in known and flag not in FOREIGN_FLAGS and flag not in sources:
+                    problems.append(f"{doc}:{number}: {flag!r}: no option of paged-run, none "
+                                    "of our scripts' sources mentions it")
+    return problems
+
+
 # ---------------------------------------------------------------------------------- tests
 
 def _all(extract) -> list[Claim]:
@@ -395,6 +417,18 @@ def test_doc_commands_exist():
 def test_doc_paths_exist():
     problems = check_paths(_all(extract_paths))
     assert not problems, f"{len(problems)} doc path claim(s) false:\n" + "\n".join(problems)
+
+
+def test_doc_prose_flags_exist():
+    docs = {str(doc.relative_to(REPO)): doc.read_text() for doc in DOCS}
+    problems = check_prose_flags(docs)
+    assert not problems, f"{len(problems)} doc flag claim(s) false:\n" + "\n".join(problems)
+
+
+def test_planted_prose_flag_is_reported():
+    problems = check_prose_flags({"doc.md": "`paged-run http` takes `--engine`, `--enjin`.\n"})
+    assert problems == ["doc.md:1: '--enjin': no option of paged-run, none of our scripts' "
+                        "sources mentions it"]
 
 
 def test_extraction_finds_the_readme_commands():
