@@ -69,6 +69,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "pagedrun.runtime.model_config",
         "pagedrun.runtime.sampling_params",
         "pagedrun.runtime.chat_options",
+        "pagedrun.runtime.prompt_inputs",
         "pagedrun.runtime.outputs",
         "pagedrun.runtime.stop_checker",
         "pagedrun.runtime.admission",
