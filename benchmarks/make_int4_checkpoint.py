@@ -16,8 +16,9 @@ row and group of `group` inputs (32 or 64: SmolLM2's 576 inputs do not split int
     scales [in / g, out]; g_idx = i // g), served as quantization "gptq".
   - "gptq-act": the same with act order (desc_act): inputs quantized by decreasing Hessian
     diagonal, group j the j-th g of them, g_idx saying which (served sorted by group:
-    runtime/hf_quantized.py).
-runtime/hf_quantized.py's docstring has both formats. Norms and the (tied) embedding stay float.
+    runtime/quantization/hf_int4.py).
+runtime/quantization/hf_int4.py's docstring has both formats. Norms and the (tied) embedding
+stay float.
 
 What it measures: the only weights of the default model on hand are its Q4_1 file's, already
 4-bit (a float scale and a float minimum per 32 weights), and they are the "float" model here.

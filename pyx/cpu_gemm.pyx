@@ -463,8 +463,8 @@ def _gemm(x, packed, bias, path, threads, pool):
 # ------------------------------------------------------------------------- GGUF blocks
 GGUF_NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q5_K", "Q3_K")
 # INT4_TYPE "I4Z", not a GGML type (so not in GGUF_NATIVE_TYPES): AWQ / GPTQ int4
-# (runtime/hf_quantized.py), W = s * (q - z) per group of INT4_GROUPS weights along k (s fp16,
-# z 0..15). Its raw rows (this module's own format): k / 2 bytes of nibbles (byte i: k 2i low,
+# (runtime/quantization/hf_int4.py), W = s * (q - z) per group of INT4_GROUPS weights along k
+# (s fp16, z 0..15). Its raw rows (this module's own format): k / 2 bytes of nibbles (byte i: k 2i low,
 # k 2i + 1 high), then k / g fp16 s, then k / g bytes z.
 INT4_TYPE = "I4Z"
 INT4_GROUPS = (32, 64, 128)

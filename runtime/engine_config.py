@@ -25,9 +25,10 @@ EXECUTOR_BACKENDS = ("mp", "ray")
 # Weight quantization (vLLM's `quantization`): None / "none" keeps the dtype's weights; "int8"
 # is weight-only int8 with a scale per 64 weights of a row, made at load from any checkpoint
 # (cpu: runtime/backends/cpu_int8_backend.py; sim / cuda: W8A16, runtime/backends/weight_only.py);
-# "gguf" keeps a .gguf file's GEMM matrices in the file's block types (runtime/gguf_quantized.py,
-# runtime/backends/cpu_gguf_backend.py; cpu only); "awq" / "gptq" serve a Hugging Face int4
-# checkpoint of that quant_method kept int4 (runtime/hf_quantized.py; the default for such a
+# "gguf" keeps a .gguf file's GEMM matrices in the file's block types
+# (runtime/quantization/gguf_blocks.py, runtime/backends/cpu_gguf_backend.py; cpu only); "awq" /
+# "gptq" serve a Hugging Face int4 checkpoint of that quant_method kept int4
+# (runtime/quantization/hf_int4.py; the default for such a
 # checkpoint): cpu_gemm's I4Z blocks on cpu, W4A16 on sim / cuda. One process, for now.
 QUANTIZATIONS = ("none", "int8", "gguf", "awq", "gptq")
 # The KV cache's element type (vLLM's kv_cache_dtype). "auto": bfloat16 on the cpu bf16 / int8

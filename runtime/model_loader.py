@@ -63,11 +63,11 @@ def resolve_quantization(quantization: str | None, model, device: str, dtype: st
     the fastest faithful path; `--dtype float32` keeps the dequantized float32 reference, one
     flag away. An explicit "gguf" elsewhere is refused here with
     the reason. A Hugging Face directory whose config.json has quantization_config quant_method
-    "awq" / "gptq" (int4, runtime/hf_quantized.py) means that method (as vLLM: it holds no float
-    weights to serve otherwise); another quantization for it, or that method for a directory
-    that is not such a checkpoint, is refused."""
+    "awq" / "gptq" (int4, runtime/quantization/hf_int4.py) means that method (as vLLM: it holds
+    no float weights to serve otherwise); another quantization for it, or that method for a
+    directory that is not such a checkpoint, is refused."""
     from pagedrun.runtime.engine_config import EngineConfigError
-    from pagedrun.runtime.hf_quantized import INT4_METHODS, checkpoint_quant_method
+    from pagedrun.runtime.quantization.hf_int4 import INT4_METHODS, checkpoint_quant_method
 
     method = None if model_given else checkpoint_quant_method(model)
     if method in INT4_METHODS or quantization in INT4_METHODS:
@@ -102,37 +102,25 @@ def load_model(model: str | os.PathLike | None, load_weights: bool = True,
                quantization: str | None = None):
     """(ModelConfig, ModelWeights | None, Tokenizer | None) from an HF directory, a .gguf, or
     None (the default model). Tensor parallel: no weights here, each rank reads its own shard.
-    quantization "gguf": the GEMM matrices stay in the file's block types
-    (runtime/gguf_quantized.py); a model that is not a .gguf is refused. "awq" / "gptq": the
-    checkpoint's int4 projections as Int4Matrix (runtime/hf_quantized.py), the rest float32."""
+    quantization: the method (runtime/quantization/) reads the matrices it keeps in its own
+    form (read_linears: "gguf" the file's blocks, a model that is not a .gguf refused; "awq" /
+    "gptq" the checkpoint's int4 projections), the float32 load the rest."""
+    from pagedrun.runtime.quantization import get_method
     from pagedrun.runtime.tokenizer import TOKENIZER_FILE, Tokenizer
     from pagedrun.runtime.weights import load_model_weights
 
-    from pagedrun.runtime.hf_quantized import INT4_METHODS
-
+    method = get_method(quantization)
     source = gguf_source(model) if quantization == "gguf" else None
     if quantization == "gguf" and source is None:
         raise ModelLoadError(model, "quantization 'gguf' needs a .gguf model file "
                              "(this is a Hugging Face directory: use --quantization int8 or none)")
     model_dir = resolve_model_dir(model)
     config = ModelConfig.from_model_dir(model_dir)
-    linears = None
-    if load_weights and quantization in INT4_METHODS:
-        from pagedrun.runtime.hf_quantized import read_int4_linears
-
-        linears = read_int4_linears(model_dir, config, quantization)
-    if load_weights and source is not None:
-        from pagedrun.runtime.gguf_quantized import read_quantized_linears
-
-        # The block matrices straight from the .gguf, so the float32 load reads only the
-        # rest (norms, biases, float matrices): no float32 copy of a quantized weight is made.
-        linears = read_quantized_linears(source, config)
+    linears = method.read_linears(model_dir, config, source) if load_weights else None
     weights = (load_model_weights(model_dir, config, np.float32, linears=linears)
                if load_weights else None)
-    if weights is not None and source is not None:
-        from pagedrun.runtime.gguf_quantized import attach_quantized
-
-        attach_quantized(weights, linears, source)
+    if weights is not None:
+        method.attach(weights, linears, source)
     tokenizer = (Tokenizer.from_dir(model_dir)
                  if os.path.isfile(os.path.join(model_dir, TOKENIZER_FILE)) else None)
     return config, weights, tokenizer

@@ -54,7 +54,7 @@ _DISK_DTYPES = {
     "F32": np.dtype("<f4"),
     "F16": np.dtype("<f2"),
     _BF16: np.dtype("<u2"),
-    "I32": np.dtype("<i4"),  # AWQ / GPTQ packed int4 words (runtime/hf_quantized.py)
+    "I32": np.dtype("<i4"),  # AWQ / GPTQ packed int4 words (runtime/quantization/hf_int4.py)
 }
 _FLOAT_DTYPES = (np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16))
 
@@ -334,8 +334,8 @@ def load_model_weights(
 
     `config` defaults to the directory's own config.json. Extra tensors in the files (e.g. old
     `rotary_emb.inv_freq` buffers) are ignored; a missing or misshaped one is a ModelLoadError.
-    `linears`: {HF ".weight" name: matrix} already read in another form (AWQ / GPTQ int4,
-    runtime/hf_quantized.py), used in place of those tensors (their shapes checked).
+    `linears`: {HF ".weight" name: matrix} already read in another form (a quantization
+    method's read_linears, runtime/quantization/), used in place of those tensors (their shapes checked).
     """
     dtype = np.dtype(dtype)
     if dtype not in _FLOAT_DTYPES:

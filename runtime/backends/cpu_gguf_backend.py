@@ -1,36 +1,37 @@
 """CpuGgufBackend: the cpu backend that computes on a GGUF file's quantized weights as the file
 stores them (EngineConfig.quantization "gguf").
 
-The loader (runtime/gguf_quantized.py) hands the model the GEMM matrices -- q/k/v/o, gate/up, down,
-the LM head -- and the embedding table as QuantizedMatrix blocks. `linear_weight` repacks the types
-pagedrun.pyx.cpu_gemm has a kernel for (cpu_gemm.GGUF_NATIVE_TYPES: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K,
-Q5_0, Q5_K, Q3_K) into that kernel's layout at about the file's own bytes per weight (Q4_1 0.625,
-Q4_K 0.578, Q8_0 1.0625, Q6_K 1.07; Q5_0 1.0625 and Q5_K 1.08: one byte a weight, against the
-file's 0.69; Q3_K as Q6_K, 1.07 against the file's 0.43), and `linear` runs cpu_gemm.gemm_gguf on
-them: activations quantized per row per 32-weight block to int8 twice (the value, then the
-residual; see __init__), integer dot products (AMX-INT8 from 8 kernel rows where the CPU has it,
-else AVX512-VNNI), float32 scales and output; or, on a CPU without AMX-INT8 from
+The gguf method (runtime/quantization/gguf_blocks.py) hands the model the GEMM matrices -- q/k/v/o,
+gate/up, down, the LM head -- and the embedding table as QuantizedMatrix blocks. `linear_weight`
+repacks the types pagedrun.pyx.cpu_gemm has a kernel for (cpu_gemm.GGUF_NATIVE_TYPES: Q4_0, Q4_1,
+Q8_0, Q4_K, Q6_K, Q5_0, Q5_K, Q3_K) into that kernel's layout at about the file's own bytes per
+weight (Q4_1 0.625, Q4_K 0.578, Q8_0 1.0625, Q6_K 1.07; Q5_0 1.0625 and Q5_K 1.08: one byte a
+weight, against the file's 0.69; Q3_K as Q6_K, 1.07 against the file's 0.43), and `linear` runs
+cpu_gemm.gemm_gguf on them: activations quantized per row per 32-weight block to int8 twice (the
+value, then the residual; see __init__), integer dot products (AMX-INT8 from 8 kernel rows where the
+CPU has it, else AVX512-VNNI), float32 scales and output; or, on a CPU without AMX-INT8 from
 cpu_gemm.BF16_MIN_ROWS rows (batched decode, prefill), bf16 activations against each weight tile
-unpacked to bf16 in cache (the bf16 GEMM's vdpbf16ps kernel: faster there than two int8 passes,
-with the weights still quantized in memory). A matrix in another block type (Q5_1, Q2_K until they
-get a kernel), or a fused matrix whose parts differ in type, is dequantized at load and packed as
-bf16 (the bf16 backend's GEMM), logged once per type.
+unpacked to bf16 in cache (the bf16 GEMM's vdpbf16ps kernel: faster there than two int8 passes, with
+the weights still quantized in memory). A block type an existing kernel serves after an exact repack
+arrives already repacked (runtime/quantization/gguf_blocks.py's registered block repacks). A matrix
+in another block type (Q5_1, Q2_K until they get a kernel), or a fused matrix whose parts differ in
+type, is dequantized at load and packed as bf16 (the bf16 backend's GEMM), logged once per type.
 
 The embedding lookup dequantizes only the rows a step reads (llama.py). Everything else --
 norms, rotary, attention, the bf16 KV cache (kv_cache_dtype "auto"), MoE experts, LoRA deltas --
 is the bf16 backend's.
 
 The same backend serves Hugging Face AWQ / GPTQ int4 checkpoints (quantization "awq" / "gptq",
-runtime/hf_quantized.py): their matrices arrive as QuantizedMatrix of cpu_gemm's own type "I4Z"
-(W = s * (q - z) per group of 32 / 64 / 128, exact) and run on the Q4_1 kernels at 0.59 bytes a
-weight.
+runtime/quantization/hf_int4.py): their matrices arrive as QuantizedMatrix of cpu_gemm's own
+type "I4Z" (W = s * (q - z) per group of 32 / 64 / 128, exact) and run on the Q4_1 kernels at
+0.59 bytes a weight.
 """
 from __future__ import annotations
 
 import logging
 
 from pagedrun.pyx import cpu_decode_step, cpu_gemm
-from pagedrun.runtime.gguf_quantized import QuantizedMatrix
+from pagedrun.runtime.quantization import QuantizedMatrix
 
 from .cpu_bf16_backend import CpuBf16Backend
 
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 class CpuGgufBackend(CpuBf16Backend):
     dtype_name = "bfloat16"  # the non-GEMM ops and the KV cache are the bf16 backend's
     quantization = "gguf"
-    keeps_quantized = True  # llama.py hands QuantizedMatrix weights to linear_weight
+    keeps_quantized = True  # its methods (gguf / awq / gptq) hand QuantizedMatrix weights over
     # linear() runs its GGUF GEMMs on the decode loop's helper thread while the loop is on
     # (cpu_decode_step.gemm: gemm_gguf's bits), so the compiled decode step applies here too.
     loop_aware_linear = True

@@ -40,7 +40,7 @@ import logging
 import numpy as np
 
 from pagedrun.runtime.engine_config import EngineConfigError
-from pagedrun.runtime.gguf_quantized import QuantizedMatrix
+from pagedrun.runtime.quantization import QuantizedMatrix
 from pagedrun.runtime.kernels import attention, cache_ops, fused_ops, gemm, lora, moe
 from pagedrun.runtime.kernels.attention import SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_DIMS
 from pagedrun.runtime.kernels.kernel_args import (FP8_KV_DTYPE, UnsupportedKernelShape,

@@ -5,9 +5,9 @@
     packed = pack_int8(w, backend)           # float32 [N, K] -> WeightOnlyMatrix (int8, g 64)
     y = linear(module, x, packed, bias)      # x [M, K] f16 / bf16 -> [M, N], gemm_w4a16 / w8a16
 
-The loader (runtime/hf_quantized.py) hands over exact q / s / z (W = s * (q - z) per group of
-32 / 64 / 128 inputs), possibly several projections stacked along out (fused q/k/v, gate/up:
-a plain QuantizedMatrix of I4Z rows). They are repacked once at load into the kernel's
+The loader (runtime/quantization/hf_int4.py) hands over exact q / s / z (W = s * (q - z) per
+group of 32 / 64 / 128 inputs), possibly several projections stacked along out (fused q/k/v,
+gate/up: a plain QuantizedMatrix of I4Z rows). They are repacked once at load into the kernel's
 pre-shuffled layouts (kernels/wq_pack.py): q through pack_w4, s transposed to [K / g, N] in the
 activation dtype (fp16 scales are exact in float16, rounded once to nearest in bfloat16) and z
 to [K / g, N] uint8, both through pack_groups; then placed on the device by the backend,
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedrun.runtime.gguf_quantized import QuantizedMatrix
-from pagedrun.runtime.hf_quantized import INT4_TYPE, Int4Matrix
+from pagedrun.runtime.quantization import QuantizedMatrix
+from pagedrun.runtime.quantization.hf_int4 import INT4_TYPE, Int4Matrix
 from pagedrun.runtime.kernels import fused_ops
 from pagedrun.runtime.kernels.gemm_wq import gemm_w4a16, gemm_w8a16
 from pagedrun.runtime.kernels.wq_pack import pack_groups, pack_w4, pack_w8

@@ -9,8 +9,13 @@ Weights are fused at load: q/k/v into one [q_size + 2 * kv_size, hidden] matrix,
 one [2 * intermediate, hidden] matrix, so a layer runs four GEMMs. Each matrix is built float32,
 C-contiguous and pre-transposed ([in, out], for `x @ W`), and handed to the backend as the HF
 [out, in] layout, the free `.T` view of that storage: the model keeps what `ops.linear_weight`
-returns for it (numpy and the kernel backends: the view itself; the bf16 / int8 cpu backends:
+returns for it (numpy and the kernel backends: the view itself; the compiled cpu backends:
 their packed copy, so the float32 matrix is freed).
+
+What form a GEMM weight takes is the LinearMethod's business (runtime/quantization/, looked up by
+the backend's quantization name): the model builds each fused weight with
+`linear_method.create_weights(ops, *parts)`, multiplies with `linear_method.apply`, and looks
+the embedding up with `linear_method.embed`; it names no weight format.
 
 Qwen3's QK-norm (config.qk_norm) is the backend's plain `rms_norm` over a [num_tokens * heads,
 head_dim] view of q and of k, between the QKV GEMM and the rotary op: no op of its own, so it
@@ -36,13 +41,12 @@ targets (the weight stack returns None for them).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
-from pagedrun.runtime.gguf_quantized import QuantizedMatrix, dense
 from pagedrun.runtime.model_config import ModelConfig
 from pagedrun.runtime.models.moe import MoeBlock
+from pagedrun.runtime.quantization import linear_method_for
 from pagedrun.runtime.rope import build_cos_sin_cache, model_inv_freq
 from pagedrun.runtime.weights import ModelWeights
 
@@ -93,37 +97,6 @@ class _Layer:
     cos_sin_cache: np.ndarray | None = None
 
 
-def _t(*matrices: np.ndarray) -> np.ndarray:
-    """HF [out, in] matrices stacked along out, as one contiguous float32 [in, sum(out)]."""
-    return np.ascontiguousarray(np.concatenate(matrices, axis=0).T, dtype=np.float32)
-
-
-class InputPermuted(NamedTuple):
-    """A packed weight whose column j multiplies input perm[j] (an act-order GPTQ matrix kept
-    int4, runtime/hf_quantized.py): LlamaModel._linear gathers x[:, perm] before the GEMM."""
-
-    weight: object  # what ops.linear_weight returned
-    perm: object    # int64 [in] in ops.xp
-
-
-def _linear_weight(ops, *matrices):
-    """ops.linear_weight of HF [out, in] matrices stacked along out. Quantized ones (GGUF
-    blocks, AWQ / GPTQ int4) reach a backend that keeps them (ops.keeps_quantized) as one
-    QuantizedMatrix when they share a type (and, act-order int4, one input order: then an
-    InputPermuted); otherwise they are dequantized here."""
-    if any(isinstance(m, QuantizedMatrix) for m in matrices):
-        perms = [getattr(m, "input_perm", None) for m in matrices]
-        one_order = all(p is None for p in perms) or all(
-            p is not None and np.array_equal(p, perms[0]) for p in perms)
-        stacked = QuantizedMatrix.stack(matrices) if one_order else None
-        if stacked is not None and getattr(ops, "keeps_quantized", False):
-            if perms[0] is None:
-                return ops.linear_weight(stacked)
-            return InputPermuted(ops.linear_weight(stacked), ops.xp.asarray(perms[0]))
-        matrices = tuple(dense(m) for m in matrices)
-    return ops.linear_weight(_t(*matrices).T)
-
-
 def _f32(x: np.ndarray | None) -> np.ndarray | None:
     return None if x is None else np.ascontiguousarray(x, dtype=np.float32)
 
@@ -141,12 +114,10 @@ class LlamaModel:
         self.config = config
         self.ops = ops
         self.first_layer = first_layer
-        # A GGUF-quantized table (quantization "gguf") stays in its blocks: embed() dequantizes
-        # the rows a step reads.
-        self.embed_tokens = (
-            None if weights.embed_tokens is None else weights.embed_tokens
-            if isinstance(weights.embed_tokens, QuantizedMatrix)
-            else np.ascontiguousarray(weights.embed_tokens, dtype=np.float32))
+        # How the GEMM weights are held and multiplied (runtime/quantization/).
+        self.linear_method = method = linear_method_for(ops)
+        # A table kept in blocks stays so: embed() dequantizes the rows a step reads.
+        self.embed_tokens = method.embedding_table(weights.embed_tokens)
         # [max_position, head_dim] float32 rows [cos | sin]: the reference's float64 angles
         # (runtime/rope.py), so the paged forward rotates exactly as the reference does. Gemma 3's
         # local layers have their own base: one table per distinct base.
@@ -169,14 +140,14 @@ class LlamaModel:
                 qkv_bias = _f32(np.concatenate([lw.q_bias, lw.k_bias, lw.v_bias]))
             self.layers.append(_Layer(
                 input_norm=_f32(lw.input_layernorm),
-                qkv=_linear_weight(ops, lw.q_proj, lw.k_proj, lw.v_proj),
+                qkv=method.create_weights(ops, lw.q_proj, lw.k_proj, lw.v_proj),
                 qkv_bias=qkv_bias,
-                o=_linear_weight(ops, lw.o_proj),
+                o=method.create_weights(ops, lw.o_proj),
                 o_bias=_f32(lw.o_bias),
                 post_norm=_f32(lw.pre_feedforward_layernorm if sandwich
                                else lw.post_attention_layernorm),
-                gate_up=None if moe else _linear_weight(ops, lw.gate_proj, lw.up_proj),
-                down=None if moe else _linear_weight(ops, lw.down_proj),
+                gate_up=None if moe else method.create_weights(ops, lw.gate_proj, lw.up_proj),
+                down=None if moe else method.create_weights(ops, lw.down_proj),
                 q_norm=_f32(lw.q_norm) if config.qk_norm else None,
                 k_norm=_f32(lw.k_norm) if config.qk_norm else None,
                 moe=MoeBlock.from_weights(lw, config) if moe else None,
@@ -187,14 +158,14 @@ class LlamaModel:
             ))
         self.norm = _f32(weights.norm)
         self.lm_head = (None if weights.lm_head is None
-                        else _linear_weight(ops, weights.lm_head))  # [vocab, hidden]
+                        else method.create_weights(ops, weights.lm_head))  # [vocab, hidden]
         self.cos_sin_cache = self.layers[0].cos_sin_cache if self.layers else (
             build_cos_sin_cache(model_inv_freq(config), max_position))
         self.scale = config.softmax_scale
         # SwiGLU, or Gemma's GeGLU (gelu_pytorch_tanh): the backend op of the activation.
         self.act_and_mul = (ops.silu_and_mul if config.hidden_activation == "silu"
                             else ops.gelu_tanh_and_mul)
-        # A backend's compiled pure-decode step (the cpu bf16 / int8 backends: all layers in
+        # A backend's compiled pure-decode step (the compiled cpu backends: all layers in
         # one call, the per-op path's bits), or None. Not for subclasses: tensor parallelism
         # overrides embed / all_reduce / logits. `forward` takes it per step where it applies.
         make_decode_loop = getattr(ops, "make_decode_loop", None)
@@ -272,16 +243,14 @@ class LlamaModel:
         return x, residual
 
     def _linear(self, x, weight, bias=None):
-        """ops.linear, gathering the inputs first for an act-order weight (InputPermuted)."""
-        if type(weight) is InputPermuted:
-            return self.ops.linear(self.ops.xp.take(x, weight.perm, axis=1), weight.weight, bias)
-        return self.ops.linear(x, weight, bias)
+        """x @ weight.T (+ bias) as the weight's method multiplies."""
+        return self.linear_method.apply(self.ops, x, weight, bias)
 
     @property
     def input_permuted(self) -> bool:
-        """Whether any projection gathers its inputs (act-order int4): the decode graphs of the
-        sim harness would not record that host gather."""
-        return any(type(w) is InputPermuted for layer in self.layers
+        """Whether any projection gathers its inputs on the host first: the decode graphs of
+        the sim harness would not record that gather."""
+        return any(self.linear_method.gathers_inputs(w) for layer in self.layers
                    for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
 
     def _lora(self, lora, index: int, target: str, y, x):
@@ -307,9 +276,7 @@ class LlamaModel:
     # to rank 0.
     def embed(self, token_ids: np.ndarray):
         """token_ids: [num_tokens] int32 -> [num_tokens, hidden] activations."""
-        if isinstance(self.embed_tokens, QuantizedMatrix):  # host arrays: the cpu backends
-            return self.embed_tokens.dequantize_rows(token_ids)
-        return self.ops.embedding(token_ids, self.embed_tokens)
+        return self.linear_method.embed(self.ops, token_ids, self.embed_tokens)
 
     def all_reduce(self, x):
         """The sum of x over tensor-parallel ranks; one rank: x itself."""
@@ -341,4 +308,4 @@ class LlamaModel:
     def logits(self, x: np.ndarray, residual: np.ndarray) -> np.ndarray:
         """Final norm and LM head for the given rows: [rows, hidden] x2 -> [rows, vocab] float32."""
         h, _ = self.ops.fused_add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps)
-        return self.ops.linear(h, self.lm_head, out_dtype=np.float32)
+        return self.linear_method.apply(self.ops, h, self.lm_head, out_dtype=np.float32)

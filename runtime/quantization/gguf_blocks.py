@@ -1,5 +1,6 @@
 """GGUF weights kept quantized (EngineConfig.quantization "gguf"): the GEMM matrices of a .gguf
-file as the blocks the file stores, for a backend that computes on them directly.
+file as the blocks the file stores, for a backend that computes on them directly
+(runtime/backends/cpu_gguf_backend.py), and the method that hands them over.
 
     quantized = read_quantized_linears("m.gguf", config)   # {HF name: QuantizedMatrix}
     attach_quantized(weights, quantized)                    # into a loaded ModelWeights
@@ -8,24 +9,32 @@ The float32 load (runtime/gguf_convert.py: dequantize, rename, undo llama.cpp's 
 permutation) stays the reference and still provides everything else (norms, biases); this
 module swaps in the quantized form of the matrices the model multiplies by -- q/k/v/o,
 gate/up/down, the LM head (token_embd when the embeddings are tied) -- and of the embedding
-table, whose lookup dequantizes only the rows it reads.
+table, whose lookup dequantizes only the rows it reads. A GGUF matrix is row-major in HF's
+[out, in] order with each row's `in` weights in blocks along `in` (blocks.py): the q/k
+unpermutation is a row permutation of the blocks.
 
-A GGUF matrix is row-major in HF's [out, in] order with each row's `in` weights cut into blocks
-along `in`, so row operations are exact on the raw bytes: the q/k unpermutation is a row
-permutation of the blocks, and the fused QKV / gate-up matrices are row concatenations of
-matrices of one type (stack() refuses mixed types; the model then dequantizes those parts).
+The block types the cpu kernel computes on are pagedrun.pyx.cpu_gemm.GGUF_NATIVE_TYPES (some
+through a repack inside PackedGgufWeight: Q5_0 as Q8_0, Q3_K as Q6_K). A type whose values an
+existing kernel type holds exactly can be served by registering its repack here
+(`register_block_repack(file_type, kernel_type, convert)`, one module per type): the method
+converts a matrix's raw rows at load, before stacking, so the backend sees the kernel's type.
+Any other type is dequantized by the backend (logged once).
 """
 from __future__ import annotations
 
 import functools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from pagedrun.runtime.errors import ModelLoadError
+
+from .base import KeptQuantizedMethod, register
+from .blocks import QuantizedMatrix
+
+GGUF = "gguf"  # EngineConfig.quantization's name for this method
 
 # The LayerWeights fields a GGUF can hold quantized (HF names model.layers.N.{prefix}{name}).
 _LAYER_LINEARS = {
@@ -38,74 +47,6 @@ _LAYER_LINEARS = {
     "mlp.down_proj.weight": "down_proj",
 }
 _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
-
-
-@dataclass
-class QuantizedMatrix:
-    """An HF [out, in] matrix in a GGUF block type: raw [out, row_bytes] uint8, row n the
-    blocks of output channel n exactly as the file stores them."""
-
-    ggml_type: str          # the GGMLQuantizationType's name, e.g. "Q4_1"
-    shape: tuple[int, int]  # (out, in)
-    raw: np.ndarray         # uint8 [out, row_bytes]
-    # Drops the resident file pages this matrix was read from (GgufIndex.drop_pages), for the
-    # backend to call once it has repacked the matrix; None: nothing to drop.
-    # (keyword-only: a subclass's own fields, Int4Matrix's input_perm, stay positional)
-    release: Callable[[], None] | None = field(default=None, repr=False, compare=False,
-                                                kw_only=True)
-
-    def release_pages(self) -> None:
-        if self.release is not None:
-            self.release()
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.raw.nbytes)
-
-    def dequantize(self) -> np.ndarray:
-        """float32 [out, in] through the gguf library (the reference dequantization)."""
-        import gguf
-
-        values = gguf.quants.dequantize(self.raw, gguf.GGMLQuantizationType[self.ggml_type])
-        return np.ascontiguousarray(values.reshape(self.shape), dtype=np.float32)
-
-    def dequantize_rows(self, rows: np.ndarray) -> np.ndarray:
-        """float32 [len(rows), in] of the given rows only (an embedding lookup)."""
-        import gguf
-
-        picked = self.raw[np.asarray(rows, dtype=np.intp).reshape(-1)]
-        values = gguf.quants.dequantize(picked, gguf.GGMLQuantizationType[self.ggml_type])
-        return np.ascontiguousarray(values.reshape(picked.shape[0], self.shape[1]),
-                                    dtype=np.float32)
-
-    def take_rows(self, rows: np.ndarray) -> "QuantizedMatrix":
-        rows = np.asarray(rows)
-        return QuantizedMatrix(self.ggml_type, (int(rows.size), self.shape[1]),
-                               np.ascontiguousarray(self.raw[rows]), release=self.release)
-
-    @staticmethod
-    def stack(matrices) -> "QuantizedMatrix | None":
-        """The row concatenation of quantized matrices of one type and width; None when any
-        is not a QuantizedMatrix or the types or widths differ."""
-        matrices = list(matrices)
-        if not all(isinstance(m, QuantizedMatrix) for m in matrices):
-            return None
-        first = matrices[0]
-        if any(m.ggml_type != first.ggml_type or m.shape[1] != first.shape[1]
-               for m in matrices):
-            return None
-        if len(matrices) == 1:
-            return first
-        releases = [m.release for m in matrices if m.release is not None]
-        return QuantizedMatrix(first.ggml_type, (sum(m.shape[0] for m in matrices),
-                                                 first.shape[1]),
-                               np.concatenate([m.raw for m in matrices], axis=0),
-                               release=(lambda: [r() for r in releases]) if releases else None)
-
-
-def dense(matrix) -> np.ndarray:
-    """A weight as a float array: a QuantizedMatrix dequantized, anything else as it is."""
-    return matrix.dequantize() if isinstance(matrix, QuantizedMatrix) else matrix
 
 
 def read_quantized_linears(gguf_path: str | os.PathLike, config) -> dict[str, QuantizedMatrix]:
@@ -175,3 +116,52 @@ def attach_quantized(weights, quantized: dict[str, QuantizedMatrix],
     # table (vocab x hidden x 4 bytes) is not kept.
     weights.embed_tokens = swap(weights.embed_tokens, "model.embed_tokens.weight")
     return count
+
+
+# file block type -> (kernel block type, raw rows of the file type -> raw rows of the kernel
+# type holding the same values exactly): register_block_repack's table.
+_BLOCK_REPACKS: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray]]] = {}
+
+
+def register_block_repack(file_type: str, kernel_type: str,
+                          convert: Callable[[np.ndarray], np.ndarray]) -> None:
+    """Serve `file_type` matrices as `kernel_type` ones: convert(uint8 [out, file row bytes])
+    -> uint8 [out, kernel row bytes] of exactly the same values (its module's test proves it
+    against gguf's dequantization)."""
+    if file_type in _BLOCK_REPACKS:
+        raise ValueError(f"GGUF block type {file_type} has a repack already")
+    _BLOCK_REPACKS[file_type] = (kernel_type, convert)
+
+
+def block_repacks() -> dict[str, str]:
+    """{file block type: kernel block type} of the registered repacks."""
+    return {file_type: kind for file_type, (kind, _) in _BLOCK_REPACKS.items()}
+
+
+class GgufMethod(KeptQuantizedMethod):
+    """A .gguf file's GEMM matrices kept in its block types (module doc)."""
+
+    name = GGUF
+
+    def read_linears(self, model_dir, config, gguf_file=None):
+        if gguf_file is None:
+            raise ModelLoadError(model_dir, "quantization 'gguf' needs a .gguf model file "
+                                 "(this is a Hugging Face directory: use --quantization int8 "
+                                 "or none)")
+        # The block matrices straight from the .gguf, so the float32 load reads only the rest
+        # (norms, biases, float matrices): no float32 copy of a quantized weight is made.
+        return read_quantized_linears(gguf_file, config)
+
+    def attach(self, weights, linears, gguf_file=None) -> None:
+        attach_quantized(weights, linears, gguf_file)
+
+    def kernel_form(self, matrix: QuantizedMatrix) -> QuantizedMatrix:
+        repack = _BLOCK_REPACKS.get(matrix.ggml_type)
+        if repack is None:
+            return matrix
+        kind, convert = repack
+        return QuantizedMatrix(kind, matrix.shape, np.ascontiguousarray(convert(matrix.raw)),
+                               release=matrix.release)
+
+
+register(GgufMethod())

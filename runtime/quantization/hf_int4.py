@@ -28,10 +28,10 @@ itself. `sym` changes nothing here (z is stored either way).
 
 Act order is served kept int4 by sorting the inputs by group: perm = argsort(g_idx) (stable),
 the matrix's column j holds input perm[j], so its groups are again g consecutive columns and the
-kernels run unchanged; the matrix carries `input_perm` and the model gathers x[:, perm] before
-the GEMM (y = W x = W[:, perm] x[perm]). q/k/v (and gate/up) read the same input, and GPTQ
-orders a layer's inputs by that input's Hessian, so their perms agree and they still fuse
-(runtime/models/llama.py; differing perms are dequantized there instead).
+kernels run unchanged; the matrix carries `input_perm` and the method's apply gathers x[:, perm]
+before the GEMM (y = W x = W[:, perm] x[perm]). q/k/v (and gate/up) read the same input, and
+GPTQ orders a layer's inputs by that input's Hessian, so their perms agree and they still fuse
+(base.KeptQuantizedMethod; differing perms are dequantized there instead).
 
 Accepted: bits 4, group_size 32 / 64 / 128 (the kernel's groups), in_features a multiple of the
 group and out_features of 8. The result is an Int4Matrix: a QuantizedMatrix of type "I4Z" whose
@@ -50,7 +50,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedrun.runtime.errors import ModelLoadError
-from pagedrun.runtime.gguf_quantized import QuantizedMatrix
+
+from .base import KeptQuantizedMethod, register
+from .blocks import QuantizedMatrix
 
 INT4_METHODS = ("awq", "gptq")
 INT4_TYPE = "I4Z"  # pagedrun.pyx.cpu_gemm.INT4_TYPE (pyx/ and runtime/ do not import each other)
@@ -278,3 +280,17 @@ def read_int4_linears(model_dir: str | os.PathLike, config, method: str) -> dict
     if not out:
         raise ModelLoadError(model_dir, f"{method}: no .qweight tensors in the checkpoint")
     return out
+
+
+class Int4Method(KeptQuantizedMethod):
+    """An AWQ / GPTQ checkpoint's projections kept int4 (module doc); the rest float32."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def read_linears(self, model_dir, config, gguf_file=None):
+        return read_int4_linears(model_dir, config, self.name)
+
+
+for _method in INT4_METHODS:
+    register(Int4Method(_method))

@@ -1,6 +1,6 @@
 """GGUF weights kept quantized (EngineConfig.quantization "gguf"): the loader's blocks against
-the float32 load of the same file (runtime/gguf_quantized.py), the backend's routing of each
-block type (runtime/backends/cpu_gguf_backend.py), the model's logits against an independent
+the float32 load of the same file (runtime/quantization/gguf_blocks.py), the backend's routing
+of each block type (runtime/backends/cpu_gguf_backend.py), the model's logits against an independent
 numpy reference of the same arithmetic, the default model's answer from its own Q4_1 file,
 and the configuration / CLI surface. The kernel itself is tested in test_cpu_gguf_gemm.py."""
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pagedrun.runtime.backends.cpu_gguf_backend import CpuGgufBackend
 from pagedrun.runtime.backends.numpy_backend import NumpyBackend
 from pagedrun.runtime.engine_config import EngineConfig, EngineConfigError
 from pagedrun.runtime.errors import ModelLoadError
-from pagedrun.runtime.gguf_quantized import QuantizedMatrix, dense
+from pagedrun.runtime.quantization import QuantizedMatrix, dense
 from pagedrun.runtime.model_loader import resolve_quantization
 
 gguf = pytest.importorskip("gguf")
@@ -167,7 +167,7 @@ def default_gguf():
 
 
 def test_default_model_blocks_dequantize_to_the_float32_load(default_gguf):
-    from pagedrun.runtime.gguf_quantized import read_quantized_linears
+    from pagedrun.runtime.quantization.gguf_blocks import read_quantized_linears
     from pagedrun.runtime.model_loader import load_model
 
     config, weights, _ = load_model(None)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from engine_helpers import random_weights, tiny_config
-from pagedrun.runtime.hf_quantized import unpack_gptq
+from pagedrun.runtime.quantization.hf_int4 import unpack_gptq
 from pagedrun.runtime.reference import ReferenceModel, rms_norm
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"

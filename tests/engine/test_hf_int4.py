@@ -1,8 +1,8 @@
 """Hugging Face int4 checkpoints kept int4 (EngineConfig.quantization "awq" / "gptq";
-runtime/hf_quantized.py, cpu_gemm's "I4Z" type): the packings against an unpacker written here
-per nibble, the kernel against the numpy arithmetic of the same quantized activations, engines
-over tiny checkpoints against the float32 engine over the reference-dequantized weights, and the
-refusals.
+runtime/quantization/hf_int4.py, cpu_gemm's "I4Z" type): the packings against an unpacker
+written here per nibble, the kernel against the numpy arithmetic of the same quantized
+activations, engines over tiny checkpoints against the float32 engine over the
+reference-dequantized weights, and the refusals.
 
 The fixtures are made here, deterministically: a tiny Llama's float weights are quantized to
 int4 in groups (asymmetric: s = (max - min) / 15 in fp16, z = round(-min / s) in 0..15,
@@ -32,7 +32,8 @@ from pagedrun.runtime.backends.numpy_backend import NumpyBackend
 from pagedrun.runtime.engine import LLMEngine
 from pagedrun.runtime.engine_config import QUANTIZATIONS, EngineConfig, EngineConfigError
 from pagedrun.runtime.errors import ModelLoadError
-from pagedrun.runtime.hf_quantized import Int4Matrix, read_int4_linears, unpack_awq, unpack_gptq
+from pagedrun.runtime.quantization.hf_int4 import (Int4Matrix, read_int4_linears, unpack_awq,
+                                                   unpack_gptq)
 from pagedrun.runtime.model_config import ModelConfig
 from pagedrun.runtime.model_loader import load_model, resolve_quantization
 
@@ -282,7 +283,7 @@ def test_act_order_loader_sorts_inputs_by_group(tmp_path, group):
 
 
 def test_act_order_engine_matches_float_engine(tmp_path):
-    from pagedrun.runtime.models.llama import InputPermuted
+    from pagedrun.runtime.quantization import InputPermuted
 
     config, refs = write_checkpoint(tmp_path, "gptq", 64, seed=4, act_order=True)
     _, weights, _ = load_model(str(tmp_path), quantization="gptq")

@@ -29,8 +29,8 @@ from pagedrun.runtime.backends.weight_only import WeightOnlyMatrix
 from pagedrun.runtime.kernels.wq_pack import unpack_groups, unpack_w8
 from pagedrun.runtime.engine import LLMEngine
 from pagedrun.runtime.engine_config import EngineConfig, EngineConfigError
-from pagedrun.runtime.gguf_quantized import QuantizedMatrix
-from pagedrun.runtime.hf_quantized import Int4Matrix
+from pagedrun.runtime.quantization import QuantizedMatrix
+from pagedrun.runtime.quantization.hf_int4 import Int4Matrix
 from pagedrun.runtime.model_loader import load_model
 
 # head_dim 128 / 2 = 64 (the sim's attention kernels serve 64 and 128); GQA 2:1.
@@ -172,7 +172,7 @@ def test_engine_greedy_matches_float_engine(checkpoints, method):
 def test_act_order_gptq_greedy_matches_float_engine(tmp_path):
     """desc_act: the W4A16 GEMM over inputs gathered into the groups' order; no decode graphs
     (the gather is not a kernel the sim's recording replays)."""
-    from pagedrun.runtime.models.llama import InputPermuted
+    from pagedrun.runtime.quantization import InputPermuted
 
     config, refs = write_checkpoint(tmp_path, "gptq", 32, seed=6, config_overrides=SIM_CONFIG,
                                     act_order=True)

@@ -118,7 +118,7 @@ def test_dropped_pages_read_back_the_same(tmp_path):
 def test_quantized_matrices_carry_their_release(tmp_path):
     """read_quantized_linears' matrices drop their file pages when the backend asks, and a
     fused (stacked) or row-permuted matrix drops those of every part it was made from."""
-    from pagedrun.runtime.gguf_quantized import QuantizedMatrix
+    from pagedrun.runtime.quantization import QuantizedMatrix
 
     calls = []
     parts = [QuantizedMatrix("Q4_1", (2, 32), np.zeros((2, 20), np.uint8),

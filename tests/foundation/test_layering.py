@@ -28,6 +28,10 @@ The rules, each its own test below; every failure names the importing file:line:
    own modules, the client and its ancestor packages (`pagedrun.__version__`).
 5. Layers (LAYERS, lowest first) only import their own layer or lower ones. Naming one's own
    ancestor package (`from pagedrun import __version__`) is exempt: it runs first anyway.
+6. Models see only the LinearMethod object: pagedrun.runtime.models.* imports of
+   pagedrun.runtime.quantization only the package itself (MODELS_QUANTIZATION_API), never a
+   format module, and its source (code, strings, comments) names no weight format
+   (WEIGHT_FORMAT_WORDS: gguf, awq, gptq, int8, Q4_K, ...).
 
 Plus bookkeeping that keeps the rules honest: every module has a layer, every pagedrun import
 resolves to a module of the tree, and the builder itself is tested on planted violations.
@@ -74,6 +78,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "pagedrun.runtime.stop_checker",
         "pagedrun.runtime.admission",
         "pagedrun.runtime.architectures",
+        # The registry's vocabulary (Architecture, tensor maps) and per-family entries.
+        "pagedrun.runtime.families",
+        "pagedrun.runtime.families.*",
         # Speculative decoding's device-free parts: config, n-gram proposer, rejection sampler.
         "pagedrun.runtime.spec_decode",
         "pagedrun.runtime.spec_decode.*",
@@ -87,9 +94,11 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "pagedrun.runtime.weights",
         "pagedrun.runtime.reference",
         "pagedrun.runtime.gguf_convert",
-        "pagedrun.runtime.gguf_quantized",
         "pagedrun.runtime.gguf_index",
-        "pagedrun.runtime.hf_quantized",
+        # Weight quantization's method registry and its format modules (device-free: the
+        # backends pack what a method hands them).
+        "pagedrun.runtime.quantization",
+        "pagedrun.runtime.quantization.*",
         "pagedrun.runtime.default_model",
         "pagedrun.runtime.model_loader",
         "pagedrun.runtime.rope",
@@ -125,6 +134,16 @@ ENGINE_CORE = (
 )
 DEVICE_MODULES = ("cupy", "cupyx", "pagedrun.runtime.backends", "pagedrun.runtime.kernels")
 BACKEND_FACTORY = "pagedrun.runtime.backends"  # the package's __init__: make_backend only
+
+# Rule 6: what a model may import of the quantization package, and the words that name a
+# weight format (a registered method's name must be one of them: checked below). Letters and
+# digits may not touch a match ("uint8" is not "int8"); "_" may ("gguf_blocks" is "gguf").
+MODELS = "pagedrun.runtime.models"
+QUANTIZATION = "pagedrun.runtime.quantization"
+MODELS_QUANTIZATION_API = (QUANTIZATION,)
+WEIGHT_FORMAT_WORDS = re.compile(
+    r"(?<![A-Za-z0-9])(gguf|ggml|awq|gptq|int4|int8|i4z|w4a16|w8a16|q[2-8]_[01k]|iq[1-4]_\w+"
+    r"|tq[12]_0)(?![A-Za-z0-9])", re.IGNORECASE)
 
 # Rule 4: what pagedrun.server may import from the rest of the package.
 SERVER_PUBLIC_API = (
@@ -542,6 +561,28 @@ def layer_violations(graph: Graph) -> list[str]:
     return out
 
 
+def models_quantization_violations(graph: Graph) -> list[str]:
+    return [f"{e}: a model sees only the LinearMethod object; import {QUANTIZATION} "
+            "(the package), not a format module"
+            for e in graph.internal_edges()
+            if is_under(e.src, MODELS) and is_under(e.dst, QUANTIZATION)
+            and e.dst not in MODELS_QUANTIZATION_API]
+
+
+def model_format_names(files: dict[str, str]) -> list[str]:
+    """Rule 6's second half, over the sources: every weight-format word in a model file."""
+    out = []
+    for relpath, source in sorted(files.items()):
+        named = module_of(relpath)
+        if named is None or not is_under(named[0], MODELS):
+            continue
+        for number, text in enumerate(source.splitlines(), start=1):
+            for match in WEIGHT_FORMAT_WORDS.finditer(text):
+                out.append(f"{relpath}:{number}: names the weight format {match.group(0)!r}; "
+                           "a model sees only the LinearMethod object (runtime/quantization/)")
+    return out
+
+
 def unassigned_modules(graph: Graph) -> list[str]:
     return [f"{graph.modules[m]}: module {m} has no layer; add it to LAYERS in "
             "tests/foundation/test_layering.py" for m in sorted(graph.modules)
@@ -558,6 +599,7 @@ RULES = {
     "engine_core": engine_core_violations,
     "server": server_violations,
     "layers": layer_violations,
+    "models_quantization": models_quantization_violations,
     "unassigned": unassigned_modules,
     "unresolved": unresolved_imports,
 }
@@ -624,6 +666,46 @@ def test_server_uses_only_the_public_api() -> None:
 
 def test_layers_only_import_downwards() -> None:
     _assert_none("layers")
+
+
+def test_models_see_only_the_linear_method() -> None:
+    _assert_none("models_quantization")
+    named = model_format_names(read_tree(REPO))
+    if named:
+        pytest.fail(f"{len(named)} violation(s):\n" + "\n".join(named), pytrace=False)
+
+
+def test_every_quantization_method_name_is_a_format_word() -> None:
+    # A method registered under a name the word list misses could be named in a model freely.
+    from pagedrun.runtime.quantization import method_names
+
+    names = [n for n in method_names() if n != "none"]
+    assert len(names) >= 4, names
+    assert [n for n in names if not WEIGHT_FORMAT_WORDS.fullmatch(n)] == []
+
+
+def test_planted_model_format_names_are_caught() -> None:
+    files = read_tree(REPO)
+    baseline = build_graph(files)
+    assert model_format_names(files) == []
+    # A model importing a format module (function-level), and naming formats in code and prose.
+    import_line = _append(files, "runtime/models/moe.py",
+                          "\n\ndef _planted():\n"
+                          "    from pagedrun.runtime.quantization.gguf_blocks import GGUF\n"
+                          "    from pagedrun.runtime.quantization import get_method\n") + 3
+    _append(files, "runtime/models/registry.py",
+            "# keeps Q4_K blocks\nis_awq = quantization == 'AWQ'\nx = np.uint8(0)\n")
+    graph = build_graph(files)
+    imports = _new(graph, "models_quantization", baseline)
+    assert len(imports) == 1, imports
+    assert (f"runtime/models/moe.py:{import_line}: pagedrun.runtime.models.moe imports "
+            "pagedrun.runtime.quantization.gguf_blocks (function-level)") in imports[0]
+    named = model_format_names(files)
+    words = sorted(v.split("'")[1].lower() for v in named)
+    # GGUF in the planted import, Q4_K and AWQ (the identifier and the string) in registry.py;
+    # uint8 is no format.
+    assert words == ["awq", "awq", "gguf", "gguf", "q4_k"], named
+    assert any(v.startswith(f"runtime/models/moe.py:{import_line}:") for v in named), named
 
 
 # -- the checker itself -----------------------------------------------------------------------
