@@ -17,6 +17,7 @@ What counts as a claim:
 - a flag named in prose, away from its command ("`paged-run http` takes `--engine`"): it must
   be an option of some `paged-run` command or appear in the source of our scripts and test
   options (a looser net than the command check; other programs' flags are listed by name).
+- a test cited by name (`test_x`, `tests/y/test_z.py::test_x`): it must be defined there.
 - a path: any `runtime/`, `cuda/`, `pyx/`, `server/`, `tests/`, `benchmarks/`, `scripts/`,
   `docs/`, `clients/`, `python/`, `examples/` or `.ci/` path in the text (brace lists and
   globs expanded, a path broken at a line end joined), and any bare file name with a source
@@ -409,6 +410,25 @@ def check_prose_flags(docs: dict[str, str], repo: Path = REPO) -> list[str]:
     return problems
 
 
+def check_test_names(docs: dict[str, str], repo: Path = REPO) -> list[str]:
+    """A test the docs cite by name (`test_length_is_checked_before_eos`, or a node id
+    `tests/x/test_y.py::test_z`) must be defined: in that file for a node id, else anywhere."""
+    this_file = Path(__file__).resolve()
+    by_file = {p: p.read_text() for p in (repo / "tests").rglob("*.py") if p.resolve() != this_file}
+    defined = set(re.findall(r"def (test_\w+)", "\n".join(by_file.values())))
+    problems = []
+    for doc, text in docs.items():
+        for number, line in enumerate(text.splitlines(), 1):
+            for path, name in re.findall(r"(?:([\w/.-]+\.py)::)?(?<![\w/.])(test_\w+)(?![\w.])",
+                                         line):
+                source = by_file.get(repo / path) if path else None
+                if path and source is not None and f"def {name}(" not in source:
+                    problems.append(f"{doc}:{number}: no test {name} in {path}")
+                elif name not in defined:
+                    problems.append(f"{doc}:{number}: no test named {name} under tests/")
+    return problems
+
+
 # ---------------------------------------------------------------------------------- tests
 
 def _all(extract) -> list[Claim]:
@@ -430,6 +450,21 @@ def test_doc_prose_flags_exist():
     docs = {str(doc.relative_to(REPO)): doc.read_text() for doc in DOCS}
     problems = check_prose_flags(docs)
     assert not problems, f"{len(problems)} doc flag claim(s) false:\n" + "\n".join(problems)
+
+
+def test_doc_test_names_exist():
+    docs = {str(doc.relative_to(REPO)): doc.read_text() for doc in DOCS}
+    problems = check_test_names(docs)
+    assert not problems, f"{len(problems)} doc test-name claim(s) false:\n" + "\n".join(problems)
+
+
+def test_planted_test_names_are_reported():
+    planted = ("held by `test_no_such_rule`, and by "
+               "`tests/engine/test_sim_backend.py::test_length_is_checked_before_eos`\n")
+    assert check_test_names({"doc.md": planted}) == [
+        "doc.md:1: no test named test_no_such_rule under tests/",
+        "doc.md:1: no test test_length_is_checked_before_eos in tests/engine/test_sim_backend.py",
+    ]
 
 
 def test_planted_prose_flag_is_reported():
