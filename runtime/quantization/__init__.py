@@ -20,7 +20,7 @@ from .base import (LinearMethod, KeptQuantizedMethod, get_method, linear_method_
 from .blocks import InputPermuted, QuantizedMatrix, dense
 
 # The method modules register themselves at import.
-from . import gguf_blocks, hf_int4, int8  # noqa: E402,F401  (isort: skip)
+from . import gguf_blocks, gguf_iq4_nl, hf_int4, int8  # noqa: E402,F401  (isort: skip)
 
 __all__ = ["InputPermuted", "KeptQuantizedMethod", "LinearMethod", "QuantizedMatrix", "dense",
            "get_method", "linear_method_for", "method_names", "register"]
