@@ -17,6 +17,7 @@ What counts as a claim:
 - a flag named in prose, away from its command ("`paged-run http` takes `--engine`"): it must
   be an option of some `paged-run` command or appear in the source of our scripts and test
   options (a looser net than the command check; other programs' flags are listed by name).
+- an import a doc shows (`from pagedrun.client import Client`): module and names must exist.
 - a test cited by name (`test_x`, `tests/y/test_z.py::test_x`): it must be defined there.
 - a path: any `runtime/`, `cuda/`, `pyx/`, `server/`, `tests/`, `benchmarks/`, `scripts/`,
   `docs/`, `clients/`, `python/`, `examples/` or `.ci/` path in the text (brace lists and
@@ -410,6 +411,25 @@ def check_prose_flags(docs: dict[str, str], repo: Path = REPO) -> list[str]:
     return problems
 
 
+_IMPORT_RE = re.compile(r"from (pagedrun(?:\.\w+)*) import ([\w, ]+)")
+
+
+def check_imports(docs: dict[str, str]) -> list[str]:
+    """Every `from pagedrun... import a, b` a doc shows must import (module and names)."""
+    problems = []
+    for doc, text in docs.items():
+        for number, line in enumerate(text.splitlines(), 1):
+            for module_name, names in _IMPORT_RE.findall(line):
+                try:
+                    module = importlib.import_module(module_name)
+                except ImportError as exc:
+                    problems.append(f"{doc}:{number}: import {module_name} fails: {exc}")
+                    continue
+                problems += [f"{doc}:{number}: {module_name} has no {name}"
+                             for name in re.findall(r"\w+", names) if not hasattr(module, name)]
+    return problems
+
+
 def check_test_names(docs: dict[str, str], repo: Path = REPO) -> list[str]:
     """A test the docs cite by name (`test_length_is_checked_before_eos`, or a node id
     `tests/x/test_y.py::test_z`) must be defined: in that file for a node id, else anywhere."""
@@ -456,6 +476,20 @@ def test_doc_test_names_exist():
     docs = {str(doc.relative_to(REPO)): doc.read_text() for doc in DOCS}
     problems = check_test_names(docs)
     assert not problems, f"{len(problems)} doc test-name claim(s) false:\n" + "\n".join(problems)
+
+
+def test_doc_imports_work():
+    docs = {str(doc.relative_to(REPO)): doc.read_text() for doc in DOCS}
+    assert sum(len(_IMPORT_RE.findall(t)) for t in docs.values()) >= 10   # the net sees them
+    problems = check_imports(docs)
+    assert not problems, f"{len(problems)} doc import claim(s) false:\n" + "\n".join(problems)
+
+
+def test_planted_imports_are_reported():
+    planted = "from pagedrun.client import Client, Clinet\nfrom pagedrun.no_such import X\n"
+    problems = check_imports({"doc.md": planted})
+    assert problems[0] == "doc.md:1: pagedrun.client has no Clinet"
+    assert problems[1].startswith("doc.md:2: import pagedrun.no_such fails") and len(problems) == 2
 
 
 def test_planted_test_names_are_reported():
