@@ -17,89 +17,35 @@ Gemma 3 text runs on it as well: its `FamilyFields` carry `GemmaFields` (GeGLU, 
 query_pre_attn_scalar, per-layer local/global kinds with their window and two rope bases), and
 ModelConfig turns them into the forward's fields.
 
-Adding a family: one `Architecture` here (plus a forward module under runtime/models/ when the
-Llama forward cannot express it) and its tests. Anything a family's config asks for that we
+Each entry carries its tensor map (runtime/families/base.py): the checkpoint tensors, the
+weight fields and fused GEMM group each fills, its tensor-parallel shard kind and its GGUF name.
+The safetensors loader, the shard loader and the GGUF converter walk that map.
+
+Adding a family: one `Architecture` (here, or in its own runtime/families/<name>.py when it
+needs more than a few lines; a forward module under runtime/models/ only when the Llama forward
+cannot express it) and its tests. Anything a family's config asks for that we
 cannot run exactly is a `ModelLoadError` naming the field, never a silently different model.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from .families.base import (  # noqa: F401 -- the registry's names, re-exported
+    FULL_ATTENTION_LAYER,
+    LLAMA_FORWARD,
+    LLAMA_TENSORS,
+    SLIDING_ATTENTION_LAYER,
+    Architecture,
+    ExpertNames,
+    FamilyFields,
+    GemmaFields,
+    MoeFields,
+    TensorMap,
+    decoder_tensors,
+)
 
 if TYPE_CHECKING:
     from .model_config import FieldReader
-
-# The forward of the Llama family (runtime/models/llama.py): RMSNorm, rotary grouped-query
-# attention (optional q/k/v/o biases, sliding window, per-head q/k RMSNorm), SwiGLU MLP or a
-# mixture of SwiGLU experts (runtime/models/moe.py) per layer.
-LLAMA_FORWARD = "llama"
-FULL_ATTENTION_LAYER = "full_attention"
-SLIDING_ATTENTION_LAYER = "sliding_attention"
-
-
-@dataclass(frozen=True)
-class MoeFields:
-    """A mixture-of-experts family's config (ModelConfig's fields of the same names)."""
-
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    norm_topk_prob: bool
-    moe_layers: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class FamilyFields:
-    """The ModelConfig fields a family decides (see ModelConfig for their meaning)."""
-
-    attention_bias: bool = False
-    o_proj_bias: bool = False
-    sliding_window: int | None = None
-    qk_norm: bool = False
-    moe: MoeFields | None = None
-    gemma: "GemmaFields | None" = None
-
-
-@dataclass(frozen=True)
-class GemmaFields:
-    """Gemma 3's departures from the Llama layer (ModelConfig's fields of the same names)."""
-
-    hidden_activation: str            # "gelu_pytorch_tanh": GeGLU MLP
-    embedding_scale: float            # sqrt(hidden_size), applied to looked-up embeddings
-    attention_scale: float            # query_pre_attn_scalar ** -0.5
-    layer_types: tuple[str, ...]      # per layer: SLIDING_ATTENTION_LAYER or FULL_ATTENTION_LAYER
-    local_sliding_window: int         # the window of the sliding layers
-    rope_theta: float                 # full-attention layers' base
-    rope_linear_factor: float | None  # full-attention layers' linear rope scaling, if any
-    local_rope_theta: float           # sliding layers' base (never scaled)
-
-
-@dataclass(frozen=True)
-class ExpertNames:
-    """Where a MoE layer's tensors live under `model.layers.{i}.`: the block prefix (Mixtral's
-    hub checkpoints say `block_sparse_moe.`, transformers 5 models `mlp.`; the loader takes the
-    first present), the router `{prefix}gate.weight` [num_experts, hidden], and either
-    per-expert matrices `{prefix}experts.{e}.{gate|up|down}.weight` (hub layout) or transformers
-    5's fused `{prefix}experts.gate_up_proj` [E, 2I, H] / `{prefix}experts.down_proj` [E, H, I]."""
-
-    prefixes: tuple[str, ...]
-    gate: str
-    up: str
-    down: str
-
-
-@dataclass(frozen=True)
-class Architecture:
-    name: str        # config.json "architectures" entry, e.g. "Qwen3ForCausalLM"
-    model_type: str  # config.json "model_type"; names the architecture when that list is absent
-    forward: str     # key of the model class in runtime/models/registry.py
-    read_fields: Callable[["FieldReader"], FamilyFields]
-    # head_dim when config.json has none: None = hidden_size / num_attention_heads (transformers'
-    # fallback); Qwen3's config class defaults it to 128 instead.
-    default_head_dim: int | None = None
-    # Mixture-of-experts families: their expert tensors' names (runtime/weights.py).
-    expert_names: ExpertNames | None = None
 
 
 def _llama_fields(reader: "FieldReader") -> FamilyFields:
@@ -297,19 +243,23 @@ QWEN3_DEFAULT_HEAD_DIM = 128
 MIXTRAL_EXPERTS = ExpertNames(("block_sparse_moe.", "mlp."), "w1", "w3", "w2")
 QWEN3_MOE_EXPERTS = ExpertNames(("mlp.",), "gate_proj", "up_proj", "down_proj")
 
+QWEN3_TENSORS = decoder_tensors(qk_norm=True)
+GEMMA3_TENSORS = decoder_tensors(qk_norm=True, sandwich_norms=True)
+
 ARCHITECTURES: tuple[Architecture, ...] = (
-    Architecture("LlamaForCausalLM", "llama", LLAMA_FORWARD, _llama_fields),
+    Architecture("LlamaForCausalLM", "llama", LLAMA_FORWARD, _llama_fields,
+                 gguf_arch="llama", gguf_rotary_permuted=True),
     Architecture("MistralForCausalLM", "mistral", LLAMA_FORWARD, _mistral_fields),
-    Architecture("Qwen2ForCausalLM", "qwen2", LLAMA_FORWARD, _qwen2_fields),
-    Architecture("Qwen3ForCausalLM", "qwen3", LLAMA_FORWARD, _qwen3_fields,
+    Architecture("Qwen2ForCausalLM", "qwen2", LLAMA_FORWARD, _qwen2_fields, gguf_arch="qwen2"),
+    Architecture("Qwen3ForCausalLM", "qwen3", LLAMA_FORWARD, _qwen3_fields, QWEN3_TENSORS,
                  default_head_dim=QWEN3_DEFAULT_HEAD_DIM),
     Architecture("MixtralForCausalLM", "mixtral", LLAMA_FORWARD, _mixtral_fields,
                  expert_names=MIXTRAL_EXPERTS),
     # Qwen3MoeConfig has no head_dim default: hidden / heads, as for Llama.
     Architecture("Qwen3MoeForCausalLM", "qwen3_moe", LLAMA_FORWARD, _qwen3_moe_fields,
-                 expert_names=QWEN3_MOE_EXPERTS),
+                 QWEN3_TENSORS, expert_names=QWEN3_MOE_EXPERTS),
     Architecture("Gemma3ForCausalLM", "gemma3_text", LLAMA_FORWARD, _gemma3_fields,
-                 default_head_dim=GEMMA3_DEFAULT_HEAD_DIM),
+                 GEMMA3_TENSORS, default_head_dim=GEMMA3_DEFAULT_HEAD_DIM, gguf_arch="gemma3"),
 )
 _BY_NAME = {arch.name: arch for arch in ARCHITECTURES}
 _BY_MODEL_TYPE = {arch.model_type: arch for arch in ARCHITECTURES}
@@ -320,6 +270,11 @@ SUPPORTED_MODEL_TYPES = tuple(arch.model_type for arch in ARCHITECTURES)
 def find_architecture(name: str) -> Architecture | None:
     """The registered architecture called `name`, or None."""
     return _BY_NAME.get(name)
+
+
+def gguf_architecture(gguf_arch: str) -> Architecture | None:
+    """The registered architecture whose GGUF files say `general.architecture` gguf_arch."""
+    return next((arch for arch in ARCHITECTURES if arch.gguf_arch == gguf_arch), None)
 
 
 def architecture_of(reader: "FieldReader") -> Architecture:

@@ -32,6 +32,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from pagedrun.runtime.architectures import ARCHITECTURES, gguf_architecture
 from pagedrun.runtime.errors import ModelLoadError
 
 # Bump when the written directory changes in any way; default_model.py keys its cache on it.
@@ -46,12 +47,10 @@ OUTPUT_FILES = (
     "tokenizer_config.json",
 )
 
-# GGUF architecture name -> (HF model_type, HF architectures entry, q/k rows permuted?)
-_ARCHITECTURES = {
-    "llama": ("llama", "LlamaForCausalLM", True),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
-    "gemma3": ("gemma3_text", "Gemma3ForCausalLM", False),
-}
+# GGUF architecture name -> (HF model_type, HF architectures entry, q/k rows permuted?): the
+# registered architectures that name a `gguf_arch` (runtime/architectures.py).
+_ARCHITECTURES = {arch.gguf_arch: (arch.model_type, arch.name, arch.gguf_rotary_permuted)
+                  for arch in ARCHITECTURES if arch.gguf_arch is not None}
 GEMMA3 = "gemma3"
 # What llama.cpp's gemma3 GGUFs leave out and its runtime assumes: every 6th layer global, local
 # layers at rope base 10000, and Gemma's (1 + w) norms stored as w + 1 by its converter.
@@ -220,39 +219,24 @@ def _rope_scaling(meta: GGUFMetadata) -> dict | None:
 
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The Hugging Face name of a GGUF tensor of architecture `arch`; None for tensors HF does
-    not store. Gemma 3's ffn_norm is the MLP input's norm (HF pre_feedforward_layernorm) and it
-    has three more norms per layer."""
-    fixed = {
-        "token_embd.weight": "model.embed_tokens.weight",
-        "output_norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight",
-    }
-    if gguf_name in fixed:
-        return fixed[gguf_name]
+    not store (or an architecture not registered). The names are the architecture's tensor map's
+    (runtime/families/base.py): Gemma 3's ffn_norm is the MLP input's norm (HF
+    pre_feedforward_layernorm), and it has three more norms per layer."""
+    architecture = gguf_architecture(arch)
+    if architecture is None:
+        return None
+    tensors = architecture.tensors
+    for entry in tensors.model:
+        if entry.gguf == gguf_name:
+            return entry.name
     parts = gguf_name.split(".")
-    if len(parts) != 4 or parts[0] != "blk" or not parts[1].isdigit():
+    if len(parts) < 3 or parts[0] != "blk" or not parts[1].isdigit():
         return None
-    layer, role, kind = parts[1], parts[2], parts[3]
-    per_layer = {
-        "attn_norm": "input_layernorm",
-        "ffn_norm": "post_attention_layernorm",
-        "attn_q": "self_attn.q_proj",
-        "attn_k": "self_attn.k_proj",
-        "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.o_proj",
-        "ffn_gate": "mlp.gate_proj",
-        "ffn_up": "mlp.up_proj",
-        "ffn_down": "mlp.down_proj",
-        "attn_q_norm": "self_attn.q_norm",
-        "attn_k_norm": "self_attn.k_norm",
-    }
-    if arch == GEMMA3:
-        per_layer.update(ffn_norm="pre_feedforward_layernorm",
-                         post_attention_norm="post_attention_layernorm",
-                         post_ffw_norm="post_feedforward_layernorm")
-    if role not in per_layer or kind not in ("weight", "bias"):
-        return None
-    return f"model.layers.{layer}.{per_layer[role]}.{kind}"
+    pattern = ".".join(["blk", "{i}", *parts[2:]])
+    for entry in tensors.layer:
+        if entry.gguf == pattern:
+            return entry.name.format(i=int(parts[1]))
+    return None
 
 
 def dequantize_tensor(tensor: Any) -> np.ndarray:

@@ -29,7 +29,8 @@ from pagedrun.runtime.lora.lora_ops import LoRABatch
 from pagedrun.runtime.lora.peft_loader import load_peft_adapter
 from pagedrun.runtime.lora.weight_stack import LoRAWeightStack
 from pagedrun.runtime.model_config import ModelConfig
-from pagedrun.runtime.models.llama import AttentionInputs, LlamaModel
+from pagedrun.runtime.models.llama import AttentionInputs
+from pagedrun.runtime.models.registry import build_model
 from pagedrun.runtime.weights import ModelWeights
 
 KV_DTYPE = np.float32
@@ -161,7 +162,7 @@ class ModelRunner:
                  num_cpu_blocks: int = 0, model=None,
                  logits_on_device: bool | None = None, lora_config: LoRAConfig | None = None,
                  load_adapter=None) -> None:
-        """`model`: a prebuilt forward to use instead of LlamaModel(config, weights) (a
+        """`model`: a prebuilt forward to use instead of the registry's for `config` (a
         tensor-parallel rank's shard; `config` is then that rank's config, see
         runtime/distributed/sharding.py, so the KV pools hold only its KV heads).
         `num_gpu_blocks`: allocate the KV pools now (else call `allocate_kv_cache` later).
@@ -177,8 +178,8 @@ class ModelRunner:
                                  else logits_on_device)
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.model = model if model is not None else LlamaModel(config, weights, ops,
-                                                                max_position=max_model_len)
+        self.model = (model if model is not None
+                      else build_model(config, weights, ops, max_position=max_model_len))
         self.lora_config = lora_config
         self.lora_stack = None
         self._load_adapter = load_adapter

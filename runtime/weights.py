@@ -15,9 +15,10 @@ file and the tensor, never a numpy or Rust traceback.
 Layout: weight matrices keep Hugging Face's `[out_features, in_features]` layout, so a linear
 layer is `y = x @ W.T (+ b)`. Norm weights are `[hidden_size]` (Qwen3's per-head q/k norms:
 `[head_dim]`); Gemma's (1 + w) norms are stored here already folded (`norm_weight_offset`
-added at load), so the reference and every backend apply them as plain w. Which optional
-tensors a layer has follows the config's family fields (runtime/architectures.py): biases,
-QK-norm, experts, Gemma's feed-forward norms. With tied embeddings `lm_head` is the very same
+added at load), so the reference and every backend apply them as plain w. Which tensors a
+layer has, and which weight field each fills, is the architecture's tensor map
+(runtime/families/base.py; presence may follow config fields: biases, MoE layers' dense MLP).
+With tied embeddings `lm_head` is the very same
 array object as `embed_tokens`.
 
 Mixture-of-experts layers (config.moe_layers) hold the router and every expert stacked, in the
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .architectures import find_architecture
+from .families.base import NORM, TensorEntry, dim_size
 from .errors import ModelLoadError
 from .model_config import ModelConfig
 
@@ -281,23 +283,25 @@ class SafetensorsCheckpoint:
 
 @dataclass
 class LayerWeights:
-    """One decoder layer. Matrices are [out_features, in_features]; biases are [out_features]."""
+    """One decoder layer. Matrices are [out_features, in_features]; biases are [out_features].
+    Which fields a family fills is its tensor map's (runtime/families/base.py); the rest stay
+    None."""
 
-    input_layernorm: np.ndarray           # [hidden_size]
-    q_proj: np.ndarray                    # [num_attention_heads * head_dim, hidden_size]
-    k_proj: np.ndarray                    # [num_key_value_heads * head_dim, hidden_size]
-    v_proj: np.ndarray                    # [num_key_value_heads * head_dim, hidden_size]
-    o_proj: np.ndarray                    # [hidden_size, num_attention_heads * head_dim]
+    input_layernorm: np.ndarray | None = None           # [hidden_size]
+    q_proj: np.ndarray | None = None      # [num_attention_heads * head_dim, hidden_size]
+    k_proj: np.ndarray | None = None      # [num_key_value_heads * head_dim, hidden_size]
+    v_proj: np.ndarray | None = None      # [num_key_value_heads * head_dim, hidden_size]
+    o_proj: np.ndarray | None = None      # [hidden_size, num_attention_heads * head_dim]
     # The biases are present if config.attention_bias, else None.
-    q_bias: np.ndarray | None             # [num_attention_heads * head_dim]
-    k_bias: np.ndarray | None             # [num_key_value_heads * head_dim]
-    v_bias: np.ndarray | None             # [num_key_value_heads * head_dim]
-    o_bias: np.ndarray | None             # [hidden_size] if config.o_proj_bias
-    post_attention_layernorm: np.ndarray  # [hidden_size]
+    q_bias: np.ndarray | None = None      # [num_attention_heads * head_dim]
+    k_bias: np.ndarray | None = None      # [num_key_value_heads * head_dim]
+    v_bias: np.ndarray | None = None      # [num_key_value_heads * head_dim]
+    o_bias: np.ndarray | None = None      # [hidden_size] if config.o_proj_bias
+    post_attention_layernorm: np.ndarray | None = None  # [hidden_size]
     # The dense MLP; None in a mixture-of-experts layer.
-    gate_proj: np.ndarray | None          # [intermediate_size, hidden_size]
-    up_proj: np.ndarray | None            # [intermediate_size, hidden_size]
-    down_proj: np.ndarray | None          # [hidden_size, intermediate_size]
+    gate_proj: np.ndarray | None = None   # [intermediate_size, hidden_size]
+    up_proj: np.ndarray | None = None     # [intermediate_size, hidden_size]
+    down_proj: np.ndarray | None = None   # [hidden_size, intermediate_size]
     # Per-head RMSNorm weights of q and k, present if config.qk_norm (Qwen3), else None.
     q_norm: np.ndarray | None = None      # [head_dim]
     k_norm: np.ndarray | None = None      # [head_dim]
@@ -329,8 +333,9 @@ def load_model_weights(
     dtype: np.dtype | type = np.float32,
     linears: dict | None = None,
 ) -> ModelWeights:
-    """Load every weight of a Llama-family model directory (every registered architecture) as
-    `dtype` (float64/32/16) arrays.
+    """Load every weight of a model directory of any registered architecture as `dtype`
+    (float64/32/16) arrays: the tensors its tensor map lists (runtime/families/base.py),
+    fused checkpoint tensors split into their weight fields, plus MoE layers' experts.
 
     `config` defaults to the directory's own config.json. Extra tensors in the files (e.g. old
     `rotary_emb.inv_freq` buffers) are ignored; a missing or misshaped one is a ModelLoadError.
@@ -343,8 +348,7 @@ def load_model_weights(
     if config is None:
         config = ModelConfig.from_model_dir(model_dir)
     checkpoint = SafetensorsCheckpoint(model_dir)
-    hidden, vocab, inter = config.hidden_size, config.vocab_size, config.intermediate_size
-    q_size, kv_size = config.q_size, config.kv_size
+    tensor_map = find_architecture(config.architecture).tensors
 
     def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
         if linears and name in linears:
@@ -354,57 +358,42 @@ def load_model_weights(
             return linears[name]
         return checkpoint.get(name, shape, dtype)
 
-    def norm(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        # Gemma's (1 + w) folded here, so every RMSNorm op and kernel serves it as plain w.
-        weight = get(name, shape)
-        offset = config.norm_weight_offset
-        if offset == 0:
-            return weight
-        wide = np.promote_types(dtype, np.float32)  # torch adds in float32 (float64 stays)
-        return (weight.astype(wide) + wide.type(offset)).astype(dtype)
+    def read(entry: TensorEntry, layer_index: int = 0) -> dict[str, np.ndarray]:
+        """{weight field: array} of one map entry (several for a fused checkpoint tensor)."""
+        name = entry.name.format(i=layer_index)
+        tensor = get(name, entry.shape(config))
+        if entry.group == NORM and config.norm_weight_offset:
+            # Gemma's (1 + w) folded here, so every RMSNorm op and kernel serves it as plain w;
+            # torch adds in float32 (float64 stays).
+            wide = np.promote_types(dtype, np.float32)
+            tensor = (tensor.astype(wide) + wide.type(config.norm_weight_offset)).astype(dtype)
+        if len(entry.parts) == 1:
+            return {entry.parts[0].field: tensor}
+        if not isinstance(tensor, np.ndarray):
+            raise ModelLoadError(model_dir, "a fused tensor in a quantized form is not split "
+                                 "here", tensor=name)
+        rows = [dim_size(config, part.dim) for part in entry.parts]
+        pieces = np.split(tensor, np.cumsum(rows)[:-1], axis=0)
+        return {part.field: np.ascontiguousarray(piece)
+                for part, piece in zip(entry.parts, pieces)}
 
-    sandwich = config.post_sublayer_norms
     layers = []
     for i in range(config.num_hidden_layers):
-        prefix = f"model.layers.{i}."
-        attn = prefix + "self_attn."
-        mlp = prefix + "mlp."
-        has_qkv_bias, has_o_bias = config.attention_bias, config.o_proj_bias
-        head_dim = (config.head_dim,)
-        moe = config.is_moe_layer(i)
-        router, gate_up, down = read_experts(checkpoint, config, i, dtype) if moe else (None,) * 3
-        layers.append(LayerWeights(
-            input_layernorm=norm(prefix + "input_layernorm.weight", (hidden,)),
-            q_proj=get(attn + "q_proj.weight", (q_size, hidden)),
-            k_proj=get(attn + "k_proj.weight", (kv_size, hidden)),
-            v_proj=get(attn + "v_proj.weight", (kv_size, hidden)),
-            o_proj=get(attn + "o_proj.weight", (hidden, q_size)),
-            q_bias=get(attn + "q_proj.bias", (q_size,)) if has_qkv_bias else None,
-            k_bias=get(attn + "k_proj.bias", (kv_size,)) if has_qkv_bias else None,
-            v_bias=get(attn + "v_proj.bias", (kv_size,)) if has_qkv_bias else None,
-            o_bias=get(attn + "o_proj.bias", (hidden,)) if has_o_bias else None,
-            post_attention_layernorm=norm(prefix + "post_attention_layernorm.weight", (hidden,)),
-            gate_proj=None if moe else get(mlp + "gate_proj.weight", (inter, hidden)),
-            up_proj=None if moe else get(mlp + "up_proj.weight", (inter, hidden)),
-            down_proj=None if moe else get(mlp + "down_proj.weight", (hidden, inter)),
-            q_norm=norm(attn + "q_norm.weight", head_dim) if config.qk_norm else None,
-            k_norm=norm(attn + "k_norm.weight", head_dim) if config.qk_norm else None,
-            router=router, experts_gate_up=gate_up, experts_down=down,
-            pre_feedforward_layernorm=norm(prefix + "pre_feedforward_layernorm.weight",
-                                           (hidden,)) if sandwich else None,
-            post_feedforward_layernorm=norm(prefix + "post_feedforward_layernorm.weight",
-                                            (hidden,)) if sandwich else None,
-        ))
-    embed_tokens = get("model.embed_tokens.weight", (vocab, hidden))
-    # Tied models may still store lm_head.weight; transformers ignores it, and so do we.
-    lm_head = embed_tokens if config.tie_word_embeddings else get("lm_head.weight", (vocab, hidden))
-    return ModelWeights(
-        config=config,
-        embed_tokens=embed_tokens,
-        layers=layers,
-        norm=norm("model.norm.weight", (hidden,)),
-        lm_head=lm_head,
-    )
+        fields: dict[str, np.ndarray] = {}
+        for entry in tensor_map.layer:
+            if entry.present(config, i):
+                fields.update(read(entry, i))
+        if config.is_moe_layer(i):
+            fields["router"], fields["experts_gate_up"], fields["experts_down"] = read_experts(
+                checkpoint, config, i, dtype)
+        layers.append(LayerWeights(**fields))
+    tops: dict[str, np.ndarray] = {}
+    for entry in tensor_map.model:
+        if entry.present(config):
+            tops.update(read(entry))
+    if config.tie_word_embeddings:
+        tops["lm_head"] = tops["embed_tokens"]
+    return ModelWeights(config=config, layers=layers, **tops)
 
 
 def read_experts(

@@ -1,6 +1,7 @@
 """Megatron-style sharding of a Llama-family model: which slice of which tensor each rank holds.
 
-Per layer (HF [out, in] matrices):
+Each tensor's shard kind is its architecture's tensor map's (runtime/families/base.py); this
+module turns the kinds into slices. Per layer (HF [out, in] matrices):
 - q_proj, k_proj, v_proj (and their biases), gate_proj, up_proj: column-parallel, i.e. split
   along `out`; rank r holds query heads [r * H/tp, (r+1) * H/tp) and the matching rows.
 - o_proj, down_proj: row-parallel, split along `in`; each rank's product is a partial sum and is
@@ -31,7 +32,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pagedrun.runtime.architectures import find_architecture
 from pagedrun.runtime.errors import PagedRunError
+from pagedrun.runtime.families.base import (
+    COLUMN,
+    DIM_INTER,
+    DIM_KV,
+    DIM_Q,
+    NORM,
+    REPLICATED,
+    ROW,
+    ROW_BIAS,
+    VOCAB,
+    Part,
+    TensorEntry,
+    dim_size,
+)
 from pagedrun.runtime.model_config import ModelConfig
 from pagedrun.runtime.weights import (
     LayerWeights,
@@ -128,13 +144,30 @@ def _rows(start: int, count: int, unit: int = 1) -> slice:
     return slice(start * unit, (start + count) * unit)
 
 
-def _vocab_slice(read, name: str, spec: ShardSpec, hidden: int) -> np.ndarray:
-    """[spec.vocab_size, hidden] rows of an embedding-like tensor, zero-padded past the vocab."""
+def _vocab_slice(read, spec: ShardSpec, hidden: int) -> np.ndarray:
+    """[spec.vocab_size, hidden] rows of an embedding-like tensor (read(index) reads rows of
+    it), zero-padded past the vocab."""
     real = spec.num_real_vocab
     out = np.zeros((spec.vocab_size, hidden), np.float32)
     if real:
-        out[:real] = read(name, (slice(spec.vocab_start, spec.vocab_start + real),))
+        out[:real] = read((slice(spec.vocab_start, spec.vocab_start + real),))
     return out
+
+
+def _part_index(entry: TensorEntry, part: Part, spec: ShardSpec,
+                ranges: dict[str, slice]) -> tuple | None:
+    """The index into `part` (its own rows, the tensor's columns) rank `spec.rank` holds, by
+    the entry's shard kind; None when the rank holds nothing of it."""
+    everything = slice(None)
+    if entry.shard == COLUMN:
+        return (ranges[part.dim],)
+    if entry.shard == ROW:
+        return (everything, ranges[entry.cols])
+    if entry.shard == ROW_BIAS:  # added once, before the all-reduce, by rank 0 only
+        return (everything,) if spec.rank == 0 else None
+    if entry.shard == REPLICATED:
+        return (everything,)
+    raise ValueError(f"{entry.name}: no part index for shard kind {entry.shard!r}")
 
 
 def load_shard(source, config: ModelConfig, spec: ShardSpec, layers: range | None = None,
@@ -143,77 +176,77 @@ def load_shard(source, config: ModelConfig, spec: ShardSpec, layers: range | Non
     in-memory ModelWeights (tests). Shapes are the rank's: see `rank_config`.
     A pipeline stage reads only its `layers` (model-wide indices; None: all), the embedding
     only when `embed` (the first stage) and the final norm and LM head only when `head` (the
-    last); what it skips is None in the result."""
+    last); what it skips is None in the result.
+    Walks the architecture's tensor map (runtime/families/base.py): each part of each
+    checkpoint tensor is cut by its shard kind, so a fused tensor (Phi-3's qkv_proj) gives each
+    rank its heads of q, k and v."""
     moe_inter = slice(spec.moe_inter_start, spec.moe_inter_start + spec.moe_inter_size)
+    tensor_map = find_architecture(config.architecture).tensors
     if isinstance(source, ModelWeights):
-        def read(name: str, index: tuple) -> np.ndarray:
-            return np.ascontiguousarray(_in_memory(source, name)[index], dtype=np.float32)
+        def read(entry: TensorEntry, part: Part, index: tuple, i: int) -> np.ndarray:
+            holder = source if i < 0 else source.layers[i]
+            return np.ascontiguousarray(getattr(holder, part.field)[index], dtype=np.float32)
 
         def experts(i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             return _experts_in_memory(source.layers[i], config, moe_inter)
+
+        # ModelWeights hold Gemma's (1 + w) norms folded already (weights.py).
+        offset = 0.0
     else:
         checkpoint = SafetensorsCheckpoint(source)
 
-        def read(name: str, index: tuple) -> np.ndarray:
-            return checkpoint.get(name, dtype=np.float32, index=index)
+        def read(entry: TensorEntry, part: Part, index: tuple, i: int) -> np.ndarray:
+            # The part's rows, moved to where it starts in the (maybe fused) tensor.
+            start = entry.row_offsets(config)[entry.parts.index(part)]
+            rows = index[0].indices(dim_size(config, part.dim))
+            shifted = (slice(start + rows[0], start + rows[1]), *index[1:])
+            return checkpoint.get(entry.name.format(i=max(i, 0)), entry.shape(config),
+                                  np.float32, index=shifted)
 
         def experts(i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             return read_experts(checkpoint, config, i, np.float32, moe_inter)
 
-    # Gemma's (1 + w) norms: a checkpoint stores w, ModelWeights (weights.py) hold 1 + w.
-    offset = 0.0 if isinstance(source, ModelWeights) else config.norm_weight_offset
+        offset = config.norm_weight_offset
 
-    def norm(name: str) -> np.ndarray:
-        weight = read(name, (slice(None),))
-        return weight + np.float32(offset) if offset else weight
+    hd = config.head_dim
+    ranges = {DIM_Q: _rows(spec.head_start, spec.num_heads, hd),
+              DIM_KV: _rows(spec.kv_head_start, spec.num_kv_heads, hd),
+              DIM_INTER: _rows(spec.inter_start, spec.inter_size)}
 
-    hd, hidden = config.head_dim, config.hidden_size
-    q_rows = _rows(spec.head_start, spec.num_heads, hd)
-    kv_rows = _rows(spec.kv_head_start, spec.num_kv_heads, hd)
-    inter_rows = _rows(spec.inter_start, spec.inter_size)
-    everything = (slice(None),)
+    def take(entry: TensorEntry, i: int = -1) -> dict[str, np.ndarray | None]:
+        """{field: this rank's slice} of one entry (i: the layer, -1 for model entries)."""
+        out: dict[str, np.ndarray | None] = {}
+        for part in entry.parts:
+            if entry.shard == VOCAB:
+                out[part.field] = _vocab_slice(
+                    lambda index: read(entry, part, index, i), spec, config.hidden_size)
+                continue
+            index = _part_index(entry, part, spec, ranges)
+            value = None if index is None else read(entry, part, index, i)
+            if value is not None and entry.group == NORM and offset:
+                value = value + np.float32(offset)
+            out[part.field] = value
+        return out
+
     layer_weights = []
     for i in (range(config.num_hidden_layers) if layers is None else layers):
-        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        bias = config.attention_bias
-        moe = config.is_moe_layer(i)
-        router, gate_up, down = experts(i) if moe else (None, None, None)
-        layer_weights.append(LayerWeights(
-            input_layernorm=norm(f"model.layers.{i}.input_layernorm.weight"),
-            q_proj=read(attn + "q_proj.weight", (q_rows,)),
-            k_proj=read(attn + "k_proj.weight", (kv_rows,)),
-            v_proj=read(attn + "v_proj.weight", (kv_rows,)),
-            o_proj=read(attn + "o_proj.weight", (slice(None), q_rows)),
-            q_bias=read(attn + "q_proj.bias", (q_rows,)) if bias else None,
-            k_bias=read(attn + "k_proj.bias", (kv_rows,)) if bias else None,
-            v_bias=read(attn + "v_proj.bias", (kv_rows,)) if bias else None,
-            # Row-parallel bias: added once, before the all-reduce, by rank 0 only.
-            o_bias=(read(attn + "o_proj.bias", everything)
-                    if config.o_proj_bias and spec.rank == 0 else None),
-            post_attention_layernorm=norm(f"model.layers.{i}.post_attention_layernorm.weight"),
-            gate_proj=None if moe else read(mlp + "gate_proj.weight", (inter_rows,)),
-            up_proj=None if moe else read(mlp + "up_proj.weight", (inter_rows,)),
-            down_proj=None if moe else read(mlp + "down_proj.weight", (slice(None), inter_rows)),
-            # Qwen3's per-head QK-norm: replicated, since a rank norms whole heads.
-            q_norm=norm(attn + "q_norm.weight") if config.qk_norm else None,
-            k_norm=norm(attn + "k_norm.weight") if config.qk_norm else None,
-            router=router, experts_gate_up=gate_up, experts_down=down,
-            # Gemma 3's norms around the MLP: replicated like every norm.
-            pre_feedforward_layernorm=(norm(f"model.layers.{i}.pre_feedforward_layernorm.weight")
-                                       if config.post_sublayer_norms else None),
-            post_feedforward_layernorm=(
-                norm(f"model.layers.{i}.post_feedforward_layernorm.weight")
-                if config.post_sublayer_norms else None),
-        ))
+        fields: dict[str, np.ndarray | None] = {}
+        for entry in tensor_map.layer:
+            if entry.present(config, i):
+                fields.update(take(entry, i))
+        if config.is_moe_layer(i):
+            fields["router"], fields["experts_gate_up"], fields["experts_down"] = experts(i)
+        layer_weights.append(LayerWeights(**fields))
+    by_field = {part.field: entry for entry in tensor_map.model for part in entry.parts}
     tied = config.tie_word_embeddings
-    table = (_vocab_slice(read, "model.embed_tokens.weight", spec, hidden)
+    table = (take(by_field["embed_tokens"])["embed_tokens"]
              if embed or (head and tied) else None)
     lm_head = None
     if head:
-        lm_head = table if tied else _vocab_slice(read, "lm_head.weight", spec, hidden)
+        lm_head = table if tied else take(by_field["lm_head"])["lm_head"]
     return ModelWeights(config=rank_config(config, spec), embed_tokens=table if embed else None,
-                        layers=layer_weights, norm=norm("model.norm.weight") if head else None,
-                        lm_head=lm_head)
+                        layers=layer_weights,
+                        norm=take(by_field["norm"])["norm"] if head else None, lm_head=lm_head)
 
 
 def _experts_in_memory(layer: LayerWeights, config: ModelConfig,
@@ -226,20 +259,3 @@ def _experts_in_memory(layer: LayerWeights, config: ModelConfig,
             np.ascontiguousarray(np.concatenate([gate_up[:, inter], gate_up[:, up]], axis=1),
                                  dtype=np.float32),
             np.ascontiguousarray(layer.experts_down[:, :, inter], dtype=np.float32))
-
-
-def _in_memory(weights: ModelWeights, name: str) -> np.ndarray:
-    """The HF-named tensor of an in-memory ModelWeights."""
-    if name == "model.embed_tokens.weight":
-        return weights.embed_tokens
-    if name == "lm_head.weight":
-        return weights.lm_head
-    if name == "model.norm.weight":
-        return weights.norm
-    _, _, index, group, field = name.split(".", 4)
-    layer = weights.layers[int(index)]
-    field = field.replace(".weight", "").replace("_proj.bias", "_bias")
-    if group in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                 "post_feedforward_layernorm"):
-        return getattr(layer, group)
-    return getattr(layer, field)

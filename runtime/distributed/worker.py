@@ -15,7 +15,8 @@ Life of a worker (the driver's side is executor.py; the messages are listed ther
      converted cache on this node), or None (this node's default model); device, dtype, KV
      sizes, the communicator's address or the NCCL unique id);
   3. read only its shard from the safetensors files, build its communicator (its hello carries
-     a MAC under the session key), its ShardedLlamaModel and a ModelRunner whose KV pools hold
+     a MAC under the session key), its model (the registry's forward with a TensorParallel
+     over that communicator) and a ModelRunner whose KV pools hold
      only its KV heads; report ready;
   4. loop: each step message -> `runner.execute` (the collectives inside keep the ranks in step;
      rank 0 gathers the logits); `shutdown` -> exit 0.
@@ -73,11 +74,12 @@ def build_rank(plan: dict, rank: int, comm, ops=None):
     """This rank's ModelRunner over its shard (rank 0 too: executor.py calls this in-process,
     with the engine's backend as `ops`)."""
     from pagedrun.runtime.backends import make_backend
-    from pagedrun.runtime.distributed.sharded_model import ShardedLlamaModel
     from pagedrun.runtime.distributed.sharding import load_shard, rank_config, shard_spec
+    from pagedrun.runtime.distributed.tensor_parallel import TensorParallel
     from pagedrun.runtime.model_config import ModelConfig
     from pagedrun.runtime.model_loader import resolve_model_dir
     from pagedrun.runtime.model_runner import ModelRunner
+    from pagedrun.runtime.models.registry import build_model
 
     model_dir = resolve_model_dir(plan["model"])
     config = ModelConfig.from_model_dir(model_dir)
@@ -95,8 +97,8 @@ def build_rank(plan: dict, rank: int, comm, ops=None):
     local_config = dataclasses.replace(rank_config(config, spec), num_hidden_layers=end - start)
     weights = load_shard(model_dir, config, spec, layers=range(start, end), embed=stage == 0,
                          head=layout.is_last(rank))
-    model = ShardedLlamaModel(local_config, weights, ops, plan["max_model_len"], spec, comm,
-                              first_layer=start)
+    model = build_model(local_config, weights, ops, plan["max_model_len"], first_layer=start,
+                        tp=TensorParallel(spec, comm, ops))
     lora_config = load_adapter = None
     if plan.get("lora") is not None:  # adapters: this rank's shard of each, from the full config
         from pagedrun.runtime.lora.lora_config import LoRAConfig

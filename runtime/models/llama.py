@@ -46,6 +46,7 @@ import numpy as np
 
 from pagedrun.runtime.model_config import ModelConfig
 from pagedrun.runtime.models.moe import MoeBlock
+from pagedrun.runtime.models.tensor_parallel import SINGLE_DEVICE
 from pagedrun.runtime.quantization import linear_method_for
 from pagedrun.runtime.rope import build_cos_sin_cache, model_inv_freq
 from pagedrun.runtime.weights import ModelWeights
@@ -106,18 +107,21 @@ class LlamaModel:
     in)."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, ops, max_position: int,
-                 first_layer: int = 0) -> None:
+                 first_layer: int = 0, tp=SINGLE_DEVICE) -> None:
         """first_layer: the model-wide index of weights.layers[0] (a pipeline stage holds
         layers first_layer .. first_layer + len - 1; rope bases, sliding windows and MoE layers
         are looked up by that index). A stage without the embedding or the LM head has
-        weights.embed_tokens / weights.lm_head None (runtime/distributed/pipeline.py)."""
+        weights.embed_tokens / weights.lm_head None (runtime/distributed/pipeline.py).
+        tp: the rank's tensor parallelism (runtime/models/tensor_parallel.py); config and
+        weights are then the rank's shard (runtime/distributed/sharding.py)."""
         self.config = config
         self.ops = ops
         self.first_layer = first_layer
+        self.tp = tp
         # How the GEMM weights are held and multiplied (runtime/quantization/).
         self.linear_method = method = linear_method_for(ops)
         # A table kept in blocks stays so: embed() dequantizes the rows a step reads.
-        self.embed_tokens = method.embedding_table(weights.embed_tokens)
+        self.embed_tokens = tp.embedding_table(method.embedding_table(weights.embed_tokens))
         # [max_position, head_dim] float32 rows [cos | sin]: the reference's float64 angles
         # (runtime/rope.py), so the paged forward rotates exactly as the reference does. Gemma 3's
         # local layers have their own base: one table per distinct base.
@@ -166,11 +170,11 @@ class LlamaModel:
         self.act_and_mul = (ops.silu_and_mul if config.hidden_activation == "silu"
                             else ops.gelu_tanh_and_mul)
         # A backend's compiled pure-decode step (the compiled cpu backends: all layers in
-        # one call, the per-op path's bits), or None. Not for subclasses: tensor parallelism
-        # overrides embed / all_reduce / logits. `forward` takes it per step where it applies.
+        # one call, the per-op path's bits), or None. Not under tensor parallelism (the loop runs no
+        # collective) nor for subclasses. `forward` takes it per step where it applies.
         make_decode_loop = getattr(ops, "make_decode_loop", None)
         self.decode_loop = (make_decode_loop(self) if make_decode_loop is not None
-                            and type(self) is LlamaModel else None)
+                            and type(self) is LlamaModel and tp.single_device else None)
 
     def forward(self, token_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
                 attn: AttentionInputs, k_caches: list[np.ndarray], v_caches: list[np.ndarray],
@@ -270,17 +274,18 @@ class LlamaModel:
         rows = self.ops.xp.ascontiguousarray(x).reshape(-1, x.shape[-1])
         return self.ops.rms_norm(rows, weight, self.config.rms_norm_eps).reshape(x.shape)
 
-    # Tensor parallelism overrides these three (runtime/distributed/sharded_model.py): a rank's
-    # embedding is a masked lookup into its vocabulary slice, the row-parallel o_proj / down_proj
-    # (or experts') outputs are partial sums to all-reduce, and its LM head logits are gathered
-    # to rank 0.
+    # Where tensor-parallel ranks meet (self.tp, runtime/distributed/tensor_parallel.py): a
+    # rank's embedding is a masked lookup into its vocabulary slice, the row-parallel o_proj /
+    # down_proj (or experts') outputs are partial sums to all-reduce, and its LM head logits are
+    # gathered to rank 0. One device: SINGLE_DEVICE, the identity.
     def embed(self, token_ids: np.ndarray):
         """token_ids: [num_tokens] int32 -> [num_tokens, hidden] activations."""
-        return self.linear_method.embed(self.ops, token_ids, self.embed_tokens)
+        ids = self.tp.local_token_ids(token_ids)
+        return self.tp.all_reduce(self.linear_method.embed(self.ops, ids, self.embed_tokens))
 
     def all_reduce(self, x):
         """The sum of x over tensor-parallel ranks; one rank: x itself."""
-        return x
+        return self.tp.all_reduce(x)
 
     def _attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                    attn: AttentionInputs, sliding_window: int | None = None) -> np.ndarray:
@@ -308,4 +313,5 @@ class LlamaModel:
     def logits(self, x: np.ndarray, residual: np.ndarray) -> np.ndarray:
         """Final norm and LM head for the given rows: [rows, hidden] x2 -> [rows, vocab] float32."""
         h, _ = self.ops.fused_add_rms_norm(x, residual, self.norm, self.config.rms_norm_eps)
-        return self.linear_method.apply(self.ops, h, self.lm_head, out_dtype=np.float32)
+        return self.tp.gather_logits(
+            self.linear_method.apply(self.ops, h, self.lm_head, out_dtype=np.float32))

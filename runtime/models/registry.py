@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pagedrun.runtime.architectures import LLAMA_FORWARD, find_architecture
 from pagedrun.runtime.model_config import ModelConfig
 from pagedrun.runtime.models.llama import LlamaModel
+from pagedrun.runtime.models.tensor_parallel import SINGLE_DEVICE
 from pagedrun.runtime.weights import load_model_weights
 
 
@@ -43,6 +44,10 @@ def forward_of(config: ModelConfig) -> Forward:
     return FORWARDS[architecture.forward]
 
 
-def build_model(config: ModelConfig, weights, ops, max_position: int):
-    """The forward of `config`'s architecture over `weights`, on backend `ops`."""
-    return forward_of(config).model_class(config, weights, ops, max_position)
+def build_model(config: ModelConfig, weights, ops, max_position: int, *, first_layer: int = 0,
+                tp=SINGLE_DEVICE):
+    """The forward of `config`'s architecture over `weights`, on backend `ops`. A pipeline
+    stage's model starts at model-wide layer `first_layer`; a tensor-parallel rank's gets its
+    `tp` (runtime/distributed/tensor_parallel.py; config and weights are then the rank's)."""
+    return forward_of(config).model_class(config, weights, ops, max_position,
+                                          first_layer=first_layer, tp=tp)

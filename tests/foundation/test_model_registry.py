@@ -373,3 +373,98 @@ def test_gemma3_build_model_refuses_weights_without_feedforward_norms():
     weights.layers[2].post_feedforward_layernorm = None
     with pytest.raises(ValueError, match="feed-forward norm"):
         build_model(config, weights, NumpyBackend, 64)
+
+
+# ------------------------------------------------------------------------------- tensor maps
+
+@pytest.mark.parametrize("arch", ARCHITECTURES, ids=lambda a: a.name)
+def test_tensor_maps_name_real_fields_once(arch):
+    """Every map entry fills LayerWeights / ModelWeights fields (each at most once per layer),
+    with a known group, shard kind and dimensions; checkpoint and GGUF names are unique."""
+    from pagedrun.runtime.families import base
+    from pagedrun.runtime.weights import LayerWeights, ModelWeights
+
+    groups = {base.QKV, base.O, base.GATE_UP, base.DOWN, base.NORM, base.EMBED, base.LM_HEAD}
+    shards = {base.COLUMN, base.ROW, base.ROW_BIAS, base.REPLICATED, base.VOCAB}
+    for entries, holder in ((arch.tensors.layer, LayerWeights), (arch.tensors.model,
+                                                                  ModelWeights)):
+        names = {f.name for f in dataclasses.fields(holder)}
+        fields = [part.field for entry in entries for part in entry.parts]
+        assert len(fields) == len(set(fields)) and set(fields) <= names, arch.name
+        for entry in entries:
+            assert entry.group in groups and entry.shard in shards, entry.name
+            assert entry.when is None or entry.when in base.PRESENCE, entry.name
+            assert all(part.dim in base._DIM_SIZES for part in entry.parts), entry.name
+            # A row-parallel matrix is split along its columns: one part, a split dimension.
+            if entry.shard == base.ROW:
+                assert len(entry.parts) == 1 and entry.cols in (base.DIM_Q, base.DIM_INTER)
+            if entry.shard == base.COLUMN:
+                assert all(p.dim in (base.DIM_Q, base.DIM_KV, base.DIM_INTER)
+                           for p in entry.parts), entry.name
+        for key in ("name", "gguf"):
+            values = [getattr(e, key) for e in entries if getattr(e, key) is not None]
+            assert len(values) == len(set(values)), (arch.name, key)
+
+
+def test_fused_entry_shapes_and_offsets():
+    from pagedrun.runtime.families.base import (DIM_HIDDEN, DIM_KV, DIM_Q, LLAMA_TENSORS, QKV,
+                                                COLUMN, Part, TensorEntry)
+
+    config = ModelConfig.from_dict(minimal_config())  # q 32, kv 16, hidden 32
+    entry = TensorEntry("x.{i}.qkv", (Part("q_proj", DIM_Q), Part("k_proj", DIM_KV),
+                                      Part("v_proj", DIM_KV)), QKV, COLUMN, DIM_HIDDEN)
+    assert entry.shape(config) == (64, 32) and entry.row_offsets(config) == [0, 32, 48]
+    fused = LLAMA_TENSORS.fusing(("model.layers.{i}.self_attn.q_proj.weight",
+                                  "model.layers.{i}.self_attn.k_proj.weight",
+                                  "model.layers.{i}.self_attn.v_proj.weight"), entry)
+    assert len(fused.layer) == len(LLAMA_TENSORS.layer) - 2
+    assert fused.layer[1] is entry  # at the first replaced entry's place
+    with pytest.raises(ValueError, match="no such entries"):
+        LLAMA_TENSORS.fusing(("model.layers.{i}.self_attn.qkv.weight",), entry)
+
+
+def test_presence_follows_the_config():
+    """Biases only with attention_bias; a MoE layer has no dense MLP; lm_head only untied."""
+    from pagedrun.runtime.families.base import LLAMA_TENSORS
+
+    def present(config, layer):
+        return {e.name.rsplit(".", 2)[-2] for e in LLAMA_TENSORS.layer
+                if e.present(config, layer)}
+
+    plain = ModelConfig.from_dict(minimal_config())
+    assert "q_proj" in present(plain, 0) and not {"gate_proj", "up_proj"} - present(plain, 0)
+    biased = ModelConfig.from_dict(minimal_config(attention_bias=True))
+    bias_entries = [e for e in LLAMA_TENSORS.layer if e.name.endswith(".bias")]
+    assert all(e.present(biased) for e in bias_entries)
+    assert not any(e.present(plain) for e in bias_entries)
+    moe = ModelConfig.from_dict(minimal_config("Qwen3MoeForCausalLM", num_hidden_layers=2,
+                                               num_experts=4, num_experts_per_tok=2,
+                                               moe_intermediate_size=16, mlp_only_layers=[1]))
+    mlp = {"gate_proj", "up_proj", "down_proj"}
+    assert not mlp & present(moe, 0) and mlp <= present(moe, 1)
+    lm_head = LLAMA_TENSORS.model[-1]
+    assert lm_head.name == "lm_head.weight"
+    assert not lm_head.present(ModelConfig.from_dict(minimal_config(tie_word_embeddings=True)))
+    assert lm_head.present(ModelConfig.from_dict(minimal_config(tie_word_embeddings=False)))
+
+
+def test_runner_builds_its_model_through_the_registry(monkeypatch):
+    """ModelRunner names no model class: it builds what forward_of(config) says."""
+    from pagedrun.runtime import model_runner
+    from pagedrun.runtime.models import registry
+
+    built = []
+
+    class Recording(LlamaModel):
+        def __init__(self, *args, **kwargs):
+            built.append(kwargs.get("tp"))
+            super().__init__(*args, **kwargs)
+
+    config = ModelConfig.from_model_dir(QWEN3_DIR)
+    weights = load_model_weights(QWEN3_DIR, config)
+    llama = registry.FORWARDS["llama"]
+    monkeypatch.setitem(registry.FORWARDS, "llama",
+                        dataclasses.replace(llama, model_class=Recording))
+    runner = model_runner.ModelRunner(config, weights, block_size=16, max_model_len=64,
+                                      ops=NumpyBackend())
+    assert type(runner.model) is Recording and built == [registry.SINGLE_DEVICE]
