@@ -1,4 +1,5 @@
-"""Every command and repository path that README.md and docs/*.md cite must exist (issue 37).
+"""Every command, flag, import, test name and repository path README.md and docs/*.md cite
+must exist (issue 37).
 
 What counts as a claim:
 - a command: any line of a fenced code block, and any inline `...` span, that starts one of our
@@ -24,8 +25,10 @@ What counts as a claim:
   globs expanded, a path broken at a line end joined), and any bare file name with a source
   extension (`bench_gemm.py`), which must name some file of the repository.
 
-A failure names the doc, the line and the claim; test_planted_false_claims_are_reported shows
-that a planted bad flag, bad choice, unknown subcommand and missing path are each reported.
+A failure names the doc, the line and the claim. The test_planted_* tests feed a fake doc to
+each check and show that every planted falsehood (bad flag, bad choice, unknown subcommand,
+missing script option, missing path and file name, unknown import and test name) is reported,
+and test_planted_doc_true_claims_pass that the true claims beside them are not.
 """
 from __future__ import annotations
 
@@ -132,7 +135,8 @@ def _inline_spans(lines: list[str]) -> list[tuple[int, str]]:
 
 
 def _command_text(text: str) -> str:
-    """The command from its start to the end of its shell command (comment, &&, pipe)."""
+    """The command from its start to the end of its inline span (_tokens ends it at a shell
+    operator or comment)."""
     return text.split("`", 1)[0].strip()
 
 
