@@ -71,6 +71,7 @@
 // Register budget: 128 per thread; the gate must show 0 spill bytes.
 // Measured: no GPU numbers yet.
 #include "common.cuh"
+#include "reduce.cuh"
 #include "ptx.cuh"
 
 namespace moe_ops {
@@ -110,37 +111,6 @@ enum Mode { kGateUp = 0, kDown = 1 };
 __device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
 
 // ------------------------------------------------------------------ routing
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int off = kWarpSize / 2; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, off));
-    return v;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int off = kWarpSize / 2; off > 0; off >>= 1) v += __shfl_xor_sync(kFullMask, v, off);
-    return v;
-}
-
-__device__ __forceinline__ int warp_sum(int v) {
-#pragma unroll
-    for (int off = kWarpSize / 2; off > 0; off >>= 1) v += __shfl_xor_sync(kFullMask, v, off);
-    return v;
-}
-
-// (v, id) of the largest v in the warp; ties to the lower id. Every lane gets the answer.
-__device__ __forceinline__ void warp_argmax(float& v, int& id) {
-#pragma unroll
-    for (int off = kWarpSize / 2; off > 0; off >>= 1) {
-        const float ov = __shfl_xor_sync(kFullMask, v, off);
-        const int oid = __shfl_xor_sync(kFullMask, id, off);
-        if (ov > v || (ov == v && oid < id)) {
-            v = ov;
-            id = oid;
-        }
-    }
-}
-
 __device__ __forceinline__ void route(int* topk_ids, float* topk_weights, const float* logits,
                                       int num_tokens, int num_experts, int top_k,
                                       int renormalize) {
@@ -152,14 +122,14 @@ __device__ __forceinline__ void route(int* topk_ids, float* topk_weights, const 
     const float* row = logits + static_cast<long long>(t) * num_experts;
     float m = -CUDART_INF_F;
     for (int e = lane; e < num_experts; e += kWarpSize) m = fmaxf(m, row[e]);
-    m = warp_max(m);
+    m = reduce::warp_max(m);
     float s = 0.f;
     for (int e = lane; e < num_experts; e += kWarpSize) {
         const float w = expf(row[e] - m);
         prob[e] = w;
         s += w;
     }
-    s = warp_sum(s);
+    s = reduce::warp_sum(s);
     // Normalised before selection, so ties are decided on the probabilities numpy compares.
     for (int e = lane; e < num_experts; e += kWarpSize) {
         const float p = prob[e] / s;
@@ -177,7 +147,7 @@ __device__ __forceinline__ void route(int* topk_ids, float* topk_weights, const 
                 v = prob[e];
                 id = e;
             }
-        warp_argmax(v, id);
+        reduce::warp_argmax(v, id);
         __syncwarp();
         if (lane == 0) {
             prob[id] = -1.f;
@@ -203,18 +173,6 @@ __device__ __forceinline__ void count_experts(int* expert_counts, const int* top
     if (threadIdx.x == 0) expert_counts[e] = count;
 }
 
-// Sum of v over the block (every thread gets it); s_scratch [kPermuteWarps] is free on return.
-__device__ __forceinline__ int block_sum(int v, int* s_scratch) {
-    v = warp_sum(v);
-    if (threadIdx.x % kWarpSize == 0) s_scratch[threadIdx.x / kWarpSize] = v;
-    __syncthreads();
-    int total = 0;
-#pragma unroll
-    for (int w = 0; w < kPermuteWarps; ++w) total += s_scratch[w];
-    __syncthreads();
-    return total;
-}
-
 __device__ __forceinline__ void scatter(int* sorted_pair_ids, int* pair_slots,
                                         int* expert_offsets, int* tile_experts, int* tile_rows,
                                         const int* topk_ids, const int* expert_counts,
@@ -228,8 +186,9 @@ __device__ __forceinline__ void scatter(int* sorted_pair_ids, int* pair_slots,
         before += c;
         tiles_before += (c + kBM - 1) / kBM;
     }
-    before = block_sum(before, s_warp);
-    tiles_before = block_sum(tiles_before, s_warp);
+    before = reduce::block_sum<kPermuteThreads>(before, s_warp);
+    tiles_before = reduce::block_sum<kPermuteThreads>(tiles_before, s_warp);
+    __syncthreads();  // every thread has read the sums out of s_warp; the chunk loop rewrites it
 
     int count = 0;
     for (int base = 0; base < num_pairs; base += kPermuteThreads) {

@@ -166,6 +166,7 @@
 // 96-97, d128 141-143 / 147-155, d256 243 / 235-237. 0 spills.
 // Measured: no GPU numbers yet (benchmarks/kernels/bench_attention.py writes them).
 #include "common.cuh"
+#include "reduce.cuh"
 #include "ptx.cuh"
 
 namespace decode_attn {
@@ -902,8 +903,7 @@ __device__ __forceinline__ void decode_partition_tc(
                 s[nt][i] = token < part_end ? s[nt][i] * q_scale : -CUDART_INF_F;
                 row_max = fmaxf(row_max, s[nt][i]);
             }
-        row_max = fmaxf(row_max, __shfl_xor_sync(kFullMask, row_max, 1));
-        row_max = fmaxf(row_max, __shfl_xor_sync(kFullMask, row_max, 2));
+        row_max = reduce::group_max<4>(row_max);  // the quad sharing the accumulator row
         // One rescale per tile, as in decode_partition.
         const float m_base = (row_max == -CUDART_INF_F) ? 0.f : row_max;
         const float correction = exp2f(m_run - m_base);
@@ -967,8 +967,7 @@ __device__ __forceinline__ void decode_partition_tc(
     }
 
     // Row sums over the quad; m_run is already quad-uniform.
-    l_run += __shfl_xor_sync(kFullMask, l_run, 1);
-    l_run += __shfl_xor_sync(kFullMask, l_run, 2);
+    l_run = reduce::group_sum<4>(l_run);
     cp_async_wait_all();
     __syncthreads();
     if (row_g < GROUP) {

@@ -83,6 +83,7 @@
 // shared memory allows on sm_80; 240 leaves the gate a margin to flag growth before a spill.
 // Measured: no GPU numbers yet (benchmarks/kernels/bench_attention.py writes them).
 #include "common.cuh"
+#include "reduce.cuh"
 #include "ptx.cuh"
 
 namespace prefill_attn {
@@ -94,7 +95,6 @@ constexpr int kPad = 8;       // 16 bytes per smem row: successive rows start 4 
                               // the 8 row addresses of one ldmatrix hit 8 distinct bank quads
 constexpr int kChunk = 16;    // bytes per cp.async
 constexpr int kSimtKeys = 8;  // f32 path: keys scored per online-softmax update
-constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kLog2e = 1.4426950408889634f;
 
 // One 4-byte store of two adjacent outputs, through the pair type: legal aliasing in host
@@ -428,8 +428,7 @@ __device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __rest
                                                                      : -CUDART_INF_F;
                     row_max = fmaxf(row_max, x);
                 }
-            row_max = fmaxf(row_max, __shfl_xor_sync(kFullMask, row_max, 1));
-            row_max = fmaxf(row_max, __shfl_xor_sync(kFullMask, row_max, 2));
+            row_max = reduce::group_max<4>(row_max);  // the quad sharing the accumulator row
             const float m_new = fmaxf(m[h], row_max);
             const float m_base = (m_new == -CUDART_INF_F) ? 0.f : m_new;  // row fully masked so far
             const float correction = exp2f(m[h] - m_base);
@@ -484,8 +483,7 @@ __device__ __forceinline__ void prefill_mma(T* __restrict__ out, const T* __rest
 
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        l[h] += __shfl_xor_sync(kFullMask, l[h], 1);
-        l[h] += __shfl_xor_sync(kFullMask, l[h], 2);
+        l[h] = reduce::group_sum<4>(l[h]);
         const int row = c.tile_row0 + warp * 16 + quad_row + 8 * h;
         if (row >= c.query_len) continue;
         const float inv_l = (l[h] > 0.f) ? 1.f / l[h] : 0.f;
@@ -543,9 +541,7 @@ __device__ __forceinline__ void prefill_simt_rows(float* __restrict__ out,
                 float dot = 0.f;
 #pragma unroll
                 for (int i = 0; i < HALF; ++i) dot = fmaf(q_reg[i], k_row[i], dot);
-#pragma unroll
-                for (int offset = 1; offset < ROW_THREADS; offset *= 2)
-                    dot += __shfl_xor_sync(kFullMask, dot, offset);
+                dot = reduce::group_sum<ROW_THREADS>(dot);
                 s[j] = key_visible(kv0 + j0 + j, q_pos, c.sliding_window) ? dot : -CUDART_INF_F;
                 sub_max = fmaxf(sub_max, s[j]);
             }

@@ -42,13 +42,13 @@
 // Register budget: 64 per thread (__launch_bounds__(256, 4)); the gate must show 0 spill bytes.
 // Measured: no GPU numbers yet.
 #include "common.cuh"
+#include "reduce.cuh"
 
 namespace rejection {
 
 constexpr int kThreads = 256;
 constexpr int kMinCtasPerSm = 4;
 constexpr int kWarps = kThreads / 32;
-constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kPlaceholder = -1;  // PLACEHOLDER_TOKEN_ID of rejection_sampler.py
 
 struct Shared {
@@ -58,62 +58,19 @@ struct Shared {
     int token;
 };
 
-// Every thread gets the block's sum.
-__device__ __forceinline__ double block_sum(double v, Shared& sh) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
-    __syncthreads();  // sh.red may still be read by a previous reduction
-    if (threadIdx.x % 32 == 0) sh.red[threadIdx.x / 32] = v;
-    __syncthreads();
-    double r = 0.0;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) r += sh.red[w];
-    return r;
-}
-
 __device__ __forceinline__ double row_sum(const float* row, int vocab, Shared& sh) {
     double s = 0.0;
     for (int t = threadIdx.x; t < vocab; t += kThreads) s += row[t];
-    return block_sum(s, sh);
+    return reduce::block_sum<kThreads>(s, sh.red);
 }
 
 // Argmax of a row, ties to the lowest id; every thread gets it.
-__device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
-    return v > bv || (v == bv && i < bi);
-}
 __device__ __forceinline__ int row_argmax(const float* row, int vocab, Shared& sh) {
     float v = -CUDART_INF_F;
     int idx = vocab;
     for (int t = threadIdx.x; t < vocab; t += kThreads)
-        if (better(row[t], t, v, idx)) { v = row[t]; idx = t; }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(kFullMask, v, o);
-        const int oi = __shfl_xor_sync(kFullMask, idx, o);
-        if (better(ov, oi, v, idx)) { v = ov; idx = oi; }
-    }
-    __syncthreads();
-    if (threadIdx.x % 32 == 0) { sh.val[threadIdx.x / 32] = v; sh.idx[threadIdx.x / 32] = idx; }
-    __syncthreads();
-    float bv = sh.val[0];
-    int bi = sh.idx[0];
-#pragma unroll
-    for (int w = 1; w < kWarps; ++w)
-        if (better(sh.val[w], sh.idx[w], bv, bi)) { bv = sh.val[w]; bi = sh.idx[w]; }
-    return bi;
-}
-
-// The block's largest int; every thread gets it.
-__device__ __forceinline__ int block_max_int(int v, Shared& sh) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(kFullMask, v, o));
-    __syncthreads();
-    if (threadIdx.x % 32 == 0) sh.idx[threadIdx.x / 32] = v;
-    __syncthreads();
-    int r = sh.idx[0];
-#pragma unroll
-    for (int w = 1; w < kWarps; ++w) r = max(r, sh.idx[w]);
-    return r;
+        if (reduce::argmax_better(row[t], t, v, idx)) { v = row[t]; idx = t; }
+    return reduce::block_argmax<kThreads>(v, idx, sh.val, sh.idx);
 }
 
 // First id whose cumulative weight(id) exceeds u x total (weight >= 0, float64), ascending ids;
@@ -131,12 +88,7 @@ __device__ __forceinline__ int inverse_cdf(Weight weight, int vocab, double u, S
         if (w > 0.0) last = t;
     }
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    double incl = mine;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const double up = __shfl_up_sync(kFullMask, incl, o);
-        if (lane >= o) incl += up;
-    }
+    const double incl = reduce::warp_inclusive_scan(mine, lane);
     __syncthreads();
     if (lane == 31) sh.red[warp] = incl;
     if (threadIdx.x == 0) sh.token = -1;
@@ -161,7 +113,7 @@ __device__ __forceinline__ int inverse_cdf(Weight weight, int vocab, double u, S
     __syncthreads();
     const int token = sh.token;
     // Rounding past the total: the last id with weight (the largest `last` of the block).
-    const int last_any = block_max_int(last, sh);
+    const int last_any = reduce::block_max<kThreads>(last, sh.idx);
     return token >= 0 ? token : max(last_any, 0);
 }
 
@@ -229,7 +181,7 @@ __device__ __forceinline__ void verify(int* __restrict__ token_ids, int* __restr
         };
         double mass = 0.0;
         for (int t = threadIdx.x; t < vocab; t += kThreads) mass += residual(t);
-        if (block_sum(mass, sh) > 0.0) {
+        if (reduce::block_sum<kThreads>(mass, sh.red) > 0.0) {
             token = inverse_cdf(residual, vocab, u[k], sh);
         } else {
             token = inverse_cdf([&](int t) { return static_cast<double>(p_row[t]); }, vocab,

@@ -16,9 +16,10 @@
 //   out       [num_tokens, H]  T       (may alias x)
 //
 // Algorithm: one CTA per row; each thread sums squares over a strided slice of the row,
-// the CTA reduces (warp shuffles, then one value per warp through shared memory), then every
-// thread scales its slice. The row is read twice (second time from L1/L2: x for rms_norm, the
-// fp32 residual_out just written for fused_add_rms_norm); rows are at most a few tens of KiB.
+// the CTA reduces (reduce::block_sum of cuda/reduce.cuh: warp shuffles, then one value per warp
+// through shared memory, summed in warp order), then every thread scales its slice. The row is
+// read twice (second time from L1/L2: x for rms_norm, the fp32 residual_out just written for
+// fused_add_rms_norm); rows are at most a few tens of KiB.
 //
 // Launch geometry: grid (num_tokens), block 256, no dynamic shared memory (static: one float
 // per warp for the reduction).
@@ -31,36 +32,23 @@
 // Register budget: 64 per thread; the gate must show 0 spill bytes.
 // Measured: no GPU numbers yet.
 #include "common.cuh"
+#include "reduce.cuh"
 
 namespace rms_norm_ops {
 
 constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-constexpr unsigned kFullMask = 0xffffffffu;
-
-// Sum of v over the CTA, returned to every thread.
-__device__ __forceinline__ float block_sum(float v) {
-    __shared__ float s_partial[kWarps];
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
-    if (threadIdx.x % 32 == 0) s_partial[threadIdx.x / 32] = v;
-    __syncthreads();
-    float total = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) total += s_partial[w];
-    return total;
-}
 
 template <typename T>
 __device__ __forceinline__ void rms_norm(T* out, const T* x, const T* weight, int hidden,
                                          float eps) {
+    __shared__ float s_warp[kThreads / reduce::kWarpSize];
     const long long row = static_cast<long long>(blockIdx.x) * hidden;
     float sum_sq = 0.f;
     for (int i = threadIdx.x; i < hidden; i += kThreads) {
         const float v = to_f32(x[row + i]);
         sum_sq += v * v;
     }
-    const float inv_rms = rsqrtf(block_sum(sum_sq) / hidden + eps);
+    const float inv_rms = rsqrtf(reduce::block_sum<kThreads>(sum_sq, s_warp) / hidden + eps);
     for (int i = threadIdx.x; i < hidden; i += kThreads)
         out[row + i] = from_f32<T>(to_f32(x[row + i]) * inv_rms * to_f32(weight[i]));
 }
@@ -69,6 +57,7 @@ template <typename T>
 __device__ __forceinline__ void fused_add_rms_norm(T* out, float* residual_out,
                                                    const float* residual_in, const T* x,
                                                    const T* weight, int hidden, float eps) {
+    __shared__ float s_warp[kThreads / reduce::kWarpSize];
     const long long row = static_cast<long long>(blockIdx.x) * hidden;
     float sum_sq = 0.f;
     for (int i = threadIdx.x; i < hidden; i += kThreads) {
@@ -76,7 +65,7 @@ __device__ __forceinline__ void fused_add_rms_norm(T* out, float* residual_out,
         residual_out[row + i] = v;
         sum_sq += v * v;
     }
-    const float inv_rms = rsqrtf(block_sum(sum_sq) / hidden + eps);
+    const float inv_rms = rsqrtf(reduce::block_sum<kThreads>(sum_sq, s_warp) / hidden + eps);
     for (int i = threadIdx.x; i < hidden; i += kThreads)
         out[row + i] = from_f32<T>(residual_out[row + i] * inv_rms * to_f32(weight[i]));
 }

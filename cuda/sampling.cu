@@ -65,6 +65,7 @@
 // Register budget: 64 per thread; the gate must show 0 spill bytes.
 // Measured: no GPU numbers yet.
 #include "common.cuh"
+#include "reduce.cuh"
 
 namespace sampling_ops {
 
@@ -77,7 +78,6 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kPenaltyThreads = 128;
 constexpr int kRadixBits = 8;
 constexpr int kRadixBins = 1 << kRadixBits;
-constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kFlagSeen = 1;
 constexpr int kFlagBanned = 2;
 constexpr unsigned kSignBit = 0x80000000u;
@@ -144,54 +144,6 @@ __device__ __forceinline__ void process_logits(float* logits, const int* allowed
     }
 }
 
-// ---- block reductions (every thread gets the result) ------------------------------------
-__device__ __forceinline__ float block_max(float v, float* s_red) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
-    __syncthreads();  // s_red may still be read by a previous reduction
-    if (threadIdx.x % 32 == 0) s_red[threadIdx.x / 32] = v;
-    __syncthreads();
-    float r = s_red[0];
-#pragma unroll
-    for (int w = 1; w < kWarps; ++w) r = fmaxf(r, s_red[w]);
-    return r;
-}
-
-__device__ __forceinline__ float block_sum(float v, float* s_red) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
-    __syncthreads();
-    if (threadIdx.x % 32 == 0) s_red[threadIdx.x / 32] = v;
-    __syncthreads();
-    float r = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) r += s_red[w];
-    return r;
-}
-
-// (value, index) argmax with ties to the lower index.
-__device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
-    return v > bv || (v == bv && i < bi);
-}
-
-__device__ __forceinline__ int block_argmax(float v, int idx, float* s_val, int* s_idx) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(kFullMask, v, o);
-        const int oi = __shfl_xor_sync(kFullMask, idx, o);
-        if (better(ov, oi, v, idx)) { v = ov; idx = oi; }
-    }
-    __syncthreads();
-    if (threadIdx.x % 32 == 0) { s_val[threadIdx.x / 32] = v; s_idx[threadIdx.x / 32] = idx; }
-    __syncthreads();
-    float bv = s_val[0];
-    int bi = s_idx[0];
-#pragma unroll
-    for (int w = 1; w < kWarps; ++w)
-        if (better(s_val[w], s_idx[w], bv, bi)) { bv = s_val[w]; bi = s_idx[w]; }
-    return bi;
-}
-
 // Largest key K such that measure(tokens with key >= K) >= target, 8 bits per pass.
 // `entry(i, key, measure)` returns false for tokens that take no part.
 template <typename Entry>
@@ -254,8 +206,11 @@ __device__ __forceinline__ void sample(int* out_tokens, const float* logits,
         float best = neg_inf();
         int best_idx = vocab;  // any real token beats it on ties
         for (int i = threadIdx.x; i < vocab; i += kThreads)
-            if (better(row_logits[i], i, best, best_idx)) { best = row_logits[i]; best_idx = i; }
-        const int token = block_argmax(best, best_idx, s_red, s_red_idx);
+            if (reduce::argmax_better(row_logits[i], i, best, best_idx)) {
+                best = row_logits[i];
+                best_idx = i;
+            }
+        const int token = reduce::block_argmax<kThreads>(best, best_idx, s_red, s_red_idx);
         if (threadIdx.x == 0) out_tokens[row] = token < vocab ? token : 0;
         return;
     }
@@ -263,7 +218,7 @@ __device__ __forceinline__ void sample(int* out_tokens, const float* logits,
     float local_max = neg_inf();
     for (int i = threadIdx.x; i < vocab; i += kThreads)
         local_max = fmaxf(local_max, scaled_logit(row_logits[i], temp));
-    const float max_scaled = block_max(local_max, s_red);
+    const float max_scaled = reduce::block_max<kThreads>(local_max, s_red);
     if (max_scaled == neg_inf()) {  // every token masked: token 0, as numpy (uniform branch)
         if (threadIdx.x == 0) out_tokens[row] = 0;
         return;
@@ -296,7 +251,7 @@ __device__ __forceinline__ void sample(int* out_tokens, const float* logits,
     if (p < 1.f) {
         float local_sum = 0.f;
         for (int i = threadIdx.x; i < vocab; i += kThreads) local_sum += weight_of(i);
-        const float total = block_sum(local_sum, s_red);
+        const float total = reduce::block_sum<kThreads>(local_sum, s_red);
         p_key = radix_select(vocab, p * total,
                              [&](int i, uint32_t& key, float& measure) {
                                  measure = weight_of(i);
@@ -323,12 +278,7 @@ __device__ __forceinline__ void sample(int* out_tokens, const float* logits,
     }
     // inclusive scan of `mine` over the block: warp scan, then warp totals
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    float incl = mine;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const float up = __shfl_up_sync(kFullMask, incl, o);
-        if (lane >= o) incl += up;
-    }
+    const float incl = reduce::warp_inclusive_scan(mine, lane);
     if (lane == 31) s_scan[warp] = incl;
     if (threadIdx.x == 0) s_token = -1;
     __syncthreads();
@@ -351,7 +301,8 @@ __device__ __forceinline__ void sample(int* out_tokens, const float* logits,
     }
     __syncthreads();
     // Rounding past the total: the last kept token of the row.
-    const int last = block_argmax(static_cast<float>(last_kept), last_kept, s_red, s_red_idx);
+    const int last = reduce::block_argmax<kThreads>(static_cast<float>(last_kept), last_kept, s_red,
+                                                    s_red_idx);
     if (threadIdx.x == 0) out_tokens[row] = s_token >= 0 ? s_token : max(last, 0);
 }
 
