@@ -359,12 +359,25 @@ def check_commands(claims: list[Claim], repo: Path = REPO) -> list[str]:
     return problems
 
 
-def _repo_file_names(repo: Path) -> set[str]:
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-                            cwd=repo, capture_output=True, text=True)
+@functools.cache
+def _repo_files(repo: Path) -> tuple[Path, ...]:
+    """The repository's files (tracked and new, not ignored); without git (an unpacked sdist)
+    every file outside build outputs and hidden folders but .ci."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                                cwd=repo, capture_output=True, text=True)
+    except FileNotFoundError:   # no git on this machine
+        listed = subprocess.CompletedProcess([], 1, "", "")
     if listed.returncode == 0 and listed.stdout:
-        return {Path(p).name for p in listed.stdout.split()}
-    return {p.name for p in repo.rglob("*") if p.is_file()}
+        return tuple(repo / p for p in listed.stdout.splitlines() if (repo / p).is_file())
+    skipped = ("build",)
+    return tuple(p for p in repo.rglob("*") if p.is_file() and not any(
+        part in skipped or (part.startswith(".") and part != ".ci")
+        for part in p.relative_to(repo).parts[:-1]))
+
+
+def _repo_file_names(repo: Path) -> set[str]:
+    return {p.name for p in _repo_files(repo)}
 
 
 def _path_exists(repo: Path, path: str) -> bool:
@@ -400,11 +413,10 @@ def check_prose_flags(docs: dict[str, str], repo: Path = REPO) -> list[str]:
     options: a looser net than check_commands, for flags named away from their command."""
     info = paged_run_info()
     known = set(info.options).union(*(sub.options for sub in info.subcommands.values()))
-    listed = subprocess.run(["git", "ls-files", "*.py", "*.sh", "*.txt", ".ci/run"], cwd=repo,
-                            capture_output=True, text=True).stdout.split()
     this_file = Path(__file__).resolve()   # its planted flags must not vouch for themselves
-    sources = "\n".join((repo / f).read_text(errors="replace") for f in listed
-                        if (repo / f).is_file() and (repo / f).resolve() != this_file)
+    sources = "\n".join(p.read_text(errors="replace") for p in _repo_files(repo)
+                        if (p.suffix in (".py", ".sh", ".txt") or p == repo / ".ci" / "run")
+                        and p.resolve() != this_file)
     problems = []
     for doc, text in docs.items():
         for number, line in enumerate(text.splitlines(), 1):
