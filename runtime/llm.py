@@ -184,9 +184,11 @@ class LLM:
              chat_options: ChatOptions | None = None,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
              use_tqdm: bool | Callable[..., Any] = False) -> list[RequestOutput]:
-        params = _per_prompt(sampling_params, SamplingParams, len(inputs), "sampling_params")
+        params = _per_prompt(sampling_params, SamplingParams, len(inputs), "sampling_params",
+                             "sampling_params")
         params = [p if p is not None else self.get_default_sampling_params() for p in params]
-        loras = _per_prompt(lora_request, LoRARequest, len(inputs), "lora_request")
+        loras = _per_prompt(lora_request, LoRARequest, len(inputs), "lora_request",
+                            "lora_requests")
         extra = {} if chat_options is None else {"chat_options": chat_options}
         _check_use_tqdm(use_tqdm)  # before anything is admitted
         ids = []
@@ -229,7 +231,7 @@ class LLM:
             prompt.messages, tokenize=False, **(chat_options or ChatOptions()).template_kwargs())
 
 
-def _per_prompt(value: Any, kind: type, num_prompts: int, name: str) -> list:
+def _per_prompt(value: Any, kind: type, num_prompts: int, name: str, plural: str) -> list:
     """One value (or None) for every prompt, or a list with one per prompt."""
     if value is None or isinstance(value, kind):
         return [value] * num_prompts
@@ -237,8 +239,8 @@ def _per_prompt(value: Any, kind: type, num_prompts: int, name: str) -> list:
         raise PromptInputError(f"{name}: must be a {kind.__name__}, a list of them, or None; "
                                f"got {type(value).__name__}")
     if len(value) != num_prompts:
-        raise PromptInputError(f"{name}: {len(value)} given for {num_prompts} prompts (one "
-                               "for all, or exactly one per prompt)")
+        raise PromptInputError(f"{name}: {num_prompts} prompts but {len(value)} {plural} (give "
+                               "one for every prompt, or exactly one per prompt)")
     for i, v in enumerate(value):
         if v is not None and not isinstance(v, kind):
             raise PromptInputError(f"{name}[{i}]: must be a {kind.__name__} or None, got "

@@ -162,7 +162,7 @@ def test_sampling_params_one_or_one_per_prompt(llm, tiny_cpu_model):
     outs = llm.generate([IDS_A, IDS_B], params)
     assert tokens_of(outs) == [reference_greedy(tiny_cpu_model, IDS_A, 2),
                                reference_greedy(tiny_cpu_model, IDS_B, 5)]
-    with pytest.raises(ValueError, match="3 given for 2 prompts"):
+    with pytest.raises(ValueError, match="2 prompts but 3 sampling_params"):
         llm.generate([IDS_A, IDS_B], [greedy(2)] * 3)
     with pytest.raises(ValueError, match=r"sampling_params\[1\]: must be a SamplingParams"):
         llm.generate([IDS_A, IDS_B], [greedy(2), {"max_tokens": 2}])
@@ -179,7 +179,7 @@ def test_lora_request_forms_are_checked_before_admission(llm):
     before anything runs (the engine here has LoRA off, so an adapter itself would be refused
     at admission)."""
     lora = LoRARequest("a", 1, "/nowhere")
-    with pytest.raises(ValueError, match="1 given for 2 prompts"):
+    with pytest.raises(ValueError, match="2 prompts but 1 lora_requests"):
         llm.generate([IDS_A, IDS_B], greedy(2), lora_request=[lora])
     with pytest.raises(ValueError, match=r"lora_request\[0\]: must be a LoRARequest"):
         llm.generate([IDS_A], greedy(2), lora_request=["a"])
