@@ -43,6 +43,7 @@ from .families.base import (  # noqa: F401 -- the registry's names, re-exported
     TensorMap,
     decoder_tensors,
 )
+from .families.phi3 import PHI3
 
 if TYPE_CHECKING:
     from .model_config import FieldReader
@@ -260,6 +261,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                  QWEN3_TENSORS, expert_names=QWEN3_MOE_EXPERTS),
     Architecture("Gemma3ForCausalLM", "gemma3_text", LLAMA_FORWARD, _gemma3_fields,
                  GEMMA3_TENSORS, default_head_dim=GEMMA3_DEFAULT_HEAD_DIM, gguf_arch="gemma3"),
+    PHI3,
 )
 _BY_NAME = {arch.name: arch for arch in ARCHITECTURES}
 _BY_MODEL_TYPE = {arch.model_type: arch for arch in ARCHITECTURES}
