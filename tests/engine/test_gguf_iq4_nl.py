@@ -130,6 +130,8 @@ def iq4_nl_gguf(tmp_path, monkeypatch):
     kinds = {"attn_q": "IQ4_NL", "attn_k": "IQ4_NL", "attn_v": "IQ4_NL", "attn_output": "IQ4_NL",
              "ffn_gate": "IQ4_NL", "ffn_up": "Q8_0", "ffn_down": "IQ4_NL"}
     monkeypatch.setattr(tiny_gguf, "LAYER_TYPES", [kinds])
+    # The float32 load converts the file once into the models cache: keep that copy here.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     quantize = gguf.quants.quantize
 
     def quantize_with_iq4_nl(values, qtype):
