@@ -28,7 +28,8 @@ every row samples, no row has a LoRA adapter and no prompt logits are asked for,
 fits the largest size; anything else runs eagerly (`bucket` says which). The KV pools are bound
 at capture: allocating new pools means capturing again (ModelRunner drops the graphs).
 Models with ops that leave the device mid-forward (mixture-of-experts routing, Gemma's embedding
-scale), sliding windows or act-order int4 weights are not captured (`unsupported_reason`).
+scale), sliding windows or act-order int4 weights are not captured: the model says so
+(`graph_capture_refusal()`, runtime/models/llama.py), the runner asks it.
 """
 from __future__ import annotations
 
@@ -56,20 +57,6 @@ def graph_sizes(config, backend) -> tuple[int, ...]:
     if sizes is None:
         sizes = backend.default_graph_sizes(config.max_num_seqs)
     return tuple(s for s in sizes if s <= config.max_num_seqs)
-
-
-def unsupported_reason(config, model=None) -> str | None:
-    """Why a model's decode forward cannot be captured, or None when it can."""
-    if getattr(model, "input_permuted", False):
-        # x[:, perm] is an array-module gather, not a launch the sim's recording replays.
-        return "act-order (desc_act) int4 weights gather their inputs outside the kernels"
-    if getattr(config, "num_experts", 0):
-        return "mixture-of-experts routing sizes its expert GEMMs on the host"
-    if config.embedding_scale is not None:
-        return "the embedding scale runs on the host"
-    if config.sliding_window is not None or config.layer_types:
-        return "sliding-window layers"
-    return None
 
 
 class DecodeGraphs:

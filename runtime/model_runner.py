@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedrun.runtime.backends.step_inputs import DeviceInts
-from pagedrun.runtime.decode_graphs import DecodeGraphs, unsupported_reason
+from pagedrun.runtime.decode_graphs import DecodeGraphs
 from pagedrun.runtime.lora.lora_config import LoRAConfig
 from pagedrun.runtime.lora.lora_ops import LoRABatch
 from pagedrun.runtime.lora.peft_loader import load_peft_adapter
@@ -261,7 +261,7 @@ class ModelRunner:
             return f"the {getattr(self.ops, 'name', 'cpu')} backend has no graphs"
         if len(self.kv_sets) != 1:
             return "pipeline virtual engines"
-        reason = unsupported_reason(self.config, self.model)
+        reason = self.model.graph_capture_refusal()
         if reason is not None:
             return reason
         graphs = DecodeGraphs(self.model, self.ops, self.k_caches, self.v_caches, sizes=sizes,

@@ -41,7 +41,7 @@ REPLICATED = "replicated"  # every rank holds all of it (norms)
 VOCAB = "vocab"            # ceil(vocab / tp) rows per rank, the last zero-padded
 
 # -- fused groups: what in the forward a tensor feeds
-QKV, O, GATE_UP, DOWN = "qkv", "o", "gate_up", "down"  # the four GEMMs of a layer
+QKV, O_PROJ, GATE_UP, DOWN = "qkv", "o", "gate_up", "down"  # the four GEMMs of a layer
 NORM = "norm"              # an RMSNorm weight (Gemma's (1 + w) folded at load)
 EMBED, LM_HEAD = "embed", "lm_head"
 
@@ -162,9 +162,9 @@ def decoder_tensors(qk_norm: bool = False, sandwich_norms: bool = False) -> Tens
                 blk + "attn_k.bias"),
         _vector(attn + "v_proj.bias", "v_bias", DIM_KV, QKV, COLUMN, "attention_bias",
                 blk + "attn_v.bias"),
-        _matrix(attn + "o_proj.weight", "o_proj", DIM_HIDDEN, DIM_Q, O, ROW,
+        _matrix(attn + "o_proj.weight", "o_proj", DIM_HIDDEN, DIM_Q, O_PROJ, ROW,
                 gguf=blk + "attn_output.weight"),
-        _vector(attn + "o_proj.bias", "o_bias", DIM_HIDDEN, O, ROW_BIAS, "o_proj_bias",
+        _vector(attn + "o_proj.bias", "o_bias", DIM_HIDDEN, O_PROJ, ROW_BIAS, "o_proj_bias",
                 blk + "attn_output.bias"),
         _vector(layer + "post_attention_layernorm.weight", "post_attention_layernorm",
                 DIM_HIDDEN, NORM, REPLICATED,

@@ -257,6 +257,22 @@ class LlamaModel:
         return any(self.linear_method.gathers_inputs(w) for layer in self.layers
                    for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
 
+    def graph_capture_refusal(self) -> str | None:
+        """Why this model's decode forward cannot be captured in a device graph
+        (runtime/decode_graphs.py), or None when it can: the steps that leave the device
+        mid-forward or that a captured replay would not repeat."""
+        if self.input_permuted:
+            # x[:, perm] is an array-module gather, not a launch the sim's recording replays.
+            return "act-order (desc_act) int4 weights gather their inputs outside the kernels"
+        if any(layer.moe is not None for layer in self.layers):
+            return "mixture-of-experts routing sizes its expert GEMMs on the host"
+        if self.config.embedding_scale is not None:
+            return "the embedding scale runs on the host"
+        if self.config.sliding_window is not None or any(
+                layer.sliding_window is not None for layer in self.layers):
+            return "sliding-window layers"
+        return None
+
     def _lora(self, lora, index: int, target: str, y, x):
         """y (a GEMM's fresh [num_tokens, out] output) plus the step's LoRA deltas of layer
         `index`'s `target` for input x [num_tokens, in]; y itself without adapters."""

@@ -200,32 +200,41 @@ def test_enforce_eager_and_sizes(sim_model, caplog):
     engine = make_engine(sim_model, block_size=16, max_model_len=64, num_kv_blocks=32)
     assert engine.runner.decode_graphs is None
     # A model the graphs do not serve runs eagerly, and says why.
-    import pagedrun.runtime.model_runner as model_runner
+    from pagedrun.runtime.models.llama import LlamaModel
 
-    real = model_runner.unsupported_reason
-    model_runner.unsupported_reason = lambda config, model=None: "a reason"
+    real = LlamaModel.graph_capture_refusal
+    LlamaModel.graph_capture_refusal = lambda self: "a reason"
     try:
         with caplog.at_level(logging.INFO, logger="pagedrun.engine"):
             engine = make_engine(sim_model, block_size=16, max_model_len=64, num_kv_blocks=32,
                                  cuda_graph_sizes=(1, 2))
     finally:
-        model_runner.unsupported_reason = real
+        LlamaModel.graph_capture_refusal = real
     assert engine.runner.decode_graphs is None
     assert "decode graphs: off (a reason)" in caplog.text
 
 
-def test_unsupported_models():
-    from dataclasses import replace
+@pytest.mark.parametrize("fixture, reason", [
+    ("qwen3_tied", None),
+    ("qwen3_moe", "experts"),
+    ("gemma3_tiny", "embedding scale"),  # and sliding layers
+    ("mistral_fp16", "sliding"),
+    ("phi3_tiny", "sliding"),
+])
+def test_unsupported_models(fixture, reason):
+    """The model says why its decode forward cannot be captured (graph_capture_refusal)."""
+    import pathlib
 
-    from pagedrun.runtime.decode_graphs import unsupported_reason
+    from pagedrun.runtime.backends.numpy_backend import NumpyBackend
+    from pagedrun.runtime.model_config import ModelConfig
+    from pagedrun.runtime.models.registry import build_model
+    from pagedrun.runtime.weights import load_model_weights
 
-    config = tiny_config()
-    assert unsupported_reason(config) is None
-    assert "experts" in unsupported_reason(replace(config, num_experts=8))
-    assert "embedding scale" in unsupported_reason(replace(config, embedding_scale=8.0))
-    assert "sliding" in unsupported_reason(replace(config, sliding_window=64))
-    assert "sliding" in unsupported_reason(
-        replace(config, layer_types=("sliding_attention", "full_attention")))
+    model_dir = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "tiny" / fixture
+    config = ModelConfig.from_model_dir(model_dir)
+    weights = load_model_weights(model_dir, config, np.float32)
+    refusal = build_model(config, weights, NumpyBackend(), 64).graph_capture_refusal()
+    assert refusal is None if reason is None else reason in refusal
 
 
 def test_cpu_backend_ignores_graph_sizes(tiny_cpu_model):

@@ -384,7 +384,7 @@ def test_tensor_maps_name_real_fields_once(arch):
     from pagedrun.runtime.families import base
     from pagedrun.runtime.weights import LayerWeights, ModelWeights
 
-    groups = {base.QKV, base.O, base.GATE_UP, base.DOWN, base.NORM, base.EMBED, base.LM_HEAD}
+    groups = {base.QKV, base.O_PROJ, base.GATE_UP, base.DOWN, base.NORM, base.EMBED, base.LM_HEAD}
     shards = {base.COLUMN, base.ROW, base.ROW_BIAS, base.REPLICATED, base.VOCAB}
     for entries, holder in ((arch.tensors.layer, LayerWeights), (arch.tensors.model,
                                                                   ModelWeights)):
