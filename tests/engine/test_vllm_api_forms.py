@@ -385,3 +385,43 @@ def test_batching_rules_match_vllms_prompt_to_seq():
                                                                      [message, message]]
     assert parse_conversations([]) == []
     assert dataclasses.is_dataclass(PromptInput)
+
+
+# ------------------------------------------------------------------- a real tokenizer (default)
+
+def test_forms_with_the_default_models_tokenizer():
+    """The default model (SmolLM2-135M-Instruct, cpu) with its real tokenizer and template: a
+    string, a TextPrompt and a TokensPrompt of the same ids run the same ids and give the same
+    greedy tokens; a chat's RequestOutput.prompt is the template rendered with the text parts
+    joined by a newline, and it tokenizes (without added specials) to the prompt's ids."""
+    from pagedrun.runtime.default_model import default_model_dir
+    from pagedrun.runtime.engine import LLMEngine
+    from pagedrun.runtime.engine_config import EngineConfig
+    from pagedrun.runtime.errors import ModelLoadError
+    from pagedrun.runtime.model_config import ModelConfig
+    from pagedrun.runtime.tokenizer import Tokenizer
+    from pagedrun.runtime.weights import load_model_weights
+
+    try:
+        model_dir = default_model_dir(progress=False)
+    except ModelLoadError as exc:  # the default model package is not installed
+        pytest.skip(str(exc))
+    config = ModelConfig.from_model_dir(model_dir)
+    tok = Tokenizer.from_dir(model_dir)
+    engine = LLMEngine(EngineConfig(device="cpu", max_model_len=128, num_kv_blocks=32,
+                                    max_num_batched_tokens=128),
+                       model_config=config, weights=load_model_weights(model_dir, config),
+                       tokenizer=tok)
+    llm = LLM.from_engine(engine)
+    text = "The capital of France is"
+    ids = tok.encode(text)
+    outs = llm.generate([text, {"prompt": text}, {"prompt_token_ids": ids}], greedy(3))
+    assert [o.prompt_token_ids for o in outs] == [ids] * 3
+    assert [o.prompt for o in outs] == [text, text, None]
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids == \
+        outs[2].outputs[0].token_ids
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, "there"]}]
+    (chat,) = llm.chat(parts, greedy(2))
+    assert chat.prompt == tok.apply_chat_template([{"role": "user", "content": "Hi\nthere"}],
+                                                  add_generation_prompt=True)
+    assert tok.encode(chat.prompt, add_special_tokens=False) == chat.prompt_token_ids
