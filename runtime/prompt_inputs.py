@@ -140,6 +140,8 @@ def token_id_list(values: Any, where: str) -> list[int]:
         return values.tolist()
     if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Sequence):
         raise PromptInputError(f"{where}: must be a list of token ids (ints)")
+    if set(map(type, values)) <= {int}:  # the common case, checked at C speed (bool is not int)
+        return list(values)
     ids = []
     for j, value in enumerate(values):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -151,8 +153,11 @@ def token_id_list(values: Any, where: str) -> list[int]:
 
 def _is_token_list(value: Any) -> bool:
     """One token-id prompt given bare: a non-empty list (or tuple) of ints."""
-    return (isinstance(value, (list, tuple)) and len(value) > 0 and all(
-        isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in value))
+    if not isinstance(value, (list, tuple)) or not value:
+        return False
+    if set(map(type, value)) <= {int}:  # the common case, checked at C speed
+        return True
+    return all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in value)
 
 
 def _parse_prompt_dict(prompt: Mapping, where: str) -> PromptInput:
@@ -176,8 +181,8 @@ def _parse_prompt_dict(prompt: Mapping, where: str) -> PromptInput:
                                f"{type(text).__name__}")
     token_ids = prompt.get(TOKENS_PROMPT_KEY)
     if token_ids is not None:
-        return PromptInput(prompt=text,
-                           prompt_token_ids=token_id_list(token_ids, f"{where}['prompt_token_ids']"))
+        ids = token_id_list(token_ids, f"{where}['prompt_token_ids']")
+        return PromptInput(prompt=text, prompt_token_ids=ids)
     if text is None:
         raise PromptInputError(f"{where}: a prompt dict needs 'prompt' (a string) or "
                                "'prompt_token_ids' (a list of ints)")
