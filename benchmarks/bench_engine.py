@@ -33,17 +33,26 @@ Usage: python benchmarks/bench_engine.py all --json /tmp/bench_engine.json
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import (  # noqa: E402
+    add_json_option,
+    cpu_kernels,
+    load_average,
+    run_benches,
+    set_blas_threads,
+    write_json,
+)
 
 
 def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("bench", choices=["all", "kv-waste", "continuous", "batch1", "prefix",
                                           "concurrency"])
-    parser.add_argument("--json", help="write the results here")
+    add_json_option(parser, bare_to_stdout=False)
     parser.add_argument("--blas-threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats (medians)")
     parser.add_argument("--dtype", default="float32",
@@ -62,12 +71,10 @@ def _parse() -> argparse.Namespace:
 
 ARGS = _parse() if __name__ == "__main__" else None
 if ARGS is not None:
-    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ[var] = str(ARGS.blas_threads)
+    set_blas_threads(ARGS.blas_threads)
 
 import numpy as np  # noqa: E402  (after the thread setting)
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sharegpt_mix import poisson_arrival_steps, random_prompt_ids, sharegpt_like_lengths  # noqa: E402
 
 from pagedrun.runtime.sampling_params import SamplingParams  # noqa: E402
@@ -371,17 +378,11 @@ def main() -> int:
     from pagedrun.runtime import cpu_isa
 
     cpu_isa.apply(args.cpu_isa)
-    results = {"blas_threads": args.blas_threads, "load_average_at_start": os.getloadavg()[0],
-               "cpu_kernels": cpu_isa.describe(args.cpu_isa)}
+    results = {"blas_threads": args.blas_threads, "load_average_at_start": load_average(),
+               "cpu_kernels": cpu_kernels(args.cpu_isa)}
     print(results["cpu_kernels"], flush=True)
-    for name in names:
-        start = time.perf_counter()
-        results[name] = benches[name]()
-        results[name]["bench_wall_s"] = time.perf_counter() - start
-        print(json.dumps({name: results[name]}, indent=1), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    run_benches(benches, names, results, echo=True)
+    write_json(results, args.json)
     return 0
 
 

@@ -19,14 +19,17 @@ On a CPU with AMX-INT8, "auto" is the GGUF "amx" path (TDPBSUD from 8 kernel row
 from __future__ import annotations
 
 import argparse
-import platform
-import time
+import os
+import sys
 
 import numpy as np
 from gguf import GGMLQuantizationType
 from gguf import quants
 
 from pagedrun.pyx import cpu_gemm
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import cpu_model, median_seconds  # noqa: E402
 
 # (name, ggml type, N, K): q/o 576x576, gate/up fused 3072x576, down 576x1536, tied LM head.
 SHAPES = (
@@ -57,27 +60,6 @@ def k_quant_raw(rng, ggml_type: str, n: int, k: int) -> np.ndarray:
     else:
         raw[:, :, 208:210] = scale[:, :, :2]  # d
     return raw.reshape(n, -1)
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up: first-touch, the helper thread's start
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
 
 
 def main() -> None:

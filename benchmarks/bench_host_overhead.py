@@ -45,7 +45,6 @@ import argparse
 import dataclasses
 import datetime
 import gc
-import json
 import math
 import os
 import platform
@@ -57,7 +56,7 @@ from contextlib import contextmanager
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_roundtrip import cpu_model  # noqa: E402
+from bench_common import JSON_TO_STDOUT, add_json_option, cpu_model, write_json  # noqa: E402
 from host.null_backend import NullBackend  # noqa: E402
 from host.recording import RecordingBackend, recording_ns_per_launch  # noqa: E402
 from host.step_phases import PHASES, StepPhases, phases, wrapper_overhead_ns  # noqa: E402
@@ -113,8 +112,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                              "(default: the default model)")
     parser.add_argument("--num-layers", type=int, default=None,
                         help="decoder layers (default: the model's); the vocabulary is kept")
-    parser.add_argument("--json", nargs="?", const="-", default=None,
-                        help="write the results to PATH (bare --json: JSON only, on stdout)")
+    add_json_option(parser, bare_to_stdout=True)
     parser.add_argument("--smoke", action="store_true",
                         help=f"CI: levels {SMOKE_LEVELS}, {SMOKE_STEPS} steps, "
                              f"{SMOKE_WARMUP} warm-up, {SMOKE_NUM_LAYERS} layers")
@@ -311,14 +309,9 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()  # one engine's pools and copied weights at a time
     results["load_average_end"] = [round(v, 2) for v in os.getloadavg()]
     table = _table(results)
-    if args.json == "-":
-        print(table, file=sys.stderr)
-        print(json.dumps(results, indent=1))
-    else:
-        print(table)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
+    # Under a bare --json, stdout carries the JSON alone: the table goes to stderr.
+    print(table, file=sys.stderr if args.json == JSON_TO_STDOUT else sys.stdout)
+    write_json(results, args.json)
     return 0
 
 

@@ -33,7 +33,9 @@ import time
 
 import httpx  # only to wait for /health
 
-from bench_roundtrip import cpu_model, start_server, stop_server
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import add_json_option, cpu_model, write_json  # noqa: E402
+from bench_roundtrip import start_server, stop_server  # noqa: E402
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 PROMPT_IDS = [72, 105, 33]  # any ids: the fake engine's output depends only on them
@@ -241,7 +243,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=500)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--latency-n", type=int, default=300)
-    p.add_argument("--json", metavar="PATH")
+    add_json_option(p, bare_to_stdout=False)
     args = p.parse_args()
 
     server, endpoint = start_server("tcp://127.0.0.1:0")
@@ -278,12 +280,9 @@ def main() -> int:
     for q, fn in (("median", statistics.median), ("p90", p90)):
         z, h = fn(lat["zmq"]), fn(lat["http"])
         print(f"{'1-token round trip ' + q + ' (us)':<44}{z:>12.0f}{h:>12.0f}{h / z:>13.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "http_gateway", "cpu": cpu, "args": vars(args),
-                       "runs": rows, "medians": med,
-                       "latency_us": {k: {"median": statistics.median(v), "p90": p90(v)}
-                                      for k, v in lat.items()}}, f, indent=2)
+    write_json({"benchmark": "http_gateway", "cpu": cpu, "args": vars(args), "runs": rows,
+                "medians": med, "latency_us": {k: {"median": statistics.median(v), "p90": p90(v)}
+                                               for k, v in lat.items()}}, args.json, indent=2)
     return 0
 
 

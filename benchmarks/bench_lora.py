@@ -28,11 +28,20 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import (  # noqa: E402
+    add_json_option,
+    load_average,
+    run_benches,
+    set_blas_threads,
+    write_json,
+)
+
 
 def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("bench", choices=["all", "throughput", "ops"])
-    parser.add_argument("--json", default=None)
+    add_json_option(parser, bare_to_stdout=False)
     parser.add_argument("--blas-threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats (medians)")
     parser.add_argument("--num-requests", type=int, default=32)
@@ -43,8 +52,7 @@ def _parse() -> argparse.Namespace:
 
 ARGS = _parse() if __name__ == "__main__" else None
 if ARGS is not None:
-    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ[var] = str(ARGS.blas_threads)
+    set_blas_threads(ARGS.blas_threads)
 
 import numpy as np  # noqa: E402  (after the thread setting)
 
@@ -194,15 +202,10 @@ def bench_ops(args) -> dict:
 def main() -> int:
     args = ARGS
     names = ["throughput", "ops"] if args.bench == "all" else [args.bench]
-    results = {"blas_threads": args.blas_threads, "load_average_at_start": os.getloadavg()[0]}
-    for name in names:
-        start = time.perf_counter()
-        results[name] = {"throughput": bench_throughput, "ops": bench_ops}[name](args)
-        results[name]["bench_wall_s"] = time.perf_counter() - start
-        print(json.dumps({name: results[name]}, indent=1), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    results = {"blas_threads": args.blas_threads, "load_average_at_start": load_average()}
+    benches = {"throughput": lambda: bench_throughput(args), "ops": lambda: bench_ops(args)}
+    run_benches(benches, names, results, echo=True)
+    write_json(results, args.json)
     return 0
 
 

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import time
+import os
+import sys
 
 import numpy as np
 
 from pagedrun.runtime.backends.cpu_bf16_backend import CpuBf16Backend
 from pagedrun.runtime.backends.numpy_backend import NumpyBackend
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import cpu_model, median_seconds  # noqa: E402
 
 MIXTRAL_HIDDEN = 4096
 MIXTRAL_INTERMEDIATE = 14336
@@ -56,13 +59,9 @@ def main() -> None:
         ops = backends[name]()
         for num_tokens in TOKEN_COUNTS:
             h = rng.standard_normal((num_tokens, hidden), dtype=np.float32)
-            moe_layer(ops, h, router, w_gate_up, w_down)  # warm-up (bf16: packs the experts)
-            times = []
-            for _ in range(REPEATS):
-                start = time.perf_counter()
-                moe_layer(ops, h, router, w_gate_up, w_down)
-                times.append(time.perf_counter() - start)
-            median = float(np.median(times))
+            # One warm-up call (bf16: packs the experts).
+            median = median_seconds(lambda: moe_layer(ops, h, router, w_gate_up, w_down),
+                                    REPEATS, warmup=1)
             rows.append({"backend": name, "tokens": num_tokens, "median_s": median,
                          "tokens_per_s": num_tokens / median,
                          "gflop_per_s": flops_per_token * num_tokens / median / 1e9})
@@ -70,7 +69,7 @@ def main() -> None:
                   f"{num_tokens / median:8.1f} tok/s  "
                   f"{flops_per_token * num_tokens / median / 1e9:6.1f} GFLOP/s", flush=True)
     if args.json:
-        print(json.dumps({"machine": platform.processor() or platform.machine(),
+        print(json.dumps({"machine": cpu_model(),
                           "hidden": hidden, "intermediate": inter, "experts": NUM_EXPERTS,
                           "top_k": TOP_K, "rows": rows}))
 

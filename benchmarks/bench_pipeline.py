@@ -34,13 +34,23 @@ Usage: python benchmarks/bench_pipeline.py [all|throughput|link|broadcast] [--dt
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import (  # noqa: E402
+    JSON_TO_STDOUT,
+    add_json_option,
+    cpu_model,
+    load_average,
+    run_benches,
+    set_blas_threads,
+    write_json,
+)
 
 
 def _parse() -> argparse.Namespace:
@@ -51,15 +61,14 @@ def _parse() -> argparse.Namespace:
                         help="throughput: the cpu backend's weights")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats (medians)")
     parser.add_argument("--blas-threads", type=int, default=1)
-    parser.add_argument("--json", nargs="?", const="-", default=None,
-                        help="write the results to PATH (alone: to stdout, no tables)")
+    add_json_option(parser, bare_to_stdout=True, help="write the results to PATH (no tables "
+                                                       "with a bare --json)")
     return parser.parse_args()
 
 
 ARGS = _parse() if __name__ == "__main__" else None
 if ARGS is not None:
-    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ[var] = str(ARGS.blas_threads)
+    set_blas_threads(ARGS.blas_threads)
 
 import numpy as np  # noqa: E402  (after the thread setting)
 
@@ -309,17 +318,6 @@ def bench_broadcast(repeats: int) -> dict:
 
 # ----------------------------------------------------------------------------- report
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def print_tables(results: dict) -> None:
     print(f"# {results['cpu']}, {results['cpus']} CPUs, load average at start "
           f"{results['load_average_at_start']:.2f}")
@@ -367,20 +365,12 @@ def main() -> int:
                "link": bench_link,
                "broadcast": lambda: bench_broadcast(args.repeats)}
     names = list(benches) if args.bench == "all" else [args.bench]
-    results = {"cpu": _cpu_name(), "cpus": os.cpu_count(), "blas_threads": args.blas_threads,
-               "load_average_at_start": os.getloadavg()[0]}
-    for name in names:
-        start = time.perf_counter()
-        results[name] = benches[name]()
-        results[name]["bench_wall_s"] = time.perf_counter() - start
-    if args.json == "-":
-        json.dump(results, sys.stdout, indent=1)
-        print()
-        return 0
-    print_tables(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    results = {"cpu": cpu_model(), "cpus": os.cpu_count(), "blas_threads": args.blas_threads,
+               "load_average_at_start": load_average()}
+    run_benches(benches, names, results, echo=False)
+    if args.json != JSON_TO_STDOUT:
+        print_tables(results)
+    write_json(results, args.json)
     return 0
 
 

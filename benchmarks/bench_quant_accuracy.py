@@ -23,16 +23,15 @@ grid; GPTQ is what a user quantizing these weights with GPTQ would get (make_int
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 TEXT = Path(__file__).resolve().parent / "data" / "quant_eval_text.txt"
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # make_int4_checkpoint
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # make_int4_checkpoint, bench_common
+from bench_common import add_json_option, cpu_model, write_json  # noqa: E402
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -48,6 +47,15 @@ FORMATS = {
     "float32": {"dtype": "float32"},
     "bfloat16": {"dtype": "bfloat16"},
     "int8": {"dtype": "bfloat16", "quantization": "int8"},
+    # The int8 backend's other arithmetic (issue 35), set on CpuInt8Backend for the arm only:
+    # each activation mode of its Q8_0 GEMM, and the weight-only format it had before (int8
+    # weights, a float32 scale per 64, bf16 activations: cpu_gemm.PackedInt8Weight).
+    "int8 q8x2": {"dtype": "bfloat16", "quantization": "int8",
+                  "int8_backend": {"default_activations": "q8x2"}},
+    "int8 q8": {"dtype": "bfloat16", "quantization": "int8",
+                "int8_backend": {"default_activations": "q8"}},
+    "int8 group64 (before)": {"dtype": "bfloat16", "quantization": "int8",
+                              "int8_backend": {"weight_packing": "group64"}},
     "bf16 + fp8 KV": {"dtype": "bfloat16", "kv_cache_dtype": "fp8"},
     # The model package's own file kept in its blocks: Q4_1 layers, Q8_0 embedding / LM head.
     "gguf Q4_1 (native)": {"quantization": "gguf"},
@@ -61,14 +69,19 @@ FORMATS = {
 NOT_BUILT = ()
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+def set_int8_backend(attributes: dict) -> dict:
+    """Set class attributes of CpuInt8Backend (a FORMATS arm's "int8_backend"); returns what
+    restores them. "weight_packing": "group64" is cpu_gemm.PackedInt8Weight for every matrix."""
+    from pagedrun.pyx import cpu_gemm
+    from pagedrun.runtime.backends.cpu_int8_backend import CpuInt8Backend
+
+    restore = {}
+    for name, value in attributes.items():
+        restore[name] = CpuInt8Backend.__dict__[name]
+        if value == "group64":
+            value = staticmethod(cpu_gemm.PackedInt8Weight)
+        setattr(CpuInt8Backend, name, value)
+    return restore
 
 
 def perplexity(llm, token_ids: list[int]) -> float:
@@ -104,14 +117,14 @@ def agreement(tokens: list[list[int]], ref: list[list[int]]) -> tuple[float, flo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", default=None)
+    add_json_option(ap, bare_to_stdout=False)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--only", nargs="+", default=None, metavar="FORMAT",
                     help="run these formats (float32 and bfloat16 always run: the references)")
     args = ap.parse_args()
     from pagedrun import LLM
 
-    results = {"cpu": cpu_name(), "text_words": len(TEXT.read_text().split()),
+    results = {"cpu": cpu_model(), "text_words": len(TEXT.read_text().split()),
                "new_tokens": args.new_tokens, "formats": {}}
     ref_tokens = None
     scratch = tempfile.TemporaryDirectory(prefix="pagedrun-int4-")
@@ -125,7 +138,10 @@ def main() -> None:
             group, method = kwargs["int4_checkpoint"]
             checkpoint = Path(scratch.name) / f"{method}-g{group}"
             kwargs = {"model": str(make_checkpoint(checkpoint, group, method))}
+        kwargs = dict(kwargs)
+        restore = set_int8_backend(kwargs.pop("int8_backend", {}))
         llm = LLM(device="cpu", max_model_len=2048, **kwargs)
+        set_int8_backend(restore)  # the backend read its class attributes at construction
         token_ids = llm.get_tokenizer().encode(TEXT.read_text())
         ppl = perplexity(llm, token_ids)
         tokens = greedy_tokens(llm, args.new_tokens)
@@ -148,8 +164,7 @@ def main() -> None:
               f"{100 * r['greedy_full_agreement']:>10.1f}%")
     for name in NOT_BUILT:
         print(f"{name:<20} {'not built yet':>10}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    write_json(results, args.json)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,7 @@ Usage: python benchmarks/bench_roundtrip.py [-n 2000] [--warmup 200] [--json PAT
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -25,21 +23,13 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import add_json_option, cpu_model, write_json  # noqa: E402
+
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 RUN_FAKE_SERVER = os.path.join(REPO, "tests", "server", "run_fake_server.py")
 PROMPT = "ping"
 SERVER_START_TIMEOUT_S = 60
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return platform.processor() or "unknown"
 
 
 def build_c(build_dir: str) -> str:
@@ -118,7 +108,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--transports", default="ipc,tcp")
     p.add_argument("--build-dir", default=os.path.join(REPO, "build", "bench_roundtrip"))
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    add_json_option(p, bare_to_stdout=False, help="also write the results as JSON")
     args = p.parse_args()
 
     exe = build_c(args.build_dir)
@@ -148,10 +138,8 @@ def main() -> int:
     for r in results:
         print(f"{r['transport']:<10} {r['client']:<24} {r['median_us']:>10.1f} "
               f"{r['p90_us']:>10.1f} {r['p99_us']:>10.1f} {r['mean_us']:>10.1f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "roundtrip", "cpu": cpu, "n": args.n,
-                       "warmup": args.warmup, "prompt": PROMPT, "results": results}, f, indent=2)
+    write_json({"benchmark": "roundtrip", "cpu": cpu, "n": args.n, "warmup": args.warmup,
+                "prompt": PROMPT, "results": results}, args.json, indent=2)
     return 0
 
 

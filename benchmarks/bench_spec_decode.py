@@ -43,10 +43,19 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import (  # noqa: E402
+    add_json_option,
+    cpu_model,
+    load_average,
+    set_blas_threads,
+    write_json,
+)
+
 
 def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json", help="write the results here")
+    add_json_option(parser, bare_to_stdout=False)
     parser.add_argument("--blas-threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats (medians)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
@@ -71,11 +80,7 @@ def _parse() -> argparse.Namespace:
 
 ARGS = _parse() if __name__ == "__main__" else None
 if ARGS is not None:
-    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ[var] = str(ARGS.blas_threads)
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_roundtrip import cpu_model  # noqa: E402
+    set_blas_threads(ARGS.blas_threads)
 
 from pagedrun.runtime.sampling_params import SamplingParams  # noqa: E402
 
@@ -391,7 +396,7 @@ def main() -> int:
         "cpu": cpu_model(), "dtype": args.dtype, "blas_threads": args.blas_threads,
         "speculative_config": spec_config, "quick": args.quick,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "load_average_at_start": os.getloadavg()[0], "workloads": {},
+        "load_average_at_start": load_average(), "workloads": {},
     }
     for name in chosen:
         conversations, batch1 = workloads[name]
@@ -405,7 +410,7 @@ def main() -> int:
                   f"{result['outputs_matching']} of {result['outputs_compared']} requests match "
                   f"(first differing token at {result['outputs_first_difference_at']})",
                   flush=True)
-    results["load_average_at_end"] = os.getloadavg()[0]
+    results["load_average_at_end"] = load_average()
     if args.profile is not None:
         conversations, batch1 = workloads[args.profile]
         results["profile"] = profile_spec_run(engines["spec"], conversations, args.max_tokens,
@@ -414,9 +419,7 @@ def main() -> int:
     print(f"\nCPU: {results['cpu']}; dtype {args.dtype}; load average "
           f"{results['load_average_at_start']:.2f} -> {results['load_average_at_end']:.2f}")
     print(_table(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(results, args.json)
     return 0
 
 
