@@ -152,20 +152,21 @@ def test_qk_norm_model_replays_its_head_copies():
     """Qwen3's QK-norm copies q and k out of the QKV GEMM's output between launches (the
     backend's xp.ascontiguousarray): the sim recorder must replay those copies. Greedy tokens
     equal transformers' (tests/fixtures/tiny/qwen3_tied) through the graphs."""
-    from test_qwen3 import QWEN3_DIR, hf_cases
+    from test_model_families import TINY_DIR, hf_cases
 
     from pagedrun.runtime.model_config import ModelConfig
     from pagedrun.runtime.weights import load_model_weights
 
-    config = ModelConfig.from_model_dir(QWEN3_DIR)
-    model = EngineModel(config, load_model_weights(QWEN3_DIR, config), ENGINE_BACKENDS["sim"])
+    qwen3_dir = TINY_DIR / "qwen3_tied"
+    config = ModelConfig.from_model_dir(qwen3_dir)
+    model = EngineModel(config, load_model_weights(qwen3_dir, config), ENGINE_BACKENDS["sim"])
     engine = make_engine(model, block_size=16, max_model_len=128, num_kv_blocks=32,
                          cuda_graph_sizes=(1, 2, 4))
     requests = [(i, f"hf-{i}", dict(prompt_token_ids=prompt, sampling_params=SamplingParams(
         temperature=0.0, max_tokens=len(generated), ignore_eos=True)))
-        for i, (prompt, generated, _) in enumerate(hf_cases())]
+        for i, (prompt, generated, _) in enumerate(hf_cases("qwen3_tied"))]
     outputs = run_requests(engine, requests)
-    for i, (_, generated, _) in enumerate(hf_cases()):
+    for i, (_, generated, _) in enumerate(hf_cases("qwen3_tied")):
         assert outputs[f"hf-{i}"].outputs[0].token_ids == generated, i
     assert sum(engine.runner.decode_graphs.replays.values()) > 0
 
