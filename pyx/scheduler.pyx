@@ -489,7 +489,7 @@ cdef class Scheduler:
         self._release_slot(s)
 
     def patch_sampled_tokens(self, SchedulerOutput out, sampled_token_ids) -> int:
-        """Asynchronous scheduling (runtime/async_scheduling.py): step `out` was updated with
+        """Asynchronous scheduling (runtime/engine/async_stepper.py): step `out` was updated with
         placeholder tokens before its sampled tokens were read back; write the real ones over
         them (rows where out.sample_mask, at token index context_lens[row]: where
         update_from_output appended it) in the requests still held -- running, waiting or

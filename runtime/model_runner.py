@@ -157,6 +157,8 @@ class ModelRunner:
     which the backend measures), then `allocate_kv_cache` with the blocks the budget gives.
     """
 
+    pipeline_depth = 1  # one batch at a time (runtime/engine/runner.py's Runner protocol)
+
     def __init__(self, config: ModelConfig, weights: ModelWeights | None, *, block_size: int,
                  max_model_len: int, ops, num_gpu_blocks: int | None = None,
                  num_cpu_blocks: int = 0, model=None,
@@ -199,6 +201,9 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         if num_gpu_blocks is not None:
             self.allocate_kv_cache(num_gpu_blocks, num_cpu_blocks)
+
+    def close(self) -> None:
+        """Nothing to release: the pools are the backend's arrays (the Runner protocol)."""
 
     # ------------------------------------------------------------------ adapters
     def load_adapter(self, lora_request):
@@ -257,8 +262,8 @@ class ModelRunner:
         """Capture the decode forward for each batch size in `sizes` over the KV pools of
         virtual engine 0 (call after allocate_kv_cache). Returns None, or why nothing was
         captured (the backend or the model cannot; the steps then all run eagerly)."""
-        if not getattr(self.ops, "supports_graphs", False):
-            return f"the {getattr(self.ops, 'name', 'cpu')} backend has no graphs"
+        if not self.ops.capabilities.graphs:
+            return f"the {self.ops.name} backend has no graphs"
         if len(self.kv_sets) != 1:
             return "pipeline virtual engines"
         reason = self.model.graph_capture_refusal()
@@ -336,7 +341,7 @@ class ModelRunner:
             return None
         k_caches, v_caches, _ = self.kv_sets[virtual_engine]
         drafts = (getattr(out, "num_draft_tokens", None)
-                  if getattr(self.ops, "verify_as_decode_rows", False) else None)
+                  if self.ops.capabilities.verify_as_decode_rows else None)
         attn = build_attention_inputs(out.query_start_loc, out.query_lens, out.context_lens,
                                       out.block_tables, drafts)
         # Uploaded once here, read by every layer (runtime/backends/step_inputs.py).

@@ -218,7 +218,7 @@ def _graph_sizes(text: str) -> tuple[int, ...]:
 
 def add_step_options(group) -> None:
     """--enforce-eager and --cuda-graph-sizes (decode graphs; runtime/decode_graphs.py) and
-    --async-scheduling (runtime/async_scheduling.py), shared by serve, generate and chat
+    --async-scheduling (runtime/engine/async_stepper.py), shared by serve, generate and chat
     --in-process."""
     group.add_argument("--enforce-eager", action="store_true",
                        help="never capture decode graphs: every step launches op by op "

@@ -131,7 +131,7 @@ class Server:
                                   else MAX_LOGPROBS)
         tokenizer = getattr(engine, "tokenizer", None)
         # Tokenize here, not in the engine thread, when the tokenizer offers the same calls the
-        # engine would make (runtime/engine.py: encode(prompt); apply_chat_template(messages,
+        # engine would make (runtime/engine/core.py: encode(prompt); apply_chat_template(messages,
         # tokenize=True)); otherwise the engine does it (and the fake engine of the tests).
         use = self.config.tokenize_in_server and tokenizer is not None
         self._encode = getattr(tokenizer, "encode", None) if use else None

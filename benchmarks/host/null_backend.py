@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pagedrun.runtime.backends.base import BackendCapabilities
 from pagedrun.runtime.backends.step_inputs import StepInputs
 from pagedrun.runtime.sampler import Sampler
 
@@ -30,6 +31,8 @@ class NullBackend:
     xp = np
     logits_on_device = False  # logits are numpy: the numpy sampler reads them
     communicator = "cpu"
+    capabilities = BackendCapabilities()  # nothing beyond the ops: no graphs, no decode loop
+    quantization = None  # float weights
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size

@@ -5,17 +5,17 @@ Timers (inclusive nanoseconds per step) and where they sit in LLMEngine.step:
 
     step              LLMEngine.step, the whole call
     schedule          scheduler.schedule()                      (a proxy around the scheduler)
-    plan_sampling     LLMEngine._plan_sampling
+    plan_sampling     runtime/engine/sampling_plan.plan_sampling (as the step skeleton calls it)
     execute           runner.execute: block moves, attention metadata, step_inputs, the forward
     forward, logits   runner.model.forward / runner.model.logits: every op call (launch); with
                       decode graphs, runner.decode_graphs.run (inputs filled, one replay)
-    sample            LLMEngine._sample
-    postprocess       LLMEngine._postprocess
-    append            LLMEngine._append_sampled: every token appended and stop-checked (once per
-                      step; _append_token, with detokenization and stop strings, inside it)
+    sample            runtime/engine/sampling_plan.sample (as the step skeleton calls it)
+    postprocess       StepSkeleton.postprocess
+    append            OutputProcessor.append_sampled: every token appended and stop-checked (once
+                      per step; append_token, with detokenization and stop strings, inside it)
     detokenize        IncrementalDetokenizer.add_token (patched on the class while installed)
     scheduler_update  scheduler.update_from_output
-    outputs           LLMEngine._outputs: the RequestOutput objects
+    outputs           StepSkeleton.outputs: the RequestOutput objects
 
 `phases(raw)` turns them into the exclusive phases the benchmark reports (PHASES). Each
 wrapper costs a few hundred nanoseconds (`wrapper_overhead_ns` measures it); detokenize runs
@@ -30,9 +30,11 @@ from collections import defaultdict
 from typing import Callable
 
 from pagedrun.runtime.detokenizer import IncrementalDetokenizer
+from pagedrun.runtime.engine import step as engine_step
 
 # Exclusive phases, in step order; "postprocess" is the sum of the four after it plus the rest
-# of _postprocess (forks, finished requests); "other" is the step's time outside every timer.
+# of StepSkeleton.postprocess (forks, finished requests); "other" is the step's time outside
+# every timer.
 PHASES = ("schedule", "input_prep", "launches", "sampling", "postprocess", "detokenize",
           "stop_checks", "scheduler_update", "output_objects", "other", "total")
 
@@ -109,14 +111,16 @@ class StepPhases:
 
     def install(self) -> "StepPhases":
         engine, timers = self.engine, self.timers
-        self._scheduler = _TimedScheduler(engine.scheduler, timers)
-        inner_scheduler = engine.scheduler
-        engine.scheduler = self._scheduler
-        self._undo.append(lambda: setattr(engine, "scheduler", inner_scheduler))
-        for name, key in (("_plan_sampling", "plan_sampling"), ("_sample", "sample"),
-                          ("_postprocess", "postprocess"), ("_append_sampled", "append"),
-                          ("_outputs", "outputs")):
-            self._patch_instance(engine, name, key)
+        schedulers = engine.schedulers
+        inner_scheduler = schedulers[0]
+        self._scheduler = _TimedScheduler(inner_scheduler, timers)
+        schedulers[0] = self._scheduler
+        self._undo.append(lambda: schedulers.__setitem__(0, inner_scheduler))
+        for name, key in (("plan_sampling", "plan_sampling"), ("sample", "sample")):
+            self._patch_module(engine_step, name, key)
+        self._patch_instance(engine.skeleton, "postprocess", "postprocess")
+        self._patch_instance(engine.skeleton, "outputs", "outputs")
+        self._patch_instance(engine.output_processor, "append_sampled", "append")
         self._patch_instance(engine.runner, "execute", "execute")
         self._patch_instance(engine.runner.model, "forward", "forward")
         self._patch_instance(engine.runner.model, "logits", "logits")
@@ -131,6 +135,11 @@ class StepPhases:
         engine.step = self._timed_step(step)
         self._undo.append(lambda: delattr(engine, "step"))
         return self
+
+    def _patch_module(self, module, name: str, key: str) -> None:
+        original = getattr(module, name)
+        setattr(module, name, _timed(original, self.timers, key))
+        self._undo.append(lambda: setattr(module, name, original))
 
     def _patch_instance(self, obj, name: str, key: str) -> None:
         setattr(obj, name, _timed(getattr(obj, name), self.timers, key))

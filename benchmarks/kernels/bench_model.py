@@ -15,7 +15,7 @@ On the CPU harness the same script runs a 2-layer toy model (head_dim 64) at con
 4, so it cannot rot; its times measure the harness.
 
 Decode graphs (runtime/decode_graphs.py) and asynchronous scheduling
-(runtime/async_scheduling.py): `--graphs both` (the default) runs each concurrency eagerly,
+(runtime/engine/async_stepper.py): `--graphs both` (the default) runs each concurrency eagerly,
 with the captured graphs, then with the graphs and asynchronous scheduling, on the same engine
 (graphs and the async stepper are set aside for the passes without them); `on` / `off` /
 `async` one of them. On cuda the engine captures its default sizes (1, 2, 4, 8, ... up to 256
@@ -121,7 +121,10 @@ def main(argv=None) -> int:
     del weights
     info = engine.model_info()
     graphs = engine.runner.decode_graphs
-    stepper = engine._async  # the async scheduler, set aside for the synchronous passes
+    # The engine's stepper (AsyncStepper when async scheduling is on) and the synchronous one
+    # beside it, swapped per pass.
+    stepper = engine.stepper
+    sync_stepper = getattr(stepper, "sync", stepper)
     print(f"# bench_model on {args.device}: {config.num_hidden_layers} layers, hidden "
           f"{config.hidden_size}, vocab {config.vocab_size}, bf16; KV capacity "
           f"{info['kv_capacity_tokens']} tokens; built in {time.perf_counter() - built:.1f} s")
@@ -135,14 +138,14 @@ def main(argv=None) -> int:
     passes = {"off": (False, False), "on": (True, False), "async": (True, True)}
     modes = {"both": ("off", "on", "async")}.get(args.graphs, (args.graphs,))
     rng = np.random.default_rng(1)
-    engine._async = None
+    engine.stepper = sync_stepper
     run(engine, 1, prompt_tokens, 2, rng)  # warm-up: module loads / NVRTC, weight placement
     for c in concurrency:
         for mode in modes:
             graphed, asynchronous = passes[mode]
             # A pass without graphs sets them aside: the same engine, weights and pools.
             engine.runner.decode_graphs = graphs if graphed else None
-            engine._async = stepper if asynchronous else None
+            engine.stepper = stepper if asynchronous else sync_stepper
             before = sum(graphs.replays.values()) if graphs is not None else 0
             seconds, generated = run(engine, c, prompt_tokens, gen_tokens, rng)
             assert generated == c * gen_tokens, (generated, c * gen_tokens)
@@ -152,7 +155,7 @@ def main(argv=None) -> int:
             print(f"{c:>11} {mode:>6} {seconds:>8.2f} {generated:>7} "
                   f"{generated / seconds:>9.1f} {1e3 * seconds / gen_tokens:>12.2f} "
                   f"{replays:>7}")
-    engine.runner.decode_graphs, engine._async = graphs, stepper
+    engine.runner.decode_graphs, engine.stepper = graphs, stepper
     return 0
 
 

@@ -19,6 +19,7 @@ model's float32 numpy arrays and are converted and placed once by the backend. H
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import numpy as np
@@ -39,14 +40,41 @@ DEFAULT_HOST_KV_CACHE_BYTES = 2 << 30
 ProfileStep = Callable[[], int]
 
 
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """What a backend can do beyond the ops every backend has, declared once per backend
+    class (or per instance where the device decides). Everything above the seam reads this;
+    nothing probes a backend for attributes or asks its name."""
+
+    # Decode steps may replay captured graphs (runtime/decode_graphs.py; `graph_capture`,
+    # `default_graph_sizes`).
+    graphs: bool = False
+    # The sampler can leave token ids on the device, so the host schedules step N+1 while the
+    # device runs N (runtime/engine/async_stepper.py).
+    async_scheduling: bool = False
+    # `stream`: the device's compute stream, which NCCL communicators join.
+    compute_stream: bool = False
+    # `host_call(fn, *args)`: a host function run as a step of a graph being captured (a
+    # host-communicator all-reduce inside a decode graph).
+    host_call: bool = False
+    # `make_decode_loop(model)`: the compiled whole-step decode loop (pyx/cpu_decode_step).
+    decode_loop: bool = False
+    # Speculative verification rows run as 1 + k decode rows (else one prefill row).
+    verify_as_decode_rows: bool = False
+    # speculative_config's disable_by_batch_size when it sets none (None: no limit).
+    spec_disable_by_batch_size: int | None = None
+    # The quantization methods whose GEMMs run on the stored (packed) weights here.
+    quantized_gemms: frozenset[str] = frozenset()
+
+
 class Backend(Protocol):
     name: str              # "cpu" | "sim" | "cuda": for logs and model info, never for branches
+    capabilities: BackendCapabilities
+    quantization: str | None  # its GEMM weights' method (runtime/quantization/); None: float
     dtype_name: str        # "float32" | "float16" | "bfloat16"
     kv_dtype: np.dtype     # element dtype of the KV pools (uint16 for bf16 bits)
     xp: object             # the array module of activations and logits (numpy or cupy)
     logits_on_device: bool  # the sampler reads logits in xp; False: they come back as numpy
-    verify_as_decode_rows: bool  # speculative verification rows as decode rows (else prefill)
-    spec_disable_by_batch_size: int | None  # default of speculative_config's (None: no limit)
     communicator: str      # "cpu" (ZeroMQ collectives) | "nccl": what tensor-parallel ranks share
 
     def check_model(self, model_config, block_size: int) -> None: ...  # raise if not served

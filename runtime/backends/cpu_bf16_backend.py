@@ -49,6 +49,7 @@ would take turns on a 2-core machine.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -77,6 +78,8 @@ CPU_OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul"
 class CpuBf16Backend(NumpyBackend):
     dtype_name = "bfloat16"
     kv_dtype = np.dtype(np.uint16)  # bf16 bits; activations stay float32 numpy (see __init__)
+    # make_decode_loop: the compiled decode step (pyx/cpu_decode_step).
+    capabilities = dataclasses.replace(NumpyBackend.capabilities, decode_loop=True)
 
     # cpu_ops on its fastest path ("auto"); __init__ forces the portable one per instance when
     # the GEMM's path is forced to "portable".

@@ -28,6 +28,7 @@ type "I4Z" (W = s * (q - z) per group of 32 / 64 / 128, exact) and run on the Q4
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from pagedrun.pyx import cpu_decode_step, cpu_gemm
@@ -41,7 +42,8 @@ log = logging.getLogger(__name__)
 class CpuGgufBackend(CpuBf16Backend):
     dtype_name = "bfloat16"  # the non-GEMM ops and the KV cache are the bf16 backend's
     quantization = "gguf"
-    keeps_quantized = True  # its methods (gguf / awq / gptq) hand QuantizedMatrix weights over
+    capabilities = dataclasses.replace(CpuBf16Backend.capabilities,
+                                       quantized_gemms=frozenset({"gguf", "awq", "gptq"}))
     # linear() runs its GGUF GEMMs on the decode loop's helper thread while the loop is on
     # (cpu_decode_step.gemm: gemm_gguf's bits), so the compiled decode step applies here too.
     loop_aware_linear = True

@@ -42,6 +42,18 @@ def resolve_device(device: str) -> str:
         "or 'sim' (the CUDA kernels on the CPU harness)")
 
 
+def keeps_gguf_blocks(device: str) -> bool:
+    """Whether the device's backend computes on a GGUF file's own blocks (the cpu backends'
+    GGUF GEMMs), so a .gguf model under dtype "auto" is served as stored
+    (model_loader.resolve_quantization)."""
+    return resolve_device(device) == "cpu"
+
+
+def uses_gpu(device: str) -> bool:
+    """Whether each rank of the device holds one GPU (Ray places a GPU per rank)."""
+    return resolve_device(device) == "cuda"
+
+
 def _check_kv_cache_dtype(kv_cache_dtype: str, kv_dtype: str, backend: str) -> None:
     """Refuse a kv_cache_dtype other than "auto" or the one a backend holds (kv_dtype)."""
     if kv_cache_dtype not in ("auto", kv_dtype):
@@ -100,11 +112,11 @@ def _make(device: str, dtype: str, device_id: int, quantization: str | None,
                                       f"the {device} backend with dtype {resolved}")
                 kv_cache_dtype = "auto"
             if device == "sim":
-                from .sim_backend import sim_backend
+                from .kernel_devices import sim_backend
 
                 return sim_backend(resolved, kv_cache_dtype=kv_cache_dtype,
                                    quantization=quantization)
-            from .cuda_backend import cuda_backend
+            from .kernel_devices import cuda_backend
 
             return cuda_backend(resolved, device_id=device_id, kv_cache_dtype=kv_cache_dtype,
                                 quantization=quantization)
@@ -146,9 +158,9 @@ def _make(device: str, dtype: str, device_id: int, quantization: str | None,
                               f"the {device} backend with dtype {resolved}")
         kv_cache_dtype = "auto"
     if device == "sim":
-        from .sim_backend import sim_backend
+        from .kernel_devices import sim_backend
 
         return sim_backend(resolved, kv_cache_dtype=kv_cache_dtype)
-    from .cuda_backend import cuda_backend
+    from .kernel_devices import cuda_backend
 
     return cuda_backend(resolved, device_id=device_id, kv_cache_dtype=kv_cache_dtype)

@@ -35,6 +35,7 @@ that name is the arithmetic); on the harness, the fixed host budget.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -48,7 +49,7 @@ from pagedrun.runtime.kernels.kernel_args import (FP8_KV_DTYPE, UnsupportedKerne
 from pagedrun.runtime.errors import PagedRunError
 
 from . import numpy_ops, weight_only
-from .base import DEFAULT_HOST_KV_CACHE_BYTES
+from .base import DEFAULT_HOST_KV_CACHE_BYTES, BackendCapabilities
 from .graph_capture import capture_graph
 from .kernel_sampler import KernelSampler
 from .step_inputs import DeviceInts, StepInputs, upload_step
@@ -84,16 +85,18 @@ class KernelBackend:
 
     # The kernel sampler reads logits where they are; only token ids come back.
     logits_on_device = True
-    # Verification rows take the prefill kernel: it reads a sequence's KV once for its 1 + k
-    # queries, where 1 + k decode rows would read it 1 + k times (bandwidth is the GPU's limit).
-    verify_as_decode_rows = False
-    # None: a GPU's decode step is bandwidth-bound, so verification's extra tokens are nearly
-    # free at any batch the engine runs (speculative_config may still set a limit).
-    spec_disable_by_batch_size = None
-    # Decode steps may replay captured graphs (runtime/decode_graphs.py): `graph_capture`.
-    supports_graphs = True
-    # The sampler can leave token ids on the device (asynchronous scheduling).
-    supports_async_scheduling = True
+    # What the instance declares (BackendCapabilities; `compute_stream` is the runtime's):
+    # - verification rows take the prefill kernel: it reads a sequence's KV once for its 1 + k
+    #   queries, where 1 + k decode rows would read it 1 + k times (bandwidth is the GPU's
+    #   limit), so verify_as_decode_rows is False;
+    # - no spec_disable_by_batch_size: a GPU's decode step is bandwidth-bound, so
+    #   verification's extra tokens are nearly free at any batch the engine runs
+    #   (speculative_config may still set a limit);
+    # - decode steps may replay captured graphs (`graph_capture`), with host steps in them
+    #   (`host_call`);
+    # - the sampler can leave token ids on the device (asynchronous scheduling).
+    _CAPABILITIES = BackendCapabilities(graphs=True, async_scheduling=True, host_call=True,
+                                        quantized_gemms=frozenset(WEIGHT_ONLY_METHODS))
 
     def __init__(self, runtime, dtype_name: str, *, kv_cache_dtype: str = "auto",
                  quantization: str | None = None) -> None:
@@ -123,6 +126,8 @@ class KernelBackend:
         self.runtime = runtime
         self.name = runtime.name  # "sim" | "cuda": logs and model info
         self.communicator = runtime.communicator
+        self.capabilities = dataclasses.replace(self._CAPABILITIES,
+                                                compute_stream=runtime.stream is not None)
         self._modules: dict[str, object] = {}
         self._weights: dict[tuple, tuple[np.ndarray, object]] = {}
         # Every graph's allocations (graph_capture): private, so a replay's buffers are never
@@ -323,11 +328,6 @@ class KernelBackend:
         output). Array ops, not a kernel: a GPU graph captures them, a sim graph records them
         here as a host step -- else a 16-bit sim replay would reuse the capture's values."""
         return self.runtime.array_op(fused_ops.to_float32, (x,))
-
-    @property
-    def keeps_quantized(self) -> bool:
-        """llama.py hands QuantizedMatrix projections to linear_weight (awq / gptq)."""
-        return self.quantization in ("awq", "gptq")
 
     def place_weight(self, host: np.ndarray):
         """A host array placed on the device as it is, counted among the placed weights."""

@@ -13,7 +13,7 @@ from pagedrun.runtime.lora import lora_ops
 from pagedrun.runtime.sampler import Sampler
 
 from . import numpy_ops
-from .base import DEFAULT_HOST_KV_CACHE_BYTES
+from .base import DEFAULT_HOST_KV_CACHE_BYTES, BackendCapabilities
 from .step_inputs import StepInputs
 
 # kv_cache_dtype -> the pools' element dtype (CpuBf16Backend has its own table).
@@ -27,14 +27,18 @@ class NumpyBackend:
     kv_dtype = np.dtype(np.float32)
     xp = np
     logits_on_device = False  # logits are numpy already
-    # Speculative verification rows run as 1 + k decode rows (the numpy decode attention over a
-    # few queries per sequence is ~2.4x cheaper than the prefill path; model_runner.py).
-    verify_as_decode_rows = True
-    # Speculation off from this many running decodes unless speculative_config says otherwise:
-    # on the CPU a step's extra query tokens cost compute in proportion, and with several
-    # sequences a step's length is set by the slowest (measured with bench_spec_decode.py,
-    # n-gram, default model, bf16: batch 8 0.89x, batch 32 0.88x, batch 1 copy-heavy 1.61x).
-    spec_disable_by_batch_size = 4
+    quantization = None  # float weights (the gguf / int8 subclasses name their method)
+    capabilities = BackendCapabilities(
+        # Speculative verification rows run as 1 + k decode rows (the numpy decode attention
+        # over a few queries per sequence is ~2.4x cheaper than the prefill path;
+        # model_runner.py).
+        verify_as_decode_rows=True,
+        # Speculation off from this many running decodes unless speculative_config says
+        # otherwise: on the CPU a step's extra query tokens cost compute in proportion, and with
+        # several sequences a step's length is set by the slowest (measured with
+        # bench_spec_decode.py, n-gram, default model, bf16: batch 8 0.89x, batch 32 0.88x,
+        # batch 1 copy-heavy 1.61x).
+        spec_disable_by_batch_size=4)
     communicator = "cpu"
 
     embedding = staticmethod(numpy_ops.embedding)

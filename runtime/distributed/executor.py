@@ -65,7 +65,7 @@ import msgpack
 import numpy as np
 import zmq
 
-from pagedrun.runtime.backends import make_backend
+from pagedrun.runtime.backends import make_backend, uses_gpu
 from pagedrun.runtime.distributed import auth
 from pagedrun.runtime.distributed.communicator import (POLL_INTERVAL_S,
                                                        DEFAULT_COLLECTIVE_TIMEOUT_S,
@@ -330,7 +330,7 @@ class TensorParallelExecutor:
         self._procs = start_workers(self.executor_backend, self.master_addr, ranks, per_node,
                                     rendezvous_timeout_s, self._secret, self._curve,
                                     ray_address=self.ray_address,
-                                    num_gpus_per_rank=1 if device == "cuda" else 0)
+                                    num_gpus_per_rank=1 if uses_gpu(device) else 0)
         self._rendezvous(nnodes, rendezvous_timeout_s)
         plan = {"model": None if model is None else str(model), "tp_size": self.tp_size,
                 "pp_size": self.pp_size, "stage_layers": [list(r) for r in self.stage_layers],

@@ -175,7 +175,7 @@ class StagePipe:
     def use_stream(self, ops) -> None:
         """NCCL links on the backend's compute stream (as the collectives, worker.build_rank)."""
         for link in (self.link_in, self.link_out):
-            if link is not None and link.nccl is not None and hasattr(ops, "stream"):
+            if link is not None and link.nccl is not None and ops.capabilities.compute_stream:
                 link.nccl.use_stream(ops.stream)
 
     def close(self) -> None:

@@ -92,7 +92,7 @@ def build_rank(plan: dict, rank: int, comm, ops=None):
         ops = make_backend(plan["device"], plan["dtype"], device_id=plan["local_rank"],
                            quantization=plan.get("quantization"),
                            kv_cache_dtype=plan.get("kv_cache_dtype", "auto"))
-    if hasattr(comm, "use_stream") and hasattr(ops, "stream"):
+    if hasattr(comm, "use_stream") and ops.capabilities.compute_stream:
         comm.use_stream(ops.stream)  # NCCL on the compute stream
     local_config = dataclasses.replace(rank_config(config, spec), num_hidden_layers=end - start)
     weights = load_shard(model_dir, config, spec, layers=range(start, end), embed=stage == 0,

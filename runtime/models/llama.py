@@ -172,8 +172,7 @@ class LlamaModel:
         # A backend's compiled pure-decode step (the compiled cpu backends: all layers in
         # one call, the per-op path's bits), or None. Not under tensor parallelism (the loop runs no
         # collective) nor for subclasses. `forward` takes it per step where it applies.
-        make_decode_loop = getattr(ops, "make_decode_loop", None)
-        self.decode_loop = (make_decode_loop(self) if make_decode_loop is not None
+        self.decode_loop = (ops.make_decode_loop(self) if ops.capabilities.decode_loop
                             and type(self) is LlamaModel and tp.single_device else None)
 
     def forward(self, token_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,

@@ -135,9 +135,9 @@ def get_method(name: str | None) -> LinearMethod:
 
 
 def linear_method_for(ops) -> LinearMethod:
-    """The method of the weights backend `ops` serves: its `quantization` name (None or absent
-    on the backends without one: "none")."""
-    return get_method(getattr(ops, "quantization", None))
+    """The method of the weights backend `ops` serves: its `quantization` name (Backend
+    protocol; None: "none")."""
+    return get_method(ops.quantization)
 
 
 register(LinearMethod())

@@ -256,7 +256,7 @@ def test_requests_added_and_aborted_while_in_flight(model_dir, reference):
         engine.step()  # engine 0's batch is in flight
         engine.add_request("late", prompt_token_ids=[7, 8, 9], sampling_params=params)
         engine.add_request("gone", prompt_token_ids=[7, 8, 9, 10], sampling_params=params)
-        deferred = [r.request_id for ve in engine._deferred for r, _ in ve]
+        deferred = [r.request_id for ve in engine.stepper.deferred for r, _ in ve]
         assert deferred, "no request waited for an engine's batch in flight"
         assert engine.abort_request("gone")
         outs: dict = {}

@@ -106,7 +106,7 @@ def test_actor_killed_mid_generation(ray_cluster, model_dir):
         params = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
         for i in range(3):
             engine.add_request(f"r{i}", prompt_token_ids=[5 + i, 6, 7], sampling_params=params)
-        requests = list(engine._requests.values())
+        requests = list(engine.table.requests.values())
         engine.step()
         engine.step()  # generation is under way
         assert all(r.error is None for r in requests)

@@ -1,4 +1,4 @@
-"""Asynchronous scheduling (runtime/async_scheduling.py) == synchronous stepping, on the sim
+"""Asynchronous scheduling (runtime/engine/async_stepper.py) == synchronous stepping, on the sim
 backend (the cuda backend's code; its sampler leaves the token ids on the "device").
 
 Step N+1 is scheduled and launched before N's tokens are read back, so a stop found at N (a
@@ -93,7 +93,7 @@ def test_async_equals_sync_with_late_stops(sim_model, preemption_mode, graphs):
     got = _summary(run_requests(engine, requests))
     assert got == want
     assert {reason for _, reason, _, _ in want.values()} >= {"stop", "length"}
-    assert engine._async.steps > 0 and engine._async.late_stops > 0
+    assert engine.stepper.steps > 0 and engine.stepper.late_stops > 0
     stats = _assert_clean(engine)
     assert stats["num_preemptions_total"] > 0 and stats["prefix_cache_hits"] > 0
     if graphs:
@@ -106,7 +106,7 @@ def test_async_equals_sync_with_stop_strings(sim_model):
     engine = _engine(sim_model, True, tokenizer)
     got = _summary(run_requests(engine, requests))
     assert got == want
-    assert engine._async.late_stops > 0
+    assert engine.stepper.late_stops > 0
     _assert_clean(engine)
 
 
@@ -150,18 +150,16 @@ def test_requests_that_need_their_last_token_step_synchronously(sim_model):
     want = _summary(run_requests(_engine(sim_model, False), requests))
     engine = _engine(sim_model, True)
     steps = {"sync": 0}
-    real_step = engine._async.step
+    real_sync_step = engine.stepper.sync.step
 
     def counted():
-        out = real_step()
-        if out is None:
-            steps["sync"] += 1
-        return out
+        steps["sync"] += 1
+        return real_sync_step()
 
-    engine._async.step = counted
+    engine.stepper.sync.step = counted
     got = _summary(run_requests(engine, requests))
     assert got == want
-    assert steps["sync"] > 0 and engine._async.steps > 0
+    assert steps["sync"] > 0 and engine.stepper.steps > 0
     _assert_clean(engine)
 
 

@@ -587,7 +587,7 @@ def test_fp8_sim_matches_numpy_fp8(run_name):
     if "cuda_graph_sizes" in extra:
         assert sum(engine.runner.decode_graphs.replays.values()) > 0
     if extra.get("async_scheduling"):
-        assert engine._async.steps > 0
+        assert engine.stepper.steps > 0
     if shared.get("preemption_mode") == "swap":
         assert engine.get_stats()["num_preemptions_total"] > 0
         assert all(c.dtype == np.uint8 for c in engine.runner.cpu_caches)

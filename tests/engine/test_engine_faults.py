@@ -92,32 +92,33 @@ def test_sampling_fault_fails_only_its_request(tiny_cpu_model, monkeypatch):
 
 
 @pytest.mark.parametrize("phase,method,failing_call", [
-    ("postprocessing a token", "_append_token", 2),   # after it has streamed a token
-    ("prompt logprobs", "_add_prompt_logprobs", 1),
+    ("postprocessing a token", "append_token", 2),   # after it has streamed a token
+    ("prompt logprobs", "add_prompt_logprobs", 1),
 ])
 def test_postprocess_fault_fails_only_its_request(tiny_cpu_model, monkeypatch, phase, method,
                                                   failing_call):
     engine = _engine(tiny_cpu_model)
-    if method == "_append_token":
-        # Every victim token through _append_token (a plain request's token that cannot stop
+    processor = engine.output_processor
+    if method == "append_token":
+        # Every victim token through append_token (a plain request's token that cannot stop
         # skips it: test_append_only_token_fault_fails_only_its_request covers that path).
-        token_stops = engine._token_stops
-        monkeypatch.setattr(engine, "_token_stops",
+        token_stops = processor.token_stops
+        monkeypatch.setattr(processor, "token_stops",
                             lambda r: False if r.request_id == VICTIM else token_stops(r))
-    original = getattr(engine, method)
+    original = getattr(processor, method)
     calls = {"n": 0}
 
     def faulty(*args, **kwargs):
         target = args[0]
-        request = target if hasattr(target, "request_id") else engine._seqs[target][0]
+        request = target if hasattr(target, "request_id") else engine.table.seqs[target][0]
         if request.request_id == VICTIM:
             calls["n"] += 1
             if calls["n"] == failing_call:
                 raise InjectedFault(f"{method} exploded")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(engine, method, faulty)
-    victim_params = greedy(NUM_TOKENS, prompt_logprobs=2) if method == "_add_prompt_logprobs" \
+    monkeypatch.setattr(processor, method, faulty)
+    victim_params = greedy(NUM_TOKENS, prompt_logprobs=2) if method == "add_prompt_logprobs" \
         else None
     requests = _requests(victim_params)
     outs = run_requests(engine, requests)
@@ -126,10 +127,11 @@ def test_postprocess_fault_fails_only_its_request(tiny_cpu_model, monkeypatch, p
 
 
 def test_append_only_token_fault_fails_only_its_request(tiny_cpu_model, monkeypatch):
-    """A token that can stop nothing is appended without _append_token; a fault there (here
+    """A token that can stop nothing is appended without append_token; a fault there (here
     its logprob entry's text, at the victim's second token) fails its request alone too."""
     engine = _engine(tiny_cpu_model)
-    append_token = engine._append_token
+    processor = engine.output_processor
+    append_token = processor.append_token
     victim_full_path = []
 
     def counting_append_token(request, seq, token):
@@ -145,8 +147,8 @@ def test_append_only_token_fault_fails_only_its_request(tiny_cpu_model, monkeypa
             raise InjectedFault("token text exploded")
         return None
 
-    monkeypatch.setattr(engine, "_append_token", counting_append_token)
-    monkeypatch.setattr(engine, "_token_texts", faulty_text)
+    monkeypatch.setattr(processor, "append_token", counting_append_token)
+    monkeypatch.setattr(processor, "token_texts", faulty_text)
     requests = _requests(greedy(NUM_TOKENS, logprobs=0))
     outs = run_requests(engine, requests)
     assert calls["n"] == 2 and not victim_full_path  # it failed on the append-only path
@@ -155,14 +157,14 @@ def test_append_only_token_fault_fails_only_its_request(tiny_cpu_model, monkeypa
 
 def test_n_expansion_fault_fails_only_its_request(tiny_cpu_model, monkeypatch):
     engine = _engine(tiny_cpu_model)
-    original = engine._new_sequence
+    original = engine.table.new_sequence
 
     def faulty(request, index):
         if request.request_id == VICTIM and index > 0:
             raise InjectedFault("no sibling for you")
         return original(request, index)
 
-    monkeypatch.setattr(engine, "_new_sequence", faulty)
+    monkeypatch.setattr(engine.table, "new_sequence", faulty)
     requests = _requests(SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=NUM_TOKENS,
                                         ignore_eos=True))
     outs = run_requests(engine, requests)
@@ -193,7 +195,7 @@ class _SchedulerProxy:
 def test_fork_fault_fails_only_its_request(tiny_cpu_model):
     engine = _engine(tiny_cpu_model)
     victim_seq_ids = set()
-    engine.scheduler = _SchedulerProxy(engine.scheduler, {
+    engine.schedulers[0] = _SchedulerProxy(engine.schedulers[0], {
         "fork_request": lambda parent, child, *rest: parent in victim_seq_ids})
     requests = _requests(SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=NUM_TOKENS,
                                         ignore_eos=True))
@@ -202,7 +204,7 @@ def test_fork_fault_fails_only_its_request(tiny_cpu_model):
     def add(request_id, **kwargs):
         original_add(request_id, **kwargs)
         if request_id == VICTIM:
-            victim_seq_ids.add(engine._requests[VICTIM].seqs[0].seq_id)
+            victim_seq_ids.add(engine.table.requests[VICTIM].seqs[0].seq_id)
 
     engine.add_request = add
     outs = run_requests(engine, requests)
@@ -245,7 +247,7 @@ def test_scheduler_fault_resets_and_the_engine_keeps_serving(tiny_cpu_model):
         calls["n"] += 1
         return calls["n"] == 3
 
-    engine.scheduler = _SchedulerProxy(engine.scheduler, {"schedule": third_schedule})
+    engine.schedulers[0] = _SchedulerProxy(engine.schedulers[0], {"schedule": third_schedule})
     requests = _requests()
     outs = run_requests(engine, requests)
     in_flight = [rid for rid, o in outs.items() if o.error is not None]

@@ -392,7 +392,7 @@ class QuantArithmeticNumpy(NumpyBackend):
 @pytest.mark.parametrize("method,group", [("awq", 128), ("gptq", 64), ("awq", 32)])
 def test_engine_matches_float_engine_on_dequantized_weights(tmp_path, method, group):
     config, refs = write_checkpoint(tmp_path, method, group, seed=3)
-    assert resolve_quantization(None, str(tmp_path), "cpu", "auto") == method
+    assert resolve_quantization(None, str(tmp_path), True, "auto") == method
     _, weights, _ = load_model(str(tmp_path), quantization=method)
     ref_weights = reference_weights(config, weights, refs)
     rng = np.random.default_rng(7)
@@ -445,15 +445,15 @@ def test_refusals(tmp_path):
     write_checkpoint(awq, "awq", 64)
     # sim / cuda serve it (tests/engine/test_weight_only_sim.py), but not with float32
     # activations: the W4A16 kernels take 16-bit ones.
-    assert resolve_quantization(None, str(awq), "sim", "auto") == "awq"
+    assert resolve_quantization(None, str(awq), False, "auto") == "awq"
     with pytest.raises(EngineConfigError, match="float16 or bfloat16"):
         make_backend("sim", "float32", quantization="awq")
     with pytest.raises(EngineConfigError, match="one process"):
-        resolve_quantization("awq", str(awq), "cpu", "auto", world_size=2)
+        resolve_quantization("awq", str(awq), True, "auto", world_size=2)
     with pytest.raises(EngineConfigError, match="quant_method"):
-        resolve_quantization("gptq", str(awq), "cpu", "auto")
+        resolve_quantization("gptq", str(awq), True, "auto")
     with pytest.raises(EngineConfigError, match="quant_method"):
-        resolve_quantization("none", str(awq), "cpu", "auto")
+        resolve_quantization("none", str(awq), True, "auto")
     with pytest.raises(ValueError, match="cpu"):
         make_backend("sim", quantization="gguf")
     # A plain float directory is not an int4 checkpoint.
@@ -461,8 +461,8 @@ def test_refusals(tmp_path):
     plain.mkdir()
     (plain / "config.json").write_text(json.dumps(CONFIG))
     with pytest.raises(EngineConfigError, match="quant_method"):
-        resolve_quantization("awq", str(plain), "cpu", "auto")
-    assert resolve_quantization(None, str(plain), "cpu", "auto") == "none"
+        resolve_quantization("awq", str(plain), True, "auto")
+    assert resolve_quantization(None, str(plain), True, "auto") == "none"
     # A group of 48 in the g_idx of a group-64 checkpoint (act order in disguise).
     bad = tmp_path / "gidx"
     bad.mkdir()

@@ -176,7 +176,7 @@ def test_backend_factory_and_cuda_import_guard():
     import subprocess
     import sys
 
-    from pagedrun.runtime.backends import cuda_backend
+    from pagedrun.runtime.backends import kernel_devices
     from pagedrun.runtime.backends import resolve_dtype
 
     assert resolve_dtype("sim", "auto") == "float32" and resolve_dtype("cuda", "auto") == "bfloat16"
@@ -186,12 +186,12 @@ def test_backend_factory_and_cuda_import_guard():
     assert make_backend("sim", "float16").kv_dtype == np.float16
     # Importing the cuda backend module (as the engine does for "auto") never imports cupy.
     probe = subprocess.run([sys.executable, "-c", "import sys; import pagedrun.runtime.backends."
-                            "cuda_backend; print('cupy' in sys.modules)"],
+                            "kernel_devices; print('cupy' in sys.modules)"],
                            capture_output=True, text=True, check=True)
     assert probe.stdout.strip() == "False"
-    if not cuda_backend.cuda_available():
-        with pytest.raises(cuda_backend.CudaNotAvailableError):
-            cuda_backend.cuda_backend()
+    if not kernel_devices.cuda_available():
+        with pytest.raises(kernel_devices.CudaNotAvailableError):
+            kernel_devices.cuda_backend()
 
 
 def test_kv_budget_arithmetic():

@@ -98,7 +98,7 @@ def run_greedy_checked(engine, model, prompts: list[list[int]], max_tokens: int,
 def assert_all_blocks_free(engine) -> None:
     stats = engine.get_stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
-    engine.scheduler.check_invariants()
+    engine.schedulers[0].check_invariants()
 
 
 def test_greedy_mix_equals_plain_greedy(tiny_model):

@@ -35,7 +35,7 @@ def fake_cuda_backend(dtype: str, **kwargs) -> KernelBackend:
 def strict_engine_factory(monkeypatch):
     def make(model, dtype: str, **config):
         backend = fake_cuda_backend(dtype)
-        monkeypatch.setattr("pagedrun.runtime.engine.make_backend",
+        monkeypatch.setattr("pagedrun.runtime.engine.core.make_backend",
                             lambda *args, **kwargs: backend)
         config.setdefault("enforce_eager", True)
         return make_engine(model, device="sim", dtype=dtype, **config), backend.xp

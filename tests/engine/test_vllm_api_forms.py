@@ -3,8 +3,8 @@
 Each prompt form of `LLM.generate` (vllm/inputs/data.py PromptType: str, token ids, TextPrompt,
 TokensPrompt, lists mixing them), each form of `LLM.chat`'s messages, the keywords and
 positions of both (vllm/entrypoints/llm.py), the vLLM SamplingParams fields we take or refuse,
-and runtime/prompt_inputs.py's normalization on its own (which LLMEngine.add_request will use
-for vLLM's positional `add_request(request_id, prompt, params)`).
+runtime/prompt_inputs.py's normalization on its own, and LLMEngine.add_request in vLLM's
+positional form `add_request(request_id, prompt, params, arrival_time, lora_request)`.
 
 Expected tokens come from the dense reference model (reference_greedy over the ids the test's
 own tokenizer gives), never from the engine under test; refusals are checked to leave nothing
@@ -368,6 +368,33 @@ def test_resolve_request_prompt_takes_vllms_positional_prompt():
         resolve_request_prompt({"prompt": "x", "multi_modal_data": {"image": 1}})
     with pytest.raises(PromptInputError, match=r"prompt_token_ids\[0\]: .*got str"):
         resolve_request_prompt(prompt_token_ids=["5"])
+
+
+def test_engine_add_request_takes_vllms_positional_form(llm, tiny_cpu_model):
+    """vLLM's LLMEngine.add_request(request_id, prompt, params): every single-prompt form
+    by position, the parameters by position; the engine's keywords still work; params given
+    twice, or a bad prompt form, refused with nothing admitted."""
+    engine = llm.engine
+    params = greedy(4)
+    forms = {"text": "hi there", "tokens": IDS_A, "text_dict": {"prompt": "hi there"},
+             "tokens_dict": {"prompt_token_ids": IDS_B, "prompt": "ignored text"}}
+    for rid, prompt in forms.items():
+        engine.add_request(rid, prompt, params)
+    engine.add_request("keywords", prompt_token_ids=IDS_A, sampling_params=params)
+    done: dict[str, list[int]] = {}  # the deltas, concatenated
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+    text_ids = TextTokenizer().encode("hi there")
+    want = {"text": text_ids, "tokens": IDS_A, "text_dict": text_ids, "tokens_dict": IDS_B,
+            "keywords": IDS_A}
+    for rid, prompt_ids in want.items():
+        assert done[rid] == reference_greedy(tiny_cpu_model, prompt_ids, 4), rid
+    with pytest.raises(RequestError, match="once"):
+        engine.add_request("twice", IDS_A, params, sampling_params=params)
+    with pytest.raises(RequestError, match="prompt"):
+        engine.add_request("bad", {"prompt_embeds": [0.5]}, params)
+    assert_nothing_admitted(llm)
 
 
 def test_batching_rules_match_vllms_prompt_to_seq():

@@ -24,7 +24,8 @@ from test_hf_int4 import reference_weights, write_checkpoint
 
 from pagedrun.runtime.backends import make_backend
 from pagedrun.runtime.backends.numpy_backend import NumpyBackend
-from pagedrun.runtime.backends.sim_backend import sim_backend
+from pagedrun.runtime.quantization.base import KeptQuantizedMethod, linear_method_for
+from pagedrun.runtime.backends.kernel_devices import sim_backend
 from pagedrun.runtime.backends.weight_only import WeightOnlyMatrix
 from pagedrun.runtime.kernels.wq_pack import unpack_groups, unpack_w8
 from pagedrun.runtime.engine import LLMEngine
@@ -82,7 +83,9 @@ def _linear_error_ratio(backend, packed, reference_w, x, bias):
 def test_linear_matches_dequantized(dtype):
     rng = np.random.default_rng(11)
     backend = sim_backend(dtype, quantization="gptq")
-    assert backend.keeps_quantized and not sim_backend(dtype).keeps_quantized
+    # gptq's matrices reach linear_weight as their int4 blocks; float weights otherwise.
+    assert isinstance(linear_method_for(backend), KeptQuantizedMethod)
+    assert not isinstance(linear_method_for(sim_backend(dtype)), KeptQuantizedMethod)
     # A fused matrix (two parts stacked along out, as q/k/v or gate/up reach linear_weight).
     matrix = QuantizedMatrix.stack([_random_int4(rng, 40, 192, 32), _random_int4(rng, 24, 192, 32)])
     packed = backend.linear_weight(matrix)
@@ -240,7 +243,7 @@ def int8_dequantized(backend, w):
 def test_int8_linear_matches_codec(dtype):
     rng = np.random.default_rng(12)
     backend = sim_backend(dtype, quantization="int8")
-    assert not backend.keeps_quantized  # int8 takes float weights
+    assert not isinstance(linear_method_for(backend), KeptQuantizedMethod)  # float weights
     w = (rng.standard_normal((72, 192)) / 14).astype(np.float32)
     w[3, 64:128] = 0  # an all-zero group: scale 0, q 0
     packed = backend.linear_weight(np.ascontiguousarray(w.T).T)  # llama.py's transposed view

@@ -20,10 +20,11 @@ The rules, each its own test below; every failure names the importing file:line:
 
 1. No import cycle among pagedrun modules (self-imports aside); the cycle path is printed.
 2. pagedrun.pyx.* imports nothing of pagedrun.runtime or pagedrun.server.
-3. The engine core (ENGINE_CORE) never names cupy or a module under pagedrun.runtime.backends
-   or pagedrun.runtime.kernels: devices are the backends' business. The one name it may use is
-   the backends package itself (BACKEND_FACTORY: `make_backend`, which turns the configured
-   device string into a Backend object); any backend module by name is a violation.
+3. The engine core (ENGINE_CORE and the whole engine package) never names cupy or a module
+   under pagedrun.runtime.backends or pagedrun.runtime.kernels: devices are the backends'
+   business. The one name it may use is the backends package itself (BACKEND_FACTORY:
+   `make_backend`, which turns the configured device string into a Backend object); any
+   backend module by name is a violation.
 4. pagedrun.server.* imports of pagedrun only the engine's public API (SERVER_PUBLIC_API), its
    own modules, the client and its ancestor packages (`pagedrun.__version__`).
 5. Layers (LAYERS, lowest first) only import their own layer or lower ones. Naming one's own
@@ -32,6 +33,9 @@ The rules, each its own test below; every failure names the importing file:line:
    pagedrun.runtime.quantization only the package itself (MODELS_QUANTIZATION_API), never a
    format module, and its source (code, strings, comments) names no weight format
    (WEIGHT_FORMAT_WORDS: gguf, awq, gptq, int8, Q4_K, ...).
+7. Outside the device layers (backends, kernels), no code compares anything with a device name
+   (DEVICE_NAMES): the engine, models and the distributed executor read the backend's declared
+   capabilities, or ask the backends package (keeps_gguf_blocks, uses_gpu).
 
 Plus bookkeeping that keeps the rules honest: every module has a layer, every pagedrun import
 resolves to a module of the tree, and the builder itself is tested on planted violations.
@@ -114,7 +118,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("model_runner", ("pagedrun.runtime.model_runner", "pagedrun.runtime.decode_graphs")),
     ("distributed", ("pagedrun.runtime.distributed", "pagedrun.runtime.distributed.*")),
     # The engine and the public modules beside it (`paged-run env`'s device report).
-    ("engine", ("pagedrun.runtime.engine", "pagedrun.runtime.async_scheduling",
+    ("engine", ("pagedrun.runtime.engine", "pagedrun.runtime.engine.*",
                 "pagedrun.runtime.llm",
                 "pagedrun.runtime.device_report")),
     ("server", ("pagedrun.server", "pagedrun.server.*")),
@@ -122,7 +126,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("root", ("pagedrun", "pagedrun.__main__", "pagedrun.client")),
 )
 
-# Rule 3: these never name cupy or anything under backends / kernels.
+# Rule 3: these (and every module of the engine package) never name cupy or anything under
+# backends / kernels.
 ENGINE_CORE = (
     "pagedrun.runtime.engine",
     "pagedrun.pyx.scheduler",
@@ -134,6 +139,14 @@ ENGINE_CORE = (
 )
 DEVICE_MODULES = ("cupy", "cupyx", "pagedrun.runtime.backends", "pagedrun.runtime.kernels")
 BACKEND_FACTORY = "pagedrun.runtime.backends"  # the package's __init__: make_backend only
+ENGINE_PACKAGE = "pagedrun.runtime.engine"
+
+# Rule 7: outside the device layers, no code compares anything with a device name: what a
+# device can do is its backend's declared capabilities (backends/base.py BackendCapabilities),
+# or, before a backend exists, a question the backends package answers (keeps_gguf_blocks,
+# uses_gpu). Config validation may list the names; only comparisons are branches.
+DEVICE_NAMES = frozenset({"cpu", "sim", "cuda"})
+DEVICE_LAYERS = ("pagedrun.runtime.backends", "pagedrun.runtime.kernels")
 
 # Rule 6: what a model may import of the quantization package, and the words that name a
 # weight format (a registered method's name must be one of them: checked below). Letters and
@@ -532,7 +545,8 @@ def engine_core_violations(graph: Graph) -> list[str]:
     return [f"{e}: the engine core ({e.src}) must not name cupy, backends or kernels; "
             "ask the backend object instead"
             for e in graph.edges
-            if e.src in ENGINE_CORE and e.dst != BACKEND_FACTORY
+            if (e.src in ENGINE_CORE or is_under(e.src, ENGINE_PACKAGE))
+            and e.dst != BACKEND_FACTORY
             and any(is_under(e.dst, d) for d in DEVICE_MODULES)]
 
 
@@ -567,6 +581,33 @@ def models_quantization_violations(graph: Graph) -> list[str]:
             for e in graph.internal_edges()
             if is_under(e.src, MODELS) and is_under(e.dst, QUANTIZATION)
             and e.dst not in MODELS_QUANTIZATION_API]
+
+
+def device_string_comparisons(files: dict[str, str]) -> list[str]:
+    """Rule 7, over the sources: every comparison with a device name (==, !=, in, not in;
+    against a name or a tuple / list / set holding one) outside the device layers."""
+    import ast
+
+    out = []
+    for relpath, source in sorted(files.items()):
+        named = module_of(relpath)
+        if (named is None or not relpath.endswith(".py")
+                or any(is_under(named[0], layer) for layer in DEVICE_LAYERS)):
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, ast.Compare):
+                continue
+            for operand in (node.left, *node.comparators):
+                items = (operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set))
+                         else [operand])
+                names = [i.value for i in items
+                         if isinstance(i, ast.Constant) and i.value in DEVICE_NAMES]
+                if names:
+                    out.append(f"{relpath}:{node.lineno}: {named[0]} compares with the device "
+                               f"name {names[0]!r}; ask the backend's capabilities "
+                               "(BackendCapabilities) or the backends package")
+                    break
+    return out
 
 
 def model_format_names(files: dict[str, str]) -> list[str]:
@@ -675,6 +716,32 @@ def test_models_see_only_the_linear_method() -> None:
         pytest.fail(f"{len(named)} violation(s):\n" + "\n".join(named), pytrace=False)
 
 
+def test_no_device_name_comparisons_outside_the_device_layers() -> None:
+    found = device_string_comparisons(read_tree(REPO))
+    if found:
+        pytest.fail(f"{len(found)} violation(s):\n" + "\n".join(found), pytrace=False)
+
+
+def test_planted_device_name_comparisons_are_caught() -> None:
+    files = read_tree(REPO)
+    assert device_string_comparisons(files) == []
+    # In the engine (a plain comparison), the executor (a tuple) and the server (reversed);
+    # the same comparison inside a backend module is the device layer's own business.
+    engine_line = _append(files, "runtime/engine/core.py",
+                          "\n\ndef _planted(config):\n    return config.device == 'cuda'\n") + 3
+    executor_line = _append(files, "runtime/distributed/executor.py",
+                            "\nuses_gpu = DEVICE in ('auto', 'cuda')\n") + 1
+    server_line = _append(files, "server/serve_cmd.py", "\nif 'cpu' != args.device: pass\n") + 1
+    _append(files, "runtime/backends/factory.py", "\nIS_CPU = DEVICE == 'cpu'\n")
+    _append(files, "runtime/engine_config.py", "\nNAMES = ('cpu', 'sim', 'cuda')\n")  # a list
+    found = device_string_comparisons(files)
+    assert [v.split(": ")[0] for v in found] == [
+        f"runtime/distributed/executor.py:{executor_line}",
+        f"runtime/engine/core.py:{engine_line}",
+        f"server/serve_cmd.py:{server_line}"], found
+    assert "'cuda'" in found[1] and "'cpu'" in found[2], found
+
+
 def test_every_quantization_method_name_is_a_format_word() -> None:
     # A method registered under a name the word list misses could be named in a model freely.
     from pagedrun.runtime.quantization import method_names
@@ -736,7 +803,7 @@ def test_planted_violations_are_caught() -> None:
     pyx_line = _append(files, "pyx/scheduler.pyx",
                        "\ncdef _planted():\n    from ..runtime import request\n") + 2
     # engine -> cupy, function-level; and engine -> kernels through importlib.
-    cupy_line = _append(files, "runtime/engine.py",
+    cupy_line = _append(files, "runtime/engine/core.py",
                         "\n\ndef _planted():\n    import cupy\n"
                         "    import importlib\n"
                         "    importlib.import_module('pagedrun.runtime.kernels.gemm')\n") + 3
@@ -766,9 +833,9 @@ def test_planted_violations_are_caught() -> None:
                "pagedrun.runtime.llm (module-level)" in v for v in pyx), pyx
 
     core = _new(graph, "engine_core", baseline)
-    assert any(f"runtime/engine.py:{cupy_line}: pagedrun.runtime.engine imports cupy "
+    assert any(f"runtime/engine/core.py:{cupy_line}: pagedrun.runtime.engine.core imports cupy "
                "(function-level)" in v for v in core), core
-    assert any(f"runtime/engine.py:{cupy_line + 2}: pagedrun.runtime.engine imports "
+    assert any(f"runtime/engine/core.py:{cupy_line + 2}: pagedrun.runtime.engine.core imports "
                "pagedrun.runtime.kernels.gemm (import_module)" in v for v in core), core
     assert not any("runtime/request.py" in v for v in core), core
 

@@ -70,7 +70,7 @@ def test_cuda_decode_graphs_equal_eager(sim_model, dtype):
 
 
 def test_cuda_async_scheduling_equals_sync(sim_model):
-    """Asynchronous scheduling on a real stream (runtime/async_scheduling.py): the ids read
+    """Asynchronous scheduling on a real stream (runtime/engine/async_stepper.py): the ids read
     back through pinned memory one step late, stops found late, graphs on: the synchronous
     engine's tokens and finish reasons."""
     rng = np.random.default_rng(13)
@@ -86,7 +86,7 @@ def test_cuda_async_scheduling_equals_sync(sim_model):
         outputs[asynchronous] = {k: (v.outputs[0].token_ids, v.outputs[0].finish_reason)
                                  for k, v in outs.items()}
         if asynchronous:
-            assert engine._async.steps > 0
+            assert engine.stepper.steps > 0
     assert outputs[True] == outputs[False]
 
 

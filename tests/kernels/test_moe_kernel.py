@@ -11,7 +11,7 @@ import pytest
 
 from paged_kernel_inputs import as_kernel_dtype, kernel_module, result_f32, to_device, to_host
 from pagedrun.runtime.backends import numpy_ops
-from pagedrun.runtime.backends.sim_backend import sim_backend
+from pagedrun.runtime.backends.kernel_devices import sim_backend
 from pagedrun.runtime.kernels.kernel_args import UnsupportedKernelShape
 from pagedrun.runtime.kernels.moe import (GEMM_TILE_ROWS, max_gemm_tiles, moe_experts,
                                           moe_permute, moe_route)

@@ -1,7 +1,7 @@
 """Asynchronous scheduling: the host schedules and launches step N+1 while the device runs step
 N, and reads N's sampled ids back one step late (vLLM's async scheduling, on our scheduler).
 
-One `LLMEngine.step()` with a step N in flight:
+One `LLMEngine.step()` with a step N in flight (AsyncStepper.step):
 
   1. schedule N+1. The scheduler was updated for N with placeholder tokens (PLACEHOLDER) right
      after N was launched, so every row of N that sampled already counts its token: N+1
@@ -12,20 +12,21 @@ One `LLMEngine.step()` with a step N in flight:
   3. collect N: read its ids back (on a GPU, the wait for N's kernels; N+1 is queued behind),
      write them over the placeholders (Scheduler.patch_sampled_tokens: before any later
      update hashes their block), then the engine's own postprocessing (append, detokenize,
-     stop checks, outputs) with the scheduler update replaced by `_LateUpdate`: a sequence
+     stop checks, outputs) with the scheduler update replaced by `LateUpdate`: a sequence
      that stopped at N (EOS, a stop id or string -- known only now) is aborted in the
      scheduler, freeing its blocks; its N+1 row, computed for nothing, is skipped when N+1 is
      collected (its request has finished). Length limits the scheduler applies itself at the
      placeholder update, as the engine does at collect (the same counts).
   4. update N+1 with placeholders; N+1 is now in flight. The outputs of N are returned.
 
-Exactness: the tokens and finish reasons are the synchronous engine's (tests/engine/
-test_async_scheduling.py, on the sim backend). That needs every running request's next step
-to be independent of the token it has not seen yet, so a step runs this way only when no
+Exactness: the tokens and finish reasons are the synchronous engine's
+(tests/engine/test_async_scheduling.py, on the sim backend). That needs every running request's
+next step to be independent of the token it has not seen yet, so a step runs this way only when no
 unfinished request has a repetition / frequency / presence penalty, min_tokens, bad words or
 n > 1 (the sampler or the fork would read the missing token or its count), and there is no
 speculation, pipelining or tensor parallelism (the engine enables it only then); otherwise
-the step in flight is collected and the engine steps synchronously until it is allowed again.
+the step in flight is collected and the engine steps synchronously (SyncStepper) until it is
+allowed again.
 Unseeded random sampling draws from one generator in row order, so its draws differ from a
 synchronous run's (as in vLLM); seeded requests draw from their own generators and do not.
 On the CPU backends there is no device to overlap with: the engine refuses it there.
@@ -36,39 +37,41 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pagedrun.runtime.errors import describe_fault
 from pagedrun.runtime.model_runner import TokenSource
+from pagedrun.runtime.outputs import RequestOutput
+
+from .sampling_plan import sample
+from .step import LaunchedStep, StepSkeleton
+from .steppers import SyncStepper
 
 # The scheduler's token for a sampled token not yet read back: no vocabulary has it, so a block
 # hashed with it by mistake could never match a real prefix.
 PLACEHOLDER = -1
-MAX_ERROR_CHARS = 500  # RequestOutput.error at most, as engine.py cuts its own messages
 
 
 @dataclass
 class _InFlight:
     """A launched step whose tokens are still on the device."""
 
-    scheduled: object        # its SchedulerOutput (updated with placeholders)
-    batch: object            # its SamplingBatch
-    failed: dict             # faults of single requests found while planning
+    step: LaunchedStep       # step.scheduled is updated with placeholders
     executed: object         # its RunnerOutput (prompt logits are host arrays already)
     sampled: object          # DeferredSample, or a SamplerOutput when logprobs were read
     finished: list           # sequence ids the placeholder update finished (length limit)
 
 
-class _LateUpdate:
-    """The scheduler as `_postprocess` sees it when collecting a step already updated with
-    placeholders: update_from_output aborts the sequences that stopped (the scheduler only
-    knew their length limit) and returns what the placeholder update finished plus those;
-    everything else is the real scheduler's."""
+class LateUpdate:
+    """The scheduler update of a step already updated with placeholders, as the skeleton's
+    postprocess calls it: the sequences that stopped are aborted (the scheduler only knew their
+    length limit), and what the placeholder update finished is returned with them."""
 
     def __init__(self, scheduler, finished: list) -> None:
         self._scheduler = scheduler
         self._finished = finished
         self.aborted = 0  # sequences whose stop was found here, one step late
 
-    def update_from_output(self, out, token_ids, stop_mask, num_accepted=None,
-                           accepted_token_ids=None) -> list:
+    def __call__(self, out, token_ids, stop_mask, num_accepted=None,
+                 accepted_token_ids=None) -> list:
         del token_ids, num_accepted, accepted_token_ids  # patched already; no speculation
         finished = list(self._finished)
         for row in np.flatnonzero(stop_mask).tolist():
@@ -77,9 +80,6 @@ class _LateUpdate:
                 finished.append(seq_id)
                 self.aborted += 1
         return finished
-
-    def __getattr__(self, name: str):
-        return getattr(self._scheduler, name)
 
 
 def request_allows_async(request) -> bool:
@@ -90,69 +90,67 @@ def request_allows_async(request) -> bool:
             and not getattr(p, "_bad_words_token_ids", None) and not getattr(p, "bad_words", None))
 
 
-class AsyncScheduler:
-    """The engine's asynchronous stepping (module docstring); `engine` is the LLMEngine."""
+class AsyncStepper:
+    """The engine's asynchronous stepping (module docstring), on virtual engine 0."""
 
-    def __init__(self, engine) -> None:
-        self.engine = engine
+    def __init__(self, skeleton: StepSkeleton, to_device) -> None:
+        """`to_device(host_ids)`: the backend's upload, for sampled ids read on the host."""
+        self.skeleton = skeleton
+        self.sync = SyncStepper(skeleton)
+        self._to_device = to_device
         self.in_flight: _InFlight | None = None
         self.steps = 0        # steps launched ahead of their predecessor's tokens
         self.late_stops = 0   # sequences aborted at collect for a stop found one step late
 
     def allowed(self) -> bool:
-        return all(request_allows_async(r) for r in self.engine._requests.values())
+        return all(request_allows_async(r) for r in self.skeleton.table.requests.values())
 
-    def step(self):
-        """One asynchronous iteration, or None: the engine steps synchronously this time
-        (nothing in flight and a request that needs it)."""
-        eng = self.engine
+    def has_in_flight(self) -> bool:
+        return self.in_flight is not None
+
+    def step(self) -> list[RequestOutput]:
+        """One asynchronous iteration; a synchronous one when a request needs it (after the
+        step in flight, if any, is collected alone)."""
+        skeleton = self.skeleton
         if not self.allowed():
             if self.in_flight is None:
-                return None
-            touched = self._take_pending_final()
+                return self.sync.step()
+            touched = skeleton.begin()
             self._collect(touched)  # the step in flight first; synchronous from the next
-            return eng._outputs(touched)
-        touched = self._take_pending_final()
-        scheduler = eng.scheduler
-        launched = self._launch(touched) if eng._requests else None
+            return skeleton.outputs(touched)
+        touched = skeleton.begin()
+        scheduler = skeleton.schedulers[0]
+        launched = self._launch(touched) if skeleton.table.requests else None
         if self.in_flight is not None:
             self._collect(touched)
-        if launched is not None and eng.scheduler is scheduler:
+        if launched is not None and skeleton.schedulers[0] is scheduler:
             self._update(launched, touched)
         # (else a fault reset the scheduler while collecting: the launched step's requests
         # were failed with everyone else's, and the fresh scheduler never saw its rows)
-        return eng._outputs(touched)
-
-    def _take_pending_final(self) -> dict:
-        """The requests aborted since the last step: their final outputs go out now."""
-        eng = self.engine
-        touched = {r.request_id: r for r in eng._pending_final}
-        eng._pending_final = []
-        return touched
+        return skeleton.outputs(touched)
 
     # ------------------------------------------------------------------ phases
     def _launch(self, touched) -> _InFlight | None:
         """Schedule, plan and launch the next step; None when it could not be (its requests
-        failed and the scheduler's step is closed)."""
-        eng = self.engine
-        try:
-            scheduled = eng.scheduler.schedule()
-        except Exception as exc:  # noqa: BLE001 -- the scheduler's state is unknown now
-            self.in_flight = None  # the fresh scheduler knows none of its rows
-            eng._reset(exc, touched)
+        failed and the scheduler's step is closed, or the scheduler was reset)."""
+        skeleton = self.skeleton
+        before = skeleton.schedulers[0]
+        results = {}
+
+        def run(step: LaunchedStep):
+            executed = skeleton.runner.execute(step.scheduled, step.batch.prompt_logit_rows,
+                                               row_lora_slots=step.lora_slots,
+                                               token_source=self._token_source(step.scheduled))
+            results["executed"] = executed
+            results["sampled"] = self._sample(step, executed)
+            return executed
+
+        step = skeleton.launch(0, touched, run)
+        if step is None:
+            if skeleton.schedulers[0] is not before:
+                self.in_flight = None  # the fresh scheduler knows none of its rows
             return None
-        failed: dict[str, str] = {}
-        try:
-            batch = eng._plan_sampling(scheduled, failed)
-            lora_slots = eng._lora_slots(scheduled, failed)
-            executed = eng.runner.execute(scheduled, batch.prompt_logit_rows,
-                                          row_lora_slots=lora_slots,
-                                          token_source=self._token_source(scheduled))
-            sampled = self._sample(batch, executed, failed)
-        except Exception as exc:  # noqa: BLE001 -- belongs to no single request
-            eng._fail_step(scheduled, exc, touched)
-            return None
-        return _InFlight(scheduled, batch, failed, executed, sampled, [])
+        return _InFlight(step, results["executed"], results["sampled"], [])
 
     def _token_source(self, scheduled) -> TokenSource | None:
         """The rows of `scheduled` whose input token is the step in flight's sampled token:
@@ -160,9 +158,9 @@ class AsyncScheduler:
         prev = self.in_flight
         if prev is None:
             return None
-        out = prev.scheduled
+        out = prev.step.scheduled
         held = {}  # sequence id -> (placeholder's token index, index into the sampled ids)
-        for j, (row, _, _) in enumerate(prev.batch.targets):
+        for j, (row, _, _) in enumerate(prev.step.batch.targets):
             held[int(out.req_ids[row])] = (int(out.context_lens[row]), j)
         positions, id_rows = [], []
         qsl, computed = scheduled.query_start_loc, scheduled.num_computed_tokens_before
@@ -181,72 +179,64 @@ class AsyncScheduler:
         if not positions:
             return None
         ids = prev.sampled.device if hasattr(prev.sampled, "device") else (
-            self.engine.runner.ops.to_device(prev.sampled.token_ids))
+            self._to_device(prev.sampled.token_ids))
         return TokenSource(np.array(positions, np.int64), ids, np.array(id_rows, np.int64))
 
-    def _sample(self, batch, executed, failed):
+    def _sample(self, step: LaunchedStep, executed):
         """The step's tokens left on the device (KernelSampler's DeferredSample); when a row
-        wants logprobs or the batch fails, the engine's own sampling (read now)."""
-        eng = self.engine
-        targets = batch.targets
-        if failed or not targets:
-            return eng._sample(batch, executed, failed)
+        wants logprobs or the batch fails, the skeleton's own sampling (read now)."""
+        sampler, batch, failed = self.skeleton.sampler, step.batch, step.failed
+        if failed or not batch.targets:
+            return sample(sampler, batch, executed.logits, failed)
+        params, generators, prompts, outputs, row_index = batch.sampler_args()
         try:
-            return eng.sampler.sample(
-                executed.logits, [t[2].params for t in targets],
-                [t[1].generator for t in targets], [t[2].prompt_token_ids for t in targets],
-                [t[1].output_token_ids for t in targets], row_index=batch.row_index,
-                defer_read=True)
+            return sampler.sample(executed.logits, params, generators, prompts, outputs,
+                                  row_index=row_index, defer_read=True)
         except Exception:  # noqa: BLE001 -- find the request at fault, as a synchronous step
-            return eng._sample(batch, executed, failed)
+            return sample(sampler, batch, executed.logits, failed)
 
     def _collect(self, touched) -> None:
         """Read the step in flight's tokens, write them over its placeholders, postprocess."""
-        eng = self.engine
+        skeleton = self.skeleton
         prev, self.in_flight = self.in_flight, None
+        step = prev.step
+        scheduler = skeleton.schedulers[0]
         try:
             sampled = prev.sampled.read() if hasattr(prev.sampled, "read") else prev.sampled
-            out = prev.scheduled
+            out = step.scheduled
             row_tokens = np.full(out.num_reqs, PLACEHOLDER, np.int32)
-            for j, (row, _, _) in enumerate(prev.batch.targets):
+            for j, (row, _, _) in enumerate(step.batch.targets):
                 row_tokens[row] = sampled.token_ids[j]
-            eng.scheduler.patch_sampled_tokens(out, row_tokens)
+            scheduler.patch_sampled_tokens(out, row_tokens)
         except Exception as exc:  # noqa: BLE001 -- the device or the read failed: the step
             self._fail_collected(prev, exc, touched)
             return
-        real = eng.scheduler
-        late = _LateUpdate(real, prev.finished)
-        eng.scheduler = late
-        try:
-            eng._postprocess(out, prev.batch, prev.executed, sampled, prev.failed, touched)
-        finally:
-            if eng.scheduler is late:  # (_postprocess may have reset it)
-                eng.scheduler = real
+        late = LateUpdate(scheduler, prev.finished)
+        skeleton.postprocess(0, out, step.batch, prev.executed, sampled, step.failed, touched,
+                             update=late)
         self.late_stops += late.aborted
-        eng._num_failed_steps = 0
+        skeleton.num_failed_steps = 0
 
     def _fail_collected(self, prev: _InFlight, exc: BaseException, touched) -> None:
         """A step in flight whose tokens cannot be read: every request it ran fails (their
         blocks return now; the scheduler's update for it happened at launch)."""
-        eng = self.engine
-        try:
-            message = f"step failed: {type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
-        except Exception:  # noqa: BLE001 -- an exception whose str() raises
-            message = f"step failed: {type(exc).__name__}"
-        seq_ids = [int(i) for i in prev.scheduled.req_ids]
-        eng._fail_requests({eng._seqs[i][0].request_id: message for i in seq_ids
-                            if i in eng._seqs}, touched)
-        eng._num_failed_steps += 1
+        skeleton = self.skeleton
+        message = describe_fault("step", exc)
+        seqs = skeleton.table.seqs
+        seq_ids = [int(i) for i in prev.step.scheduled.req_ids]
+        skeleton.fail_requests({seqs[i][0].request_id: message for i in seq_ids if i in seqs},
+                               touched)
+        skeleton.num_failed_steps += 1
 
     def _update(self, launched: _InFlight, touched) -> None:
         """The scheduler's update of a launched step, every sampled token a placeholder."""
-        eng = self.engine
-        out = launched.scheduled
+        skeleton = self.skeleton
+        out = launched.step.scheduled
         try:
-            launched.finished = eng.scheduler.update_from_output(
+            launched.finished = skeleton.schedulers[0].update_from_output(
                 out, np.full(out.num_reqs, PLACEHOLDER, np.int32), None)
         except Exception as exc:  # noqa: BLE001 -- the scheduler's state is unknown now
-            eng._reset(exc, touched)
+            skeleton.reset(0, exc, touched)
             return
         self.in_flight = launched
         self.steps += 1
