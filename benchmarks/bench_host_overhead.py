@@ -63,7 +63,7 @@ from host.step_phases import PHASES, StepPhases, phases, wrapper_overhead_ns  # 
 from host.zero_weights import zero_weights  # noqa: E402
 from sharegpt_mix import random_prompt_ids  # noqa: E402
 
-from pagedrun.runtime import engine as engine_module  # noqa: E402
+from pagedrun.runtime.engine import core as engine_module  # noqa: E402
 from pagedrun.runtime.engine_config import EngineConfig  # noqa: E402
 from pagedrun.runtime.model_config import ModelConfig  # noqa: E402
 from pagedrun.runtime.model_loader import resolve_model_dir  # noqa: E402

@@ -58,7 +58,8 @@ class EngineConfig:
     model: str | None = None  # HF directory or .gguf; None: the embedded default model
     device: str = "auto"
     # "float32", "bfloat16", "float16"; auto: on cpu a checkpoint's own precision (a .gguf's
-    # blocks: model_loader.resolve_quantization), else float32; bf16 on cuda
+    # blocks: model_loader.resolve_quantization; a bf16 checkpoint: bfloat16,
+    # backends.checkpoint_dtype), else float32; bf16 on cuda
     dtype: str = "auto"
     quantization: str | None = None  # QUANTIZATIONS; None: "none"
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES

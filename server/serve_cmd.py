@@ -59,8 +59,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     eng.add_argument("--device", default=engine.device, choices=DEVICES)
     eng.add_argument("--dtype", default=engine.dtype, choices=DTYPES,
                      help="auto: on cpu the checkpoint's own precision (a .gguf's blocks, "
-                          "the default model's Q4_1 included; float32 for other checkpoints), "
-                          "bfloat16 on cuda; float32: the numpy reference")
+                          "the default model's Q4_1 included; bfloat16 for a bf16 checkpoint; "
+                          "float32 for others), bfloat16 on cuda; float32: the numpy reference")
     add_quantization_option(eng)
     add_step_options(eng)
     eng.add_argument("--tensor-parallel-size", type=int, default=engine.tensor_parallel_size)

@@ -42,6 +42,21 @@ def resolve_device(device: str) -> str:
         "or 'sim' (the CUDA kernels on the CPU harness)")
 
 
+# A checkpoint's torch_dtype -> what dtype "auto" serves it in on the cpu device: its own
+# precision where a cpu backend computes in it (bf16 weights on the compiled bf16 GEMMs, half
+# float32's bytes); float16 has no cpu backend (float32 holds it exactly), float32 is float32.
+CPU_CHECKPOINT_DTYPES = {"bfloat16": "bfloat16"}
+
+
+def checkpoint_dtype(device: str, dtype: str, torch_dtype: str | None) -> str:
+    """EngineConfig.dtype with "auto" settled by the checkpoint where the device serves its
+    precision (cpu: a bfloat16 checkpoint runs on the bf16 backend); anything else as given
+    (then resolve_dtype's device default applies)."""
+    if dtype != "auto" or torch_dtype is None or resolve_device(device) != "cpu":
+        return dtype
+    return CPU_CHECKPOINT_DTYPES.get(torch_dtype, dtype)
+
+
 def keeps_gguf_blocks(device: str) -> bool:
     """Whether the device's backend computes on a GGUF file's own blocks (the cpu backends'
     GGUF GEMMs), so a .gguf model under dtype "auto" is served as stored

@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from pagedrun.runtime.admission import render_chat, truncate_prompt, verify_params
-from pagedrun.runtime.backends import keeps_gguf_blocks, make_backend
+from pagedrun.runtime.backends import checkpoint_dtype, keeps_gguf_blocks, make_backend
 from pagedrun.runtime.chat_options import ChatOptions
 from pagedrun.runtime.engine_config import EngineConfig, EngineConfigError
 from pagedrun.runtime.errors import (ERR_CAPACITY, ERR_DUPLICATE, ERR_EMPTY, ERR_INVALID,
@@ -81,18 +81,27 @@ class LLMEngine:
 
         self.config = config
         self.model_name = config.model or "default"
+        model_given = model_config is not None
         # What quantization None means here (a .gguf on a backend that computes on the file's
         # blocks: "gguf"), settled before loading.
         self.quantization = resolve_quantization(
             config.quantization, config.model, keeps_gguf_blocks(config.device), config.dtype,
-            config.world_size, model_given=model_config is not None)
+            config.world_size, model_given=model_given)
         if model_config is None:  # tensor parallel: each rank reads its own shard
             model_config, weights, tokenizer = load_model(config.model, config.world_size == 1,
                                                           quantization=self.quantization)
         self.model_config = model_config
         self.tokenizer = tokenizer
-        # The one place that picks ops.
-        self.backend = make_backend(config.device, config.dtype, quantization=self.quantization,
+        # The one place that picks ops. dtype "auto" serves a checkpoint read from disk in its
+        # own precision where the device can (a bf16 checkpoint on cpu: the bf16 backend; one
+        # process: tensor-parallel ranks build their backends from EngineConfig.dtype).
+        dtype = config.dtype
+        if self.quantization == "none" and not model_given and config.world_size == 1:
+            dtype = checkpoint_dtype(config.device, dtype, model_config.torch_dtype)
+            if dtype != config.dtype:
+                log.info("dtype auto: %s, the checkpoint's own precision (--dtype float32 for "
+                         "the float32 reference)", dtype)
+        self.backend = make_backend(config.device, dtype, quantization=self.quantization,
                                     kv_cache_dtype=config.kv_cache_dtype, cpu_isa=config.cpu_isa)
         self.device = self.backend.name
         self.backend.check_model(model_config, config.block_size)  # not mid-step

@@ -262,7 +262,7 @@ class LlamaModel:
         mid-forward or that a captured replay would not repeat."""
         if self.input_permuted:
             # x[:, perm] is an array-module gather, not a launch the sim's recording replays.
-            return "act-order (desc_act) int4 weights gather their inputs outside the kernels"
+            return "act-order (desc_act) weights gather their inputs outside the kernels"
         if any(layer.moe is not None for layer in self.layers):
             return "mixture-of-experts routing sizes its expert GEMMs on the host"
         if self.config.embedding_scale is not None:

@@ -293,3 +293,24 @@ def test_gemm_threaded_after_fork(rng, pool):
         os.kill(pid, 9)
     os.waitpid(pid, 0)
     assert result == b"1"
+
+
+@pytest.mark.parametrize("fixture,dtype,want", [
+    ("llama_tied_bf16", "auto", "bfloat16"),    # its own precision (backends.checkpoint_dtype)
+    ("llama_tied_bf16", "float32", "float32"),  # the reference, one flag away
+    ("mistral_fp16", "auto", "float32"),        # no float16 cpu backend: float32 holds it
+    ("qwen2_tied", "auto", "float32"),          # a float32 checkpoint
+])
+def test_dtype_auto_serves_the_checkpoints_precision(fixture, dtype, want, caplog):
+    from pathlib import Path
+
+    from pagedrun.runtime.engine import LLMEngine
+    from pagedrun.runtime.engine_config import EngineConfig
+
+    model = Path(__file__).resolve().parents[1] / "fixtures" / "tiny" / fixture
+    with caplog.at_level("INFO", logger="pagedrun.engine"):
+        engine = LLMEngine(EngineConfig(model=str(model), device="cpu", dtype=dtype,
+                                        num_kv_blocks=8, max_model_len=64))
+    assert engine.model_info()["dtype"] == want
+    said = any("the checkpoint's own precision" in r.getMessage() for r in caplog.records)
+    assert said == (dtype == "auto" and want != "float32")
