@@ -47,6 +47,15 @@ FORMATS = {
     "float32": {"dtype": "float32"},
     "bfloat16": {"dtype": "bfloat16"},
     "int8": {"dtype": "bfloat16", "quantization": "int8"},
+    # The int8 backend's other arithmetic (issue 35), set on CpuInt8Backend for the arm only:
+    # each activation mode of its Q8_0 GEMM, and the weight-only format it had before (int8
+    # weights, a float32 scale per 64, bf16 activations: cpu_gemm.PackedInt8Weight).
+    "int8 q8x2": {"dtype": "bfloat16", "quantization": "int8",
+                  "int8_backend": {"default_activations": "q8x2"}},
+    "int8 q8": {"dtype": "bfloat16", "quantization": "int8",
+                "int8_backend": {"default_activations": "q8"}},
+    "int8 group64 (before)": {"dtype": "bfloat16", "quantization": "int8",
+                              "int8_backend": {"weight_packing": "group64"}},
     "bf16 + fp8 KV": {"dtype": "bfloat16", "kv_cache_dtype": "fp8"},
     # The model package's own file kept in its blocks: Q4_1 layers, Q8_0 embedding / LM head.
     "gguf Q4_1 (native)": {"quantization": "gguf"},
@@ -58,6 +67,21 @@ FORMATS = {
     "int4 GPTQ act order (g32)": {"int4_checkpoint": (32, "gptq-act")},
 }
 NOT_BUILT = ()
+
+
+def set_int8_backend(attributes: dict) -> dict:
+    """Set class attributes of CpuInt8Backend (a FORMATS arm's "int8_backend"); returns what
+    restores them. "weight_packing": "group64" is cpu_gemm.PackedInt8Weight for every matrix."""
+    from pagedrun.pyx import cpu_gemm
+    from pagedrun.runtime.backends.cpu_int8_backend import CpuInt8Backend
+
+    restore = {}
+    for name, value in attributes.items():
+        restore[name] = CpuInt8Backend.__dict__[name]
+        if value == "group64":
+            value = staticmethod(cpu_gemm.PackedInt8Weight)
+        setattr(CpuInt8Backend, name, value)
+    return restore
 
 
 def perplexity(llm, token_ids: list[int]) -> float:
@@ -114,7 +138,10 @@ def main() -> None:
             group, method = kwargs["int4_checkpoint"]
             checkpoint = Path(scratch.name) / f"{method}-g{group}"
             kwargs = {"model": str(make_checkpoint(checkpoint, group, method))}
+        kwargs = dict(kwargs)
+        restore = set_int8_backend(kwargs.pop("int8_backend", {}))
         llm = LLM(device="cpu", max_model_len=2048, **kwargs)
+        set_int8_backend(restore)  # the backend read its class attributes at construction
         token_ids = llm.get_tokenizer().encode(TEXT.read_text())
         ppl = perplexity(llm, token_ids)
         tokens = greedy_tokens(llm, args.new_tokens)

@@ -126,7 +126,7 @@ def test_loop_other_kv_dtypes_and_one_thread(kv_cache_dtype, threads):
 def test_loop_int8_weights(batch, path):
     rng = np.random.default_rng(batch)
     model = _model("hd64_bias", CpuInt8Backend(path=path))
-    assert isinstance(model.layers[0].qkv, cpu_gemm.PackedInt8Weight)
+    assert isinstance(model.layers[0].qkv, cpu_gemm.PackedGgufWeight)  # Q8_0 (issue 35)
     k_caches, v_caches = _caches(model.config, np.uint16, rng)
     got, want = _forward_both(model, _decode_step(model.config, batch, rng), k_caches, v_caches)
     _assert_same(got, want)
