@@ -81,7 +81,8 @@ def main() -> None:
             cells = []
             for arm in names:
                 nbytes = old.nbytes if arm == "group64" else new.nbytes
-                cells.append(f"{arm} {med[arm] * 1e6:8.1f} us ({nbytes / med[arm] / 1e9:5.1f} GB/s)")
+                gb_s = nbytes / med[arm] / 1e9
+                cells.append(f"{arm} {med[arm] * 1e6:8.1f} us ({gb_s:5.1f} GB/s)")
                 totals.setdefault((m, arm), 0.0)
                 totals[(m, arm)] += med[arm]
             ratio = "  ".join(f"x{med['group64'] / med[a]:.2f} {a}" for a in names[1:])

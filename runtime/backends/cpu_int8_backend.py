@@ -56,6 +56,7 @@ from .q8_0_blocks import Q8_0_BLOCK, quantize_q8_0
 # by it even at one row: it was slower than the weight-only format it replaces.
 DEFAULT_ACTIVATIONS = "q8"
 
+
 class CpuInt8Backend(CpuGgufBackend):
     dtype_name = "bfloat16"  # the non-GEMM ops and the KV cache are the bf16 backend's
     keeps_quantized = False  # a GGUF checkpoint's blocks arrive dequantized, then Q8_0 here
@@ -70,9 +71,9 @@ class CpuInt8Backend(CpuGgufBackend):
     def __init__(self, *, activations: str | None = None, gguf_path: str | None = None,
                  **kwargs) -> None:
         """activations: gemm_gguf's mode (cpu_gemm.GGUF_ACTIVATION_MODES; None:
-        default_activations); gguf_path: the Q8_0
-        GEMM's path (cpu_gemm.GGUF_PATHS or "auto"; None: "portable" when `path` is, else
-        "auto"); kwargs: CpuBf16Backend's (`path` is the fallback format's GEMM path)."""
+        default_activations); gguf_path: the Q8_0 GEMM's path (cpu_gemm.GGUF_PATHS or "auto";
+        None: "portable" when `path` is, else "auto"); kwargs: CpuBf16Backend's (`path` is the
+        fallback format's GEMM path)."""
         super().__init__(activations=activations or self.default_activations,
                          quantization="int8", **kwargs)
         if gguf_path is not None:

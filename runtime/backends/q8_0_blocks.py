@@ -4,11 +4,11 @@ repacks for gemm_gguf's Q8_0 kernels.
 
 GGUF's Q8_0 block, per 32 consecutive weights of a row: fp16 d (2 bytes, little-endian) then
 32 int8 q, W ~= d * q (34 bytes per 32 weights: 1.0625 bytes a weight). The block's scale is
-d = max |w| / 127 (a float32 division) rounded UP to fp16 (so max |w| / d <= 127: no q needs clamping), and
-q = round-half-even(w / d) against that fp16 d, the value the kernel multiplies by. Hence every
-weight's error is at most d / 2, with d <= (max |w| / 127) * (1 + 2^-10) + 2^-24 (fp16's
-relative step, and its smallest subnormal step for blocks whose d is below fp16's normal
-range). llama.cpp rounds d to nearest and q against the float32 d before rounding, which can
+d = max |w| / 127 (a float32 division) rounded UP to fp16 (so max |w| / d <= 127: no q needs
+clamping), and q = round-half-even(w / d) against that fp16 d, the value the kernel multiplies
+by. Hence every weight's error is at most d / 2, with d <= (max |w| / 127) * (1 + 2^-10) +
+2^-24 (fp16's relative step, and its smallest subnormal step for blocks whose d is below fp16's
+normal range). llama.cpp rounds d to nearest and q against the float32 d before rounding, which can
 add up to 127 * |d - fp16(d)| ~ 0.06 d to a weight's error; the bytes are the same format.
 """
 from __future__ import annotations
