@@ -18,9 +18,9 @@ Subcommands (`all` runs each in turn; `--json PATH` writes every number measured
   concurrency  output tokens/s with 1, 8 and 32 concurrent requests (32-token prompts,
                24 new tokens each; `--prompt-tokens` / `--new-tokens` change them, and the KV
                pool grows to fit levels x (prompt + new)); `--dtype` takes a comma list of
-               float32, bfloat16 (the bf16-weight cpu backend), int8 (weight-only int8,
-               --quantization int8) and gguf (the model's own GGUF blocks, --quantization
-               gguf), or
+               float32, bfloat16 (the bf16-weight cpu backend), int8 (Q8_0 weights, int8
+               activations: --quantization int8) and gguf (the model's own GGUF blocks,
+               --quantization gguf), or
                `both` (float32,bfloat16), run interleaved, medians of `--repeats` - 2 runs
                (at least 1); `--levels 1,8,32,64`.
 

@@ -23,8 +23,8 @@ PREEMPTION_MODES = ("recompute", "swap")
 # (runtime/distributed/ray_workers.py, the `ray` extra).
 EXECUTOR_BACKENDS = ("mp", "ray")
 # Weight quantization (vLLM's `quantization`): None / "none" keeps the dtype's weights; "int8"
-# is weight-only int8 with a scale per 64 weights of a row, made at load from any checkpoint
-# (cpu: runtime/backends/cpu_int8_backend.py; sim / cuda: W8A16, runtime/backends/weight_only.py);
+# is int8 weights made at load from any checkpoint (cpu: Q8_0 blocks, int8 x int8 GEMMs,
+# runtime/backends/cpu_int8_backend.py; sim / cuda: W8A16, runtime/backends/weight_only.py);
 # "gguf" keeps a .gguf file's GEMM matrices in the file's block types
 # (runtime/quantization/gguf_blocks.py, runtime/backends/cpu_gguf_backend.py; cpu only); "awq" /
 # "gptq" serve a Hugging Face int4 checkpoint of that quant_method kept int4

@@ -196,7 +196,7 @@ def add_quantization_option(group) -> None:
                             "--dtype auto); awq / gptq = a Hugging Face int4 checkpoint "
                             "(4 bits, groups of 32/64/128, desc_act false) kept int4 (the "
                             "default for such a checkpoint); int8 = "
-                            "weight-only int8 with per-channel group scales, made at load; "
+                            "int8 weights made at load (cpu: Q8_0 blocks, int8 activations); "
                             "none = the dtype's weights (a .gguf dequantized). cpu backend only")
     group.add_argument("--cpu-isa", default="auto", choices=CPU_ISAS,
                        help="cap the cpu kernels' instruction set (auto = the fastest this CPU "

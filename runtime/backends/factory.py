@@ -145,7 +145,7 @@ def _make(device: str, dtype: str, device_id: int, quantization: str | None,
                          resolved)
             return CpuGgufBackend(kv_cache_dtype=kv_cache_dtype, quantization=quantization)
         if resolved != "bfloat16":
-            log.info("quantization int8: the GEMMs take bf16-rounded activations "
+            log.info("quantization int8: the GEMMs take int8-quantized activations "
                      "(dtype %s applies to the rest of the step)", resolved)
         from .cpu_int8_backend import CpuInt8Backend
 

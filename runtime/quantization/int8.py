@@ -1,4 +1,4 @@
-"""Weight-only int8 (EngineConfig.quantization "int8"): the checkpoint is read as float32 and the
+"""int8 weights (EngineConfig.quantization "int8"): the checkpoint is read as float32 and the
 backend quantizes each GEMM weight in its own `linear_weight` at load -- the int8 cpu backend
 (runtime/backends/cpu_int8_backend.py: its weight packing) and the sim / cuda W8A16 GEMM
 (runtime/backends/weight_only.py: pack_int8). So the model-side method is the float one's:
