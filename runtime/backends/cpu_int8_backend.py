@@ -20,13 +20,15 @@ one matrix at a time.
 
 Measured on the default model (SmolLM2-135M-Instruct), AMD EPYC Zen 3, 2 vCPUs, AVX2 (GGUF
 path "avx2"), 2026-12-07, against the format this replaced ("group64": int8 weights with a
-float32 scale per 64, bf16 activations on float FMAs); the shared box was heavily loaded (load
-average 11-13), so absolute rates are low and only the paired ratios mean much:
+float32 scale per 64, bf16 activations on float FMAs); the shared box was loaded (load average
+11-13 in round 1, 5-6 in round 2), so absolute rates are low and only the paired ratios mean much:
 - speed, benchmarks/bench_int8_gemm.py --engine (bench_engine's concurrency benchmark, prompt
-  32, 24 new tokens, arms interleaved, medians of 3): decode tok/s q8 / group64 1.18x at 1
-  concurrent request, 1.41x at 8, 1.69x at 32, 1.55x at 64; q8x2 / group64 1.21x, 0.83x,
-  0.87x, 1.01x. Per GEMM (benchmarks/bench_int8_gemm.py, the model's five shapes summed): q8
-  1.93x / 1.43x / 1.63x / 1.59x at M 1 / 8 / 32 / 64, q8x2 0.76x / 0.76x / 0.91x / 0.86x.
+  32, 24 new tokens, arms interleaved, medians of 3), decode tok/s q8 / group64, round 1 /
+  round 2: 1.18 / 1.24x at 1 concurrent request, 1.41 / 1.53x at 8, 1.69 / 1.44x at 32,
+  1.55 / 1.97x at 64 (round 2: 36.6 -> 45.4, 108 -> 165, 120 -> 173, 85 -> 167 tok/s); q8x2 /
+  group64 (round 1) 1.21x, 0.83x, 0.87x, 1.01x. Per GEMM (benchmarks/bench_int8_gemm.py, the
+  model's five shapes summed, two runs): q8 1.74-1.93x / 1.43-1.55x / 1.63-1.88x / 1.59-1.81x
+  at M 1 / 8 / 32 / 64, q8x2 0.76-0.86x / 0.76-0.92x / 0.91-0.94x / 0.86-0.97x.
 - accuracy, benchmarks/bench_quant_accuracy.py (perplexity over its 889-token text; greedy
   agreement with float32, 8 prompts x 32 tokens): float32 22.050, bf16 22.062; q8 22.235
   (+0.78% vs bf16; prefix agreement 69.5%, 4 of 8 prompts identical), q8x2 22.182 (+0.54%;
