@@ -16,124 +16,25 @@
 // AMX_MIN_ROWS rows reads x in blocks of AMX_ROWS rows, the pad rows zero.
 // Threads: the GEMM halves and, from two sequences up, the two halves of decode attention (split
 // at half the total context, as cpu_ops' attention splits large batches: each sequence is
-// computed alone, so the split does not change a bit) run on this file's own Worker, a polled
-// helper like cpu_gemm_kernels.h's HelperThread that can run either kind of job. cpu_ops spawns
-// a thread per call for attention, so it splits only from 8 M multiply-adds; the polled hand-off
-// costs ~1 us, so here every batch of two or more splits. (This translation unit's copy of
-// cpu_gemm's g_helper is never started: its thread starts on its first run_split.)
+// computed alone, so the split does not change a bit) run on the process's one helper thread
+// (cpu_thread_pool.h's run_pair, the same helper cpu_gemm and cpu_ops use). cpu_ops splits its
+// attention only from 8 M multiply-adds; the polled hand-off costs ~1 us, so here every batch
+// of two or more splits.
 //
 // The caller (the .pyx) validates shapes, dtypes and index ranges once per step; everything
 // here trusts its inputs and runs without the GIL.
 #pragma once
 
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
-#include <condition_variable>
-#include <mutex>
-#include <thread>
 
 #include "cpu_gemm_kernels.h"
 #include "cpu_ops_kernels.h"
+#include "cpu_thread_pool.h"
 
 namespace pagedrun_decode {
-
-// ------------------------------------------------------------------------- the helper thread
-// run_pair(fn, ctx): fn(ctx, 0) on the calling thread while the helper runs fn(ctx, 1); returns
-// when both are done. cpu_gemm_kernels.h's HelperThread protocol (see there): the helper polls
-// a generation counter for HELPER_SPIN_US after its last job, then sleeps on a condition
-// variable; a half it has not claimed when the caller is done with its own, the caller runs.
-using PartFn = void (*)(const void* ctx, int part);
-
-class Worker {
-  public:
-    void run_pair(PartFn fn, const void* ctx) {
-        std::lock_guard<std::mutex> serial(call_mu_);  // one pair at a time (two loops' calls)
-        if (!started_) {
-            std::thread(&Worker::loop, this).detach();
-            started_ = true;
-        }
-        fn_ = fn;
-        ctx_ = ctx;
-        const uint64_t generation = generation_.load(std::memory_order_relaxed) + 1;
-        generation_.store(generation, std::memory_order_seq_cst);
-        if (sleeping_.load(std::memory_order_seq_cst)) {
-            std::lock_guard<std::mutex> lock(mu_);
-            wake_cv_.notify_one();
-        }
-        fn(ctx, 0);
-        uint64_t unclaimed = generation - 1;
-        if (claimed_.compare_exchange_strong(unclaimed, generation, std::memory_order_acq_rel)) {
-            fn(ctx, 1);
-            return;
-        }
-        for (long spins = 0; done_.load(std::memory_order_acquire) != generation; ++spins) {
-            if (spins < 4096) pagedrun_gemm::cpu_relax();
-            else std::this_thread::yield();
-        }
-    }
-
-  private:
-    void loop() {
-        uint64_t seen = 0;
-        for (;;) {
-            const auto idle_since = std::chrono::steady_clock::now();
-            long polls = 0;
-            while (generation_.load(std::memory_order_acquire) == seen) {
-                pagedrun_gemm::cpu_relax();
-                if ((++polls & 63) == 0 &&
-                    std::chrono::steady_clock::now() - idle_since >
-                        std::chrono::microseconds(pagedrun_gemm::HELPER_SPIN_US)) {
-                    std::unique_lock<std::mutex> lock(mu_);
-                    sleeping_.store(true, std::memory_order_seq_cst);
-                    wake_cv_.wait(lock, [this, seen] {
-                        return generation_.load(std::memory_order_seq_cst) != seen;
-                    });
-                    sleeping_.store(false, std::memory_order_relaxed);
-                    break;
-                }
-            }
-            seen = generation_.load(std::memory_order_acquire);
-            uint64_t unclaimed = seen - 1;
-            if (!claimed_.compare_exchange_strong(unclaimed, seen, std::memory_order_acq_rel))
-                continue;
-            fn_(ctx_, 1);
-            done_.store(seen, std::memory_order_release);
-        }
-    }
-
-    std::mutex call_mu_, mu_;
-    std::condition_variable wake_cv_;
-    PartFn fn_ = nullptr;  // published by the seq_cst store of generation_
-    const void* ctx_ = nullptr;
-    std::atomic<uint64_t> generation_{0}, claimed_{0}, done_{0};
-    std::atomic<bool> sleeping_{false};
-    bool started_ = false;  // under call_mu_
-};
-
-static Worker* g_worker = nullptr;
-
-// The old worker is leaked: its thread did not survive the fork (as cpu_gemm's helper).
-static void fresh_worker_in_child() { g_worker = new Worker(); }
-
-// Once, at module import (under the GIL).
-static inline void init_worker() {
-    if (g_worker != nullptr) return;
-    g_worker = new Worker();
-    pthread_atfork(nullptr, nullptr, fresh_worker_in_child);
-}
-
-struct TilePair {
-    pagedrun_gemm::TileJob half[2];
-};
-
-static void run_tile_part(const void* ctx, int part) {
-    pagedrun_gemm::run_job(static_cast<const TilePair*>(ctx)->half[part]);
-}
 
 // The packed forms of a GEMM weight this loop runs: cpu_gemm.PackedWeight (bf16),
 // PackedInt8Weight, and PackedGgufWeight (GGUF blocks, pyx/cpu_quant_kernels.h: its TileJob
@@ -221,13 +122,12 @@ static inline void run_tiles(pagedrun_gemm::TileJob& job, int num_tiles, int thr
         return;
     }
     const int split = (num_tiles / 2 + 1) & ~1;
-    TilePair pair;
-    pair.half[0] = pair.half[1] = job;
-    pair.half[0].tile_begin = 0;
-    pair.half[0].tile_end = split;
-    pair.half[1].tile_begin = split;
-    pair.half[1].tile_end = num_tiles;
-    g_worker->run_pair(run_tile_part, &pair);
+    pagedrun_gemm::TileJob mine = job, theirs = job;
+    mine.tile_begin = 0;
+    mine.tile_end = split;
+    theirs.tile_begin = split;
+    theirs.tile_end = num_tiles;
+    pagedrun_gemm::run_split(mine, theirs);
 }
 
 // y [M, w.n] = x [M, w.k] (strides ldx, ldk) @ W.T (+ bias): cpu_gemm._gemm's native path,
@@ -372,7 +272,7 @@ static inline void attention_part(const Config& c, const Layer& l, const Buffers
         job.run(0, s.T);
         return;
     }
-    g_worker->run_pair(AttentionJob<C>::part, &job);
+    pagedrun_threads::run_pair(AttentionJob<C>::part, &job);
 }
 
 static inline void decode_layers(const Config& c, const Layer* layers, const Buffers& b,

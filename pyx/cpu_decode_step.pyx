@@ -28,6 +28,8 @@ import numpy as np
 from libc.stdint cimport int8_t, int32_t, uint8_t, uint16_t
 from libc.stdlib cimport calloc, free
 
+from pagedrun.pyx.cpu_thread_pool cimport bind_run_pair, process_run_pair, thread_pool_probe
+
 from pagedrun.pyx import cpu_gemm, cpu_ops
 
 cdef extern from "cpu_decode_step.h" namespace "pagedrun_decode" nogil:
@@ -102,7 +104,6 @@ cdef extern from "cpu_decode_step.h" namespace "pagedrun_decode" nogil:
                         long min_macs, const GgufWork& work, const Weight& w, const float* x,
                         long ldx, long ldk, int M, float* y)
 
-    void init_worker()
 
 cdef extern from "cpu_gemm_kernels.h" namespace "pagedrun_gemm" nogil:
     const int AMX_ROWS
@@ -115,8 +116,15 @@ cdef extern from "cpu_ops_kernels.h" namespace "pagedrun_ops" nogil:
                             const int32_t* context_lens, int S, int num_blocks, int block_size,
                             int* seq, long* value)
 
-# The loop's helper thread (cpu_decode_step.h's Worker), started on the first split.
-init_worker()
+# The loop's splits run on the process's one helper thread (pagedrun.pyx.cpu_thread_pool).
+bind_run_pair(process_run_pair)
+
+
+def _thread_pool_probe():
+    """(address of the run_pair this module's splits call, caller's thread id, id of the
+    thread that ran the second part): tests check every module shares the one helper."""
+    return thread_pool_probe()
+
 
 _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
@@ -228,12 +236,10 @@ def gemm(x, packed, bias=None, *, path="auto", int threads=2, gguf_path="auto",
          activations="q8x2"):
     """y = bf16(x) @ W.T (+ bias) for a cpu_gemm.PackedWeight or PackedInt8Weight: what
     cpu_gemm.gemm_bf16 / gemm_int8 compute with pool "native" -- the same checks, conversion,
-    tile split and bits -- with this module's worker as the second thread; for a
-    PackedGgufWeight what cpu_gemm.gemm_gguf(x, packed, bias, path=gguf_path,
-    activations=activations) computes, the same way. The cpu bf16 backend
-    sends its other GEMMs (prefill, the LM head) here too, so one polling helper thread serves
-    a whole step: two (cpu_gemm's and this one) would take turns on a 2-core machine's second
-    core. x: [M, K] float32 (any strides); returns a new [M, N] float32 array."""
+    tile split and bits -- with the process's one helper thread (pyx/cpu_thread_pool.h, the one
+    cpu_gemm uses too) as the second thread; for a PackedGgufWeight what
+    cpu_gemm.gemm_gguf(x, packed, bias, path=gguf_path, activations=activations) computes, the
+    same way. x: [M, K] float32 (any strides); returns a new [M, N] float32 array."""
     cdef int code = cpu_gemm._resolve_path(path)
     x = np.asarray(x)
     if x.dtype != _F32:

@@ -7,9 +7,10 @@
 y = bf16(x) @ bf16(W).T (+ bias), accumulated in float32: x is rounded to bf16 (RNE) once per
 call, W once at packing (layout in pyx/cpu_gemm_kernels.h). The kernel runs without the GIL;
 `threads=2` splits the output tiles in two halves, one on a helper thread and one on the
-calling thread: pool "native" (the default) is a C++ thread that polls for work for up to
-300 us after each job and then sleeps (cpu_gemm_kernels.h says why), "python" a
-ThreadPoolExecutor worker that sleeps on a queue.
+calling thread: pool "native" (the default) is the process's one C++ helper thread (shared
+with cpu_ops and cpu_decode_step), which polls for work for up to 300 us after each job and
+then sleeps (pyx/cpu_thread_pool.h says why), "python" a ThreadPoolExecutor worker that sleeps
+on a queue.
 
 Paths: "avx512bf16" (vdpbf16ps), "avx2" (bf16 widened to float32, FMA), "portable" (scalar
 C, any CPU); "auto" picks the first of these the CPU runs. Tests force each.
@@ -43,6 +44,8 @@ import numpy as np
 from libc.stdint cimport int8_t, int32_t, uint8_t, uint16_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
+
+from pagedrun.pyx.cpu_thread_pool cimport bind_run_pair, process_run_pair, thread_pool_probe
 
 cdef extern from "cpu_gemm_kernels.h" namespace "pagedrun_gemm" nogil:
     const int TILE_N
@@ -91,7 +94,6 @@ cdef extern from "cpu_gemm_kernels.h" namespace "pagedrun_gemm" nogil:
         float* y
         long ldy
         const GgufJob* gguf
-    void init_helper()
     void run_job(const TileJob& job)
     void run_split(const TileJob& mine, const TileJob& theirs)
 
@@ -122,8 +124,15 @@ def _forget_pool():
 
 
 os.register_at_fork(after_in_child=_forget_pool)
-init_helper()
+# Splits run on the process's one helper thread (pagedrun.pyx.cpu_thread_pool).
+bind_run_pair(process_run_pair)
 POOLS = ("native", "python")
+
+
+def _thread_pool_probe():
+    """(address of the run_pair this module's splits call, caller's thread id, id of the
+    thread that ran the second part): tests check every module shares the one helper."""
+    return thread_pool_probe()
 
 
 def has_avx512bf16():

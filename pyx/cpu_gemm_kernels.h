@@ -1,6 +1,6 @@
 // cpu_gemm_kernels.h: the bf16-weight and int8-weight GEMMs of the cpu backends (pyx/cpu_gemm.pyx
 // wraps them; the int8 format is described at its section below). The GEMM over GGUF blocks
-// is in cpu_quant_kernels.h, run through this file's TileJob and helper thread.
+// is in cpu_quant_kernels.h, run through this file's TileJob and two-way split.
 //
 //   y[M, N] (float32) = x[M, K] (bf16 bits) @ W[N, K]^T (bf16 bits, packed) (+ bias[N])
 //
@@ -15,15 +15,8 @@
 // one. All accumulate in float32; the products of two bf16 values are exact in float32.
 #pragma once
 
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
-
-#include <atomic>
-#include <chrono>
-#include <condition_variable>
-#include <mutex>
-#include <thread>
 
 #if defined(__linux__)
 #include <sys/syscall.h>
@@ -38,6 +31,7 @@
 #endif
 
 #include "cpu_quant_kernels.h"  // the GGUF-block GEMM (GgufJob, gguf_tiles): run by TileJob too
+#include "cpu_thread_pool.h"    // run_pair: the process's one helper thread
 
 namespace pagedrun_gemm {
 
@@ -911,18 +905,10 @@ static inline void gemm_int8_tiles(int path, const uint16_t* xb, int M, int kp,
 
 namespace pagedrun_gemm {
 
-// ------------------------------------------------------------------------- native helper thread
-// The second GEMM thread without Python: a helper that runs one half of the tiles while the
-// caller runs the other. A decode step calls the GEMM every 20-200 us, and a condition
-// variable's wake-up costs 10-50 us on a busy 2-core box: at M = 1 two threads were no faster
-// than one (10.4 vs 10.8 GB/s). So the hand-off is a generation counter the helper polls, for
-// at most HELPER_SPIN_US after its last job (then it sleeps on a condition variable, and the
-// caller wakes it), and the caller polls for the helper's completion the same way; a half the
-// helper has not claimed when the caller is done with its own, the caller runs too. Measured
-// on Zen 4 at M = 1: 2 threads 20-26 GB/s against one thread's 17-18. The spin is bounded: an
-// idle server's helper sleeps. Created on first use and never destroyed (a condvar must not be
-// destroyed under its waiter at exit); a forked child gets a fresh one (pthread_atfork), since
-// the helper thread is not copied by fork.
+// ------------------------------------------------------------------------- the two-way split
+// The second GEMM thread without Python: the process's helper thread (cpu_thread_pool.h, shared
+// with cpu_ops and cpu_decode_step) runs one half of the tiles while the caller runs the other;
+// a half the helper has not claimed when the caller is done with its own, the caller runs too.
 struct TileJob {
     int path;
     const uint16_t* xb;
@@ -951,112 +937,18 @@ static inline void run_job(const TileJob& j) {
                    j.ldy);
 }
 
-// Longer than the host work between two GEMMs of one step (norms, rotary, attention: ~20-100
-// us at batch 1), far shorter than the gap between steps of an idle server.
-constexpr long HELPER_SPIN_US = 300;
-
-static inline void cpu_relax() {
-#if PAGEDRUN_X86
-    _mm_pause();
-#else
-    std::this_thread::yield();
-#endif
-}
-
-class HelperThread {
-  public:
-    // Runs `theirs` on the helper while the caller runs `mine`; returns when both are done. If
-    // the helper has not claimed `theirs` by the time `mine` is done (asleep, or descheduled on
-    // a busy machine), the caller claims it and runs it itself: a late helper never makes the
-    // caller wait for a whole half (measured: with the other core busy, waiting for the helper
-    // turned 12 ms of decode GEMMs into 86).
-    void run_pair(const TileJob& mine, const TileJob& theirs) {
-        std::lock_guard<std::mutex> serial(call_mu_);  // one split at a time
-        if (!started_) {
-            std::thread(&HelperThread::loop, this).detach();
-            started_ = true;
-        }
-        job_ = theirs;  // published by the seq_cst store of generation_; read only by a claimant
-        const uint64_t generation = generation_.load(std::memory_order_relaxed) + 1;
-        // seq_cst store then seq_cst load, against the helper's sleeping_ store then
-        // generation_ load: one of the two sides sees the other's store, so either the helper
-        // sees the job before it sleeps or this side sees it asleep and wakes it.
-        generation_.store(generation, std::memory_order_seq_cst);
-        if (sleeping_.load(std::memory_order_seq_cst)) {
-            std::lock_guard<std::mutex> lock(mu_);
-            wake_cv_.notify_one();
-        }
-        run_job(mine);
-        uint64_t unclaimed = generation - 1;
-        if (claimed_.compare_exchange_strong(unclaimed, generation, std::memory_order_acq_rel)) {
-            run_job(theirs);  // the helper will see the claim taken and skip it
-            return;
-        }
-        // The helper claimed it and is running it: poll, then yield the core if it is late
-        // (preempted mid-job).
-        for (long spins = 0; done_.load(std::memory_order_acquire) != generation; ++spins) {
-            if (spins < 4096) cpu_relax();
-            else std::this_thread::yield();
-        }
-    }
-
-  private:
-    void loop() {
-        uint64_t seen = 0;
-        for (;;) {
-            const auto idle_since = std::chrono::steady_clock::now();
-            long polls = 0;
-            while (generation_.load(std::memory_order_acquire) == seen) {
-                cpu_relax();
-                // The clock is read every 64 polls (~2-4 us): cheap, and precise enough.
-                if ((++polls & 63) == 0 &&
-                    std::chrono::steady_clock::now() - idle_since >
-                        std::chrono::microseconds(HELPER_SPIN_US)) {
-                    std::unique_lock<std::mutex> lock(mu_);
-                    sleeping_.store(true, std::memory_order_seq_cst);
-                    wake_cv_.wait(lock, [this, seen] {
-                        return generation_.load(std::memory_order_seq_cst) != seen;
-                    });
-                    sleeping_.store(false, std::memory_order_relaxed);
-                    break;
-                }
-            }
-            seen = generation_.load(std::memory_order_acquire);
-            // Claim job `seen`: fails when the caller took it (and may already have published
-            // the next job: job_ must then not be read).
-            uint64_t unclaimed = seen - 1;
-            if (!claimed_.compare_exchange_strong(unclaimed, seen, std::memory_order_acq_rel))
-                continue;
-            run_job(job_);
-            done_.store(seen, std::memory_order_release);
-        }
-    }
-
-    std::mutex call_mu_, mu_;
-    std::condition_variable wake_cv_;
-    TileJob job_{};
-    // generation_: the last job published; claimed_: the last job claimed (by the helper or
-    // the caller), generation_ - 1 while the current one is unclaimed; done_: the last job the
-    // helper finished.
-    std::atomic<uint64_t> generation_{0}, claimed_{0}, done_{0};
-    std::atomic<bool> sleeping_{false};
-    bool started_ = false;  // under call_mu_
+// The two halves of a run_split, for cpu_thread_pool.h's run_pair (part 0 here, 1 on the helper).
+struct TileJobPair {
+    TileJob half[2];
 };
 
-static HelperThread* g_helper = nullptr;
-
-// The old helper is leaked, as at exit: its thread did not survive the fork.
-static void fresh_helper_in_child() { g_helper = new HelperThread(); }
-
-// Once, at module import (under the GIL): no two callers race to create the helper.
-static inline void init_helper() {
-    if (g_helper != nullptr) return;
-    g_helper = new HelperThread();
-    pthread_atfork(nullptr, nullptr, fresh_helper_in_child);
+static void run_tile_job_part(const void* ctx, int part) {
+    run_job(static_cast<const TileJobPair*>(ctx)->half[part]);
 }
 
 static inline void run_split(const TileJob& mine, const TileJob& theirs) {
-    g_helper->run_pair(mine, theirs);
+    const TileJobPair pair{{mine, theirs}};
+    pagedrun_threads::run_pair(run_tile_job_part, &pair);
 }
 
 }  // namespace pagedrun_gemm

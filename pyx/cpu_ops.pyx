@@ -34,6 +34,8 @@ import numpy as np
 
 from libc.stdint cimport int32_t, uint8_t, uint16_t
 
+from pagedrun.pyx.cpu_thread_pool cimport bind_run_pair, process_run_pair, thread_pool_probe
+
 cdef extern from "cpu_ops_kernels.h" namespace "pagedrun_ops" nogil:
     const int ACT_SILU
     const int ACT_GELU_TANH
@@ -71,6 +73,17 @@ cdef extern from "cpu_ops_kernels.h" namespace "pagedrun_ops" nogil:
         long sc0, long sc1, long sc2, int block_size, const int32_t* block_tables, long ldb,
         const int32_t* context_lens, int S, int H, int KV, int D, float scale, int has_window,
         long sliding_window, float* out)
+
+# paged_decode_attention's split runs on the process's one helper thread
+# (pagedrun.pyx.cpu_thread_pool).
+bind_run_pair(process_run_pair)
+
+
+def _thread_pool_probe():
+    """(address of the run_pair this module's splits call, caller's thread id, id of the
+    thread that ran the second part): tests check every module shares the one helper."""
+    return thread_pool_probe()
+
 
 # The KV cache element types: float32, uint16 bf16 bits, uint8 fp8 e4m3 bits.
 ctypedef fused cache_t:

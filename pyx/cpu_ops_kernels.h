@@ -88,9 +88,10 @@
 #include <string.h>
 
 #include <algorithm>
-#include <thread>
 #include <type_traits>
 #include <vector>
+
+#include "cpu_thread_pool.h"  // run_pair: the process's one helper thread (decode attention)
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -1503,14 +1504,46 @@ static inline void decode_seq_range(int path, const float* q, long sq0, long sq1
 }
 
 // Below this many multiply-adds (q.k and p.v over every visible position and head) one
-// thread does it all: a second thread costs a spawn (~30-50 us), and a batch of short contexts
-// is a few hundred microseconds (32 sequences x 64 positions x 9 heads x 64 x 2: 2.4 M). Long
-// contexts are bound by reading the KV blocks, which two cores do faster than one.
+// thread does it all. Chosen when the second thread was a spawn per call (~30-50 us; a batch of
+// short contexts is a few hundred microseconds: 32 sequences x 64 positions x 9 heads x 64 x 2,
+// 2.4 M); the shared helper's polled hand-off costs ~1 us, so a lower threshold may pay now
+// (not measured yet: kept as it was, 2026-12-07). Long contexts are bound by reading the KV
+// blocks, which two cores do faster than one.
 constexpr long DECODE_SPLIT_MIN_MACS = 8L << 20;
 
+// paged_decode_attention's two halves for cpu_thread_pool.h's run_pair: sequences [0, split)
+// (part 0, the caller) and [split, S) (part 1, the helper).
+template <typename C>
+struct DecodeAttentionSplit {
+    int path;
+    const float* q;
+    long sq0, sq1;
+    const C* k_cache;
+    const C* v_cache;
+    long sc0, sc1, sc2;
+    int block_size;
+    const int32_t* block_tables;
+    long ldb;
+    const int32_t* context_lens;
+    int split, S, H, KV, D;
+    float scale;
+    int has_window;
+    long sliding_window;
+    float* out;
+
+    static void part(const void* ctx, int which) {
+        const DecodeAttentionSplit& a = *static_cast<const DecodeAttentionSplit*>(ctx);
+        const int begin = which == 0 ? 0 : a.split, end = which == 0 ? a.split : a.S;
+        decode_seq_range(a.path, a.q, a.sq0, a.sq1, a.k_cache, a.v_cache, a.sc0, a.sc1, a.sc2,
+                         a.block_size, a.block_tables, a.ldb, a.context_lens, begin, end, a.H,
+                         a.KV, a.D, a.scale, a.has_window, a.sliding_window, a.out);
+    }
+};
+
 // has_window 0: every position [0, context_len) is visible. Sequences are split over two
-// threads at the half of the total visible context when the work is large enough; each
-// thread writes only its sequences' rows of out.
+// threads (the caller and the process's helper, cpu_thread_pool.h) at the half of the total
+// visible context when the work is large enough; each thread writes only its sequences' rows
+// of out.
 template <typename C>
 static inline void paged_decode_attention(int path, const float* q, long sq0, long sq1,
                                           const C* k_cache, const C* v_cache, long sc0,
@@ -1538,13 +1571,10 @@ static inline void paged_decode_attention(int path, const float* q, long sq0, lo
                          sliding_window, out);
         return;
     }
-    std::thread helper(decode_seq_range<C>, path, q, sq0, sq1, k_cache, v_cache, sc0, sc1, sc2,
-                       block_size, block_tables, ldb, context_lens, split, S, H, KV, D, scale,
-                       has_window, sliding_window, out);
-    decode_seq_range(path, q, sq0, sq1, k_cache, v_cache, sc0, sc1, sc2, block_size,
-                     block_tables, ldb, context_lens, 0, split, H, KV, D, scale, has_window,
-                     sliding_window, out);
-    helper.join();
+    const DecodeAttentionSplit<C> job{path, q, sq0, sq1, k_cache, v_cache, sc0, sc1, sc2,
+                                      block_size, block_tables, ldb, context_lens, split, S, H,
+                                      KV, D, scale, has_window, sliding_window, out};
+    pagedrun_threads::run_pair(DecodeAttentionSplit<C>::part, &job);
 }
 
 }  // namespace pagedrun_ops
