@@ -1,7 +1,7 @@
 """Tensor parallelism over Phi-3's fused checkpoint tensors (runtime/families/phi3.py): a rank
 reads its heads of q, k and v out of one qkv_proj and its features of gate and up out of one
-gate_up_proj (runtime/distributed/sharding.py walks the tensor map part by part), and TP=2
-gives one device's greedy tokens and logits on tests/fixtures/tiny/phi3_tiny."""
+gate_up_proj (runtime/distributed/sharding.py walks the tensor map part by part). That TP=2
+gives one device's greedy tokens and logits is test_tp_families.py's phi3_tiny case."""
 from __future__ import annotations
 
 import pathlib
@@ -12,7 +12,6 @@ import pytest
 from pagedrun.runtime.distributed.sharding import load_shard, shard_spec
 from pagedrun.runtime.model_config import ModelConfig
 from pagedrun.runtime.weights import load_model_weights
-from tp_helpers import greedy_run, make_engine
 
 PHI3_DIR = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "tiny" / "phi3_tiny"
 # The sharded forward differs from one device's by summation order only (partial sums over two
@@ -48,24 +47,3 @@ def test_fused_tensor_shards_are_the_ranks_heads_and_features(tp, source):
             np.testing.assert_array_equal(got.o_proj, want.o_proj[:, q_rows])
             np.testing.assert_array_equal(got.down_proj, want.down_proj[:, features])
             np.testing.assert_array_equal(got.input_layernorm, want.input_layernorm)
-
-
-def test_tp2_matches_single_device():
-    """Prompts and lengths within the window of 7, to which the engine caps max_model_len."""
-    config = ModelConfig.from_model_dir(PHI3_DIR)
-    rng = np.random.default_rng(3)
-    prompts = [rng.integers(3, config.vocab_size, n).tolist() for n in (1, 2, 3)]
-    kwargs = {"max_model_len": config.sliding_window, "block_size": 16,
-              "max_num_batched_tokens": 4}
-    ref_tokens, ref_logits = greedy_run(make_engine(str(PHI3_DIR), 1, **kwargs), prompts, 4)
-    engine = make_engine(str(PHI3_DIR), 2, **kwargs)
-    try:
-        tokens, logits = greedy_run(engine, prompts, 4)
-        assert engine.runner.dead is None
-    finally:
-        engine.close()
-    assert tokens == ref_tokens
-    assert len(logits) == len(ref_logits)
-    for got, want in zip(logits, ref_logits):
-        assert got.shape == want.shape and got.shape[1] == config.vocab_size
-        np.testing.assert_allclose(got, want, rtol=LOGITS_RTOL, atol=LOGITS_ATOL)
