@@ -340,7 +340,8 @@ def load_model_weights(
     `config` defaults to the directory's own config.json. Extra tensors in the files (e.g. old
     `rotary_emb.inv_freq` buffers) are ignored; a missing or misshaped one is a ModelLoadError.
     `linears`: {HF ".weight" name: matrix} already read in another form (a quantization
-    method's read_linears, runtime/quantization/), used in place of those tensors (their shapes checked).
+    method's read_linears, runtime/quantization/), used in place of those tensors (their
+    shapes checked).
     """
     dtype = np.dtype(dtype)
     if dtype not in _FLOAT_DTYPES:
