@@ -4,10 +4,8 @@ wall-clock timer, a loop that runs the chosen benches and records each one's wal
 `--json` option with the writer behind it.
 
 Not a script. The bench_*.py scripts here put this folder on sys.path and import it as
-`bench_common`. benchmarks/kernels/bench_common.py (device timers, copy bandwidth) is another
-module of the same name for the kernel scripts: a process runs scripts of one folder, and tests
-that load a script of this folder in-process (tests/pyx/test_baseline_agreement.py) load one that
-does not import this module.
+`bench_common`. The kernel scripts in benchmarks/kernels/ share device_timing.py there (device
+timers, copy bandwidth) instead.
 """
 from __future__ import annotations
 

@@ -148,6 +148,7 @@ def bench_throughput(args) -> dict:
 
 def bench_ops(args) -> dict:
     from pagedrun.runtime.backends import numpy_ops
+    from pagedrun.runtime.backends.numpy_backend import NumpyBackend
     from pagedrun.runtime.lora.lora_ops import LoRABatch, add_lora
     from pagedrun.runtime.lora.peft_loader import load_peft_adapter
     from pagedrun.runtime.lora.weight_stack import LoRAWeightStack
@@ -155,7 +156,7 @@ def bench_ops(args) -> dict:
     from pagedrun.runtime.models.llama import LlamaModel
 
     config, weights, _ = load_model(None, True)
-    model = LlamaModel(config, weights, numpy_ops, max_position=256)
+    model = LlamaModel(config, weights, NumpyBackend(), max_position=256)
     stack = LoRAWeightStack(config, args.num_adapters, args.rank)
     with tempfile.TemporaryDirectory() as tmp:
         for k, lora in enumerate(_adapters(config, tmp, args.num_adapters, args.rank)):

@@ -40,7 +40,7 @@ from pagedrun.runtime.kernels.attention import (decode_group_instantiation,
 from pagedrun.runtime.kernels.kernel_args import from_bf16_bits
 from pagedrun.runtime.kernels.loader import load_module
 
-from bench_common import (Timer, copy_bandwidth, model_estimate,  # this folder (bench_common)
+from device_timing import (Timer, copy_bandwidth, model_estimate,  # this folder (device_timing)
                           random_bf16)
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16  # Llama-3-8B attention

@@ -46,7 +46,7 @@ from pagedrun.runtime.kernels.kernel_args import from_bf16_bits, to_bf16_bits
 from pagedrun.runtime.kernels.loader import load_module
 from pagedrun.runtime.kernels.wq_pack import num_column_groups, pack_groups, pack_w4, pack_w8
 
-from bench_common import (Timer, copy_bandwidth, model_estimate,  # this folder (bench_common)
+from device_timing import (Timer, copy_bandwidth, model_estimate,  # this folder (device_timing)
                           random_bf16)
 
 BF16_BYTES = 2

@@ -108,6 +108,11 @@ class AsyncStepper:
     def has_in_flight(self) -> bool:
         return self.in_flight is not None
 
+    def defer_admission(self, ve: int, request, admission) -> bool:
+        """Never: a new request joins the scheduler at once and the next launch schedules it
+        (the step in flight was scheduled before it)."""
+        return False
+
     def step(self) -> list[RequestOutput]:
         """One asynchronous iteration; a synchronous one when a request needs it (after the
         step in flight, if any, is collected alone)."""

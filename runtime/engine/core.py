@@ -314,10 +314,7 @@ class LLMEngine:
         request.virtual_engine = ve
         admission = (parent.seq_id, np.asarray(token_ids, dtype=np.int32), max_tokens, salt,
                      lora_id)
-        stepper = self.stepper
-        if isinstance(stepper, PipelinedStepper) and not stepper.accepts_now(ve):
-            stepper.defer(ve, request, admission)
-        else:
+        if not self.stepper.defer_admission(ve, request, admission):
             try:
                 self._admit(ve, admission)
             except ValueError as exc:

@@ -36,6 +36,11 @@ class SyncStepper:
     def has_in_flight(self) -> bool:
         return False
 
+    def defer_admission(self, ve: int, request, admission) -> bool:
+        """Keep a new request's admission for later when ve's scheduler cannot take it now;
+        True when kept. A synchronous step never holds a scheduler between calls."""
+        return False
+
 
 class PipelinedStepper:
     def __init__(self, skeleton: StepSkeleton, admit) -> None:
@@ -49,13 +54,13 @@ class PipelinedStepper:
         self.deferred: list[list] = [[] for _ in range(num_ve)]
         self._next_ve = 0
 
-    def accepts_now(self, ve: int) -> bool:
-        """Whether ve's scheduler may take a new request now (not while its batch is in
-        flight: it takes them after that batch's update, at its next turn)."""
-        return self.in_flight[ve] is None
-
-    def defer(self, ve: int, request, admission) -> None:
+    def defer_admission(self, ve: int, request, admission) -> bool:
+        """Keep the admission while ve's batch is in flight (its scheduler takes new requests
+        after that batch's update, at its next turn); True when kept."""
+        if self.in_flight[ve] is None:
+            return False
         self.deferred[ve].append((request, admission))
+        return True
 
     def has_in_flight(self) -> bool:
         return any(s is not None for s in self.in_flight)

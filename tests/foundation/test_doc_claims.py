@@ -610,7 +610,7 @@ def _dump_script_parsers(scripts: list[str]) -> dict:
             continue
         sys.argv = [str(path), "--help"]
         sys.path[:] = [str(path.parent), *base_path]
-        # A sibling helper (bench_common) of one folder must not serve the next folder's script.
+        # A sibling helper module of one folder must not serve the next folder's script.
         for name in set(sys.modules) - base_modules:
             if getattr(sys.modules[name], "__file__", None) and str(
                     sys.modules[name].__file__).startswith(str(REPO / "benchmarks")):

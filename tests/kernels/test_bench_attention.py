@@ -9,7 +9,7 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "bench_
 
 
 def test_bench_attention_runs_on_the_harness(capsys, monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH.parent))  # the script imports bench_common from there
+    monkeypatch.syspath_prepend(str(BENCH.parent))  # the script imports device_timing from there
     spec = importlib.util.spec_from_file_location("bench_attention", BENCH)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

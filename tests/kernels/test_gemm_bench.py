@@ -10,7 +10,7 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "bench_
 
 
 def test_bench_gemm_runs_on_the_harness(capsys, monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH.parent))  # the script imports bench_common from there
+    monkeypatch.syspath_prepend(str(BENCH.parent))  # the script imports device_timing from there
     spec = importlib.util.spec_from_file_location("bench_gemm", BENCH)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

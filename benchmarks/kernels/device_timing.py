@@ -3,7 +3,7 @@ repeats), the device-to-device copy bandwidth that bandwidth-bound kernels are c
 random bf16 inputs made where they live, and the static model's estimate per kernel
 (docs/kernel_report.md), printed next to each measured row.
 
-Not a script. The bench_*.py scripts import it as `bench_common`: running a script puts this
+Not a script. The bench_*.py scripts import it as `device_timing`: running a script puts this
 folder on sys.path; tests that load a script by path prepend the folder themselves.
 """
 from __future__ import annotations
