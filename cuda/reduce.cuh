@@ -40,8 +40,8 @@
 //   On return other threads may still be READING the scratch: a caller that writes it for any
 //   other purpose must __syncthreads() first.
 //   block_sum<kThreads>(v, s_warp)     warp_sum, then every thread adds the warp totals in
-//                                      warp order from zero: ((0 + t0) + t1) + ... T = float,
-//                                      double or int.
+//                                      warp order: (t0 + t1) + t2 + ... T = float, double or
+//                                      int.
 //   block_max<kThreads>(v, s_warp)     warp_max, then max_of over t0, t1, ... in warp order.
 //   block_argmax<kThreads>(v, idx, s_val, s_idx)  warp_argmax, then the warp winners in warp
 //                                      order; returns the idx (ties to the lower idx; v not
@@ -65,27 +65,42 @@ constexpr int kMaxThreads = 1024;  // the CUDA limit on threads per block
 __device__ __forceinline__ float max_of(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ int max_of(int a, int b) { return max(a, b); }
 
+// The operations the butterflies and block folds are written once over (one template each;
+// warp_sum / group_max / block_max ... below name the pairings).
+struct SumOp {
+    template <typename T>
+    __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
+};
+struct MaxOp {
+    template <typename T>
+    __device__ __forceinline__ T operator()(T a, T b) const { return max_of(a, b); }
+};
+
 // (v, i) beats (best_v, best_i): larger value, ties to the lower index. NaN never beats.
 __device__ __forceinline__ bool argmax_better(float v, int i, float best_v, int best_i) {
     return v > best_v || (v == best_v && i < best_i);
 }
 
 // ---- warp level ---------------------------------------------------------------------------
-template <typename T>
-__device__ __forceinline__ T warp_sum(T v) {
+// v = op(v, lane ^ offset's v) for offset = kFirst, then halved (kDescending) or doubled, while
+// 0 < offset < kLanes: the one butterfly behind warp_* (descending from 16) and group_*
+// (ascending from 1).
+template <int kLanes, bool kDescending, typename T, typename Op>
+__device__ __forceinline__ T butterfly(T v, Op op) {
+    static_assert(kLanes >= 1 && kLanes <= kWarpSize && (kLanes & (kLanes - 1)) == 0,
+                  "butterfly: kLanes is a power of two, at most a warp");
 #pragma unroll
-    for (int offset = kWarpSize / 2; offset > 0; offset >>= 1)
-        v += __shfl_xor_sync(kFullMask, v, offset);
+    for (int offset = kDescending ? kLanes / 2 : 1; offset > 0 && offset < kLanes;
+         offset = kDescending ? offset >> 1 : offset << 1)
+        v = op(v, __shfl_xor_sync(kFullMask, v, offset));
     return v;
 }
 
 template <typename T>
-__device__ __forceinline__ T warp_max(T v) {
-#pragma unroll
-    for (int offset = kWarpSize / 2; offset > 0; offset >>= 1)
-        v = max_of(v, __shfl_xor_sync(kFullMask, v, offset));
-    return v;
-}
+__device__ __forceinline__ T warp_sum(T v) { return butterfly<kWarpSize, true>(v, SumOp{}); }
+
+template <typename T>
+__device__ __forceinline__ T warp_max(T v) { return butterfly<kWarpSize, true>(v, MaxOp{}); }
 
 __device__ __forceinline__ void warp_argmax(float& v, int& idx) {
 #pragma unroll
@@ -110,23 +125,10 @@ __device__ __forceinline__ T warp_inclusive_scan(T v, int lane) {
 }
 
 template <int kLanes, typename T>
-__device__ __forceinline__ T group_sum(T v) {
-    static_assert(kLanes >= 1 && kLanes <= kWarpSize && (kLanes & (kLanes - 1)) == 0,
-                  "group_sum: kLanes is a power of two, at most a warp");
-#pragma unroll
-    for (int offset = 1; offset < kLanes; offset <<= 1) v += __shfl_xor_sync(kFullMask, v, offset);
-    return v;
-}
+__device__ __forceinline__ T group_sum(T v) { return butterfly<kLanes, false>(v, SumOp{}); }
 
 template <int kLanes, typename T>
-__device__ __forceinline__ T group_max(T v) {
-    static_assert(kLanes >= 1 && kLanes <= kWarpSize && (kLanes & (kLanes - 1)) == 0,
-                  "group_max: kLanes is a power of two, at most a warp");
-#pragma unroll
-    for (int offset = 1; offset < kLanes; offset <<= 1)
-        v = max_of(v, __shfl_xor_sync(kFullMask, v, offset));
-    return v;
-}
+__device__ __forceinline__ T group_max(T v) { return butterfly<kLanes, false>(v, MaxOp{}); }
 
 // ---- block level --------------------------------------------------------------------------
 template <int kThreads>
@@ -136,30 +138,29 @@ struct BlockShape {
     static constexpr int kWarps = kThreads / kWarpSize;
 };
 
-template <int kThreads, typename T>
-__device__ __forceinline__ T block_sum(T v, T* s_warp) {
+// The warp butterfly, then every thread folds the warp results in warp order from t0:
+// op(op(t0, t1), t2) ... -- the one body of block_sum and block_max.
+template <int kThreads, typename T, typename Op>
+__device__ __forceinline__ T block_reduce(T v, T* s_warp, Op op) {
     constexpr int kWarps = BlockShape<kThreads>::kWarps;
-    v = warp_sum(v);
-    __syncthreads();  // s_warp may still be read by a previous reduction
-    if (threadIdx.x % kWarpSize == 0) s_warp[threadIdx.x / kWarpSize] = v;
-    __syncthreads();
-    T total = T(0);
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) total += s_warp[w];
-    return total;
-}
-
-template <int kThreads, typename T>
-__device__ __forceinline__ T block_max(T v, T* s_warp) {
-    constexpr int kWarps = BlockShape<kThreads>::kWarps;
-    v = warp_max(v);
+    v = butterfly<kWarpSize, true>(v, op);
     __syncthreads();  // s_warp may still be read by a previous reduction
     if (threadIdx.x % kWarpSize == 0) s_warp[threadIdx.x / kWarpSize] = v;
     __syncthreads();
     T result = s_warp[0];
 #pragma unroll
-    for (int w = 1; w < kWarps; ++w) result = max_of(result, s_warp[w]);
+    for (int w = 1; w < kWarps; ++w) result = op(result, s_warp[w]);
     return result;
+}
+
+template <int kThreads, typename T>
+__device__ __forceinline__ T block_sum(T v, T* s_warp) {
+    return block_reduce<kThreads>(v, s_warp, SumOp{});
+}
+
+template <int kThreads, typename T>
+__device__ __forceinline__ T block_max(T v, T* s_warp) {
+    return block_reduce<kThreads>(v, s_warp, MaxOp{});
 }
 
 template <int kThreads>

@@ -62,8 +62,8 @@ def test_block_reductions(probes, rng, threads):
                                                   (x, xi, sums, maxes, argmaxes, isums))
 
     warp_totals = butterfly(x.reshape(blocks, warps, WARP), DOWN)[..., 0]  # lane 0's copy
-    expect_sum = np.zeros(blocks, np.float32)
-    for w in range(warps):  # ((0 + t0) + t1) + ... in float32
+    expect_sum = warp_totals[:, 0].copy()
+    for w in range(1, warps):  # (t0 + t1) + t2 + ... in float32
         expect_sum = expect_sum + warp_totals[:, w]
     np.testing.assert_array_equal(sums, np.repeat(expect_sum[:, None], threads, 1))
     # and it is the sum (blocks 1 and 2: block 0 holds -inf): error <= depth * ulp * sum |x|
