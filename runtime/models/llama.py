@@ -120,6 +120,12 @@ class LlamaModel:
         self.tp = tp
         # How the GEMM weights are held and multiplied (runtime/quantization/).
         self.linear_method = method = linear_method_for(ops)
+        # x @ weight.T (+ bias) as the weight's method multiplies, and the sum over tensor-parallel
+        # ranks (one rank: x itself), bound once here: ops.linear / the rank's all_reduce called
+        # straight from the forward, not through a method per GEMM (bench_host_overhead's
+        # "launches" row paid 2-6% for that wrapper).
+        self._linear = method.bind(ops)
+        self.all_reduce = tp.all_reduce
         # A table kept in blocks stays so: embed() dequantizes the rows a step reads.
         self.embed_tokens = tp.embedding_table(method.embedding_table(weights.embed_tokens))
         # [max_position, head_dim] float32 rows [cos | sin]: the reference's float64 angles
@@ -245,10 +251,6 @@ class LlamaModel:
                 x = ops.rms_norm(x, layer.mlp_out_norm, cfg.rms_norm_eps)
         return x, residual
 
-    def _linear(self, x, weight, bias=None):
-        """x @ weight.T (+ bias) as the weight's method multiplies."""
-        return self.linear_method.apply(self.ops, x, weight, bias)
-
     @property
     def input_permuted(self) -> bool:
         """Whether any projection gathers its inputs on the host first: the decode graphs of
@@ -297,10 +299,6 @@ class LlamaModel:
         """token_ids: [num_tokens] int32 -> [num_tokens, hidden] activations."""
         ids = self.tp.local_token_ids(token_ids)
         return self.tp.all_reduce(self.linear_method.embed(self.ops, ids, self.embed_tokens))
-
-    def all_reduce(self, x):
-        """The sum of x over tensor-parallel ranks; one rank: x itself."""
-        return self.tp.all_reduce(x)
 
     def _attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                    attn: AttentionInputs, sliding_window: int | None = None) -> np.ndarray:

@@ -23,6 +23,8 @@ Which method a backend serves is its `quantization` name (CpuGgufBackend: "gguf"
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .blocks import InputPermuted, QuantizedMatrix, dense
@@ -61,6 +63,13 @@ class LinearMethod:
         if out_dtype is None:
             return ops.linear(x, weight, bias)
         return ops.linear(x, weight, bias, out_dtype=out_dtype)
+
+    def bind(self, ops):
+        """apply with `ops` bound: (x, weight, bias=None) -> y. ops.linear itself where this
+        method's apply adds nothing to it, so the forward calls the backend directly."""
+        if type(self).apply is LinearMethod.apply:
+            return ops.linear
+        return functools.partial(self.apply, ops)
 
     def gathers_inputs(self, weight) -> bool:
         """Whether `weight`'s apply gathers its inputs on the host first (the sim harness's
