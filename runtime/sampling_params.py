@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -281,20 +282,32 @@ def _dedup(values):
         return list(values)
 
 
+_TOKEN_ID_TEXT = re.compile(r"-?(?:0|[1-9][0-9]{0,18})")
+
+
+def token_id_key(key) -> int | None:
+    """A logit_bias key as a token id: an int (not a bool), or its canonical ASCII decimal
+    text ("123"; JSON keys are strings). None for anything else: int() would also take
+    "١٢", " 012 " and "1_0", and let "12" and "012" name one token twice."""
+    if isinstance(key, bool):
+        return None
+    if isinstance(key, int):
+        return key
+    if isinstance(key, str) and _TOKEN_ID_TEXT.fullmatch(key):
+        return int(key)
+    return None
+
+
 def _int_keyed(bias: dict) -> dict:
-    """logit_bias with int keys: "123" -> 123 (JSON); vLLM's message for keys that are not."""
+    """logit_bias with int keys: "123" -> 123 (JSON); vLLM's message for keys that are not
+    token ids, or that name a token another key names too (12 and "12")."""
     out, bad = {}, []
     for key, value in bias.items():
-        if isinstance(key, bool):
+        token_id = token_id_key(key)
+        if token_id is None or token_id in out:
             bad.append(key)
-            continue
-        if isinstance(key, int):
-            out[key] = value
-            continue
-        try:
-            out[int(key)] = value
-        except (TypeError, ValueError):
-            bad.append(key)
+        else:
+            out[token_id] = value
     if bad:
         raise SamplingParamsError(f"logit_bias: contains key(s) that cannot be converted to "
                                   f"integer token IDs: {bad[:8]!r}")

@@ -155,7 +155,17 @@ class Tokenizer:
         variables.setdefault("documents", None)
         variables["messages"] = list(messages)
         variables["add_generation_prompt"] = add_generation_prompt
-        text = compile_chat_template(source).render(**variables)
+        template = compile_chat_template(source)
+        try:
+            text = template.render(**variables)
+        except ChatTemplateError:
+            raise
+        except Exception as exc:  # noqa: BLE001 -- what the template did with these messages
+            # An undefined callable, a sandbox refusal, 'a' + 1, a recursion: the template and
+            # the request's messages and variables are the caller's, so the caller's error.
+            raise ChatTemplateError(f"the chat template failed to render: "
+                                    f"{type(exc).__name__}: {exc}"[:MAX_RENDER_ERROR_CHARS]) \
+                from None
         if continue_final_message:
             text = cut_after_final_message(text, messages)
         return self.encode(text, add_special_tokens=False) if tokenize else text
@@ -198,6 +208,8 @@ def _config_template(config: dict[str, Any]) -> str | None:
 # Templates compiled per distinct source (the model's, and request overrides), so a request
 # that names a template compiles it once, not every time.
 COMPILED_TEMPLATE_CACHE_SIZE = 32
+# Longest message of a render failure: the exception's text can quote hostile values.
+MAX_RENDER_ERROR_CHARS = 300
 
 
 @lru_cache(maxsize=COMPILED_TEMPLATE_CACHE_SIZE)

@@ -81,7 +81,11 @@ class EngineLoop:
             except Exception as exc:  # the engine's RequestError carries .code; others do not
                 code = getattr(exc, "code", None)
                 code = code if isinstance(code, str) else "invalid_request"
-                self.events.put(("rejected", cmd[1], code, str(exc) or type(exc).__name__))
+                # RequestError's str() is "code: message"; the wire carries the code beside the
+                # message, so the message alone (else clients print the code twice).
+                message = getattr(exc, "message", None)
+                message = message if isinstance(message, str) and message else str(exc)
+                self.events.put(("rejected", cmd[1], code, message or type(exc).__name__))
                 self.notify()
 
     def _run(self) -> None:

@@ -63,6 +63,9 @@ _UNPACK_LIMITS = dict(max_str_len=DEFAULT_MAX_MESSAGE_BYTES * HARD_LIMIT_FACTOR,
 # -> stop; 1.3: `tools` and `chat_template_kwargs` hold JSON-like values of their own, within
 # the same bound); anything past this is `invalid_message`.
 MAX_NESTING_DEPTH = 16
+# How much of a body over max_message_bytes is read for its request_id (request_id_from_prefix):
+# the map header, request_id (at most 128 characters) and a few small fields before it.
+ID_PREFIX_BYTES = 1024
 # Longest `message` of an ERROR reply; longer ones (a repr of a hostile value) are cut.
 MAX_ERROR_MESSAGE_CHARS = 1000
 # Characters of a client's value quoted in an error message (safe_repr).
@@ -161,6 +164,24 @@ def valid_request_id(value) -> str | None:
     return None
 
 
+def request_id_from_prefix(prefix: bytes) -> str | None:
+    """The request_id of a body too large to decode, read from its first bytes only, so the
+    refusal reaches the caller that waits on that id (clients match replies by id). Found when
+    the key precedes any value that outruns `prefix`: our clients (Python, C, the gateway) send
+    request_id first. Bounded by len(prefix) whatever the bytes hold; None when not found."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=True,
+                                max_buffer_size=max(len(prefix), 1))
+    unpacker.feed(prefix)
+    try:
+        for _ in range(unpacker.read_map_header()):
+            if unpacker.unpack() == "request_id":
+                return valid_request_id(unpacker.unpack())
+            unpacker.skip()
+    except Exception:  # noqa: BLE001 -- out of data, not a map, too deep: no id to echo
+        return None
+    return None
+
+
 def check_structure(data, max_depth: int = MAX_NESTING_DEPTH) -> None:
     """Every map key a string and at most `max_depth` levels of maps/arrays, anywhere in a
     decoded body; iterative (no recursion, so no depth can overflow a stack), and it stops at
@@ -228,7 +249,8 @@ def decode(frames: list[bytes], max_message_bytes: int) -> tuple[MsgType, dict]:
                             f"{PROTOCOL_VERSION})")
     if len(body) > max_message_bytes:
         raise ProtocolError(ErrorCode.MESSAGE_TOO_LARGE,
-                            f"body is {len(body)} bytes; the limit is {max_message_bytes}")
+                            f"body is {len(body)} bytes; the limit is {max_message_bytes}",
+                            request_id_from_prefix(body[:ID_PREFIX_BYTES]))
     try:
         data = msgpack.unpackb(body, raw=False, strict_map_key=True, **_UNPACK_LIMITS)
     except Exception as exc:  # msgpack raises several unrelated types for bad input

@@ -55,9 +55,46 @@ async def read_json(request: Request) -> dict:
         body = json.loads(raw)
     except ValueError as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # json's scanner recurses per level
+        raise bad_request("the request body nests too deeply") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    check_json_values(body)
     return body
+
+
+# What a body's values must be for the wire (msgpack, UTF-8): checked up front so a client's
+# mistake is a 400 naming it, not a failure while the request is encoded (a 500, which the
+# OpenAI SDK retries).
+MSGPACK_INT_RANGE = (-(1 << 63), (1 << 64) - 1)
+MAX_JSON_DEPTH = 64
+
+
+def check_json_values(body: dict) -> None:
+    """400 for any string (key or value) that is not valid Unicode text (a lone surrogate),
+    any integer msgpack cannot carry, or nesting past MAX_JSON_DEPTH; iterative, one pass."""
+    low, high = MSGPACK_INT_RANGE
+    stack = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad_request("the request body holds a string that is not valid Unicode "
+                                  "(a lone surrogate escape)") from None
+        elif isinstance(value, bool) or value is None or isinstance(value, float):
+            continue
+        elif isinstance(value, int):
+            if not low <= value <= high:
+                raise bad_request(f"the request body holds an integer outside [{low}, {high}]")
+        elif depth >= MAX_JSON_DEPTH:
+            raise bad_request(f"the request body nests more than {MAX_JSON_DEPTH} levels deep")
+        elif isinstance(value, dict):
+            stack.extend((k, depth) for k in value)
+            stack.extend((v, depth + 1) for v in value.values())
+        else:  # list
+            stack.extend((v, depth + 1) for v in value)
 
 
 async def _next(stream) -> tuple[str, object]:

@@ -19,6 +19,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+from pagedrun.runtime.sampling_params import token_id_key
 from pagedrun.server.http.errors import bad_request
 
 log = logging.getLogger("pagedrun.http")
@@ -179,10 +180,12 @@ def _logit_bias(bias: dict) -> dict:
     strings: protocol maps have string keys (docs/protocol.md, "Frames")."""
     out = {}
     for key, value in bias.items():
-        try:
-            token_id = int(key)
-        except (TypeError, ValueError):
-            raise bad_request(f"logit_bias: key {key!r} is not a token id", "logit_bias") from None
+        token_id = token_id_key(key)
+        if token_id is None:
+            raise bad_request(f"logit_bias: key {key!r} is not a token id (decimal digits)",
+                              "logit_bias")
+        if str(token_id) in out:
+            raise bad_request(f"logit_bias: token {token_id} is named twice", "logit_bias")
         if not _is_num(value):
             raise bad_request(f"logit_bias: value of {key!r} must be a number", "logit_bias")
         out[str(token_id)] = max(-MAX_ABS_LOGIT_BIAS, min(MAX_ABS_LOGIT_BIAS, float(value)))

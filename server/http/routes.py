@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pagedrun import __version__
+from pagedrun.runtime.chat_options import ChatOptions, ChatOptionsError
 from pagedrun.server.http.errors import ApiError, bad_request
 from pagedrun.server.http.generation import read_json, serve_generation
 from pagedrun.server.http.openai_models import (CHAT_OPTIONS, field_value, parse_chat,
@@ -80,15 +81,13 @@ async def tokenize(request: Request) -> Response:
         options = {name: field_value(body, name, check, what)
                    for name, check, what in CHAT_OPTIONS}
         options = {k: v for k, v in options.items() if v is not None}
-        kwargs = dict(options.pop("chat_template_kwargs", {}))
-        if "tools" in options:
-            kwargs["tools"] = options.pop("tools")
+        try:  # the checks every entry point makes (reserved chat_template_kwargs names, ...)
+            chat = ChatOptions(**options)
+        except ChatOptionsError as exc:
+            raise bad_request(str(exc), str(exc).split(":", 1)[0]) from None
         try:
-            ids = tokenizer.apply_chat_template(
-                parse_messages(body["messages"]), tokenize=True,
-                add_generation_prompt=options.get("add_generation_prompt", True),
-                continue_final_message=options.get("continue_final_message", False),
-                chat_template=options.get("chat_template"), **kwargs)
+            ids = tokenizer.apply_chat_template(parse_messages(body["messages"]), tokenize=True,
+                                                **chat.template_kwargs())
         except ValueError as exc:  # the template refused (ChatTemplateError is a ValueError)
             raise bad_request(str(exc), "messages") from None
     else:

@@ -595,6 +595,21 @@ def test_children_of_n_use_seed_plus_j(tiny_model):
 
 # ---------------------------------------------------------------------------- new fields
 
+@pytest.mark.parametrize("key", ["\u0661\u0662", " 12 ", "1_0", "012", "+12", "12.0", True, 1.0])
+def test_logit_bias_keys_are_token_ids_in_decimal_digits(key):
+    """int() takes every one of these keys (issue 36); a token id is an int or its canonical
+    decimal text, so no two spellings name one token."""
+    with pytest.raises(SamplingParamsError, match="logit_bias"):
+        SamplingParams(logit_bias={key: 1.0})
+
+
+def test_logit_bias_names_each_token_once():
+    assert SamplingParams(logit_bias={"12": 1.0, 7: -1.0, "-3": 0.5}).logit_bias == {
+        12: 1.0, 7: -1.0, -3: 0.5}
+    with pytest.raises(SamplingParamsError, match="logit_bias"):
+        SamplingParams(logit_bias={12: 1.0, "12": 2.0})
+
+
 def test_logit_bias(tiny_model):
     """vllm/v1/sample/logits_processor/builtin.py LogitBiasLogitsProcessor: the bias is added
     to the logits before penalties and sampling (raw logprobs do not see it); keys outside

@@ -137,11 +137,10 @@ def test_raise_exception_reaches_the_caller():
 
 
 def test_template_cannot_mutate_its_inputs():
-    from jinja2.exceptions import SecurityError
-
     messages = [{"role": "user", "content": "x"}]
     tok = _with_template("{{ messages.append({'role': 'evil'}) }}")
-    with pytest.raises(SecurityError):
+    # The sandbox's SecurityError, as the caller's error (a template is the caller's input).
+    with pytest.raises(ChatTemplateError, match="SecurityError"):
         tok.apply_chat_template(messages)
     assert messages == [{"role": "user", "content": "x"}]
 

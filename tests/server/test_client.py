@@ -73,6 +73,23 @@ def test_overloaded_is_typed(start_server):
         first.close()
 
 
+def test_oversize_message_is_refused_on_its_request_id(start_server):
+    """A body over max_message_bytes is answered message_too_large on the request's id (read
+    from the body's first bytes: the client sends request_id first), so the caller gets the
+    error at once, not its timeout (issue 36: the gateway waited 600 s on a 1.5 MB prompt)."""
+    _, ep = start_server(max_message_bytes=4096)  # libzmq itself drops frames over 16x that
+    with Client(ep, timeout_s=30) as c:
+        started = time.monotonic()
+        with pytest.raises(InvalidRequestError) as info:
+            c.generate("x" * 20_000, request_id="big")
+        assert info.value.code == "message_too_large" and info.value.request_id == "big"
+        # Far below the timeout: no reply on the id would have meant waiting 30 s.
+        assert time.monotonic() - started < 15
+        with pytest.raises(InvalidRequestError):
+            list(c.stream(prompt_token_ids=[7] * 10_000))
+        assert c.generate("ok", sampling_params={"max_tokens": 2}).token_ids
+
+
 def test_timeout_raises_and_aborts(start_server):
     _, ep = start_server(FakeEngine(step_delay_s=0.05))
     with Client(ep, timeout_s=0.3) as c:

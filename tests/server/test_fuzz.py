@@ -80,7 +80,31 @@ def test_truncated_msgpack(server_endpoint, cut, msg_type):
 def test_oversized_bodies(server_endpoint, size):
     body = msgpack.packb({**VALID, "prompt": "z" * size})
     send(server_endpoint, MsgType.GENERATE, body)
-    assert expect_one_error(server_endpoint)["code"] == "message_too_large"
+    error = expect_one_error(server_endpoint)
+    # request_id is the first key: the refusal names it (read from the body's first bytes).
+    assert error["code"] == "message_too_large" and error["request_id"] == VALID["request_id"]
+
+
+@pytest.mark.parametrize("body,expected", [
+    ({"request_id": "a", "prompt": "z" * 5000}, "a"),
+    ({"stream": True, "n": 2, "request_id": "b", "prompt": "z" * 5000}, "b"),
+    ({"prompt": "z" * 5000, "request_id": "late"}, None),      # past the prefix: not read
+    ({"request_id": "r" * 129, "prompt": "z" * 5000}, None),   # not a valid id
+    ({"request_id": 7, "prompt": "z" * 5000}, None),
+    ([["request_id", "a"]], None),                              # not a map
+])
+def test_request_id_from_a_bounded_prefix(body, expected):
+    from pagedrun.server.protocol import ID_PREFIX_BYTES, request_id_from_prefix
+    packed = msgpack.packb(body)
+    assert request_id_from_prefix(packed[:ID_PREFIX_BYTES]) == expected
+
+
+@FUZZ
+@given(prefix=st.binary(max_size=2048))
+def test_request_id_from_any_prefix_is_total(prefix):
+    from pagedrun.server.protocol import request_id_from_prefix
+    rid = request_id_from_prefix(prefix)
+    assert rid is None or (isinstance(rid, str) and 1 <= len(rid) <= 128)
 
 
 JUNK = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(),

@@ -307,6 +307,34 @@ def test_engine_refusals_are_400(stack):
     assert err.value.status_code == 400
 
 
+def test_client_mistakes_are_4xx_never_5xx(stack):
+    """Issue 36 item 7: each of these was a 500 (which the OpenAI SDK retries three times)."""
+    name = model_name(stack)
+    completions = f"{stack.url}/v1/completions"
+    raw_bodies = [
+        b'{"model": "%s", "prompt": "a\\ud800b", "max_tokens": 2}' % name.encode(),  # surrogate
+        b'{"model": "%s", "prompt": "x", "max_tokens": 2, "extra": %s%s}' % (
+            name.encode(), b"[" * 100_000, b"]" * 100_000),                       # 100k deep
+    ]
+    for body in raw_bodies:
+        r = httpx.post(completions, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (body[:80], r.text[:200])
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    for fields in ({"max_tokens": 2 ** 64}, {"seed": 2 ** 64, "max_tokens": 2},
+                   {"n": 2 ** 64, "max_tokens": 2}, {"prompt": [2 ** 64], "max_tokens": 2},
+                   {"seed": -(2 ** 64), "max_tokens": 2}):
+        r = httpx.post(completions, json={"model": name, "prompt": "x", **fields})
+        assert r.status_code == 400, (fields, r.text[:200])
+    tokenize = f"{stack.url}/tokenize"
+    for extra in ({"chat_template_kwargs": {"tokenize": False}},       # a keyword of its own
+                  {"chat_template": "{{ no_such_function() }}"},        # undefined callable
+                  {"chat_template": "{{ 'a' + 1 }}"},
+                  {"chat_template": "{{ raise_exception('refused') }}"}):
+        r = httpx.post(tokenize, json={"messages": MESSAGES, **extra})
+        assert r.status_code == 400, (extra, r.text[:200])
+        assert r.json()["error"]["type"] == "invalid_request_error"
+
+
 def test_tokenize_and_detokenize_use_the_model_tokenizer(stack, offline):
     tok = offline.engine.tokenizer
     r = httpx.post(f"{stack.url}/tokenize", json={"prompt": "hi" + END_TOKEN}).json()

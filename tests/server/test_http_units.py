@@ -69,6 +69,13 @@ def test_completion_prompt_shapes_and_defaults():
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ({"prompt": "x", "stop": [1]}, "stop"),
     ({"prompt": "x", "logit_bias": {"one": 1}}, "logit_bias"),
+    # int() would take these (issue 36): other digits, spaces, underscores, a leading zero
+    # (which would name token 12 twice beside "12").
+    ({"prompt": "x", "logit_bias": {"\u0661\u0662": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {" 12 ": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"1_0": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"12": 1, "012": 2}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"+12": 1}}, "logit_bias"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x", "guided_json": {}}, "guided_json"),

@@ -103,6 +103,9 @@ def test_engine_rejections_become_error_codes(start_server):
         with pytest.raises(CapacityError) as info:  # 60 + 20 tokens need 5 blocks
             c.generate(prompt_token_ids=[5] * 60, sampling_params={"max_tokens": 20})
         assert info.value.code == "capacity"
+        # The message comes without the code in front (the engine's RequestError str() has it;
+        # the wire carries the code beside the message): no "capacity: capacity: ...".
+        assert not info.value.message.startswith("capacity"), info.value.message
         ok = c.generate(prompt_token_ids=[5] * 10, sampling_params={"max_tokens": 3})
         assert len(ok.token_ids) >= 1
 
