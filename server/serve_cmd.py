@@ -12,6 +12,7 @@ other client; it stops after the drain. Only argparse is imported at module load
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 NEEDS_SECRET = ("paged-run serve: --nnodes > 1 needs --tp-secret-file FILE, the same 0600 file "
@@ -116,7 +117,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     lora.add_argument("--enable-lora", action="store_true", default=engine.enable_lora,
                       help="serve PEFT LoRA adapters (GENERATE lora_name)")
     lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
-                      help="adapters loaded at start (more with LOAD_LORA messages)")
+                      help="adapters loaded at start")
+    lora.add_argument("--allow-runtime-lora", action="store_true",
+                      help="accept LOAD_LORA messages (off: adapters come from --lora-modules "
+                           "only); needs --lora-root")
+    lora.add_argument("--lora-root", metavar="DIR", default=None,
+                      help="with --allow-runtime-lora: the one directory LOAD_LORA may read "
+                           "adapters from (paths resolving outside it are refused)")
     lora.add_argument("--max-loras", type=int, default=engine.max_loras,
                       help="adapters one step can run (device slots)")
     lora.add_argument("--max-lora-rank", type=int, default=engine.max_lora_rank)
@@ -165,7 +172,14 @@ def server_config_from_args(args):
             raise SystemExit("paged-run serve: --curve-secret-key and --curve-allowed-clients "
                              "go together")
         curve = CurveConfig(args.curve_secret_key, args.curve_allowed_clients)
+    if args.allow_runtime_lora != (args.lora_root is not None):
+        raise SystemExit("paged-run serve: --allow-runtime-lora and --lora-root DIR go together")
+    if args.allow_runtime_lora and not args.enable_lora:
+        raise SystemExit("paged-run serve: --allow-runtime-lora needs --enable-lora")
+    if args.lora_root is not None and not os.path.isdir(args.lora_root):
+        raise SystemExit(f"paged-run serve: --lora-root {args.lora_root}: not a directory")
     given = {"max_message_bytes": args.max_message_bytes,
+             "runtime_lora_root": args.lora_root,
              "max_queued_requests": args.max_queued_requests, "lease_s": args.lease_s,
              "shutdown_timeout_s": args.shutdown_timeout}
     return ServerConfig(endpoint=endpoint_from_args(args), curve=curve,

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -70,6 +72,35 @@ TAGGED_REPLIES = frozenset({MsgType.DELTA, MsgType.FINAL, MsgType.ERROR, MsgType
                             MsgType.MODEL_INFO_REPLY, MsgType.LORA_REPLY})
 
 
+# The files of a PEFT adapter directory (runtime/lora/peft_loader.py reads exactly these).
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def runtime_adapter_dir(root: str, path: str) -> str | None:
+    """The adapter directory a LOAD_LORA names (`path`, relative to `root` or absolute), when
+    it resolves (symbolic links followed) inside `root` and holds the adapter's files as
+    regular files; None otherwise. Only stat calls: a FIFO or device named there is refused
+    without being opened (opening a FIFO would block the engine thread until a writer came)."""
+    root = os.path.realpath(root)
+    target = os.path.realpath(os.path.join(root, path))
+    if not target.startswith(root + os.sep) or not os.path.isdir(target):
+        return None
+    for name in ADAPTER_FILES:
+        try:
+            if not stat.S_ISREG(os.stat(os.path.join(target, name)).st_mode):
+                return None
+        except OSError:
+            return None
+    return target
+
+
+def adapter_load_failed(name: str) -> str:
+    """The one answer to every failed LOAD_LORA: which check failed is logged on the server,
+    never sent, so a client cannot learn what exists on the server's file system."""
+    return (f"LOAD_LORA: adapter {name!r} could not be loaded (not a PEFT LoRA adapter directory "
+            "under the server's --lora-root that fits this model)")
+
+
 @dataclass
 class ServerConfig:
     endpoint: str = DEFAULT_ENDPOINT
@@ -79,6 +110,10 @@ class ServerConfig:
     shutdown_timeout_s: float = 30.0  # let in-flight requests finish this long, then abort
     tokenize_in_server: bool = True
     curve: CurveConfig | None = None
+    # LOAD_LORA at run time (paged-run serve --allow-runtime-lora --lora-root DIR): None, the
+    # default, refuses it (adapters come from --lora-modules at start); else only adapter
+    # directories that resolve inside this one are read.
+    runtime_lora_root: str | None = None
 
 
 @dataclass
@@ -446,7 +481,19 @@ class Server:
             if not self.lora_enabled:
                 raise ProtocolError(ErrorCode.INVALID_REQUEST, "LoRA is not enabled on this "
                                     "server (paged-run serve --enable-lora)", rid)
+            if self.config.runtime_lora_root is None:
+                raise ProtocolError(ErrorCode.INVALID_REQUEST, "LOAD_LORA: this server loads "
+                                    "adapters only at start (paged-run serve --lora-modules; "
+                                    "--allow-runtime-lora --lora-root DIR allows run-time "
+                                    "loading)", rid)
+            resolved = runtime_adapter_dir(self.config.runtime_lora_root, path)
             known = self._adapters.get(name)
+            if known is None and resolved is None:
+                log.info("LOAD_LORA %r refused: %r is not an adapter directory under %s", name,
+                         path, self.config.runtime_lora_root)
+                raise ProtocolError(ErrorCode.INVALID_REQUEST, adapter_load_failed(name), rid)
+            path = resolved
+            # A loaded name (MODEL_INFO lists them) with any other path: says nothing of files.
             if known is not None and known.lora_path != path:
                 raise ProtocolError(ErrorCode.INVALID_REQUEST, f"lora_name: adapter {name!r} "
                                     "is already loaded from another path; unload it first", rid)
@@ -469,8 +516,12 @@ class Server:
         elif error is not None and op == "unload":
             self._adapters[adapter.lora_name] = adapter
         if error is not None:
-            self._reject(identity, ErrorCode.INVALID_REQUEST, f"{op} adapter "
-                         f"{adapter.lora_name!r}: {error}", rid)
+            if op == "load":  # the reason names files: logged here, never sent
+                log.info("LOAD_LORA %r failed: %s", adapter.lora_name, error)
+                message = adapter_load_failed(adapter.lora_name)
+            else:
+                message = f"{op} adapter {adapter.lora_name!r}: {error}"
+            self._reject(identity, ErrorCode.INVALID_REQUEST, message, rid)
             return
         self._send(identity, MsgType.LORA_REPLY, {
             "request_id": rid, "lora_name": adapter.lora_name,

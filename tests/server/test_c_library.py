@@ -498,7 +498,7 @@ def test_lora_load_generate_unload(c_lib, start_server, tmp_path):
     _, exe = c_lib
     engine = tiny_engine(enable_lora=True, max_loras=2)
     adapter = _write_peft_adapter(tmp_path / "adapter", engine.model_config)
-    _, ep = start_server(engine)
+    _, ep = start_server(engine, runtime_lora_root=str(tmp_path))  # --lora-root tmp_path
     out, _ = run_c(exe, ep, "lora", adapter)
     assert out["LORA_INFO"] == "enable_lora=1"
     first, again = out["LOADED"].split()
