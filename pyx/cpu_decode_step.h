@@ -36,6 +36,18 @@
 
 namespace pagedrun_decode {
 
+// The kernels, as cpu_gemm and cpu_ops compiled them: their tables (GemmTable, OpsTable: why
+// there), bound once at import by pyx/cpu_decode_step.pyx before any loop can run. This header
+// calls no kernel directly, so its module compiles none of them.
+static const pagedrun_gemm::GemmTable* g_gemm = nullptr;
+static const pagedrun_ops::OpsTable* g_ops = nullptr;
+
+static inline void bind_kernel_tables(const pagedrun_gemm::GemmTable* gemm,
+                                      const pagedrun_ops::OpsTable* ops) {
+    g_gemm = gemm;
+    g_ops = ops;
+}
+
 // The packed forms of a GEMM weight this loop runs: cpu_gemm.PackedWeight (bf16),
 // PackedInt8Weight, and PackedGgufWeight (GGUF blocks, pyx/cpu_quant_kernels.h: its TileJob
 // carries a GgufJob over x quantized by gguf_quantize_rows instead of xb; gemm_rows_gguf).
@@ -118,7 +130,7 @@ static inline void run_tiles(pagedrun_gemm::TileJob& job, int num_tiles, int thr
     if (threads < 2 || num_tiles < 2 * min_tiles_per_thread || macs < min_macs) {
         job.tile_begin = 0;
         job.tile_end = num_tiles;
-        pagedrun_gemm::run_job(job);
+        g_gemm->run_job(job);
         return;
     }
     const int split = (num_tiles / 2 + 1) & ~1;
@@ -127,7 +139,7 @@ static inline void run_tiles(pagedrun_gemm::TileJob& job, int num_tiles, int thr
     mine.tile_end = split;
     theirs.tile_begin = split;
     theirs.tile_end = num_tiles;
-    pagedrun_gemm::run_split(mine, theirs);
+    g_gemm->run_split(mine, theirs);
 }
 
 // y [M, w.n] = x [M, w.k] (strides ldx, ldk) @ W.T (+ bias): cpu_gemm._gemm's native path,
@@ -141,7 +153,7 @@ static inline void gemm_rows(int gemm_path, int threads, int min_tiles_per_threa
     const int kp2 = w.kp * 2;
     const bool amx_rows = gemm_path == 3 && M >= AMX_MIN_ROWS;
     const int rows = amx_rows ? (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : M;
-    convert_rows(x, ldx, ldk, M, w.k, xb, kp2);
+    g_gemm->convert_rows(x, ldx, ldk, M, w.k, xb, kp2);
     if (rows > M) memset(xb + (long)M * kp2, 0, sizeof(uint16_t) * (size_t)(rows - M) * kp2);
     job.path = gemm_path;
     job.xb = xb;
@@ -171,7 +183,7 @@ static inline void gemm_rows_gguf(int gguf_path, int activations, int threads,
                                   const Weight& w, const float* x, long ldx, long ldk, int M,
                                   float* y) {
     using namespace pagedrun_gemm;
-    const int mode = gguf_activations_for_rows(gguf_path, activations, M);
+    const int mode = g_gemm->gguf_activations_for_rows(gguf_path, activations, M);
     GgufJob g;
     memset(&g, 0, sizeof(g));
     g.type = w.gguf_type;
@@ -185,7 +197,7 @@ static inline void gemm_rows_gguf(int gguf_path, int activations, int threads,
     job.N = w.n;
     job.ldy = w.n;
     if (mode == GGUF_ACT_BF16) {
-        convert_rows(x, ldx, ldk, M, w.k, work.xb, w.k);
+        g_gemm->convert_rows(x, ldx, ldk, M, w.k, work.xb, w.k);
         g.xb = work.xb;
         job.bias = w.bias;
         job.y = y;
@@ -195,8 +207,8 @@ static inline void gemm_rows_gguf(int gguf_path, int activations, int threads,
     }
     const int residual = mode == GGUF_ACT_Q8X2;
     const int rows = residual ? 2 * M : M;
-    gguf_quantize_rows(gguf_path, x, ldx, ldk, M, w.k, w.gguf_offset, residual, work.xq,
-                       work.xd, work.xs, work.xcorr);
+    g_gemm->gguf_quantize_rows(gguf_path, x, ldx, ldk, M, w.k, w.gguf_offset, residual,
+                               work.xq, work.xd, work.xs, work.xcorr);
     g.M = rows;
     g.xq = work.xq;
     g.xd = work.xd;
@@ -237,7 +249,7 @@ struct AttentionJob {
     int split;
 
     void run(int begin, int end) const {
-        pagedrun_ops::decode_seq_range<C>(
+        g_ops->for_cache<C>().attention(
             c->ops_path, b->q_rot, (long)c->H * c->D, c->D, k_cache, v_cache, c->sc0, c->sc1,
             c->sc2, c->block_size, s->block_tables, s->ldb, s->context_lens, begin, end, c->H,
             c->KV, c->D, c->scale, 0, 0, b->attn);
@@ -256,7 +268,7 @@ static inline void attention_part(const Config& c, const Layer& l, const Buffers
     const long ld = q_size + 2L * kv_size;  // the fused qkv row
     C* kc = static_cast<C*>(l.k_cache);
     C* vc = static_cast<C*>(l.v_cache);
-    pagedrun_ops::rotary_cache_write<C>(
+    g_ops->for_cache<C>().rotary(
         c.ops_path, b.qkv, ld, c.D, b.qkv + q_size, ld, c.D, b.qkv + q_size + kv_size, ld, c.D,
         s.positions, l.cos_sin, s.slots, s.T, c.H, c.KV, c.D, kc, vc, c.sc0, c.sc1, c.sc2,
         c.block_size, b.q_rot, b.k_rot);
@@ -285,11 +297,11 @@ static inline void decode_layers(const Config& c, const Layer* layers, const Buf
         const Layer& l = layers[i];
         if (i == 0) {
             memcpy(res, s.x_in, sizeof(float) * (size_t)T * hidden);
-            rms_norm_rows(c.ops_path, s.x_in, hidden, l.input_norm, T, hidden, c.eps, b.h,
+            g_ops->rms_norm_rows(c.ops_path, s.x_in, hidden, l.input_norm, T, hidden, c.eps, b.h,
                           hidden);
         } else {
             // new residual in place: each element is read before it is written.
-            fused_add_rms_norm_rows(c.ops_path, x, hidden, res, hidden, l.input_norm, T, hidden,
+            g_ops->fused_add_rms_norm_rows(c.ops_path, x, hidden, res, hidden, l.input_norm, T, hidden,
                                     c.eps, b.h, hidden, res, hidden);
         }
         linear(c, b, l.qkv, b.h, hidden, T, b.qkv);
@@ -300,10 +312,10 @@ static inline void decode_layers(const Config& c, const Layer* layers, const Buf
         else
             attention_part<float>(c, l, b, s);
         linear(c, b, l.o, b.attn, (long)c.H * c.D, T, b.o);
-        fused_add_rms_norm_rows(c.ops_path, b.o, hidden, res, hidden, l.post_norm, T, hidden,
+        g_ops->fused_add_rms_norm_rows(c.ops_path, b.o, hidden, res, hidden, l.post_norm, T, hidden,
                                 c.eps, b.h, hidden, res, hidden);
         linear(c, b, l.gate_up, b.h, hidden, T, b.gate_up);
-        act_and_mul_rows(c.ops_path, ACT_SILU, b.gate_up, 2L * c.inter, T, c.inter, b.act,
+        g_ops->act_and_mul_rows(c.ops_path, ACT_SILU, b.gate_up, 2L * c.inter, T, c.inter, b.act,
                          c.inter);
         linear(c, b, l.down, b.act, c.inter, T, x);
     }

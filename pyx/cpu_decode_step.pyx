@@ -29,6 +29,8 @@ from libc.stdint cimport int8_t, int32_t, uint8_t, uint16_t
 from libc.stdlib cimport calloc, free
 
 from pagedrun.pyx.cpu_thread_pool cimport bind_run_pair, process_run_pair, thread_pool_probe
+from pagedrun.pyx.cpu_gemm cimport GemmTable, exported_gemm_table
+from pagedrun.pyx.cpu_ops cimport OpsTable, exported_ops_table
 
 from pagedrun.pyx import cpu_gemm, cpu_ops
 
@@ -96,6 +98,7 @@ cdef extern from "cpu_decode_step.h" namespace "pagedrun_decode" nogil:
         const int32_t* context_lens
         float* x_out
         float* residual_out
+    void bind_kernel_tables(const GemmTable* gemm, const OpsTable* ops)
     void decode_layers(const Config& c, const Layer* layers, const Buffers& b, const Step& s)
     void gemm_rows(int gemm_path, int threads, int min_tiles_per_thread, long min_macs,
                    uint16_t* xb, const Weight& w, const float* x, long ldx, long ldk, int M,
@@ -118,6 +121,8 @@ cdef extern from "cpu_ops_kernels.h" namespace "pagedrun_ops" nogil:
 
 # The loop's splits run on the process's one helper thread (pagedrun.pyx.cpu_thread_pool).
 bind_run_pair(process_run_pair)
+# Its kernels are cpu_gemm's and cpu_ops' compiled code (pyx/cpu_decode_step.h: why).
+bind_kernel_tables(exported_gemm_table(), exported_ops_table())
 
 
 def _thread_pool_probe():

@@ -126,6 +126,14 @@ def _forget_pool():
 os.register_at_fork(after_in_child=_forget_pool)
 # Splits run on the process's one helper thread (pagedrun.pyx.cpu_thread_pool).
 bind_run_pair(process_run_pair)
+
+
+cdef extern from "cpu_gemm_kernels.h" namespace "pagedrun_gemm" nogil:
+    const GemmTable* gemm_table()
+
+
+cdef const GemmTable* exported_gemm_table() noexcept nogil:
+    return gemm_table()
 POOLS = ("native", "python")
 
 

@@ -951,4 +951,27 @@ static inline void run_split(const TileJob& mine, const TileJob& theirs) {
     pagedrun_threads::run_pair(run_tile_job_part, &pair);
 }
 
+// What pyx/cpu_decode_step.h calls, as one table that pagedrun.pyx.cpu_gemm exports
+// (cpu_gemm.pxd) and cpu_decode_step binds at import. A `static inline` function is emitted
+// only in a module that calls it, so through the table these kernels are compiled once, in
+// cpu_gemm, where cpu_decode_step's own calls compiled every GEMM path a second time (its
+// object took 68 of a wheel build's ~215 CPU-seconds). The decode loop runs cpu_gemm's
+// machine code, so the same bits as cpu_gemm's own calls; one indirect call per GEMM.
+struct GemmTable {
+    void (*convert_rows)(const float* x, long stride_m, long stride_k, int M, int K,
+                         uint16_t* xb, int kp2);
+    void (*run_job)(const TileJob& job);
+    void (*run_split)(const TileJob& mine, const TileJob& theirs);
+    void (*gguf_quantize_rows)(int path, const float* x, long stride_m, long stride_k, int M,
+                               int K, int offset, int residual, int8_t* xq, float* xd,
+                               float* xs, int32_t* xcorr);
+    int (*gguf_activations_for_rows)(int path, int activations, int M);
+};
+
+static inline const GemmTable* gemm_table() {
+    static const GemmTable table = {convert_rows, run_job, run_split, gguf_quantize_rows,
+                                    gguf_activations_for_rows};
+    return &table;
+}
+
 }  // namespace pagedrun_gemm

@@ -79,6 +79,14 @@ cdef extern from "cpu_ops_kernels.h" namespace "pagedrun_ops" nogil:
 bind_run_pair(process_run_pair)
 
 
+cdef extern from "cpu_ops_kernels.h" namespace "pagedrun_ops" nogil:
+    const OpsTable* ops_table()
+
+
+cdef const OpsTable* exported_ops_table() noexcept nogil:
+    return ops_table()
+
+
 def _thread_pool_probe():
     """(address of the run_pair this module's splits call, caller's thread id, id of the
     thread that ran the second part): tests check every module shares the one helper."""

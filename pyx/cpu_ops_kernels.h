@@ -1577,4 +1577,43 @@ static inline void paged_decode_attention(int path, const float* q, long sq0, lo
     pagedrun_threads::run_pair(DecodeAttentionSplit<C>::part, &job);
 }
 
+// What pyx/cpu_decode_step.h calls, as one table that pagedrun.pyx.cpu_ops exports (cpu_ops.pxd)
+// and cpu_decode_step binds at import: these kernels are compiled once, in cpu_ops (see
+// cpu_gemm_kernels.h's GemmTable: the same reason, the same bits).
+template <typename C>
+struct CacheKernels {  // the kernels templated on the KV cache element C
+    decltype(&rotary_cache_write<C>) rotary;   // rotary_cache_write<C>
+    decltype(&decode_seq_range<C>) attention;  // decode_seq_range<C>
+};
+
+struct OpsTable {
+    void (*rms_norm_rows)(int path, const float* x, long ldx, const float* w, int rows,
+                          int hidden, float eps, float* out, long ldo);
+    void (*fused_add_rms_norm_rows)(int path, const float* x, long ldx, const float* res,
+                                    long ldr, const float* w, int rows, int hidden, float eps,
+                                    float* out, long ldo, float* new_res, long ldn);
+    void (*act_and_mul_rows)(int path, int kind, const float* gate_up, long ldg, int rows,
+                             int inter, float* out, long ldo);
+    CacheKernels<float> f32;
+    CacheKernels<uint16_t> bf16;  // bf16 bits
+    CacheKernels<uint8_t> fp8;    // fp8 e4m3 bits
+
+    template <typename C>
+    const CacheKernels<C>& for_cache() const {
+        if constexpr (std::is_same_v<C, float>) return f32;
+        else if constexpr (std::is_same_v<C, uint16_t>) return bf16;
+        else return fp8;
+    }
+};
+
+static inline const OpsTable* ops_table() {
+    static const OpsTable table = {
+        rms_norm_rows, fused_add_rms_norm_rows, act_and_mul_rows,
+        {rotary_cache_write<float>, decode_seq_range<float>},
+        {rotary_cache_write<uint16_t>, decode_seq_range<uint16_t>},
+        {rotary_cache_write<uint8_t>, decode_seq_range<uint8_t>},
+    };
+    return &table;
+}
+
 }  // namespace pagedrun_ops
