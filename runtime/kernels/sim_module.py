@@ -52,11 +52,14 @@ _BASE_FLAGS = ("-std=c++20", "-fPIC", "-DPAGEDRUN_SIM", "-fvisibility=hidden",
                "-Wno-attributes", "-Wno-unknown-pragmas")
 # Per sanitizer mode: optimisation/sanitizer flags for kernel code, and the define that turns
 # on the matching fiber hooks in cuda/sim/runtime.cpp (which itself is never instrumented).
+# -g1: line tables only, all a report's file:line frames need; full -g made each module's
+# build ~1.5x slower (paged_attention_decode.cu under ASan + UBSan: 13.6 s -> 8.9 s, TSan
+# 4.9 s -> 3.9 s on Zen 3), paid for ~22 modules per pass in CI.
 _MODE_FLAGS = {
     "plain": (("-O2",), ()),
-    "asan": (("-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+    "asan": (("-O1", "-g1", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
               "-fno-sanitize-recover=all"), ("-DPAGEDRUN_SIM_ASAN",)),
-    "tsan": (("-O1", "-g", "-fsanitize=thread"), ("-DPAGEDRUN_SIM_TSAN",)),
+    "tsan": (("-O1", "-g1", "-fsanitize=thread"), ("-DPAGEDRUN_SIM_TSAN",)),
 }
 _BOUNDS_RE = re.compile(r"PAGEDRUN_BOUNDS_BEGIN(.*?)PAGEDRUN_BOUNDS_END", re.S)
 _KERNEL_RE = re.compile(
