@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from pagedrun.runtime.engine import LoRARequest  # the engine API takes it
+from pagedrun.runtime.lora import ADAPTER_FILES  # what a runtime LOAD_LORA's directory holds
 from pagedrun.runtime.sampling_params import MAX_LOGPROBS
 from pagedrun.server.auth import CurveConfig, start_curve_server
 from pagedrun.server.engine_loop import EngineLoop
@@ -70,10 +71,6 @@ FORCED_ENGINE_JOIN_S = 0.5
 # Replies that carry the server instance id (protocol 1.2).
 TAGGED_REPLIES = frozenset({MsgType.DELTA, MsgType.FINAL, MsgType.ERROR, MsgType.PONG,
                             MsgType.MODEL_INFO_REPLY, MsgType.LORA_REPLY})
-
-
-# The files of a PEFT adapter directory (runtime/lora/peft_loader.py reads exactly these).
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 def runtime_adapter_dir(root: str, path: str) -> str | None:

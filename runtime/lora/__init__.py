@@ -5,7 +5,8 @@ numpy shrink / expand ops over a step's tokens grouped by adapter slot.
 
 The CUDA kernels of the same ops are cuda/lora.cu (launch wrappers: runtime/kernels/lora.py).
 """
+from pagedrun.runtime.lora.adapter_files import ADAPTER_FILES
 from pagedrun.runtime.lora.lora_config import LoRAConfig
 from pagedrun.runtime.lora.lora_request import LoRARequest
 
-__all__ = ["LoRAConfig", "LoRARequest"]
+__all__ = ["ADAPTER_FILES", "LoRAConfig", "LoRARequest"]

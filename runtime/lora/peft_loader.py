@@ -32,6 +32,7 @@ import re
 
 import numpy as np
 
+from pagedrun.runtime.lora.adapter_files import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from pagedrun.runtime.lora.adapter_weights import (
     PROJECTION_SLICES,
     LoRAAdapter,
@@ -44,8 +45,6 @@ from pagedrun.runtime.lora.lora_request import LoRARequest
 from pagedrun.runtime.model_config import ModelConfig
 from pagedrun.runtime.weights import SafetensorsFile
 
-ADAPTER_CONFIG_FILE = "adapter_config.json"
-ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_TYPE_LORA = "LORA"
 PEFT_BIAS_NONE = "none"
 # Which decoder sub-module each served projection lives in.

@@ -163,6 +163,8 @@ SERVER_PUBLIC_API = (
     # The engine and what its API takes and returns.
     "pagedrun.runtime.engine",
     "pagedrun.runtime.engine_config",
+    # LoRA's public face: the request, the config and the files an adapter directory holds.
+    "pagedrun.runtime.lora",
     "pagedrun.runtime.llm",
     "pagedrun.runtime.sampling_params",
     "pagedrun.runtime.chat_options",
