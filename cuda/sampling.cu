@@ -27,12 +27,15 @@
 //   Launch: grid (num_rows), block 128. The wrapper skips the launch when no row has an entry
 //   or an allowed list.
 //
-// sample_f32 -- steps 5-10, per row r (one CTA), logits [num_rows, vocab] f32 (processed),
-// out_tokens [num_rows] int32; per-row parameters temperature, top_p, min_p, uniforms
-// [num_rows] f32 and top_k [num_rows] int32 (<= 0 or >= vocab: off); uniforms in [0, 1) come
-// from the host (per-request seeded generators, as in the numpy sampler):
-//   temperature <= 0: greedy, out = argmax(logits[r]) with ties to the lowest id.
-//   else s = logits / temperature (NaN -> -inf, +inf -> the largest float, as numpy);
+// sample_f32 -- steps 5-10, per row r (one CTA), reading logits row logits_rows[r] of logits
+// [num_logits_rows, vocab] f32 (processed), out_tokens [num_rows] int32; logits_rows
+// [num_rows] int32 in [0, num_logits_rows): the n sequences of an n > 1 request's first token
+// read one processed row, each with its own uniform (runtime/logits_row_groups.py), so nothing
+// is [n, vocab]; per-row parameters temperature, top_p, min_p, uniforms [num_rows] f32 and
+// top_k [num_rows] int32 (<= 0 or >= vocab: off); uniforms in [0, 1) come from the host
+// (per-request seeded generators, as in the numpy sampler); L = logits[logits_rows[r]]:
+//   temperature <= 0: greedy, out = argmax(L) with ties to the lowest id.
+//   else s = L / temperature (NaN -> -inf, +inf -> the largest float, as numpy);
 //     M = max s; a row with M = -inf (every token masked) gets token 0
 //     w = exp(s - M) (the largest w is exactly 1)
 //     min-p: keep w >= min_p (p / p_max = w)
@@ -58,7 +61,8 @@
 // fp32 logits from bf16/fp16 activations). Scalars: int vocab.
 // Signatures: process_logits_f32(logits, allowed_offsets, allowed_tokens, entry_offsets,
 // entry_tokens, entry_counts, entry_flags, entry_bias, repetition, frequency, presence, vocab);
-// sample_f32(out_tokens, logits, temperature, top_k, top_p, min_p, uniforms, vocab).
+// sample_f32(out_tokens, logits, logits_rows, temperature, top_k, top_p, min_p, uniforms,
+// vocab).
 // Launched by runtime/kernels/sampling.py: process_logits, sample (which KernelSampler,
 // runtime/backends/kernel_sampler.py, calls for the kernel backends).
 //
@@ -188,6 +192,7 @@ __device__ __forceinline__ uint32_t radix_select(int vocab, float target, Entry 
 }
 
 __device__ __forceinline__ void sample(int* out_tokens, const float* logits,
+                                       const int* logits_rows,
                                        const float* temperature, const int* top_k,
                                        const float* top_p, const float* min_p,
                                        const float* uniforms, int vocab) {
@@ -199,7 +204,7 @@ __device__ __forceinline__ void sample(int* out_tokens, const float* logits,
     __shared__ float s_scan[kWarps];
     __shared__ int s_token;
     const int row = blockIdx.x;
-    const float* row_logits = logits + static_cast<long long>(row) * vocab;
+    const float* row_logits = logits + static_cast<long long>(logits_rows[row]) * vocab;
     const float temp = temperature[row];
 
     if (temp <= 0.f) {  // greedy
@@ -320,7 +325,9 @@ extern "C" __global__ void __launch_bounds__(sampling_ops::kPenaltyThreads)
 
 extern "C" __global__ void
     __launch_bounds__(sampling_ops::kThreads, sampling_ops::kMinCtasPerSm)
-    sample_f32(int* out_tokens, const float* logits, const float* temperature, const int* top_k,
-               const float* top_p, const float* min_p, const float* uniforms, int vocab) {
-    sampling_ops::sample(out_tokens, logits, temperature, top_k, top_p, min_p, uniforms, vocab);
+    sample_f32(int* out_tokens, const float* logits, const int* logits_rows,
+               const float* temperature, const int* top_k, const float* top_p,
+               const float* min_p, const float* uniforms, int vocab) {
+    sampling_ops::sample(out_tokens, logits, logits_rows, temperature, top_k, top_p, min_p,
+                         uniforms, vocab);
 }

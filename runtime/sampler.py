@@ -40,6 +40,11 @@ Logprobs of a row (`token_logprobs`): the chosen token's value and rank (1 + the
 tokens with a strictly larger value) and the params.logprobs largest values, best first (ties:
 lower id first; -1: the whole vocabulary).
 
+Forks: the n sequences of an n > 1 request sample their first token from one logits row; rows
+that read one row with the same params, prompt and output (runtime/logits_row_groups.py) are
+processed once (steps 0-9) and each draws its own token from the shared row (step 10 with its
+own uniform), so nothing is [n, vocab].
+
 Randomness: a request with a seed has its own generator (`make_request_generator`), drawn from
 once per sampled (non-greedy) token, so the same seed yields the same tokens whatever else is in
 the batch. Rows without one draw, in row order, from the sampler's own generator (engine seed).
@@ -52,6 +57,7 @@ from typing import Sequence
 import numpy as np
 
 from .engine_config import LOGPROBS_MODES
+from .logits_row_groups import group_rows
 from .outputs import TokenLogprobs
 from .sampling_params import SamplingParams
 
@@ -343,23 +349,29 @@ def filter_rows(logits: np.ndarray, params: Sequence[SamplingParams]
     return final, weights
 
 
-def inverse_cdf(weights: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
-    """First token whose cumulative weight exceeds u x total, per row, in ascending id order.
+def inverse_cdf(weights: np.ndarray, uniforms: np.ndarray,
+                weight_rows: np.ndarray | None = None) -> np.ndarray:
+    """First token whose cumulative weight exceeds u x total, per draw, in ascending id order.
 
-    weights: [rows, vocab] f32 >= 0; uniforms: [rows] in [0, 1). A row without mass gets
-    token 0. Two levels, because a float64 cumsum over the whole vocabulary is the slowest
-    numpy step here: sums of CDF_CHUNK-token chunks locate the chunk, a cumsum inside it the
-    token. Returns [rows] int32.
+    weights: [rows, vocab] f32 >= 0; uniforms: [draws] in [0, 1); weight_rows: [draws], the
+    weights row each draw reads (the members of a group share one), or None (draw i reads
+    row i). A row without mass gives token 0. Two levels, because a float64 cumsum over the
+    whole vocabulary is the slowest numpy step here: sums of CDF_CHUNK-token chunks locate the
+    chunk, a cumsum inside it the token; nothing per draw is [vocab]. Returns [draws] int32.
     """
-    num_rows, vocab_size = weights.shape
+    num_weight_rows, vocab_size = weights.shape
+    if weight_rows is None:
+        weight_rows = np.arange(num_weight_rows)
+    weight_rows = np.asarray(weight_rows, dtype=np.int64)
+    num_rows = weight_rows.size
     num_chunks = -(-vocab_size // CDF_CHUNK)
     padded = weights
     if num_chunks * CDF_CHUNK != vocab_size:
-        padded = np.zeros((num_rows, num_chunks * CDF_CHUNK), dtype=weights.dtype)
+        padded = np.zeros((num_weight_rows, num_chunks * CDF_CHUNK), dtype=weights.dtype)
         padded[:, :vocab_size] = weights
     chunk_cdf = np.cumsum(
-        padded.reshape(num_rows, num_chunks, CDF_CHUNK).sum(axis=2, dtype=np.float64), axis=1
-    )
+        padded.reshape(num_weight_rows, num_chunks, CDF_CHUNK).sum(axis=2, dtype=np.float64),
+        axis=1)[weight_rows]  # [draws, num_chunks]
     targets = uniforms * chunk_cdf[:, -1]
     # The chosen chunk is the first whose cumulative mass exceeds the target.
     chunks = np.minimum((chunk_cdf <= targets[:, None]).sum(axis=1), num_chunks - 1)
@@ -372,12 +384,13 @@ def inverse_cdf(weights: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
     # searchsorted(side="right") on a nondecreasing array.
     c = chunks[rows]
     before = np.where(c > 0, chunk_cdf[rows, np.maximum(c - 1, 0)], 0.0)
-    inner = padded.reshape(num_rows, num_chunks, CDF_CHUNK)[rows, c]  # [len(rows), CDF_CHUNK]
+    inner = padded.reshape(num_weight_rows, num_chunks, CDF_CHUNK)[weight_rows[rows], c]
     cumulative = before[:, None] + np.cumsum(inner, axis=1, dtype=np.float64)
     j = (cumulative <= targets[rows, None]).sum(axis=1)
     for r in np.flatnonzero(j >= CDF_CHUNK):  # rounding between the levels (rare): the last
         i = rows[r]                           # token with mass so far
-        j[r] = int(np.flatnonzero(padded[i, :(c[r] + 1) * CDF_CHUNK])[-1]) - c[r] * CDF_CHUNK
+        last = np.flatnonzero(padded[weight_rows[i], :(c[r] + 1) * CDF_CHUNK])[-1]
+        j[r] = int(last) - c[r] * CDF_CHUNK
     tokens[rows] = c * CDF_CHUNK + j
     return tokens
 
@@ -403,39 +416,54 @@ class Sampler:
         `make_request_generator`, or None for the engine's). row_index: [num_rows], the logits
         row each sampling row reads (the n sequences of an n > 1 request's first token read
         one row); None: row i reads logits row i.
+        Rows that read one logits row with the same inputs (runtime/logits_row_groups.py: the
+        n siblings) are processed once, as one group; each member draws with its own uniform.
         Returns SamplerOutput (token_ids [num_rows] int32, logprobs per row)."""
-        logits = select_rows(np.asarray(logits, dtype=np.float32), row_index)
-        num_rows = check_sample_args(logits, params, generators, prompt_token_ids,
-                                     output_token_ids)
+        logits = np.asarray(logits, dtype=np.float32)
+        if logits.ndim != 2:
+            raise ValueError(f"logits must be [rows, vocab], got shape {logits.shape}")
+        check_sample_args(len(params), params, generators, prompt_token_ids, output_token_ids)
+        groups = group_rows(row_index, logits.shape[0], params, prompt_token_ids,
+                            output_token_ids)
+        base = logits if groups.identity else logits[groups.logits_rows]  # [groups, vocab]
+        group_params = groups.pick(params)
+        group_of = groups.group_of
         want = logprob_rows(params)
+        want_groups = sorted({int(group_of[i]) for i in want})
         raw_mode = self.logprobs_mode.startswith("raw")
-        values = raw_values(logits[want] if raw_mode and want else None, want,
-                            self.logprobs_mode)  # fancy indexing: a copy
+        group_values = raw_values(base[want_groups] if raw_mode and want else None,
+                                  want_groups, self.logprobs_mode)  # fancy indexing: a copy
 
         # Steps 1-4 work on a copy, made only when some row has a processor: at large batches
         # the [rows, vocab] copy was most of a greedy step's sampling time.
-        processed = logits
-        if any(may_process(p) for p in params):
-            processed = logits.copy()
-            apply_logits_processors(processed, params, prompt_token_ids, output_token_ids,
-                                    self.eos_token_ids)
+        processed = base
+        if any(may_process(p) for p in group_params):
+            processed = base.copy()
+            apply_logits_processors(processed, group_params, groups.pick(prompt_token_ids),
+                                    groups.pick(output_token_ids), self.eos_token_ids)
 
-        token_ids = np.empty(num_rows, dtype=np.int32)
-        greedy = np.array([p.greedy for p in params], dtype=bool)
+        group_tokens = np.zeros(groups.num_groups, dtype=np.int32)
+        greedy = np.array([p.greedy for p in group_params], dtype=bool)
         if greedy.all():  # no fancy-index copy of the whole batch
-            token_ids[:] = np.argmax(processed, axis=1)  # first max: lowest id
+            group_tokens[:] = np.argmax(processed, axis=1)  # first max: lowest id
         elif greedy.any():
-            token_ids[greedy] = np.argmax(processed[greedy], axis=1)
+            group_tokens[greedy] = np.argmax(processed[greedy], axis=1)
         if not raw_mode:
-            values.update((i, processed[i]) for i in want if greedy[i])
-        sampled_rows = np.flatnonzero(~greedy)
+            group_values.update((g, processed[g]) for g in want_groups if greedy[g])
+        token_ids = group_tokens[group_of]  # greedy rows; sampled rows are drawn below
         uniforms = draw_uniforms(self.generator, params, generators)
-        for start in range(0, sampled_rows.size, SAMPLE_ROW_CHUNK):
-            rows = sampled_rows[start:start + SAMPLE_ROW_CHUNK]
-            final, weights = filter_rows(processed[rows], [params[i] for i in rows])
-            token_ids[rows] = inverse_cdf(weights, uniforms[rows])
+        members = groups.members()
+        sampled_groups = np.flatnonzero(~greedy)
+        for start in range(0, sampled_groups.size, SAMPLE_ROW_CHUNK):
+            chunk = sampled_groups[start:start + SAMPLE_ROW_CHUNK]
+            final, weights = filter_rows(processed[chunk], [group_params[g] for g in chunk])
+            rows = [row for g in chunk.tolist() for row in members[g]]
+            local = np.repeat(np.arange(chunk.size), [len(members[g]) for g in chunk.tolist()])
+            token_ids[rows] = inverse_cdf(weights, uniforms[rows], local)
             if not raw_mode:
-                values.update((int(i), final[j]) for j, i in enumerate(rows) if i in values)
+                group_values.update((int(g), final[j]) for j, g in enumerate(chunk)
+                                    if int(g) in group_values)
+        values = {i: group_values[int(group_of[i])] for i in want}
         return SamplerOutput(token_ids, gather_logprobs(values, token_ids, params,
                                                         self.logprobs_mode))
 
@@ -475,26 +503,12 @@ def gather_logprobs(values: dict[int, np.ndarray], token_ids: np.ndarray,
     return out
 
 
-def is_identity(row_index: Sequence[int] | None, num_rows: int) -> bool:
-    """Whether row_index reads logits rows 0 .. num_rows - 1 in order (or is None)."""
-    # Vectorized: this runs every step, and on large batches a Python loop would show.
-    return row_index is None or (len(row_index) == num_rows and np.array_equal(
-        np.asarray(row_index), np.arange(num_rows)))
-
-
-def select_rows(logits: np.ndarray, row_index: Sequence[int] | None) -> np.ndarray:
-    """logits[row_index] (None or the identity: logits itself). logits: host numpy array."""
-    if is_identity(row_index, logits.shape[0]):
-        return logits
-    return logits[np.asarray(row_index, dtype=np.int64)]
-
-
-def check_sample_args(logits, params, generators, prompt_token_ids, output_token_ids) -> int:
-    """The number of sampling rows, after checking every per-row list has one entry per row."""
-    num_rows = logits.shape[0]
+def check_sample_args(num_rows: int, params, generators, prompt_token_ids,
+                      output_token_ids) -> int:
+    """num_rows, after checking every per-row list has one entry per sampling row."""
     if not (len(params) == len(generators) == len(prompt_token_ids) == len(output_token_ids)
             == num_rows):
-        raise ValueError(f"{num_rows} logits rows but {len(params)} params, "
+        raise ValueError(f"{num_rows} sampling rows but {len(params)} params, "
                          f"{len(generators)} generators, {len(prompt_token_ids)} prompts, "
                          f"{len(output_token_ids)} outputs")
     return num_rows

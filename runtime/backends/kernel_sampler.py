@@ -16,8 +16,9 @@ import numpy as np
 
 from pagedrun.runtime.kernels.kernel_args import array_module
 from pagedrun.runtime.kernels.sampling import process_lists, process_logits, sample
+from pagedrun.runtime.logits_row_groups import group_rows
 from pagedrun.runtime.sampler import (SamplerOutput, check_logprobs_mode, check_sample_args,
-                                      draw_uniforms, filter_rows, gather_logprobs, is_identity,
+                                      draw_uniforms, filter_rows, gather_logprobs,
                                       logprob_rows, raw_values)
 
 from .device_runtime import HostReady
@@ -67,14 +68,21 @@ class KernelSampler:
         on the device, read back by its `read()`) instead of a SamplerOutput: asynchronous
         scheduling launches the next step before it reads these."""
         logits_xp = array_module(logits)
-        if not is_identity(row_index, logits.shape[0]):
-            logits = logits[logits_xp.asarray(np.asarray(row_index, dtype=np.int64))]
-        check_sample_args(logits, params, generators, prompt_token_ids, output_token_ids)
+        check_sample_args(len(params), params, generators, prompt_token_ids, output_token_ids)
+        # The n siblings of a first token are one group: processed once, one row per group
+        # (runtime/logits_row_groups.py), each member drawn from it by sample_f32's row map.
+        groups = group_rows(row_index, logits.shape[0], params, prompt_token_ids,
+                            output_token_ids)
+        if not groups.identity:
+            logits = logits[logits_xp.asarray(groups.logits_rows)]  # [groups, vocab]
+        group_params = groups.pick(params)
+        group_prompts, group_outputs = groups.pick(prompt_token_ids), groups.pick(output_token_ids)
         want = logprob_rows(params)
+        want_groups = sorted({int(groups.group_of[i]) for i in want})
         raw_mode = self.logprobs_mode.startswith("raw")
-        values = raw_values(self._host_rows(logits, want) if raw_mode and want else None,
-                            want, self.logprobs_mode)
-        lists = process_lists(params, prompt_token_ids, output_token_ids, self.eos_token_ids,
+        group_values = raw_values(self._host_rows(logits, want_groups) if raw_mode and want
+                                  else None, want_groups, self.logprobs_mode)
+        lists = process_lists(group_params, group_prompts, group_outputs, self.eos_token_ids,
                               logits.shape[1])
         if lists is None and (raw_mode or not want):
             # Nothing to process and no processed rows to report: sample_f32 only reads the
@@ -82,14 +90,17 @@ class KernelSampler:
             processed = self.xp.ascontiguousarray(self.xp.asarray(logits, dtype=np.float32))
         else:
             processed = self.xp.array(logits, dtype=np.float32)  # a copy: processed in place
-            process_logits(self.module, processed, params, prompt_token_ids, output_token_ids,
+            process_logits(self.module, processed, group_params, group_prompts, group_outputs,
                            self.eos_token_ids, lists=lists)
-        tokens = sample(self.module, processed, params, self.draw_uniforms(params, generators))
+        tokens = sample(self.module, processed, params, self.draw_uniforms(params, generators),
+                        logits_rows=None if groups.identity else groups.group_of)
         if defer_read and not want:
             return DeferredSample(tokens, self.download_async(tokens))
         token_ids = np.asarray(tokens if self.xp is np else tokens.get(), dtype=np.int32)
         if want and not raw_mode:
-            self._processed_values(values, self._host_rows(processed, want), want, params)
+            self._processed_values(group_values, self._host_rows(processed, want_groups),
+                                   want_groups, group_params)
+        values = {i: group_values[int(groups.group_of[i])] for i in want}
         return SamplerOutput(token_ids, gather_logprobs(values, token_ids, params,
                                                         self.logprobs_mode))
 

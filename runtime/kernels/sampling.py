@@ -135,11 +135,25 @@ def process_logits(module, logits, params, prompt_token_ids, output_token_ids,
     return logits
 
 
-def sample(module, logits, params: Sequence[SamplingParams], uniforms, out=None):
-    """One token per row: greedy rows argmax (ties: lowest id), others temperature, min-p,
-    top-k, top-p and the inverse CDF at uniforms[row] in [0, 1). Returns out [rows] int32."""
-    num_rows, vocab = _check_logits(logits)
-    require(len(params) == num_rows, lambda: f"{num_rows} logits rows but {len(params)} params")
+def sample(module, logits, params: Sequence[SamplingParams], uniforms, out=None,
+           logits_rows=None):
+    """One token per sampling row: greedy rows argmax (ties: lowest id), others temperature,
+    min-p, top-k, top-p and the inverse CDF at uniforms[row] in [0, 1). logits: [num_logits_rows,
+    vocab] f32; logits_rows: [rows] ints, the logits row each sampling row reads (the members of
+    a runtime/logits_row_groups.py group share one), or None (row i reads row i; then rows ==
+    num_logits_rows). params, uniforms: one per sampling row. Returns out [rows] int32."""
+    num_logits_rows, vocab = _check_logits(logits)
+    num_rows = len(params)
+    if logits_rows is None:
+        require(num_rows == num_logits_rows,
+                lambda: f"{num_logits_rows} logits rows but {num_rows} params")
+        rows = np.arange(num_rows, dtype=np.int32)
+    else:
+        rows = np.ascontiguousarray(logits_rows, dtype=np.int32).reshape(-1)
+        require(rows.size == num_rows,
+                lambda: f"{rows.size} logits_rows entries for {num_rows} params")
+        require(num_rows == 0 or (0 <= int(rows.min()) and int(rows.max()) < num_logits_rows),
+                lambda: f"logits_rows outside the {num_logits_rows} logits rows")
     xp = array_module(logits)
     out = xp.empty(num_rows, dtype=np.int32) if out is None else out
     if num_rows == 0:
@@ -153,7 +167,7 @@ def sample(module, logits, params: Sequence[SamplingParams], uniforms, out=None)
     u = np.minimum(u, np.float32(1.0) - np.finfo(np.float32).epsneg)
     module.get_function("sample_f32")(
         (num_rows,), (SAMPLE_THREADS,),
-        (out, logits, *(xp.asarray(a) for a in (temperature, top_k, top_p, min_p, u)),
+        (out, logits, *(xp.asarray(a) for a in (rows, temperature, top_k, top_p, min_p, u)),
          np.int32(vocab)))
     return out
 

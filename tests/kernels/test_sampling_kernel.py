@@ -199,6 +199,52 @@ def test_kernel_sampler_equals_numpy_sampler(rng, mode):
     assert len(got.logprobs[3].top_token_ids) == vocab  # logprobs=-1: the whole vocabulary
 
 
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_forked_rows_share_one_row_on_the_kernels(rng, mode):
+    """n > 1 first tokens (runtime/logits_row_groups.py): the siblings' shared row is processed
+    once and sample_f32 reads it through its row map; the tokens and logprobs are the numpy
+    Sampler's on the same shared batch, and the numpy Sampler's with every sibling given its
+    own copy of the row (tests/engine/test_shared_sampling_rows.py checks the numpy side)."""
+    vocab = 1000
+    fork_a = SamplingParams(n=3, seed=4, temperature=0.9, top_k=20, top_p=0.9,
+                            repetition_penalty=1.4, logprobs=2)
+    fork_b = SamplingParams(n=2, temperature=0.5, top_k=1, logit_bias={5: 3.0}, logprobs=1)
+    alone = SamplingParams(seed=9, temperature=0.7, min_p=0.05)
+    prompt_a, prompt_b = rng.integers(0, vocab, 5), rng.integers(0, vocab, 4)
+    params = [fork_a] * 3 + [fork_b] * 2 + [alone]
+    prompts = [prompt_a] * 3 + [prompt_b] * 2 + [rng.integers(0, vocab, 3)]
+    outputs = [[], [], [], [], [], list(rng.integers(0, vocab, 2))]
+    row_index = [2, 2, 2, 0, 0, 1]
+    logits = (3 * rng.standard_normal((3, vocab))).astype(np.float32)
+
+    def gens():
+        return [make_request_generator(None if p.seed is None else p.seed + j)
+                for j, p in enumerate(params)]
+
+    got = KernelSampler(mod(), [2], seed=3, logprobs_mode=mode).sample(
+        to_device(logits), params, gens(), prompts, outputs, row_index=row_index)
+    shared = Sampler([2], seed=3, logprobs_mode=mode).sample(
+        logits.copy(), params, gens(), prompts, outputs, row_index=row_index)
+    copies = Sampler([2], seed=3, logprobs_mode=mode).sample(
+        logits[row_index], params, gens(), [p.copy() for p in prompts],
+        [list(o) for o in outputs])
+    np.testing.assert_array_equal(got.token_ids, shared.token_ids)
+    np.testing.assert_array_equal(shared.token_ids, copies.token_ids)
+    assert got.logprobs == shared.logprobs == copies.logprobs
+
+
+def test_sample_f32_row_map_is_checked(rng):
+    logits = to_device(rng.standard_normal((2, 17)).astype(np.float32))
+    params = [SamplingParams(temperature=0.0)] * 3
+    with pytest.raises(ValueError, match="outside"):
+        sample(mod(), logits, params, np.zeros(3), logits_rows=[0, 2, 1])
+    with pytest.raises(ValueError, match="entries"):
+        sample(mod(), logits, params, np.zeros(3), logits_rows=[0, 1])
+    tokens = sample(mod(), logits, params, np.zeros(3), logits_rows=[1, 0, 1])
+    host = to_host(logits)
+    np.testing.assert_array_equal(to_host(tokens), np.argmax(host[[1, 0, 1]], axis=1))
+
+
 @pytest.mark.parametrize("processing", [False, True], ids=["plain", "penalized"])
 @pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
 def test_kernel_sampler_leaves_the_callers_logits(rng, processing, mode):
