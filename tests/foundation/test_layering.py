@@ -93,6 +93,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "pagedrun.runtime.lora.*",
         "pagedrun.runtime.request",
         "pagedrun.runtime.sampler",
+        "pagedrun.runtime.logits_row_groups",
         "pagedrun.runtime.tokenizer",
         "pagedrun.runtime.detokenizer",
         "pagedrun.runtime.weights",
@@ -134,6 +135,7 @@ ENGINE_CORE = (
     "pagedrun.runtime.request",
     "pagedrun.runtime.sampling_params",
     "pagedrun.runtime.sampler",
+    "pagedrun.runtime.logits_row_groups",
     "pagedrun.runtime.stop_checker",
     "pagedrun.runtime.outputs",
 )
