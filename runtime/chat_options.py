@@ -11,6 +11,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+# Size limits, the same on every path (GENERATE, /tokenize, LLM.chat): a request's own template
+# is compiled (cached by source) and rendered per request, so its size bounds that work (real
+# templates, tools included, are under 16 KiB); the jinja sandbox bounds what it can reach.
+MAX_CHAT_TEMPLATE_CHARS = 32768
+MAX_TOOLS = 128
+MAX_CHAT_TEMPLATE_KWARGS = 64
+
+
 class ChatOptionsError(ValueError):
     """A chat option is invalid; the message names it."""
 
@@ -32,6 +40,9 @@ class ChatOptions:
     def validate(self) -> None:
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             raise ChatOptionsError("chat_template: must be a string")
+        if self.chat_template is not None and len(self.chat_template) > MAX_CHAT_TEMPLATE_CHARS:
+            raise ChatOptionsError(f"chat_template: at most {MAX_CHAT_TEMPLATE_CHARS} characters, "
+                                   f"got {len(self.chat_template)}")
         for name in ("add_generation_prompt", "continue_final_message"):
             if not isinstance(getattr(self, name), bool):
                 raise ChatOptionsError(f"{name}: must be a boolean")
@@ -42,9 +53,14 @@ class ChatOptions:
         if self.tools is not None and not (isinstance(self.tools, list) and all(
                 isinstance(t, dict) for t in self.tools)):
             raise ChatOptionsError("tools: must be a list of maps")
+        if self.tools is not None and len(self.tools) > MAX_TOOLS:
+            raise ChatOptionsError(f"tools: at most {MAX_TOOLS} tools, got {len(self.tools)}")
         if not isinstance(self.chat_template_kwargs, dict) or not all(
                 isinstance(k, str) for k in self.chat_template_kwargs):
             raise ChatOptionsError("chat_template_kwargs: must be a map with string keys")
+        if len(self.chat_template_kwargs) > MAX_CHAT_TEMPLATE_KWARGS:
+            raise ChatOptionsError(f"chat_template_kwargs: at most {MAX_CHAT_TEMPLATE_KWARGS} "
+                                   f"entries, got {len(self.chat_template_kwargs)}")
         reserved = {"messages", "add_generation_prompt", "continue_final_message", "tools",
                     "tokenize", "chat_template"}
         clash = sorted(reserved & set(self.chat_template_kwargs))

@@ -47,13 +47,8 @@ MAX_ALLOWED_TOKEN_IDS = 16384
 # front end clamps to it); larger finite values only push float32 logits towards inf, where two
 # biased tokens make the softmax NaN.
 MAX_ABS_LOGIT_BIAS = 100.0
-# Chat options (1.3). A request's own template is compiled (cached by source) and rendered per
-# request -- by the I/O thread, or the engine thread when the server cannot render -- so its
-# size bounds that work (real templates, tools included, are under 16 KiB); the jinja sandbox
-# bounds what it can reach.
-MAX_CHAT_TEMPLATE_CHARS = 32768
-MAX_TOOLS = 128
-MAX_CHAT_TEMPLATE_KWARGS = 64
+# Chat options (1.3): their size limits are ChatOptions' (runtime/chat_options.py), the same on
+# every path.
 CHAT_OPTION_FIELDS = ("chat_template", "add_generation_prompt", "continue_final_message",
                       "tools", "chat_template_kwargs")
 # Parameters of Tokenizer.apply_chat_template itself, so never template variables (ChatOptions
@@ -199,19 +194,9 @@ def parse_lora_message(msg_type: MsgType, body: dict) -> tuple[str | None, str, 
 
 
 def parse_chat_options(raw: dict, rid: str) -> ChatOptions:
-    """The chat option fields of a GENERATE (1.3) as a ChatOptions; sizes bounded here, types
-    and combinations by ChatOptions itself (its messages name the field)."""
-    template = raw.get("chat_template")
-    if isinstance(template, str) and len(template) > MAX_CHAT_TEMPLATE_CHARS:
-        _bad(f"chat_template: at most {MAX_CHAT_TEMPLATE_CHARS} characters, got "
-             f"{len(template)}", rid)
-    tools = raw.get("tools")
-    if isinstance(tools, list) and len(tools) > MAX_TOOLS:
-        _bad(f"tools: at most {MAX_TOOLS} tools, got {len(tools)}", rid)
+    """The chat option fields of a GENERATE (1.3) as a ChatOptions; types, sizes and
+    combinations checked by ChatOptions itself (its messages name the field)."""
     kwargs = raw.get("chat_template_kwargs")
-    if isinstance(kwargs, dict) and len(kwargs) > MAX_CHAT_TEMPLATE_KWARGS:
-        _bad(f"chat_template_kwargs: at most {MAX_CHAT_TEMPLATE_KWARGS} entries, got "
-             f"{len(kwargs)}", rid)
     if isinstance(kwargs, dict) and NOT_TEMPLATE_VARIABLES & set(kwargs):
         _bad(f"chat_template_kwargs: {', '.join(sorted(NOT_TEMPLATE_VARIABLES & set(kwargs)))} "
              "cannot be template variables", rid)

@@ -19,6 +19,7 @@ from pagedrun.server.http.generation import read_json, serve_generation
 from pagedrun.server.http.openai_models import (CHAT_OPTIONS, field_value, parse_chat,
                                                 parse_completion, parse_messages)
 from pagedrun.server.http.prometheus import CONTENT_TYPE
+from pagedrun.server.http.tokenizer_work import check_body_size, run_tokenizer
 
 OWNED_BY = "paged-run"
 
@@ -77,17 +78,22 @@ async def tokenize(request: Request) -> Response:
     body = await read_json(request)
     await gateway.check_model(field_value(body, "model", lambda v: isinstance(v, str), "a string"))
     tokenizer = await _tokenizer(gateway)
+    info = await gateway.link.model_info()
+    check_body_size(len(await request.body()), info)  # the body read_json read (cached)
+    return_strs = field_value(body, "return_token_strs", lambda v: isinstance(v, bool),
+                              "a boolean")
     if body.get("messages") is not None:
         options = {name: field_value(body, name, check, what)
                    for name, check, what in CHAT_OPTIONS}
         options = {k: v for k, v in options.items() if v is not None}
-        try:  # the checks every entry point makes (reserved chat_template_kwargs names, ...)
+        try:  # the checks and limits every entry point applies (runtime/chat_options.py)
             chat = ChatOptions(**options)
         except ChatOptionsError as exc:
             raise bad_request(str(exc), str(exc).split(":", 1)[0]) from None
+        messages = parse_messages(body["messages"])
         try:
-            ids = tokenizer.apply_chat_template(parse_messages(body["messages"]), tokenize=True,
-                                                **chat.template_kwargs())
+            ids = await run_tokenizer(tokenizer.apply_chat_template, messages, tokenize=True,
+                                      **chat.template_kwargs())
         except ValueError as exc:  # the template refused (ChatTemplateError is a ValueError)
             raise bad_request(str(exc), "messages") from None
     else:
@@ -96,12 +102,12 @@ async def tokenize(request: Request) -> Response:
             raise bad_request("prompt: must be a string (or give messages)", "prompt")
         add_special = field_value(body, "add_special_tokens",
                                   lambda v: isinstance(v, bool), "a boolean")
-        ids = tokenizer.encode(prompt, add_special_tokens=add_special is not False)
+        ids = await run_tokenizer(tokenizer.encode, prompt,
+                                  add_special_tokens=add_special is not False)
     ids = list(ids)
     token_strs = None
-    if field_value(body, "return_token_strs", lambda v: isinstance(v, bool), "a boolean"):
-        token_strs = [tokenizer.id_to_token(t) for t in ids]
-    info = await gateway.link.model_info()
+    if return_strs:
+        token_strs = await run_tokenizer(lambda: [tokenizer.id_to_token(t) for t in ids])
     return JSONResponse({"count": len(ids), "max_model_len": info.get("max_model_len"),
                          "tokens": ids, "token_strs": token_strs})
 
@@ -115,9 +121,10 @@ async def detokenize(request: Request) -> Response:
                                              for t in tokens)):
         raise bad_request("tokens: must be a list of token ids", "tokens")
     tokenizer = await _tokenizer(gateway)
+    check_body_size(len(await request.body()), await gateway.link.model_info())
     if any(not 0 <= t < tokenizer.vocab_size for t in tokens):
         raise bad_request(f"tokens: every id must lie in [0, {tokenizer.vocab_size})", "tokens")
-    return JSONResponse({"prompt": tokenizer.decode(tokens)})
+    return JSONResponse({"prompt": await run_tokenizer(tokenizer.decode, tokens)})
 
 
 async def metrics(request: Request) -> Response:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
+import time
 
 import httpx
 import openai
@@ -18,6 +20,7 @@ from http_gateway import (END_TOKEN, TINY_ENGINE, make_tiny_chat_model, model_na
                           start_stack, tiny_engine)
 
 from pagedrun import LLM, SamplingParams
+from pagedrun.runtime.chat_options import MAX_CHAT_TEMPLATE_CHARS
 
 PROMPTS = ["Hello, world", "The capital of France is"]
 MESSAGES = [{"role": "system", "content": "Be brief."},
@@ -333,6 +336,47 @@ def test_client_mistakes_are_4xx_never_5xx(stack):
         r = httpx.post(tokenize, json={"messages": MESSAGES, **extra})
         assert r.status_code == 400, (extra, r.text[:200])
         assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_tokenize_is_bounded_and_runs_off_the_event_loop(stack):
+    """Issue 36 case 6: /tokenize and /detokenize refuse what the engine would (a template over
+    ChatOptions' limit, a body over max_message_bytes) with a 400, and their tokenizer work
+    runs on threads of their own: a chat template that renders for seconds does not hold up
+    the gateway's other endpoints (it stalled them all while it ran on the event loop)."""
+    tokenize = f"{stack.url}/tokenize"
+    r = httpx.post(tokenize, json={"messages": MESSAGES,
+                                   "chat_template": "x" * (MAX_CHAT_TEMPLATE_CHARS + 1)})
+    assert r.status_code == 400 and "chat_template: at most" in r.json()["error"]["message"]
+    limit = stack.server.config.max_message_bytes
+    r = httpx.post(tokenize, json={"prompt": "a" * (limit + 1)}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "message_too_large"
+    r = httpx.post(f"{stack.url}/detokenize", json={"tokens": [1] * (limit // 2)}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "message_too_large"
+
+    # ~36 M template loop steps: seconds of rendering on any of our machines.
+    slow = ("{% for i in range(6000) %}{% for j in range(6000) %}{% endfor %}{% endfor %}"
+            "{{ messages[0]['content'] }}")
+    result = {}
+
+    def render():
+        result["response"] = httpx.post(tokenize, json={"messages": MESSAGES,
+                                                        "chat_template": slow}, timeout=300)
+
+    renderer = threading.Thread(target=render)
+    renderer.start()
+    time.sleep(0.3)  # the render has begun
+    during = []  # /version latencies measured while the render was still running
+    while renderer.is_alive() and len(during) < 10:
+        start = time.monotonic()
+        assert httpx.get(f"{stack.url}/version", timeout=60).status_code == 200
+        if renderer.is_alive():
+            during.append(time.monotonic() - start)
+        time.sleep(0.05)
+    renderer.join()
+    assert result["response"].status_code == 200
+    assert result["response"].json()["tokens"] == list(b"Be brief.")
+    assert len(during) >= 3, f"the render ended too soon to tell ({len(during)} answers)"
+    assert max(during) < 0.5, f"/version took {max(during):.2f} s during the render"
 
 
 def test_tokenize_and_detokenize_use_the_model_tokenizer(stack, offline):
