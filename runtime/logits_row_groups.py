@@ -47,6 +47,14 @@ class RowGroups:
         """The entries of a per-row list (params, prompts, outputs) for the groups."""
         return [per_row[i] for i in self.first]
 
+    def groups_of(self, rows: Sequence[int]) -> list[int]:
+        """The groups of `rows`, ascending, each once (e.g. the groups whose rows want logprobs)."""
+        return sorted({int(self.group_of[i]) for i in rows})
+
+    def per_row(self, per_group: dict, rows: Sequence[int]) -> dict:
+        """{row: per_group[its group]} for `rows` (a group's value shared by its members)."""
+        return {i: per_group[int(self.group_of[i])] for i in rows}
+
 
 def group_rows(row_index: Sequence[int] | None, num_logits_rows: int,
                params: Sequence, prompt_token_ids: Sequence,

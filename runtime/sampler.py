@@ -429,7 +429,7 @@ class Sampler:
         group_params = groups.pick(params)
         group_of = groups.group_of
         want = logprob_rows(params)
-        want_groups = sorted({int(group_of[i]) for i in want})
+        want_groups = groups.groups_of(want)
         raw_mode = self.logprobs_mode.startswith("raw")
         group_values = raw_values(base[want_groups] if raw_mode and want else None,
                                   want_groups, self.logprobs_mode)  # fancy indexing: a copy
@@ -463,7 +463,7 @@ class Sampler:
             if not raw_mode:
                 group_values.update((int(g), final[j]) for j, g in enumerate(chunk)
                                     if int(g) in group_values)
-        values = {i: group_values[int(group_of[i])] for i in want}
+        values = groups.per_row(group_values, want)
         return SamplerOutput(token_ids, gather_logprobs(values, token_ids, params,
                                                         self.logprobs_mode))
 

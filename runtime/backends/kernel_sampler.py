@@ -78,7 +78,7 @@ class KernelSampler:
         group_params = groups.pick(params)
         group_prompts, group_outputs = groups.pick(prompt_token_ids), groups.pick(output_token_ids)
         want = logprob_rows(params)
-        want_groups = sorted({int(groups.group_of[i]) for i in want})
+        want_groups = groups.groups_of(want)
         raw_mode = self.logprobs_mode.startswith("raw")
         group_values = raw_values(self._host_rows(logits, want_groups) if raw_mode and want
                                   else None, want_groups, self.logprobs_mode)
@@ -100,7 +100,7 @@ class KernelSampler:
         if want and not raw_mode:
             self._processed_values(group_values, self._host_rows(processed, want_groups),
                                    want_groups, group_params)
-        values = {i: group_values[int(groups.group_of[i])] for i in want}
+        values = groups.per_row(group_values, want)
         return SamplerOutput(token_ids, gather_logprobs(values, token_ids, params,
                                                         self.logprobs_mode))
 

@@ -41,7 +41,9 @@ CLIENT_CLOSED_STATUS = 499
 MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
-async def read_json(request: Request) -> dict:
+async def read_json(request: Request, engine_limit: int | None = None) -> dict:
+    """The request's JSON object. engine_limit: a body over it (read, not yet parsed) is a 400
+    message_too_large -- what the engine would answer a GENERATE of that size."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes", code="too_large")
@@ -51,6 +53,9 @@ async def read_json(request: Request) -> dict:
         raise ApiError(CLIENT_CLOSED_STATUS, "the client disconnected") from None
     if len(raw) > MAX_BODY_BYTES:
         raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes", code="too_large")
+    if engine_limit is not None and len(raw) > engine_limit:
+        raise ApiError(400, f"the request body is {len(raw)} bytes; the engine's limit "
+                       f"(max_message_bytes) is {engine_limit}", code="message_too_large")
     try:
         body = json.loads(raw)
     except ValueError as exc:

@@ -19,7 +19,7 @@ from pagedrun.server.http.generation import read_json, serve_generation
 from pagedrun.server.http.openai_models import (CHAT_OPTIONS, field_value, parse_chat,
                                                 parse_completion, parse_messages)
 from pagedrun.server.http.prometheus import CONTENT_TYPE
-from pagedrun.server.http.tokenizer_work import check_body_size, run_tokenizer
+from pagedrun.server.http.tokenizer_work import engine_body_limit, run_tokenizer
 
 OWNED_BY = "paged-run"
 
@@ -75,11 +75,10 @@ async def _tokenizer(gateway):
 
 async def tokenize(request: Request) -> Response:
     gateway = request.app.state.gateway
-    body = await read_json(request)
+    info = await gateway.link.model_info()
+    body = await read_json(request, engine_limit=engine_body_limit(info))
     await gateway.check_model(field_value(body, "model", lambda v: isinstance(v, str), "a string"))
     tokenizer = await _tokenizer(gateway)
-    info = await gateway.link.model_info()
-    check_body_size(len(await request.body()), info)  # the body read_json read (cached)
     return_strs = field_value(body, "return_token_strs", lambda v: isinstance(v, bool),
                               "a boolean")
     if body.get("messages") is not None:
@@ -114,14 +113,13 @@ async def tokenize(request: Request) -> Response:
 
 async def detokenize(request: Request) -> Response:
     gateway = request.app.state.gateway
-    body = await read_json(request)
+    body = await read_json(request, engine_limit=engine_body_limit(await gateway.link.model_info()))
     await gateway.check_model(field_value(body, "model", lambda v: isinstance(v, str), "a string"))
     tokens = body.get("tokens")
     if not (isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool)
                                              for t in tokens)):
         raise bad_request("tokens: must be a list of token ids", "tokens")
     tokenizer = await _tokenizer(gateway)
-    check_body_size(len(await request.body()), await gateway.link.model_info())
     if any(not 0 <= t < tokenizer.vocab_size for t in tokens):
         raise bad_request(f"tokens: every id must lie in [0, {tokenizer.vocab_size})", "tokens")
     return JSONResponse({"prompt": await run_tokenizer(tokenizer.decode, tokens)})

@@ -16,7 +16,6 @@ import functools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from pagedrun.server.http.errors import ApiError
 from pagedrun.server.protocol import DEFAULT_MAX_MESSAGE_BYTES
 
 # Two threads: one long request does not hold up a short one behind it, and tokenizer work
@@ -32,15 +31,11 @@ async def run_tokenizer(fn: Callable[..., Any], *args, **kwargs) -> Any:
     return await loop.run_in_executor(_executor, functools.partial(fn, *args, **kwargs))
 
 
-def check_body_size(body_bytes: int, model_info: dict) -> None:
-    """400 message_too_large when a /tokenize or /detokenize body is over the engine's
-    max_message_bytes (MODEL_INFO_REPLY's server.max_message_bytes), the limit a GENERATE
-    carrying the same text meets."""
-    limit = int((model_info.get("server") or {}).get("max_message_bytes")
-                or DEFAULT_MAX_MESSAGE_BYTES)
-    if body_bytes > limit:
-        raise ApiError(400, f"the request body is {body_bytes} bytes; the engine's limit "
-                       f"(max_message_bytes) is {limit}", code="message_too_large")
+def engine_body_limit(model_info: dict) -> int:
+    """The engine's max_message_bytes (MODEL_INFO_REPLY's server.max_message_bytes): the limit
+    a GENERATE carrying a /tokenize or /detokenize body's text meets (read_json's engine_limit)."""
+    return int((model_info.get("server") or {}).get("max_message_bytes")
+               or DEFAULT_MAX_MESSAGE_BYTES)
 
 
-__all__ = ["TOKENIZER_THREADS", "check_body_size", "run_tokenizer"]
+__all__ = ["TOKENIZER_THREADS", "engine_body_limit", "run_tokenizer"]
