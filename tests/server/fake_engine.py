@@ -166,6 +166,9 @@ class FakeEngine:
         self.num_steps = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        # request id -> (finish reason, output tokens) of every request that ended: what tests
+        # assert per request (an abort that came in time ends "abort", never "length").
+        self.finished: dict[str, tuple[str, int]] = {}
 
     # --- the contract -------------------------------------------------------------------
     def add_request(self, request_id: str, *, prompt: str | None = None,
@@ -196,6 +199,7 @@ class FakeEngine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
+        self.finished[request_id] = ("abort", len(req.out_ids))
         self._pending_final.append(self._output(req, [], "abort"))
         return True
 
@@ -224,6 +228,7 @@ class FakeEngine:
             outputs.append(self._output(req, [tok], reason))
             if reason:
                 del self._requests[req.request_id]
+                self.finished[req.request_id] = (reason, len(req.out_ids))
         return outputs
 
     def get_stats(self) -> dict:
