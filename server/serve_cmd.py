@@ -327,10 +327,11 @@ def start_gateway(endpoint: str, engine, args):
     ZeroMQ `endpoint` like any other client; it gets the engine's tokenizer object for
     /tokenize and /detokenize. Prints its address."""
     from pagedrun.server.http.app import build_app
+    from pagedrun.server.http.edge import edge_limits
     from pagedrun.server.http.gateway_cmd import GatewayThread, connect_endpoint
 
     app = build_app(connect_endpoint(endpoint), api_key=args.api_key,
-                    tokenizer=getattr(engine, "tokenizer", None))
+                    tokenizer=getattr(engine, "tokenizer", None), limits=edge_limits(args))
     gateway = GatewayThread(app, host=args.host, port=args.http_port,
                             log_level=args.log_level)
     gateway.start()

@@ -35,6 +35,8 @@ ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
     429: "overloaded_error",
     500: "internal_server_error",
     501: "not_implemented_error",

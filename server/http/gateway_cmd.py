@@ -57,8 +57,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def add_gateway_options(p) -> None:
     """Options both `http` and `serve --http-port` take."""
+    from pagedrun.server.http.edge import add_edge_options
+
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1/ routes")
+    add_edge_options(p)
 
 
 def connect_endpoint(bound: str) -> str:
@@ -81,17 +84,21 @@ def http_url(host: str, port: int) -> str:
 
 
 class GatewayThread:
-    """uvicorn serving `app` on its own thread (and event loop). `start()` returns once the
-    socket is bound and the app has started (the engine's MODEL_INFO asked), with the bound
-    (host, port); `stop()` ends it. Port 0 picks a free port."""
+    """uvicorn serving `app` on its own thread (and event loop), under the app's EdgeLimits
+    (header deadline, keep-alive, connection and head-size caps: server/http/edge.py).
+    `start()` returns once the socket is bound and the app has started (the engine's
+    MODEL_INFO asked), with the bound (host, port); `stop()` ends it. Port 0 picks a free
+    port."""
 
     def __init__(self, app, host: str = DEFAULT_HTTP_HOST, port: int = DEFAULT_HTTP_PORT,
                  log_level: str = "warning") -> None:
         import uvicorn
 
+        from pagedrun.server.http.edge import uvicorn_options
+
         self.config = uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                                      timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                                     lifespan="on")
+                                     lifespan="on", **uvicorn_options(app.state.edge_limits))
         self.server = uvicorn.Server(self.config)
         self.thread = None
         self.host, self.port = host, port
@@ -150,6 +157,7 @@ def run(args) -> int:
     import logging
 
     from pagedrun.server.http.app import build_app
+    from pagedrun.server.http.edge import edge_limits
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -159,7 +167,7 @@ def run(args) -> int:
                     served_model_name=args.served_model_name,
                     tokenizer_model=args.tokenizer, timeout_s=args.timeout_s,
                     server_public_key_file=args.curve_server_key,
-                    client_secret_key_file=args.curve_client_key)
+                    client_secret_key_file=args.curve_client_key, limits=edge_limits(args))
     gateway = GatewayThread(app, host=args.host, port=args.port, log_level=args.log_level)
     try:
         gateway.start()

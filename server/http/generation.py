@@ -18,12 +18,13 @@ import json
 import logging
 from typing import AsyncIterator
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pagedrun.server.client import RequestTimeout, ServerError
 from pagedrun.server.http.chat_format import ChatFormat
 from pagedrun.server.http.completion_format import CompletionFormat
+from pagedrun.server.http.edge import CLIENT_CLOSED_STATUS, read_body
 from pagedrun.server.http.errors import ApiError, bad_request, from_engine_error
 from pagedrun.server.http.openai_models import GenerationSpec
 from pagedrun.server.http.responses import created_now, new_response_id
@@ -33,26 +34,13 @@ from pagedrun.server.http.sse import (DONE, ClientDisconnected, EventStreamRespo
 log = logging.getLogger("pagedrun.http")
 
 ENGINE_ERRORS = (ServerError, RequestTimeout)
-# Nobody reads the answer to a client that left; 499 (nginx's "client closed request") is
-# what the access log shows.
-CLIENT_CLOSED_STATUS = 499
-# Request bodies beyond this are refused before parsing: the engine's own limit on a GENERATE
-# (max_message_bytes, 1 MiB by default) is far below, so nothing legitimate is lost.
-MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
 async def read_json(request: Request, engine_limit: int | None = None) -> dict:
-    """The request's JSON object. engine_limit: a body over it (read, not yet parsed) is a 400
+    """The request's JSON object, its body read under the gateway's EdgeLimits (size cap while
+    it streams in, deadline). engine_limit: a body over it (read, not yet parsed) is a 400
     message_too_large -- what the engine would answer a GENERATE of that size."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes", code="too_large")
-    try:
-        raw = await request.body()
-    except ClientDisconnect:
-        raise ApiError(CLIENT_CLOSED_STATUS, "the client disconnected") from None
-    if len(raw) > MAX_BODY_BYTES:
-        raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes", code="too_large")
+    raw = await read_body(request, request.app.state.edge_limits)
     if engine_limit is not None and len(raw) > engine_limit:
         raise ApiError(400, f"the request body is {len(raw)} bytes; the engine's limit "
                        f"(max_message_bytes) is {engine_limit}", code="message_too_large")
