@@ -99,11 +99,12 @@ def build_app(engine_endpoint: str, *, api_key: str | None = None,
               tokenizer_model: str | None = None, timeout_s: float | None = None,
               server_public_key_file: str | None = None,
               client_secret_key_file: str | None = None,
-              limits: EdgeLimits = EdgeLimits()):
+              limits: EdgeLimits | None = None):
     """The gateway's ASGI app for the engine server at `engine_endpoint`. `tokenizer`: a
     Tokenizer object (serve --http-port passes the engine's), None for none; else loaded from
-    `tokenizer_model` or the engine's MODEL_INFO at start-up. `limits`: the HTTP edge's
-    (app.state.edge_limits: the body reads and GatewayThread's uvicorn read them there)."""
+    `tokenizer_model` or the engine's MODEL_INFO at start-up. `limits`: the HTTP edge's,
+    default EdgeLimits() (app.state.edge_limits: the body reads and GatewayThread's uvicorn
+    read them there)."""
     link_options = {} if timeout_s is None else {"timeout_s": timeout_s}
     link = EngineLink(engine_endpoint, served_model_name=served_model_name,
                       server_public_key_file=server_public_key_file,
@@ -138,7 +139,7 @@ def build_app(engine_endpoint: str, *, api_key: str | None = None,
         lifespan=lifespan,
     )
     app.state.gateway = gateway
-    app.state.edge_limits = limits
+    app.state.edge_limits = limits if limits is not None else EdgeLimits()
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
     app.add_middleware(CountRequests, exporter=gateway.exporter)

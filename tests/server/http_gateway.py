@@ -90,7 +90,6 @@ def start_stack(engine, *, api_key: str | None = None, tokenizer=None, limits=No
     (tokenizer: what the gateway gets for /tokenize; `serve --http-port` passes the engine's;
     limits: the gateway's EdgeLimits, default its defaults)."""
     from pagedrun.server.http.app import build_app
-    from pagedrun.server.http.edge import EdgeLimits
     from pagedrun.server.http.gateway_cmd import GatewayThread
     from pagedrun.server.server import Server, ServerConfig
 
@@ -98,7 +97,7 @@ def start_stack(engine, *, api_key: str | None = None, tokenizer=None, limits=No
     server = Server(engine, ServerConfig(**server_config))
     endpoint = server.start()
     gateway = GatewayThread(build_app(endpoint, api_key=api_key, tokenizer=tokenizer,
-                                      timeout_s=60, limits=limits or EdgeLimits()), port=0)
+                                      timeout_s=60, limits=limits), port=0)
     gateway.start()
     return Stack(server, endpoint, gateway)
 
