@@ -375,6 +375,7 @@ def run(args) -> int:
     import logging
     import threading
 
+    from pagedrun.server.heap import cap_arenas
     from pagedrun.server.server import Server
 
     logging.basicConfig(level=args.log_level.upper(),
@@ -403,6 +404,8 @@ def run(args) -> int:
     if args.http_port is not None and config.curve is not None:
         raise SystemExit("paged-run serve: --http-port with CURVE: run the gateway as "
                          "`paged-run http --curve-server-key ... --curve-client-key ...`")
+    # Before the model's threads exist: freed memory stays in few malloc arenas (server/heap.py).
+    cap_arenas()
     engine = build_engine(args)
     gateways: list = []  # the HTTP gateway, once started (by the announcing thread)
     try:

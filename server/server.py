@@ -41,6 +41,7 @@ from pagedrun.runtime.lora import ADAPTER_FILES  # what a runtime LOAD_LORA's di
 from pagedrun.runtime.sampling_params import MAX_LOGPROBS
 from pagedrun.server.auth import CurveConfig, start_curve_server
 from pagedrun.server.engine_loop import EngineLoop
+from pagedrun.server.heap import HeapTrimmer
 from pagedrun.server.metrics import ServerMetrics
 from pagedrun.server.protocol import (DEFAULT_MAX_MESSAGE_BYTES, HARD_LIMIT_FACTOR,
                                       PROTOCOL_REVISION, PROTOCOL_VERSION, ErrorCode, MsgType,
@@ -191,6 +192,8 @@ class Server:
         self._draining = False
         self.endpoint: str | None = None
         self._thread: threading.Thread | None = None
+        # Freed heap back to the system once no request is in flight (server/heap.py).
+        self.heap_trimmer = HeapTrimmer()
 
     # --- life cycle ---------------------------------------------------------------------
     def request_shutdown(self) -> None:
@@ -314,6 +317,7 @@ class Server:
             if now >= next_sweep:
                 self._sweep_leases(now)
                 next_sweep = now + min(1.0, self.config.lease_s / 4)
+            self.heap_trimmer.poll(now, busy=bool(self._requests))
             if self._shutdown.is_set() and not self._draining:
                 self._draining = True
                 drain_deadline = now + self.config.shutdown_timeout_s
