@@ -60,7 +60,8 @@ def trim_heap() -> bool:
 class HeapTrimmer:
     """Calls `trim` (trim_heap) after `idle_s` without a request in flight, at most once per
     `min_interval_s`, and only when a request has ended since the last trim (an idle server
-    does not trim every interval). `poll(now, busy)` is called every turn of the I/O loop."""
+    does not trim every interval). `poll(now, busy)` is called every turn of the I/O loop,
+    `note_work()` when a request is admitted."""
 
     def __init__(self, trim=trim_heap, idle_s: float = IDLE_S,
                  min_interval_s: float = MIN_INTERVAL_S) -> None:
@@ -72,10 +73,15 @@ class HeapTrimmer:
         self.worked_since_trim = False
         self.trims = 0
 
+    def note_work(self) -> None:
+        """A request was admitted (the server calls this: a request that came and went between
+        two polls would otherwise never be seen busy)."""
+        self.idle_since = None
+        self.worked_since_trim = True
+
     def poll(self, now: float, busy: bool) -> None:
         if busy:
-            self.idle_since = None
-            self.worked_since_trim = True
+            self.note_work()
             return
         if self.idle_since is None:
             self.idle_since = now

@@ -461,6 +461,7 @@ class Server:
         self._by_client[(identity, rid)] = engine_id
         self._by_identity.setdefault(identity, set()).add(engine_id)
         self._loop.add(engine_id, kwargs)
+        self.heap_trimmer.note_work()
 
     def _adapter(self, name: str, rid: str | None) -> LoRARequest:
         """The loaded adapter called `name`, or an `invalid_request` naming what is loaded."""
